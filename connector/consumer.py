@@ -1,0 +1,181 @@
+"""Decoder side of the connector: gathers embeddings from producers into a local cache."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from connector import messages
+from connector.cache import EmbeddingCache
+from connector.channel import PeerChannel
+from connector.types import EncoderOutput, MissingEmbeddings
+from connector.wire import MAX_TENSOR_BYTES, WireError, decode_message, encode_message
+
+logger = logging.getLogger("epd.connector")
+
+Reply = tuple[dict[str, Any], list[memoryview]]  # (header, tensor frame buffers)
+
+
+class ECConsumer:
+    """Fetches embeddings by mm_hash from the producers that computed them."""
+
+    def __init__(self, cache_bytes: int = 1 << 30, max_message_bytes: int = MAX_TENSOR_BYTES) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._cache = EmbeddingCache(cache_bytes)
+        self._ctx = zmq.Context.instance()
+        self._channels: dict[str, PeerChannel] = {}  # producer address -> channel
+        self._channels_lock = threading.Lock()
+        self._closed = False
+        self._req_ids = itertools.count(1)
+        self._stats_lock = threading.Lock()
+        self._bytes_received = 0
+        self._num_gathers = 0
+        self._num_remote_fetches = 0
+
+    def gather(self, mm_hashes: list[str], sources: dict[str, str], timeout: float = 10.0) -> dict[str, EncoderOutput]:
+        """Return every requested item, from the local cache or its source producer (mm_hash -> address)."""
+        wanted = list(dict.fromkeys(mm_hashes))
+        result = {h: out for h in wanted if (out := self._cache.get(h)) is not None}
+        remote: dict[str, list[str]] = {}  # producer address -> hashes to fetch there
+        for h in wanted:
+            if h not in result and h in sources:
+                remote.setdefault(sources[h], []).append(h)
+        fetched = self._fetch(remote, timeout) if remote else {}
+        for out in fetched.values():
+            self._cache.put(out)
+        result.update(fetched)
+        with self._stats_lock:
+            self._num_gathers += 1
+            self._bytes_received += sum(out.nbytes for out in fetched.values())
+        missing = [h for h in wanted if h not in result]
+        if missing:
+            raise MissingEmbeddings(missing)
+        return {h: result[h] for h in wanted}
+
+    def has_cache_item(self, mm_hash: str) -> bool:
+        """Whether the item is in the local cache (no network)."""
+        return mm_hash in self._cache
+
+    def query(self, address: str, mm_hashes: list[str], timeout: float = 2.0) -> list[bool]:
+        """Ask one producer which items it holds; all False if it does not answer in time."""
+        if not mm_hashes:
+            return []
+        req = messages.request("has", next(self._req_ids), mm_hashes)
+        reply = self._exchange({address: req}, timeout).get(address)
+        try:
+            return messages.parse_has_reply(self._expect(reply, "has_reply", address), len(mm_hashes))
+        except WireError as e:
+            logger.warning("bad has_reply from %s: %s", address, e)
+            return [False] * len(mm_hashes)
+
+    def ping(self, address: str, timeout: float = 2.0) -> bool:
+        """Whether a producer answers a ping in time."""
+        reply = self._exchange({address: messages.request("ping", next(self._req_ids))}, timeout).get(address)
+        return reply is not None and reply[0]["op"] == "pong"
+
+    def stats(self) -> dict[str, Any]:
+        """Cache counters plus fetch counters."""
+        with self._stats_lock:
+            counters = {
+                "bytes_received": self._bytes_received,
+                "gathers": self._num_gathers,
+                "remote_fetches": self._num_remote_fetches,
+            }
+        return {**self._cache.stats(), **counters}
+
+    def close(self) -> None:
+        """Close every producer socket; the consumer cannot be used afterwards."""
+        with self._channels_lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            with channel.lock:
+                channel.reset()
+
+    def _fetch(self, remote: dict[str, list[str]], timeout: float) -> dict[str, EncoderOutput]:
+        """Send one `get` per producer at once, then keep the items each was asked for."""
+        requests = {addr: messages.request("get", next(self._req_ids), hashes) for addr, hashes in remote.items()}
+        with self._stats_lock:
+            self._num_remote_fetches += len(requests)
+        replies = self._exchange(requests, timeout)
+        fetched: dict[str, EncoderOutput] = {}
+        for addr, reply in replies.items():
+            try:
+                items = messages.parse_get_reply(self._expect(reply, "get_reply", addr), reply[1])
+            except WireError as e:
+                logger.warning("bad get_reply from %s: %s", addr, e)
+                continue
+            fetched.update({h: items[h] for h in remote[addr] if h in items})
+        return fetched
+
+    def _expect(self, reply: Reply | None, op: str, address: str) -> dict[str, Any]:
+        if reply is None:
+            raise WireError(f"no reply from {address}")
+        header = reply[0]
+        if header["op"] == "error":
+            raise WireError(f"producer error: {header.get('message')!r}")
+        if header["op"] != op:
+            raise WireError(f"expected {op}, got {header['op']!r}")
+        return header
+
+    def _exchange(self, requests: dict[str, dict[str, Any]], timeout: float) -> dict[str, Reply]:
+        """Send each request to its producer, then collect replies until `timeout` seconds pass."""
+        deadline = time.monotonic() + timeout
+        channels = [self._channel(addr) for addr in sorted(requests)]  # sorted: one lock order
+        with contextlib.ExitStack() as stack:
+            for channel in channels:
+                stack.enter_context(channel.lock)
+            pending: dict[zmq.Socket[Any], tuple[PeerChannel, int]] = {}  # socket -> (channel, req_id)
+            for channel in channels:
+                req = requests[channel.address]
+                if channel.send(encode_message(req)):
+                    pending[channel.socket()] = (channel, req["req_id"])
+            replies = self._collect(pending, deadline)
+            for channel, _ in pending.values():
+                # NOTE: a timed-out socket may still get the late reply; a fresh one never will.
+                channel.reset()
+        return replies
+
+    def _collect(self, pending: dict[zmq.Socket[Any], tuple[PeerChannel, int]], deadline: float) -> dict[str, Reply]:
+        """Read replies into a dict (address -> reply), removing answered sockets from `pending`."""
+        replies: dict[str, Reply] = {}
+        poller = zmq.Poller()
+        for sock in pending:
+            poller.register(sock, zmq.POLLIN)
+        while pending and (remaining_s := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(math.ceil(remaining_s * 1000)):
+                channel, req_id = pending[sock]
+                reply = self._read(sock, channel.address, req_id)
+                if reply is not None:
+                    replies[channel.address] = reply
+                    del pending[sock]
+                    poller.unregister(sock)
+        return replies
+
+    def _read(self, sock: zmq.Socket[Any], address: str, req_id: int) -> Reply | None:
+        """Decode one reply; None for a malformed one or a stale one of an earlier request."""
+        frames = sock.recv_multipart(copy=False)
+        try:
+            header, buffers = decode_message(frames, self.max_message_bytes)
+        except WireError as e:
+            logger.warning("malformed reply from %s: %s", address, e)
+            return None
+        if header["req_id"] != req_id:
+            logger.debug("discarding stale reply %s from %s", header["req_id"], address)
+            return None
+        return header, buffers
+
+    def _channel(self, address: str) -> PeerChannel:
+        with self._channels_lock:
+            if self._closed:
+                raise RuntimeError("ECConsumer is closed")
+            if address not in self._channels:
+                self._channels[address] = PeerChannel(self._ctx, address)
+            return self._channels[address]

@@ -1,0 +1,44 @@
+"""Boundary types of the encoder-cache connector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EncoderOutput:
+    """Image embeddings that one encoder computed for one multimodal item."""
+
+    mm_hash: str
+    embeds: torch.Tensor  # (num_tokens, hidden), any device until saved by a producer
+    grid_thw: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mm_hash, str):
+            raise TypeError(f"mm_hash must be str, got {type(self.mm_hash).__name__}")
+        if not isinstance(self.embeds, torch.Tensor) or self.embeds.dim() < 1:
+            raise ValueError(f"embeds for {self.mm_hash!r} must be a tensor with at least 1 dim")
+        if self.grid_thw is not None and len(self.grid_thw) != 3:
+            raise ValueError(f"grid_thw for {self.mm_hash!r} must have 3 ints, got {self.grid_thw!r}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeds.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.numel() * self.embeds.element_size()
+
+
+class MissingEmbeddings(Exception):
+    """Raised when some embeddings are neither cached locally nor found at their producer."""
+
+    def __init__(self, missing: list[str]) -> None:
+        self.missing = list(missing)
+        # NOTE: args holds the list (not the message) so the exception survives a process boundary.
+        super().__init__(self.missing)
+
+    def __str__(self) -> str:
+        return f"missing embeddings for {len(self.missing)} item(s): {', '.join(self.missing)}"

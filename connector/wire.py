@@ -1,0 +1,157 @@
+"""Wire format: [MAGIC_VERSION, msgpack header, raw tensor frame, ...]; never pickle."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Union
+
+import msgpack
+import torch
+import zmq
+
+MAGIC_VERSION = b"EPDC" + bytes([1])
+MAX_TENSOR_BYTES = 1 << 30  # per tensor frame, checked before any tensor is built
+MAX_NDIM = 8
+
+# Requests the producer serves, and the replies it sends back.
+REQUEST_OPS = frozenset({"get", "has", "ping"})
+REPLY_OPS = frozenset({"get_reply", "has_reply", "pong", "error"})
+OPS = REQUEST_OPS | REPLY_OPS
+
+# wire name -> torch dtype; a closed table, so no dtype name is ever evaluated
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+Frame = Union[bytes, bytearray, memoryview, zmq.Frame]
+
+
+class WireError(ValueError):
+    """A message that does not follow the connector wire format."""
+
+
+def tensor_buffer(t: torch.Tensor) -> memoryview:
+    """Return a flat byte view of a CPU tensor, copying only if it is not contiguous."""
+    # NOTE: viewing as uint8 gives numpy a dtype it knows (bfloat16 has no numpy twin).
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def tensor_spec(t: torch.Tensor, frame: int) -> dict[str, Any]:
+    """Describe a tensor for the header; `frame` indexes the tensor frames after the header."""
+    if t.dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype {t.dtype} cannot travel on the connector wire")
+    return {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "frame": frame}
+
+
+def encode_message(header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> list[bytes | memoryview]:
+    """Frame a header and its tensors; send the result with `send_multipart(copy=False)`."""
+    assert header.get("op") in OPS, f"unknown op {header.get('op')!r}"
+    return [MAGIC_VERSION, msgpack.packb(header, use_bin_type=True), *(tensor_buffer(t) for t in tensors)]
+
+
+def as_buffer(frame: Frame) -> memoryview:
+    """Return a byte memoryview over a frame without copying it."""
+    view = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def decode_message(frames: Sequence[Frame], max_bytes: int = MAX_TENSOR_BYTES) -> tuple[dict[str, Any], list[memoryview]]:
+    """Check a received message and return its header and tensor frame buffers."""
+    if len(frames) < 2:
+        raise WireError(f"expected at least 2 frames (magic, header), got {len(frames)}")
+    buffers = [as_buffer(f) for f in frames]
+    if bytes(buffers[0]) != MAGIC_VERSION:
+        raise WireError(f"bad magic/version {bytes(buffers[0][:16])!r}, expected {MAGIC_VERSION!r}")
+    header = _unpack_header(buffers[1])
+    _check_tensor_specs(header, buffers[2:], max_bytes)
+    return header, buffers[2:]
+
+
+def peek_req_id(frames: Sequence[Frame]) -> int:
+    """Best-effort req_id of a message that failed to decode, or -1."""
+    try:
+        req_id = msgpack.unpackb(as_buffer(frames[1]), raw=False).get("req_id", -1)
+    except Exception:  # noqa: BLE001 - any bytes may arrive here
+        return -1
+    return req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else -1
+
+
+def tensor_nbytes(dtype: Any, shape: Any, max_bytes: int = MAX_TENSOR_BYTES) -> int:
+    """Validate a declared dtype and shape and return the byte size they need."""
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise WireError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
+        raise WireError(f"shape must be a list of at most {MAX_NDIM} ints, got {shape!r}")
+    for dim in shape:
+        if not _is_int(dim) or dim < 0:
+            raise WireError(f"shape dims must be non-negative ints, got {shape!r}")
+        if dim > max_bytes:
+            raise WireError(f"shape dim {dim} is over the {max_bytes}-byte limit")
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    if nbytes > max_bytes:
+        raise WireError(f"declared tensor of {nbytes} bytes is over the {max_bytes}-byte limit")
+    return nbytes
+
+
+def tensor_from_frame(buf: Frame, dtype: Any, shape: Any, max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor:
+    """Build a tensor over a frame's memory (no copy when the buffer is writable)."""
+    nbytes = tensor_nbytes(dtype, shape, max_bytes)
+    view = as_buffer(buf)
+    if view.nbytes != nbytes:
+        raise WireError(f"frame has {view.nbytes} bytes, but {dtype}{list(shape)} needs {nbytes}")
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=DTYPES[dtype])  # frombuffer rejects empty buffers
+    if view.readonly:
+        # NOTE: zmq frames received with copy=False are writable; only bytes objects (tests,
+        # copy=True receives) land here, and torch.frombuffer warns on read-only memory.
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=DTYPES[dtype]).reshape(tuple(shape))
+
+
+def _unpack_header(buf: memoryview) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises a zoo of types on bad bytes
+        raise WireError(f"header is not valid msgpack: {e}") from e
+    if not isinstance(header, dict):
+        raise WireError(f"header must be a map, got {type(header).__name__}")
+    op = header.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise WireError(f"unknown op {op!r}")
+    if not _is_int(header.get("req_id")):
+        raise WireError(f"req_id must be an int, got {header.get('req_id')!r}")
+    return header
+
+
+def _check_tensor_specs(header: dict[str, Any], buffers: list[memoryview], max_bytes: int) -> None:
+    """Every item with a `frame` key describes exactly one tensor frame."""
+    items = header.get("items", [])
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise WireError("header items must be a list of maps")
+    specs = [item for item in items if "frame" in item]
+    if len(specs) != len(buffers):
+        raise WireError(f"header describes {len(specs)} tensor frame(s), message has {len(buffers)}")
+    seen: set[int] = set()
+    for spec in specs:
+        index = spec["frame"]
+        if not _is_int(index) or not 0 <= index < len(buffers) or index in seen:
+            raise WireError(f"bad or repeated tensor frame index {index!r}")
+        seen.add(index)
+        nbytes = tensor_nbytes(spec.get("dtype"), spec.get("shape"), max_bytes)
+        if buffers[index].nbytes != nbytes:
+            raise WireError(f"frame {index} has {buffers[index].nbytes} bytes, header declares {nbytes}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

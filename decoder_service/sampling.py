@@ -1,0 +1,60 @@
+"""Sampling parameters and the next-token choice (greedy, temperature, top-k, top-p, seed)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Chooses tokens for one sequence; a seed makes the choice reproducible."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if p.greedy:
+            return int(torch.argmax(logits))
+        logits = logits.float() / p.temperature
+        if p.top_k:
+            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

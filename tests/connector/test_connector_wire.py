@@ -1,0 +1,136 @@
+"""Wire format: round trips with awkward tensors and rejection of malformed messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from connector import messages
+from connector.types import EncoderOutput
+from connector.wire import MAGIC_VERSION, WireError, decode_message, encode_message, tensor_from_frame, tensor_spec
+
+
+def make_frames(header: dict[str, Any], tensors: list[bytes] = ()) -> list[bytes]:  # type: ignore[assignment]
+    """Hand-built message with a raw header, to reach checks that encode_message would not produce."""
+    return [MAGIC_VERSION, msgpack.packb(header), *tensors]
+
+
+def round_trip(tensors: list[torch.Tensor]) -> tuple[list[bytes | memoryview], list[torch.Tensor]]:
+    items = [tensor_spec(t, frame=i) for i, t in enumerate(tensors)]
+    frames = encode_message({"op": "get_reply", "req_id": 7, "items": items}, tensors)
+    # bytes() mimics what arrives off a socket, so nothing aliases the sender's tensors
+    header, buffers = decode_message([bytes(f) for f in frames])
+    assert header["req_id"] == 7
+    return frames, [tensor_from_frame(buffers[s["frame"]], s["dtype"], s["shape"]) for s in header["items"]]
+
+
+AWKWARD = {
+    "float32": torch.randn(5, 64),
+    "float16": torch.randn(3, 8).half(),
+    "bfloat16": torch.randn(4, 16).to(torch.bfloat16),
+    "empty": torch.empty(0, 64),
+    "transposed": torch.randn(16, 4).T,
+    "one_dim": torch.arange(10, dtype=torch.float32),
+    "one_by_one": torch.tensor([[3.5]]),
+}
+
+
+@pytest.mark.parametrize("name", list(AWKWARD))
+def test_round_trip_preserves_dtype_shape_and_values(name: str) -> None:
+    t = AWKWARD[name]
+    frames, (back,) = round_trip([t])
+    assert len(frames) == 3  # magic, header, one tensor frame
+    assert back.dtype == t.dtype and back.shape == t.shape
+    assert torch.equal(back, t)
+
+
+def test_round_trip_of_several_tensors_keeps_one_frame_each() -> None:
+    tensors = list(AWKWARD.values())
+    frames, back = round_trip(tensors)
+    assert len(frames) == 2 + len(tensors)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, back))
+
+
+def test_get_reply_round_trips_encoder_outputs_and_not_found_items() -> None:
+    out = EncoderOutput("h1", torch.randn(6, 32).to(torch.bfloat16), (1, 4, 6))
+    header, tensors = messages.get_reply(3, ["h1", "nope"], {"h1": out})
+    frames = [bytes(f) for f in encode_message(header, tensors)]
+    assert len(frames) == 3
+    found = messages.parse_get_reply(*decode_message(frames))
+    assert list(found) == ["h1"]
+    assert torch.equal(found["h1"].embeds, out.embeds) and found["h1"].grid_thw == (1, 4, 6)
+
+
+def test_writable_frame_buffer_is_used_without_copy() -> None:
+    buf = bytearray(torch.arange(4, dtype=torch.float32).numpy().tobytes())
+    t = tensor_from_frame(memoryview(buf), "float32", [2, 2])
+    buf[0:4] = torch.tensor([9.0]).numpy().tobytes()
+    assert t[0, 0].item() == 9.0  # the tensor aliases the frame memory
+
+
+GOOD_SPEC = {"dtype": "float32", "shape": [2, 2], "frame": 0}
+MALFORMED: dict[str, list[bytes]] = {
+    "too_few_frames": [MAGIC_VERSION],
+    "wrong_magic": [b"NOPE\x01", msgpack.packb({"op": "ping", "req_id": 1})],
+    "wrong_version": [b"EPDC\x02", msgpack.packb({"op": "ping", "req_id": 1})],
+    "bad_msgpack": [MAGIC_VERSION, b"\xc1\xff\x00"],
+    "truncated_msgpack": [MAGIC_VERSION, msgpack.packb({"op": "ping", "req_id": 1})[:-2]],
+    "header_not_map": make_frames([1, 2, 3]),  # type: ignore[arg-type]
+    "unknown_op": make_frames({"op": "format_disk", "req_id": 1}),
+    "missing_req_id": make_frames({"op": "ping"}),
+    "bool_req_id": make_frames({"op": "ping", "req_id": True}),
+    "items_not_list": make_frames({"op": "get_reply", "req_id": 1, "items": "x"}),
+    "unknown_dtype": make_frames({"op": "get_reply", "req_id": 1, "items": [{**GOOD_SPEC, "dtype": "complex64"}]}, [bytes(16)]),
+    "negative_dim": make_frames({"op": "get_reply", "req_id": 1, "items": [{**GOOD_SPEC, "shape": [-2, -2]}]}, [bytes(16)]),
+    "shape_not_list": make_frames({"op": "get_reply", "req_id": 1, "items": [{**GOOD_SPEC, "shape": "2x2"}]}, [bytes(16)]),
+    "length_mismatch": make_frames({"op": "get_reply", "req_id": 1, "items": [GOOD_SPEC]}, [bytes(15)]),
+    "extra_frame": make_frames({"op": "get_reply", "req_id": 1, "items": [GOOD_SPEC]}, [bytes(16), bytes(16)]),
+    "missing_frame": make_frames({"op": "get_reply", "req_id": 1, "items": [GOOD_SPEC]}),
+    "frame_index_out_of_range": make_frames({"op": "get_reply", "req_id": 1, "items": [{**GOOD_SPEC, "frame": 5}]}, [bytes(16)]),
+    "repeated_frame_index": make_frames(
+        {"op": "get_reply", "req_id": 1, "items": [GOOD_SPEC, GOOD_SPEC]}, [bytes(16), bytes(16)]
+    ),
+    "oversized_shape": make_frames(
+        {"op": "get_reply", "req_id": 1, "items": [{**GOOD_SPEC, "shape": [1 << 20, 1 << 20]}]}, [bytes(16)]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_message_raises_wire_error(name: str) -> None:
+    with pytest.raises(WireError):
+        decode_message(MALFORMED[name])
+
+
+def test_wire_error_is_a_value_error_with_a_clear_message() -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'complex64'"):
+        decode_message(MALFORMED["unknown_dtype"])
+
+
+def test_oversized_declared_tensor_is_rejected_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_alloc(*args: object, **kwargs: object) -> None:
+        raise AssertionError("allocated for an oversized tensor")
+
+    monkeypatch.setattr(torch, "empty", no_alloc)
+    monkeypatch.setattr(torch, "frombuffer", no_alloc)
+    with pytest.raises(WireError, match="over the"):
+        tensor_from_frame(b"", "float32", [1 << 40])
+    with pytest.raises(WireError, match="over the"):
+        tensor_from_frame(b"", "float32", [0, 1 << 62])  # zero elements, absurd dim
+    with pytest.raises(WireError, match="over the"):
+        decode_message(MALFORMED["oversized_shape"])
+
+
+def test_tensor_from_frame_rejects_length_mismatch() -> None:
+    with pytest.raises(WireError, match="needs 16"):
+        tensor_from_frame(bytes(12), "float32", [2, 2])
+
+
+def test_get_reply_with_inconsistent_item_fields_is_rejected() -> None:
+    item = {"mm_hash": "h", "found": True, "num_tokens": 3, "grid_thw": None, **GOOD_SPEC}
+    frames = make_frames({"op": "get_reply", "req_id": 1, "items": [item]}, [bytes(16)])
+    with pytest.raises(WireError, match="num_tokens"):
+        messages.parse_get_reply(*decode_message(frames))
