@@ -73,6 +73,10 @@ class ECProducer:
     def has_cache_item(self, mm_hash: str) -> bool:
         return mm_hash in self._cache
 
+    def get_cache_item(self, mm_hash: str) -> EncoderOutput | None:
+        """The held output (refreshing its recency), or None."""
+        return self._cache.get(mm_hash)
+
     def stats(self) -> dict[str, Any]:
         """Cache counters plus serving counters."""
         return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -13,7 +14,7 @@ from connector.types import EncoderOutput
 from connector.wire import MAGIC_VERSION, WireError, decode_message, encode_message, tensor_from_frame, tensor_spec
 
 
-def make_frames(header: dict[str, Any], tensors: list[bytes] = ()) -> list[bytes]:  # type: ignore[assignment]
+def make_frames(header: Any, tensors: Sequence[bytes] = ()) -> list[bytes]:
     """Hand-built message with a raw header, to reach checks that encode_message would not produce."""
     return [MAGIC_VERSION, msgpack.packb(header), *tensors]
 
@@ -78,7 +79,7 @@ MALFORMED: dict[str, list[bytes]] = {
     "wrong_version": [b"EPDC\x02", msgpack.packb({"op": "ping", "req_id": 1})],
     "bad_msgpack": [MAGIC_VERSION, b"\xc1\xff\x00"],
     "truncated_msgpack": [MAGIC_VERSION, msgpack.packb({"op": "ping", "req_id": 1})[:-2]],
-    "header_not_map": make_frames([1, 2, 3]),  # type: ignore[arg-type]
+    "header_not_map": make_frames([1, 2, 3]),
     "unknown_op": make_frames({"op": "format_disk", "req_id": 1}),
     "missing_req_id": make_frames({"op": "ping"}),
     "bool_req_id": make_frames({"op": "ping", "req_id": True}),

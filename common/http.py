@@ -1,0 +1,41 @@
+"""Pieces every HTTP service shares: request ids, /metrics, and running uvicorn."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from common.logs import request_id_var
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def install_request_id(app: FastAPI) -> None:
+    """Take the caller's X-Request-Id (or make one), expose it to logs, and echo it back."""
+
+    @app.middleware("http")
+    async def _request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        rid = request.headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex[:16]}"
+        token = request_id_var.set(rid[:128])
+        try:
+            response = await call_next(request)
+        finally:
+            request_id_var.reset(token)
+        response.headers[REQUEST_ID_HEADER] = rid[:128]
+        return response
+
+
+def install_metrics(app: FastAPI, registry: CollectorRegistry) -> None:
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Run uvicorn until SIGINT/SIGTERM; in-flight requests finish (bounded) before exit."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
+                            access_log=False)
+    uvicorn.Server(config).run()

@@ -1,0 +1,23 @@
+"""Structured-enough logs: every line names the role and the request id in flight."""
+from __future__ import annotations
+
+import contextvars
+import logging
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+def setup_logging(role: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.addFilter(_RequestIdFilter())
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s %(levelname)s {role} [%(request_id)s] %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

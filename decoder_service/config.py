@@ -1,0 +1,20 @@
+"""Decoder worker configuration (CLI flags map one to one)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    model: str = "demo"
+    host: str = "127.0.0.1"
+    port: int = 8200
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    max_queued: int = 256  # requests waiting for the engine; more get 503
+    gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
+    ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        assert self.max_model_len >= 0, "max_model_len must be >= 0"
+        assert self.gather_timeout > 0, "gather_timeout must be > 0"

@@ -1,0 +1,117 @@
+"""HTTP front of a decoder worker: POST /generate (NDJSON), GET /health, GET /metrics; epd-decoder."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry
+
+from common.errors import APIError, install_error_handlers
+from common.http import install_metrics, install_request_id, serve
+from common.logs import request_id_var, setup_logging
+from connector import ECConsumer
+from decoder_service.config import DecoderConfig
+from decoder_service.engine import Engine, Job
+from decoder_service.metrics import DecoderMetrics
+from decoder_service.protocol import GenerateRequest
+from models.halves import LanguageHalf
+from models.resolve import resolve_model
+
+logger = logging.getLogger("epd.decoder")
+
+
+async def _stream(job: Job, request_id: str) -> AsyncIterator[bytes]:
+    request_id_var.set(request_id)
+    try:
+        while True:
+            event = await job.events.get()
+            yield (event.model_dump_json(exclude_none=True) + "\n").encode()
+            if event.type != "delta":
+                return
+    finally:  # client gone (or done): stop the sequence at its next step
+        job.cancelled.set()
+
+
+def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
+    """The decoder app; loads its LM at startup unless one is given (tests)."""
+    state: dict[str, Engine] = {}
+    registry = CollectorRegistry()
+    consumer = ECConsumer(cache_bytes=cfg.ec_cache_bytes)
+    metrics = DecoderMetrics(registry, lambda: consumer.stats())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        half = lm or await asyncio.to_thread(LanguageHalf, resolve_model(cfg.model))
+        state["engine"] = Engine(half, consumer, cfg, metrics)
+        logger.info("decoder ready: model=%s max_model_len=%d", cfg.model, state["engine"].max_model_len)
+        yield
+        await asyncio.to_thread(state["engine"].close)
+        consumer.close()
+
+    app = FastAPI(title="EPD decoder", lifespan=lifespan)
+    install_error_handlers(app)
+    install_request_id(app)
+    install_metrics(app, registry)
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest) -> StreamingResponse:
+        engine = state["engine"]
+        if engine.num_waiting >= cfg.max_queued:
+            raise APIError(503, "decoder queue is full", code="overloaded")
+        metrics.waiting.inc()
+        try:
+            prompt, params = await asyncio.to_thread(engine.prepare, req)
+        except APIError as exc:
+            metrics.requests.labels(str(exc.status)).inc()
+            metrics.waiting.dec()
+            raise
+        job = engine.submit(prompt, params)
+        metrics.requests.labels("200").inc()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in _stream(job, request_id_var.get()):
+                    yield chunk
+            finally:
+                metrics.waiting.dec()
+
+        return StreamingResponse(body(), media_type="application/x-ndjson")
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        if "engine" not in state:
+            raise APIError(503, "decoder is loading", code="not_ready")
+        return {"status": "ok", "role": "decoder", "model": cfg.model, "waiting": state["engine"].num_waiting}
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> DecoderConfig:
+    d = DecoderConfig()
+    p = argparse.ArgumentParser("epd-decoder", description="EPD decoder worker (language model only)")
+    p.add_argument("--model", default=d.model, help="'demo', a checkpoint directory, or a hub id")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-queued", type=int, default=d.max_queued)
+    p.add_argument("--gather-timeout", type=float, default=d.gather_timeout)
+    p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes)
+    p.add_argument("--log-level", default=d.log_level)
+    return DecoderConfig(**vars(p.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    setup_logging("decoder", cfg.log_level)
+    logger.info("config: %s", asdict(cfg))
+    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
+
+
+if __name__ == "__main__":
+    main()

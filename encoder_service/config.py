@@ -1,0 +1,20 @@
+"""Encoder worker configuration (CLI flags map one to one)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    model: str = "demo"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    ec_bind: str = "tcp://127.0.0.1:0"  # ZeroMQ endpoint the producer serves embeddings on
+    ec_cache_bytes: int = 1 << 30
+    max_batch_size: int = 16  # images per vision forward
+    max_image_pixels: int = 40_000_000
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        assert self.max_batch_size >= 1, "max_batch_size must be >= 1"
+        assert self.ec_cache_bytes > 0, "ec_cache_bytes must be > 0"

@@ -1,0 +1,121 @@
+"""HTTP front of an encoder worker: POST /encode, GET /health, GET /metrics; console script epd-encoder."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from common.errors import APIError, bad_request, install_error_handlers
+from common.http import install_metrics, install_request_id, serve
+from common.logs import setup_logging
+from connector import ECProducer
+from encoder_service.config import EncoderConfig
+from encoder_service.metrics import EncoderMetrics
+from encoder_service.protocol import EncodeRequest, EncodeResponse
+from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
+from models.halves import VisionHalf
+from models.images import ImageError
+from models.resolve import resolve_model
+
+logger = logging.getLogger("epd.encoder")
+
+
+def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
+    out = []
+    for i, item in enumerate(req.items):
+        try:
+            out.append(ScheduledEncoderInput(item.mm_hash, base64.b64decode(item.data, validate=True)))
+        except (binascii.Error, ValueError) as exc:
+            raise bad_request(f"items[{i}].data is not valid base64: {exc}", param=f"items.{i}.data") from exc
+    return out
+
+
+def build_worker(cfg: EncoderConfig) -> EncoderWorker:
+    vision = VisionHalf(resolve_model(cfg.model))
+    producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes).start()
+    return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels)
+
+
+def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastAPI:
+    """The encoder app; builds its worker at startup unless one is given (tests)."""
+    state: dict[str, EncoderWorker] = {}
+    registry = CollectorRegistry()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-encode")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state["worker"] = worker or await asyncio.to_thread(build_worker, cfg)
+        app.state.metrics = EncoderMetrics(registry, state["worker"].producer.stats)
+        logger.info("encoder ready: model=%s ec_address=%s", cfg.model, state["worker"].producer.address)
+        yield
+        executor.shutdown(wait=True)
+        state["worker"].producer.close()
+
+    app = FastAPI(title="EPD encoder", lifespan=lifespan)
+    install_error_handlers(app)
+    install_request_id(app)
+    install_metrics(app, registry)
+
+    @app.post("/encode", response_model=EncodeResponse)
+    async def encode(req: EncodeRequest) -> EncodeResponse:
+        w, m = state["worker"], app.state.metrics
+        items = _decode_items(req)
+        m.queue_depth.inc()
+        start = time.perf_counter()
+        try:
+            done = await asyncio.get_running_loop().run_in_executor(executor, w.execute_mm_encoder, items)
+        except ImageError as exc:
+            m.requests.labels("400").inc()
+            raise bad_request(str(exc), param="image", code="invalid_image") from exc
+        finally:
+            m.queue_depth.dec()
+        m.encode_seconds.observe(time.perf_counter() - start)
+        m.requests.labels("200").inc()
+        m.items_encoded.inc(sum(not d.cached for d in done))
+        m.items_already_cached.inc(sum(d.cached for d in done))
+        return EncodeResponse(items=done, ec_address=w.producer.address)
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        if "worker" not in state:
+            raise APIError(503, "encoder is loading", code="not_ready")
+        w = state["worker"]
+        return {"status": "ok", "role": "encoder", "model": cfg.model, "ec_address": w.producer.address,
+                "num_encoded": w.num_encoded}
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> EncoderConfig:
+    d = EncoderConfig()
+    p = argparse.ArgumentParser("epd-encoder", description="EPD encoder worker (vision tower + projector only)")
+    p.add_argument("--model", default=d.model, help="'demo', a checkpoint directory, or a hub id")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--ec-bind", default=d.ec_bind, help="ZeroMQ endpoint for embeddings (tcp://HOST:PORT or ipc://)")
+    p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes)
+    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
+    p.add_argument("--log-level", default=d.log_level)
+    return EncoderConfig(**{k: v for k, v in vars(p.parse_args(argv)).items()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    setup_logging("encoder", cfg.log_level)
+    logger.info("config: %s", asdict(cfg))
+    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
+
+
+if __name__ == "__main__":
+    main()

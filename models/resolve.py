@@ -1,0 +1,21 @@
+"""Turn a --model argument into a local checkpoint directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def resolve_model(name: str) -> Path:
+    """'demo' -> the bundled demo model; a directory -> itself; else a hub id (needs a network)."""
+    if name == "demo":
+        from models.demo import ensure_demo_model
+
+        return ensure_demo_model()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+    except Exception as exc:  # offline, unknown repo, ...
+        raise FileNotFoundError(f"model {name!r} is neither 'demo', a local directory, nor a reachable hub id: {exc}") from exc

@@ -1,0 +1,56 @@
+"""Synthetic training data for the demo model: one coloured circle, square or triangle per image."""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from PIL import Image, ImageDraw
+
+from models.tokenizer import COLORS, QUESTIONS, SHAPES
+
+IMAGE_SIZE = 64  # the demo model's input size; larger images are resized by its processor
+
+
+@dataclass(frozen=True)
+class Example:
+    image: Image.Image
+    question: str
+    answer: str  # one word: a colour from COLORS or a shape from SHAPES
+
+
+def _background(rng: random.Random) -> tuple[int, int, int]:
+    # NOTE: a jittered mid gray stays far from every colour in COLORS, incl. white and black
+    gray = rng.randint(100, 156)
+    return tuple(max(0, min(255, gray + rng.randint(-16, 16))) for _ in range(3))  # type: ignore[return-value]
+
+
+def draw_shape(color: str, shape: str, rng: random.Random, size: int = IMAGE_SIZE) -> Image.Image:
+    """A size x size RGB image with one shape of the given colour at a random position and scale."""
+    assert color in COLORS and shape in SHAPES, f"unknown colour/shape {color!r}/{shape!r}"
+    img = Image.new("RGB", (size, size), _background(rng))
+    side = rng.randint(int(size * 0.35), int(size * 0.7))
+    x0, y0 = rng.randint(0, size - side), rng.randint(0, size - side)
+    box = (x0, y0, x0 + side - 1, y0 + side - 1)
+    draw = ImageDraw.Draw(img)
+    if shape == "circle":
+        draw.ellipse(box, fill=color)
+    elif shape == "square":
+        draw.rectangle(box, fill=color)
+    else:
+        draw.polygon([(x0 + side // 2, y0), (x0, box[3]), (box[2], box[3])], fill=color)
+    return img
+
+
+def make_example(rng: random.Random, size: int = IMAGE_SIZE) -> Example:
+    """One random image with a random question about it."""
+    color, shape, kind = rng.choice(COLORS), rng.choice(SHAPES), rng.choice(sorted(QUESTIONS))
+    answer = color if kind == "color" else shape
+    return Example(image=draw_shape(color, shape, rng, size), question=QUESTIONS[kind], answer=answer)
+
+
+def examples(seed: int, size: int = IMAGE_SIZE) -> Iterator[Example]:
+    """An endless, deterministic stream of examples for one seed."""
+    rng = random.Random(seed)
+    while True:
+        yield make_example(rng, size)

@@ -1,0 +1,55 @@
+"""EmbeddingCache: byte bound, LRU order and counters."""
+
+from __future__ import annotations
+
+import torch
+
+from connector.cache import EmbeddingCache
+from connector.types import EncoderOutput
+
+
+def make_output(mm_hash: str, num_tokens: int = 4, hidden: int = 8) -> EncoderOutput:
+    """A float32 output of num_tokens * hidden * 4 bytes."""
+    return EncoderOutput(mm_hash, torch.zeros(num_tokens, hidden))
+
+
+def test_put_and_get_count_hits_and_misses() -> None:
+    cache = EmbeddingCache(max_bytes=1024)
+    out = make_output("a")
+    assert cache.put(out)
+    assert cache.get("a") is out and cache.get("b") is None
+    assert "a" in cache and len(cache) == 1
+    assert cache.stats() == {"num_items": 1, "bytes": 128, "hits": 1, "misses": 1, "evictions": 0}
+
+
+def test_byte_bound_is_respected_and_evictions_counted() -> None:
+    cache = EmbeddingCache(max_bytes=300)  # room for two 128-byte items
+    for name in "abcd":
+        assert cache.put(make_output(name))
+        assert cache.nbytes <= 300
+    assert len(cache) == 2 and cache.stats()["evictions"] == 2
+    assert "c" in cache and "d" in cache
+
+
+def test_least_recently_used_item_is_evicted_first() -> None:
+    cache = EmbeddingCache(max_bytes=3 * 128)
+    for name in "abc":
+        cache.put(make_output(name))
+    assert cache.get("a") is not None  # "b" is now the least recently used
+    cache.put(make_output("d"))
+    assert "b" not in cache
+    assert all(name in cache for name in "acd")
+
+
+def test_item_larger_than_the_bound_is_not_stored() -> None:
+    cache = EmbeddingCache(max_bytes=100)
+    assert cache.put(make_output("small", num_tokens=1))
+    assert not cache.put(make_output("huge", num_tokens=100))
+    assert "huge" not in cache and "small" in cache and cache.stats()["evictions"] == 0
+
+
+def test_replacing_an_item_updates_its_bytes() -> None:
+    cache = EmbeddingCache(max_bytes=1024)
+    cache.put(make_output("a", num_tokens=4))
+    cache.put(make_output("a", num_tokens=2))
+    assert len(cache) == 1 and cache.nbytes == 64
