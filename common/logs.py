@@ -21,3 +21,4 @@ def setup_logging(role: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker call is noise

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -20,7 +21,7 @@ from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine, Job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.protocol import GenerateRequest
-from models.halves import LanguageHalf
+from models.halves import LanguageHalf, loaded_summary
 from models.resolve import resolve_model
 
 logger = logging.getLogger("epd.decoder")
@@ -87,7 +88,9 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
     async def health() -> dict[str, object]:
         if "engine" not in state:
             raise APIError(503, "decoder is loading", code="not_ready")
-        return {"status": "ok", "role": "decoder", "model": cfg.model, "waiting": state["engine"].num_waiting}
+        engine = state["engine"]
+        return {"status": "ok", "role": "decoder", "model": cfg.model, "waiting": engine.num_waiting,
+                "pid": os.getpid(), "loaded": loaded_summary(engine.lm.module)}
 
     return app
 

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import binascii
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from encoder_service.config import EncoderConfig
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.protocol import EncodeRequest, EncodeResponse
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
-from models.halves import VisionHalf
+from models.halves import VisionHalf, loaded_summary
 from models.images import ImageError
 from models.resolve import resolve_model
 
@@ -91,7 +92,7 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
             raise APIError(503, "encoder is loading", code="not_ready")
         w = state["worker"]
         return {"status": "ok", "role": "encoder", "model": cfg.model, "ec_address": w.producer.address,
-                "num_encoded": w.num_encoded}
+                "num_encoded": w.num_encoded, "pid": os.getpid(), "loaded": loaded_summary(w.vision.module)}
 
     return app
 

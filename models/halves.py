@@ -83,6 +83,12 @@ class LanguageHalf:
         return self.module.lm_head(out.last_hidden_state[0, -1]).float()
 
 
+def loaded_summary(module: torch.nn.Module) -> dict[str, object]:
+    """What a process really holds: its top-level modules and parameter count (for /health)."""
+    return {"modules": sorted(name for name, _ in module.named_children()),
+            "num_parameters": sum(p.numel() for p in module.parameters())}
+
+
 def load_half(module: torch.nn.Module, model_dir: Path, adapter: FamilyAdapter, vision: bool) -> list[str]:
     """Load one half's tensors; returns the module keys the checkpoint did not supply."""
     prefixes = adapter.vision_prefixes

@@ -20,9 +20,12 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTe
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from transformers.utils import logging as hf_logging
+
 from models.processors import Qwen2_5_VLImageProcessorOnly, Qwen2VLImageProcessorOnly
 from models.tokenizer import train_tokenizer
 
+hf_logging.disable_progress_bar()
 FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
 QWEN_IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
 

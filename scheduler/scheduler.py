@@ -44,11 +44,14 @@ class Scheduler:
     def has_cache_item(self, mm_hash: str) -> bool:
         return any(view.cache.has_cache_item(mm_hash) for view in self.encoders)
 
-    def schedule(self, items: list[MMItem]) -> SchedulerOutput:
-        """Skip items some encoder holds; assign each remaining unique item to the least-loaded encoder."""
+    def schedule(self, items: list[MMItem], skip_cached: bool = True) -> SchedulerOutput:
+        """Skip items some encoder holds; assign each remaining unique item to the least-loaded encoder.
+
+        skip_cached=False re-encodes everything (recovery after a gather found an item nowhere).
+        """
         out = SchedulerOutput()
         unique = list({it.mm_hash: it for it in items}.values())
-        pending = self._skip_cached(unique, out)
+        pending = self._skip_cached(unique, out) if skip_cached else unique
         with self._lock:
             load = list(self.outstanding)
             for item in pending:

@@ -1,0 +1,37 @@
+# EPD: the two commands are `make run` and `make test`; both set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.epd-installed
+# On a CPU machine this is the CPU wheel. A GPU user who already put a CUDA torch into .venv keeps it:
+# the step below only installs torch when `import torch` fails.
+TORCH_SPEC ?= torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+NUM_ENCODERS ?= 2
+NUM_DECODERS ?= 1
+
+.PHONY: install run test demo-model clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
+	$(BIN)/pip install -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+demo-model: install
+	$(BIN)/python -c "from models.demo import ensure_demo_model; print(ensure_demo_model())"
+
+run: install
+	$(BIN)/disagg-epd-proxy --model demo --num-encoders $(NUM_ENCODERS) --num-decoders $(NUM_DECODERS) \
+		--host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

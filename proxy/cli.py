@@ -1,0 +1,94 @@
+"""disagg-epd-proxy: launcher mode (spawn workers here) or attach mode (workers started elsewhere)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from common.http import serve
+from common.logs import setup_logging
+from proxy.app import create_app
+from proxy.config import ProxyConfig
+from proxy.launcher import WorkerGroup
+
+logger = logging.getLogger("epd.proxy")
+
+
+def _urls(values: list[str] | None) -> tuple[str, ...]:
+    """Accept both `--x a b` and `--x a,b`."""
+    return tuple(u.strip().rstrip("/") for v in values or [] for u in v.split(",") if u.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("disagg-epd-proxy", description=__doc__)
+    p.add_argument("--model", default="demo", help="launcher mode: 'demo', a checkpoint dir, or a hub id")
+    p.add_argument("--num-encoders", type=int, default=1, help="launcher mode: encoder processes to spawn")
+    p.add_argument("--num-decoders", type=int, default=1, help="launcher mode: decoder processes to spawn")
+    p.add_argument("--encode-servers-urls", nargs="+", help="attach mode: encoder base URLs")
+    p.add_argument("--decode-servers-urls", nargs="+", help="attach mode: decoder base URLs")
+    p.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--worker-host", default="127.0.0.1", help="launcher mode: address workers bind")
+    p.add_argument("--max-images-per-request", type=int, default=16)
+    p.add_argument("--max-image-bytes", type=int, default=20 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _served_name(model: str) -> str:
+    return model if model == "demo" else os.path.basename(os.path.normpath(model))
+
+
+def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls: tuple[str, ...]) -> ProxyConfig:
+    return ProxyConfig(
+        encode_urls=encode_urls, decode_urls=decode_urls,
+        served_model_name=args.served_model_name or _served_name(args.model),
+        host=args.host, port=args.port, max_images_per_request=args.max_images_per_request,
+        max_image_bytes=args.max_image_bytes, max_body_bytes=args.max_body_bytes,
+        startup_timeout=args.startup_timeout, log_level=args.log_level,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging("proxy", args.log_level)
+    encode_urls, decode_urls = _urls(args.encode_servers_urls), _urls(args.decode_servers_urls)
+    if encode_urls or decode_urls:  # attach mode
+        if not (encode_urls and decode_urls):
+            raise SystemExit("attach mode needs both --encode-servers-urls and --decode-servers-urls")
+        cfg = _config(args, encode_urls, decode_urls)
+        serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
+        return
+    group = WorkerGroup()
+    try:
+        cfg = _config(args, *_launch(group, args))
+        _print_banner(cfg)
+        serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
+    finally:
+        group.stop()
+
+
+def _launch(group: WorkerGroup, args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from models.resolve import resolve_model  # heavy (torch); attach mode never needs it
+
+    model = str(resolve_model(args.model))
+    threads = max(1, (os.cpu_count() or 1) // max(1, args.num_encoders + args.num_decoders))
+    wh = args.worker_host
+    enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0"]) for _ in range(args.num_encoders)]
+    dec = [group.spawn("decoder", model, wh, threads, []) for _ in range(args.num_decoders)]
+    group.wait_healthy(args.startup_timeout)
+    return tuple(w.url for w in enc), tuple(w.url for w in dec)
+
+
+def _print_banner(cfg: ProxyConfig) -> None:
+    url = f"http://{cfg.host}:{cfg.port}"
+    print(f"\nEPD is up: {url}/v1  (model {cfg.served_model_name!r}; "
+          f"{len(cfg.encode_urls)} encoder(s), {len(cfg.decode_urls)} decoder(s))\n"
+          f"Try:  .venv/bin/python -m proxy.example --base-url {url}/v1\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Proxy configuration (CLI flags map one to one)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    encode_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    served_model_name: str = "demo"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 << 20  # one decoded image file
+    max_body_bytes: int = 64 << 20  # the whole HTTP request
+    max_image_pixels: int = 40_000_000
+    worker_timeout: float = 300.0  # seconds for one encode call or one generation
+    startup_timeout: float = 300.0  # seconds to wait for workers at start
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.encode_urls or not self.decode_urls:
+            raise ValueError("the proxy needs at least one encoder URL and one decoder URL")
+        assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"

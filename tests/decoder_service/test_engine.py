@@ -1,0 +1,54 @@
+"""Engine: requests that cannot run are refused before they start, with the right status."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from common.errors import APIError
+from connector import ECConsumer
+from decoder_service.config import DecoderConfig
+from decoder_service.engine import Engine
+from decoder_service.metrics import DecoderMetrics
+from decoder_service.protocol import GenerateRequest, ImageRef
+from models.halves import LanguageHalf
+
+USER = [{"role": "user", "content": [{"type": "text", "text": "What color is the shape?"}]}]
+
+
+@pytest.fixture
+def engine(tiny_model_dirs: dict[str, Path]) -> Iterator[Engine]:
+    consumer = ECConsumer()
+    eng = Engine(LanguageHalf(tiny_model_dirs["llava"]), consumer, DecoderConfig(max_model_len=64, gather_timeout=0.3),
+                 DecoderMetrics(CollectorRegistry(), consumer.stats))
+    yield eng
+    eng.close()
+    consumer.close()
+
+
+def test_prompt_plus_max_tokens_over_model_length_is_400(engine: Engine) -> None:
+    with pytest.raises(APIError) as err:
+        engine.prepare(GenerateRequest(messages=USER, max_tokens=1000))
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+
+
+def test_unset_max_tokens_fills_the_remaining_context(engine: Engine) -> None:
+    prompt, params = engine.prepare(GenerateRequest(messages=USER))
+    assert params.max_tokens == 64 - prompt.num_tokens
+
+
+def test_embedding_found_nowhere_is_409_listing_it(engine: Engine) -> None:
+    ref = ImageRef(mm_hash="gone", source="tcp://127.0.0.1:9")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    with pytest.raises(APIError) as err:
+        engine.prepare(GenerateRequest(messages=msgs, images=[ref]))
+    assert err.value.status == 409 and err.value.extra["missing"] == ["gone"]
+
+
+def test_image_marker_count_must_match_images(engine: Engine) -> None:
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    with pytest.raises(APIError) as err:
+        engine.prepare(GenerateRequest(messages=msgs))
+    assert err.value.status == 400 and "placeholder" in err.value.message
