@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
 
 from common.http import serve
 from common.logs import setup_logging
@@ -62,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = _config(args, encode_urls, decode_urls)
         serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
         return
+    # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turn it into SystemExit so the
+    # `finally` below stops the workers and the launcher exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     group = WorkerGroup()
     try:
         cfg = _config(args, *_launch(group, args))

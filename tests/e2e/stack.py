@@ -1,0 +1,97 @@
+"""Start the real system (launcher or separate workers) as processes on loopback, and read it back."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from proxy.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Stack:
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(f"{self.base_url}{path}", timeout=30)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> None:
+    """Poll /health until 200; fail at once if the process died (readiness, not a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def start(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=ROOT, env=env)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+@contextmanager
+def launched(tmp: Path, *args: str) -> Iterator[Stack]:
+    port = free_port()
+    log = tmp / f"launcher-{port}.log"
+    proc = start("proxy.cli", ["--port", str(port), *args], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+        yield Stack(base_url=url, proc=proc, log=log)
+    finally:
+        stop(proc)
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of all samples of one metric in Prometheus text format."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie child of a dead launcher still answers kill(0); check its state
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def health(url: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/health", timeout=10).json())

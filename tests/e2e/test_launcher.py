@@ -1,0 +1,155 @@
+"""End to end through `disagg-epd-proxy` (2 encoders, 1 decoder, demo model) with the official OpenAI client."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import BadRequestError, OpenAI
+from safetensors import safe_open
+
+from models.demo import ensure_demo_model
+from models.shapes import draw_shape
+from tests.e2e.stack import Stack, health, launched, metric
+from tests.openai_schema import assert_valid
+
+pytestmark = pytest.mark.e2e
+MAX_IMAGES = 4
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with launched(tmp_path_factory.mktemp("e2e"), "--model", "demo", "--num-encoders", "2", "--num-decoders", "1",
+                  "--max-images-per-request", str(MAX_IMAGES)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def data_url(color: str, shape: str = "circle", seed: int = 0) -> str:
+    import random
+
+    buf = io.BytesIO()
+    draw_shape(color, shape, random.Random(seed)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user(*urls: str, question: str = "What color is the shape?") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+def encoders_encoded(stack: Stack) -> float:
+    urls = stack.get("/health").json()["encoders"]
+    return sum(metric(httpx.get(f"{u}/metrics").text, "epd_encoder_items_encoded_total") for u in urls)
+
+
+def test_red_circle_answer_names_the_colour(client: OpenAI) -> None:
+    resp = client.chat.completions.create(model="demo", messages=user(data_url("red")), temperature=0, max_tokens=8)
+    assert "red" in (resp.choices[0].message.content or "").lower()
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage is not None and resp.usage.prompt_tokens > 64  # 64 image tokens are counted
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert_valid("CreateChatCompletionResponse", resp.model_dump(exclude_unset=True))
+
+
+def test_streaming_gives_the_same_answer_in_chunks(client: OpenAI) -> None:
+    messages = user(data_url("blue", "square", seed=3))
+    whole = client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=8)
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=8,
+                                                 stream=True, stream_options={"include_usage": True}))
+    for c in chunks:
+        assert_valid("CreateChatCompletionStreamResponse", c.model_dump(exclude_unset=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and "blue" in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_same_image_sent_again_is_not_re_encoded(client: OpenAI, stack: Stack) -> None:
+    url = data_url("green", "triangle", seed=11)
+    client.chat.completions.create(model="demo", messages=user(url), temperature=0, max_tokens=4)
+    before = encoders_encoded(stack)
+    again = client.chat.completions.create(model="demo", messages=user(url), temperature=0, max_tokens=4)
+    assert encoders_encoded(stack) == before
+    assert "green" in (again.choices[0].message.content or "")
+    proxy_metrics = stack.get("/metrics").text
+    assert metric(proxy_metrics, "epd_proxy_items_skipped_cached_total") >= 1
+    client.chat.completions.create(model="demo", messages=user(data_url("green", seed=12)), max_tokens=2)
+    assert encoders_encoded(stack) == before + 1
+
+
+def test_images_of_one_request_are_encoded_on_both_encoders(client: OpenAI, stack: Stack) -> None:
+    urls = [data_url("yellow", seed=20 + i) for i in range(4)]
+    per_encoder = [metric(httpx.get(f"{u}/metrics").text, "epd_encoder_items_encoded_total")
+                   for u in stack.get("/health").json()["encoders"]]
+    client.chat.completions.create(model="demo", messages=user(*urls), max_tokens=2)
+    after = [metric(httpx.get(f"{u}/metrics").text, "epd_encoder_items_encoded_total")
+             for u in stack.get("/health").json()["encoders"]]
+    assert [a - b for a, b in zip(after, per_encoder)] == [2, 2]
+
+
+def test_each_process_holds_only_its_half(stack: Stack) -> None:
+    model_dir = ensure_demo_model()
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        numel = {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
+    vision = sum(n for k, n in numel.items() if k.startswith(("vision_tower.", "multi_modal_projector.")))
+    info = stack.get("/health").json()
+    for url in info["encoders"]:
+        loaded = health(url)["loaded"]
+        assert loaded == {"modules": ["multi_modal_projector", "vision_tower"], "num_parameters": vision}
+    for url in info["decoders"]:
+        loaded = health(url)["loaded"]
+        assert loaded == {"modules": ["language_model", "lm_head"], "num_parameters": sum(numel.values()) - vision}
+
+
+@pytest.mark.parametrize("url,code", [
+    ("data:image/png;base64,%%%", "invalid_image_url"),
+    ("data:image/png;base64," + base64.b64encode(b"GIF89a but not really an image").decode(), "invalid_image"),
+])
+def test_bad_image_is_400_and_next_request_succeeds(client: OpenAI, stack: Stack, url: str, code: str) -> None:
+    with pytest.raises(BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=user(url), max_tokens=2)
+    body = err.value.response.json()
+    assert_valid("ErrorResponse", body)
+    assert body["error"]["code"] == code
+    ok = client.chat.completions.create(model="demo", messages=user(data_url("red")), temperature=0, max_tokens=8)
+    assert "red" in (ok.choices[0].message.content or "")
+
+
+def test_more_images_than_the_maximum_is_400(client: OpenAI) -> None:
+    with pytest.raises(BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=user(*[data_url("red")] * (MAX_IMAGES + 1)))
+    assert err.value.response.json()["error"]["code"] == "too_many_images"
+    ok = client.chat.completions.create(model="demo", messages=user(data_url("purple")), temperature=0, max_tokens=8)
+    assert "purple" in (ok.choices[0].message.content or "")
+
+
+def test_schema_violation_is_openai_error_not_fastapi_detail(stack: Stack) -> None:
+    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json={"model": "demo"}, timeout=30)
+    assert resp.status_code == 400 and "detail" not in resp.json()
+    assert_valid("ErrorResponse", resp.json())
+    assert resp.json()["error"]["param"] == "messages"
+
+
+def test_models_endpoint_lists_the_served_model(client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def test_request_id_is_returned(stack: Stack) -> None:
+    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", headers={"X-Request-Id": "test-rid-1"},
+                      json={"model": "demo", "messages": user(data_url("red")), "max_tokens": 2}, timeout=60)
+    assert resp.status_code == 200 and resp.headers["x-request-id"] == "test-rid-1"
+    assert json.loads(resp.text)["object"] == "chat.completion"
+
+
+def test_log_has_no_tracebacks(stack: Stack) -> None:
+    assert "Traceback" not in Path(stack.log).read_text()
