@@ -28,6 +28,7 @@ DEMO_SPEC = TinySpec(
 DEMO_STEPS = 1000
 BATCH_SIZE = 32
 MAX_LR = 2e-3
+GRAD_CLIP = 1.0  # NOTE: without it, bright colours (yellow/orange/white) could collapse into one at peak lr
 EVAL_SEED = 12345  # held out: training draws from seeds 0, 1, ...
 IGNORE = -100  # label of positions that carry no loss
 
@@ -80,6 +81,7 @@ def train(out_dir: Path, steps: int = DEMO_STEPS, seed: int = 0) -> dict[str, An
         loss = model(**_collate(proc, list(islice(data, BATCH_SIZE)), prompts)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         opt.step()
         sched.step()
         losses.append(loss.item())

@@ -1,0 +1,37 @@
+"""The committed demo model answers colour questions correctly through the split serving path."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from decoder_service.generate import eos_token_ids, generate
+from decoder_service.prompt import build_prompt, chat_template, render
+from models.demo import DEMO_DIR, ensure_demo_model, has_model
+from models.halves import LanguageHalf, VisionHalf
+from models.shapes import draw_shape
+from models.tokenizer import QUESTIONS
+
+
+def _answer(color: str, shape: str, seed: int) -> str:
+    vision, lm = VisionHalf(DEMO_DIR), LanguageHalf(DEMO_DIR)
+    (features,) = vision.encode([draw_shape(color, shape, random.Random(seed))])
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS["color"]}]}]
+    prompt = build_prompt(lm, render(lm, messages, chat_template(lm)), [features])
+    ids = generate(lm, prompt, choose=lambda x: int(torch.argmax(x)), max_tokens=8, eos_ids=eos_token_ids(lm))
+    return lm.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize(("color", "shape"), [("red", "circle"), ("blue", "square"), ("yellow", "triangle")])
+def test_demo_model_names_the_colour_via_split_path(color: str, shape: str) -> None:
+    assert _answer(color, shape, seed=7) == color
+
+
+def test_ensure_demo_model_returns_committed_dir_without_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ensure_demo_model trained although the weights are committed")
+
+    monkeypatch.setattr("models.demo.train", fail)
+    assert has_model(DEMO_DIR)
+    assert ensure_demo_model() == DEMO_DIR
