@@ -82,8 +82,10 @@ def _launch(group: WorkerGroup, args: argparse.Namespace) -> tuple[tuple[str, ..
     model = str(resolve_model(args.model))
     threads = max(1, (os.cpu_count() or 1) // max(1, args.num_encoders + args.num_decoders))
     wh = args.worker_host
-    enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0"]) for _ in range(args.num_encoders)]
-    dec = [group.spawn("decoder", model, wh, threads, []) for _ in range(args.num_decoders)]
+    common = ["--log-level", args.log_level]
+    enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0", *common])
+           for _ in range(args.num_encoders)]
+    dec = [group.spawn("decoder", model, wh, threads, common) for _ in range(args.num_decoders)]
     group.wait_healthy(args.startup_timeout)
     return tuple(w.url for w in enc), tuple(w.url for w in dec)
 
