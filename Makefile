@@ -11,7 +11,7 @@ PORT ?= 8000
 NUM_ENCODERS ?= 2
 NUM_DECODERS ?= 1
 
-.PHONY: install run test demo-model clean
+.PHONY: install run test lint demo-model clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,11 @@ run: install
 	$(BIN)/disagg-epd-proxy --model demo --num-encoders $(NUM_ENCODERS) --num-decoders $(NUM_DECODERS) \
 		--host $(HOST) --port $(PORT)
 
-test: install
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: install lint
 	$(BIN)/python -m pytest
 
 clean:

@@ -60,7 +60,8 @@ def ask(client: httpx.Client, url: str, image_png: bytes, question: str) -> tupl
 
 
 def run(url: str, n: int) -> dict[str, object]:
-    rng, hits, latency = random.Random(EVAL_SEED), {"color": 0, "shape": 0}, {"color": [], "shape": []}
+    rng, hits = random.Random(EVAL_SEED), {"color": 0, "shape": 0}
+    latency: dict[str, list[float]] = {"color": [], "shape": []}
     with httpx.Client(timeout=120) as client:
         for _ in range(n):
             color, shape = rng.choice(COLORS), rng.choice(SHAPES)

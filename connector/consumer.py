@@ -29,7 +29,7 @@ class ECConsumer:
     def __init__(self, cache_bytes: int = 1 << 30, max_message_bytes: int = MAX_TENSOR_BYTES) -> None:
         self.max_message_bytes = max_message_bytes
         self._cache = EmbeddingCache(cache_bytes)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._channels: dict[str, PeerChannel] = {}  # producer address -> channel
         self._channels_lock = threading.Lock()
         self._closed = False

@@ -31,7 +31,7 @@ class ECProducer:
         self.bind = bind
         self.max_message_bytes = max_message_bytes
         self._cache = EmbeddingCache(cache_bytes)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._ctl_address = f"inproc://epd-producer-ctl-{next(_ids)}-{id(self)}"
         self._address: str | None = None
         self._ready = threading.Event()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 import torch
@@ -33,7 +33,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
-Frame = Union[bytes, bytearray, memoryview, zmq.Frame]
+Frame = bytes | bytearray | memoryview | zmq.Frame
 
 
 class WireError(ValueError):
@@ -44,7 +44,7 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     """Return a flat byte view of a CPU tensor, copying only if it is not contiguous."""
     # NOTE: viewing as uint8 gives numpy a dtype it knows (bfloat16 has no numpy twin).
     flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    return memoryview(flat.numpy())  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
 def tensor_spec(t: torch.Tensor, frame: int) -> dict[str, Any]:

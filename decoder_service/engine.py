@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from jinja2 import TemplateError
 
 from common.errors import APIError, bad_request
+from common.logs import request_id_var
 from connector import ECConsumer, MissingEmbeddings
 from decoder_service.config import DecoderConfig
 from decoder_service.detokenizer import IncrementalDetokenizer
@@ -30,6 +31,7 @@ class Job:
     prompt: Prompt
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    request_id: str = "-"
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)
@@ -70,7 +72,7 @@ class Engine:
         return prompt, params
 
     def submit(self, prompt: Prompt, params: SamplingParams) -> Job:
-        job = Job(prompt=prompt, params=params, loop=asyncio.get_running_loop())
+        job = Job(prompt=prompt, params=params, loop=asyncio.get_running_loop(), request_id=request_id_var.get())
         self._jobs.put(job)
         return job
 
@@ -93,6 +95,7 @@ class Engine:
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
+            request_id_var.set(job.request_id)
             try:
                 self._run(job)
             except Exception as exc:  # a failed request ends with an error event; the loop survives

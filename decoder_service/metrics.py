@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -24,4 +25,8 @@ class DecoderMetrics:
         self.waiting = Gauge("epd_decoder_waiting", "Requests queued or running", registry=registry)
         for key in ("num_items", "bytes", "hits", "misses", "evictions"):
             gauge = Gauge(f"epd_ec_consumer_cache_{key}", f"Gathered-embedding cache {key}", registry=registry)
-            gauge.set_function(lambda key=key: float(cache_stats().get(key, 0)))
+            gauge.set_function(partial(_stat, cache_stats, key))
+
+
+def _stat(stats: Callable[[], dict[str, Any]], key: str) -> float:
+    return float(stats().get(key, 0))

@@ -48,7 +48,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        half = lm or await asyncio.to_thread(LanguageHalf, resolve_model(cfg.model))
+        half = lm if lm is not None else await asyncio.to_thread(LanguageHalf, resolve_model(cfg.model))
         state["engine"] = Engine(half, consumer, cfg, metrics)
         logger.info("decoder ready: model=%s max_model_len=%d", cfg.model, state["engine"].max_model_len)
         yield

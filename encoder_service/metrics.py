@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -20,4 +21,8 @@ class EncoderMetrics:
         self.queue_depth = Gauge("epd_encoder_queue_depth", "Encode calls waiting or running", registry=registry)
         for key in ("num_items", "bytes", "hits", "misses", "evictions"):
             gauge = Gauge(f"epd_ec_cache_{key}", f"Embedding cache {key} (producer side)", registry=registry)
-            gauge.set_function(lambda key=key: float(cache_stats().get(key, 0)))
+            gauge.set_function(partial(_stat, cache_stats, key))
+
+
+def _stat(stats: Callable[[], dict[str, Any]], key: str) -> float:
+    return float(stats().get(key, 0))

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import contextvars
 import logging
 import os
 import time
@@ -55,7 +56,7 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state["worker"] = worker or await asyncio.to_thread(build_worker, cfg)
+        state["worker"] = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
         app.state.metrics = EncoderMetrics(registry, state["worker"].producer.stats)
         logger.info("encoder ready: model=%s ec_address=%s", cfg.model, state["worker"].producer.address)
         yield
@@ -74,7 +75,8 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         m.queue_depth.inc()
         start = time.perf_counter()
         try:
-            done = await asyncio.get_running_loop().run_in_executor(executor, w.execute_mm_encoder, items)
+            ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
+            done = await asyncio.get_running_loop().run_in_executor(executor, ctx.run, w.execute_mm_encoder, items)
         except ImageError as exc:
             m.requests.labels("400").inc()
             raise bad_request(str(exc), param="image", code="invalid_image") from exc

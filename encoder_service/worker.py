@@ -58,7 +58,7 @@ class EncoderWorker:
     def _encode_batch(self, hashes: list[str], images: dict[str, Image.Image]) -> dict[str, EncodedItem]:
         outs = [
             EncoderOutput(mm_hash=h, embeds=f.embeds, grid_thw=f.grid_thw)
-            for h, f in zip(hashes, self.vision.encode([images[h] for h in hashes]))
+            for h, f in zip(hashes, self.vision.encode([images[h] for h in hashes]), strict=True)
         ]
         for out in outs:
             self.producer.save_caches(out.mm_hash, out)

@@ -7,11 +7,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from PIL import Image
-    from torch import nn
     from transformers import PretrainedConfig
+
+
+class LanguageModules(nn.Module):
+    """The decoder's modules, named as the normalized checkpoint keys: language_model.*, lm_head.*."""
+
+    def __init__(self, language_model: Any, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.language_model: Any = language_model  # the family's base text model (embed_tokens, layers, norm)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
 
 
 @dataclass(frozen=True)
@@ -60,8 +69,7 @@ class FamilyAdapter(ABC):
 
     # decoder half
     @abstractmethod
-    def build_language(self, cfg: PretrainedConfig) -> nn.Module:
-        """A module with children `language_model` (base text model) and `lm_head`."""
+    def build_language(self, cfg: PretrainedConfig) -> LanguageModules: ...
 
     def image_token_id(self, cfg: PretrainedConfig) -> int:
         return int(cfg.image_token_id)

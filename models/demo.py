@@ -109,7 +109,7 @@ def evaluate(model_dir: Path, n: int = 200, seed: int = EVAL_SEED) -> dict[str, 
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[kind]}]}]
             prompt = build_prompt(lm, render(lm, messages, template), [features])
             ids = list(generate(lm, prompt, choose=lambda x: int(torch.argmax(x)), max_tokens=8, eos_ids=eos))
-            hits[kind] += lm.tokenizer.decode(ids, skip_special_tokens=True).strip() == truth
+            hits[kind] += str(lm.tokenizer.decode(ids, skip_special_tokens=True)).strip() == truth
     return {"n": n, "seed": seed, "color_acc": hits["color"] / n, "shape_acc": hits["shape"] / n}
 
 

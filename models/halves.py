@@ -58,7 +58,8 @@ class LanguageHalf:
         self.model_dir = Path(model_dir)
         self.config = AutoConfig.from_pretrained(self.model_dir)
         self.adapter = adapter_for(self.config)
-        self.module = self.adapter.build_language(self.config).to(_dtype(self.config, dtype)).eval()
+        self.module = self.adapter.build_language(self.config)
+        self.module.to(_dtype(self.config, dtype)).eval()
         missing = load_half(self.module, self.model_dir, self.adapter, vision=False)
         if missing == ["lm_head.weight"] and self.config.get_text_config().tie_word_embeddings:
             self.module.lm_head.weight = self.module.language_model.embed_tokens.weight

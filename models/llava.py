@@ -8,7 +8,16 @@ from torch import nn
 from transformers import AutoModel, PretrainedConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from models.base import FamilyAdapter, ImageFeatures
+from models.base import FamilyAdapter, ImageFeatures, LanguageModules
+
+
+class LlavaVision(nn.Module):
+    """vision_tower.* + multi_modal_projector.*, as in the checkpoint."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.vision_tower: Any = AutoModel.from_config(cfg.vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(cfg)
 
 
 class LlavaAdapter(FamilyAdapter):
@@ -24,15 +33,13 @@ class LlavaAdapter(FamilyAdapter):
     vision_prefixes = ("vision_tower.", "multi_modal_projector.")
 
     def build_vision(self, cfg: PretrainedConfig) -> nn.Module:
-        half = nn.Module()
-        half.vision_tower = AutoModel.from_config(cfg.vision_config)
-        half.multi_modal_projector = LlavaMultiModalProjector(cfg)
-        return half
+        return LlavaVision(cfg)
 
     def preprocess(self, image_processor: Any, images: list[Any]) -> dict[str, torch.Tensor]:
         return {"pixel_values": image_processor(images=images, return_tensors="pt")["pixel_values"]}
 
     def encode(self, vision: nn.Module, cfg: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> list[ImageFeatures]:
+        assert isinstance(vision, LlavaVision), "built by build_vision"
         pixel_values = inputs["pixel_values"].to(next(vision.parameters()).dtype)
         out = vision.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
         layers = cfg.vision_feature_layer
@@ -48,9 +55,6 @@ class LlavaAdapter(FamilyAdapter):
         n = (vc.image_size // vc.patch_size) ** 2
         return n if cfg.vision_feature_select_strategy == "default" else n + 1
 
-    def build_language(self, cfg: PretrainedConfig) -> nn.Module:
+    def build_language(self, cfg: PretrainedConfig) -> LanguageModules:
         tc = cfg.text_config
-        half = nn.Module()
-        half.language_model = AutoModel.from_config(tc)
-        half.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
-        return half
+        return LanguageModules(AutoModel.from_config(tc), tc.hidden_size, tc.vocab_size)

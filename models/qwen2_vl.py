@@ -11,7 +11,15 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VLTextModel,
 )
 
-from models.base import FamilyAdapter, ImageFeatures
+from models.base import FamilyAdapter, ImageFeatures, LanguageModules
+
+
+class QwenVision(nn.Module):
+    """visual.* (the patch merger inside it is the projector), as in the checkpoint."""
+
+    def __init__(self, visual: Any):
+        super().__init__()
+        self.visual: Any = visual
 
 
 class Qwen2VLAdapter(FamilyAdapter):
@@ -27,34 +35,30 @@ class Qwen2VLAdapter(FamilyAdapter):
     text_cls: Any = Qwen2VLTextModel
 
     def build_vision(self, cfg: PretrainedConfig) -> nn.Module:
-        half = nn.Module()
-        half.visual = self.vision_cls._from_config(cfg.vision_config)
-        return half
+        return QwenVision(self.vision_cls._from_config(cfg.vision_config))
 
     def preprocess(self, image_processor: Any, images: list[Any]) -> dict[str, torch.Tensor]:
         out = image_processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     def encode(self, vision: nn.Module, cfg: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> list[ImageFeatures]:
+        assert isinstance(vision, QwenVision), "built by build_vision"
         grid = inputs["image_grid_thw"]
         pixel_values = inputs["pixel_values"].to(next(vision.parameters()).dtype)
         merged = vision.visual(pixel_values, grid_thw=grid).pooler_output
         sizes = (grid.prod(-1) // cfg.vision_config.spatial_merge_size**2).tolist()
         return [
             ImageFeatures(embeds=e, grid_thw=tuple(int(x) for x in g))  # type: ignore[arg-type]
-            for e, g in zip(torch.split(merged, sizes), grid)
+            for e, g in zip(torch.split(merged, sizes), grid, strict=True)
         ]
 
     def num_image_tokens(self, image_processor: Any, cfg: PretrainedConfig, width: int, height: int) -> int:
         patches = image_processor.get_number_of_image_patches(height, width, {})
         return int(patches) // cfg.vision_config.spatial_merge_size**2
 
-    def build_language(self, cfg: PretrainedConfig) -> nn.Module:
+    def build_language(self, cfg: PretrainedConfig) -> LanguageModules:
         tc = cfg.text_config
-        half = nn.Module()
-        half.language_model = self.text_cls._from_config(tc)
-        half.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
-        return half
+        return LanguageModules(self.text_cls._from_config(tc), tc.hidden_size, tc.vocab_size)
 
     def position_ids(
         self, cfg: PretrainedConfig, input_ids: torch.Tensor, images: list[ImageFeatures]

@@ -19,7 +19,6 @@ from transformers.models.llava.image_processing_pil_llava import LlavaImageProce
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
 from transformers.utils import logging as hf_logging
 
 from models.processors import Qwen2_5_VLImageProcessorOnly, Qwen2VLImageProcessorOnly
@@ -76,7 +75,7 @@ def _set_generation_ids(model: Any, tok: Any) -> None:
     gc.bos_token_id, gc.eos_token_id, gc.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
 
 
-def _special_ids(tok: Any) -> dict[str, int]:
+def _special_ids(tok: Any) -> dict[str, Any]:
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
 
@@ -92,7 +91,7 @@ def _llava(spec: TinySpec, tok: Any) -> tuple[Any, Any]:
         max_position_embeddings=4096, tie_word_embeddings=False, **_special_ids(tok),
     )
     cfg = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
     )
     size = spec.image_size
@@ -109,7 +108,7 @@ def _llava(spec: TinySpec, tok: Any) -> tuple[Any, Any]:
 def _qwen(spec: TinySpec, tok: Any) -> tuple[Any, Any]:
     head_dim = spec.text_hidden // spec.heads
     third = head_dim // 2 // 3
-    text_kwargs = dict(
+    text_kwargs: dict[str, Any] = dict(
         vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
         num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
         max_position_embeddings=4096, tie_word_embeddings=False, **_special_ids(tok),

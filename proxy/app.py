@@ -117,7 +117,7 @@ async def _collect(gen: Generation, completion: Completion, metrics: Any, start:
         await gen.close()
 
 
-def create_app(cfg: ProxyConfig) -> FastAPI:
+def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> FastAPI:
     registry = CollectorRegistry()
     metrics = ProxyMetrics(registry)
     state: dict[str, Fleet] = {}
@@ -130,6 +130,8 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
             await fleet.start()
             state["fleet"] = fleet
             logger.info("proxy ready: %d encoder(s), %d decoder(s)", len(cfg.encode_urls), len(cfg.decode_urls))
+            if on_ready is not None:
+                on_ready()
             yield
             fleet.close()
 

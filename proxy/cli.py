@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     group = WorkerGroup()
     try:
         cfg = _config(args, *_launch(group, args))
-        _print_banner(cfg)
-        serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
+        serve(create_app(cfg, on_ready=lambda: _print_banner(cfg)), cfg.host, cfg.port, cfg.log_level)
     finally:
         group.stop()
 

@@ -30,7 +30,7 @@ def main() -> None:
                 {"type": "image_url", "image_url": {"url": red_circle_data_url()}},
                 {"type": "text", "text": question}]}],
         )
-        print(f"{question} -> {resp.choices[0].message.content!r}  (usage: {resp.usage.model_dump()})")
+        print(f"{question} -> {resp.choices[0].message.content!r}  (usage: {resp.usage})")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ class Fleet:
         await asyncio.gather(*(self._wait_healthy(u, deadline) for u in self.cfg.decode_urls))
         slots = [EncoderSlot(name=url, ec_address=info["ec_address"],
                              cache=RemoteEncoderCache(self.consumer, info["ec_address"]))
-                 for url, info in zip(self.cfg.encode_urls, infos)]
+                 for url, info in zip(self.cfg.encode_urls, infos, strict=True)]
         self.scheduler = Scheduler(slots)
 
     def close(self) -> None:

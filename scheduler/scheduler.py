@@ -73,9 +73,9 @@ class Scheduler:
             if not pending:
                 break
             held = holds(enc.cache, [it.mm_hash for it in pending])
-            for it, h in zip(pending, held):
+            for it, h in zip(pending, held, strict=True):
                 if h:
                     out.sources[it.mm_hash] = enc.ec_address
                     out.skipped.append(it.mm_hash)
-            pending = [it for it, h in zip(pending, held) if not h]
+            pending = [it for it, h in zip(pending, held, strict=True) if not h]
         return pending

@@ -52,7 +52,7 @@ def test_round_trip_of_several_tensors_keeps_one_frame_each() -> None:
     tensors = list(AWKWARD.values())
     frames, back = round_trip(tensors)
     assert len(frames) == 2 + len(tensors)
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, back))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, back, strict=True))
 
 
 def test_get_reply_round_trips_encoder_outputs_and_not_found_items() -> None:

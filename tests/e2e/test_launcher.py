@@ -94,7 +94,7 @@ def test_images_of_one_request_are_encoded_on_both_encoders(client: OpenAI, stac
     client.chat.completions.create(model="demo", messages=user(*urls), max_tokens=2)
     after = [metric(httpx.get(f"{u}/metrics").text, "epd_encoder_items_encoded_total")
              for u in stack.get("/health").json()["encoders"]]
-    assert [a - b for a, b in zip(after, per_encoder)] == [2, 2]
+    assert [a - b for a, b in zip(after, per_encoder, strict=True)] == [2, 2]
 
 
 def test_each_process_holds_only_its_half(stack: Stack) -> None:

@@ -15,7 +15,6 @@ from scheduler.scheduler import EncoderSlot, MMItem, Scheduler
 from tests.factories import make_image
 
 
-
 def png(color: str, size: int = 96) -> bytes:
     buf = io.BytesIO()
     make_image(size, size, color).save(buf, format="PNG")

@@ -42,7 +42,7 @@ def _through_connector(features: list[ImageFeatures]) -> list[ImageFeatures]:
     producer.start()
     try:
         hashes = [f"h{i}" for i in range(len(features))]
-        for h, f in zip(hashes, features):
+        for h, f in zip(hashes, features, strict=True):
             producer.save_caches(h, EncoderOutput(mm_hash=h, embeds=f.embeds, grid_thw=f.grid_thw))
         got = consumer.gather(hashes, {h: producer.address for h in hashes}, timeout=5.0)
         return [ImageFeatures(embeds=got[h].embeds, grid_thw=got[h].grid_thw) for h in hashes]
