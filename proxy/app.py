@@ -44,8 +44,10 @@ class Generation:
                 self.resp = await self.fleet.open_generation(self.decoder, payload, self.request_id)
                 return
             except APIError as exc:
-                if exc.code != "missing_embeddings" or attempt:
+                if exc.code != "missing_embeddings":
                     raise
+                if attempt:  # lost again right after re-encoding: not the client's fault, and retryable
+                    raise APIError(503, f"embeddings lost twice: {exc.message}", code="embeddings_unavailable") from exc
                 self.fleet.metrics.retries.inc()
                 missing = set(exc.extra.get("missing", []))
                 logger.warning("decoder missed %d embedding(s); re-encoding", len(missing))
