@@ -1,7 +1,6 @@
 """HTTP front of a decoder worker: POST /generate (NDJSON), GET /health, GET /metrics; epd-decoder."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -13,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
+from common.cli import worker_parser
 from common.errors import APIError, install_error_handlers
 from common.http import install_metrics, install_request_id, serve
 from common.logs import request_id_var, setup_logging
@@ -97,15 +97,11 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
 
 def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     d = DecoderConfig()
-    p = argparse.ArgumentParser("epd-decoder", description="EPD decoder worker (language model only)")
-    p.add_argument("--model", default=d.model, help="'demo', a checkpoint directory, or a hub id")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p = worker_parser("epd-decoder", "EPD decoder worker (language model only)", d)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-queued", type=int, default=d.max_queued)
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout)
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes)
-    p.add_argument("--log-level", default=d.log_level)
     return DecoderConfig(**vars(p.parse_args(argv)))
 
 

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.metrics import cache_gauges
 
 
 class EncoderMetrics:
@@ -19,10 +20,4 @@ class EncoderMetrics:
         self.encode_seconds = Histogram("epd_encoder_encode_seconds", "Wall time of one encode call",
                                         registry=registry)
         self.queue_depth = Gauge("epd_encoder_queue_depth", "Encode calls waiting or running", registry=registry)
-        for key in ("num_items", "bytes", "hits", "misses", "evictions"):
-            gauge = Gauge(f"epd_ec_cache_{key}", f"Embedding cache {key} (producer side)", registry=registry)
-            gauge.set_function(partial(_stat, cache_stats, key))
-
-
-def _stat(stats: Callable[[], dict[str, Any]], key: str) -> float:
-    return float(stats().get(key, 0))
+        cache_gauges(registry, "epd_ec_cache", "Embedding cache (producer side)", cache_stats)

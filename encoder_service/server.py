@@ -1,7 +1,6 @@
 """HTTP front of an encoder worker: POST /encode, GET /health, GET /metrics; console script epd-encoder."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import binascii
@@ -17,6 +16,7 @@ from dataclasses import asdict
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from common.cli import worker_parser
 from common.errors import APIError, bad_request, install_error_handlers
 from common.http import install_metrics, install_request_id, serve
 from common.logs import setup_logging
@@ -101,16 +101,12 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
 
 def parse_args(argv: list[str] | None = None) -> EncoderConfig:
     d = EncoderConfig()
-    p = argparse.ArgumentParser("epd-encoder", description="EPD encoder worker (vision tower + projector only)")
-    p.add_argument("--model", default=d.model, help="'demo', a checkpoint directory, or a hub id")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p = worker_parser("epd-encoder", "EPD encoder worker (vision tower + projector only)", d)
     p.add_argument("--ec-bind", default=d.ec_bind, help="ZeroMQ endpoint for embeddings (tcp://HOST:PORT or ipc://)")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
-    p.add_argument("--log-level", default=d.log_level)
-    return EncoderConfig(**{k: v for k, v in vars(p.parse_args(argv)).items()})
+    return EncoderConfig(**vars(p.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> None:
