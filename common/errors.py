@@ -38,11 +38,22 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param, code=code)
 
 
+_UNION_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic names union members in loc
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    """The most specific error (deepest location), with union-branch names dropped from its path."""
+    errors = list(exc.errors())
+    if not errors:
+        return "invalid request", None
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return "request body is not valid JSON", None
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and str(p) not in _UNION_BRANCHES and "[" not in str(p)]
+    loc = [p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1]]  # a tagged union repeats its tag
     param = ".".join(loc) or None
-    return (f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid request"))), param
+    msg = str(err.get("msg", "invalid value"))
+    return (f"{param}: {msg}" if param else msg), param
 
 
 def install_error_handlers(app: FastAPI) -> None:

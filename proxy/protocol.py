@@ -1,7 +1,7 @@
 """The OpenAI chat-completions request, as far as the proxy reads it (pydantic at the edge only)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,9 +21,12 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
