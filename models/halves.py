@@ -37,7 +37,8 @@ class VisionHalf:
         self.adapter = adapter_for(self.config)
         self.module = self.adapter.build_vision(self.config).to(_dtype(self.config, dtype)).eval()
         missing = load_half(self.module, self.model_dir, self.adapter, vision=True)
-        assert not missing, f"vision weights missing from checkpoint: {missing[:5]}"
+        if missing:
+            raise ValueError(f"checkpoint {self.model_dir} lacks vision weights: {missing[:5]}")
         self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
 
     @torch.inference_mode()
@@ -64,7 +65,8 @@ class LanguageHalf:
         if missing == ["lm_head.weight"] and self.config.get_text_config().tie_word_embeddings:
             self.module.lm_head.weight = self.module.language_model.embed_tokens.weight
             missing = []
-        assert not missing, f"LM weights missing from checkpoint: {missing[:5]}"
+        if missing:
+            raise ValueError(f"checkpoint {self.model_dir} lacks LM weights: {missing[:5]}")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.generation_config = _generation_config(self.model_dir)
         self.image_token_id = self.adapter.image_token_id(self.config)

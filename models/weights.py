@@ -38,5 +38,6 @@ def load_filtered(
             for key, name in keys.items():
                 state[name] = f.get_tensor(key)
     missing, unexpected = module.load_state_dict(state, strict=False)
-    assert not unexpected, f"checkpoint keys with no place in the module: {unexpected[:5]}"
+    if unexpected:
+        raise ValueError(f"checkpoint keys with no place in the {type(module).__name__}: {unexpected[:5]}")
     return missing
