@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
@@ -47,6 +48,8 @@ class Engine:
         self.eos_ids = eos_token_ids(lm)
         self.max_model_len = cfg.max_model_len or int(lm.config.get_text_config().max_position_embeddings)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self.running: Job | None = None  # the sequence on the engine thread now
+        self.finished: Counter[str] = Counter()  # finish_reason -> sequences
         self._thread = threading.Thread(target=self._loop, name="epd-engine", daemon=True)
         self._thread.start()
 
@@ -96,13 +99,18 @@ class Engine:
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             request_id_var.set(job.request_id)
+            self.running = job
             try:
-                self._run(job)
+                self.finished[self._run(job)] += 1
             except Exception as exc:  # a failed request ends with an error event; the loop survives
                 logger.exception("generation failed")
+                self.finished["error"] += 1
                 job.emit(Event(type="error", message=f"generation failed: {type(exc).__name__}: {exc}"))
+            finally:
+                self.running = None
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> str:
+        """Generate for one job; returns its finish reason."""
         p, m = job.params, self.metrics
         detok = IncrementalDetokenizer(self.lm.tokenizer, p.stop)
         eos = set() if p.ignore_eos else self.eos_ids
@@ -133,3 +141,4 @@ class Engine:
         usage = Usage(prompt_tokens=job.prompt.num_tokens, completion_tokens=num_generated,
                       total_tokens=job.prompt.num_tokens + num_generated, num_image_tokens=num_image)
         job.emit(Event(type="done", finish_reason=finish, usage=usage))  # type: ignore[arg-type]
+        return finish

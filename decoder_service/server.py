@@ -56,6 +56,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
         consumer.close()
 
     app = FastAPI(title="EPD decoder", lifespan=lifespan)
+    app.state.engine_ref = state  # "engine" -> Engine once started (tests inspect it)
     install_error_handlers(app)
     install_request_id(app)
     install_metrics(app, registry)

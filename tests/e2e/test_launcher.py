@@ -6,6 +6,7 @@ import io
 import json
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -153,3 +154,27 @@ def test_request_id_is_returned(stack: Stack) -> None:
 
 def test_log_has_no_tracebacks(stack: Stack) -> None:
     assert "Traceback" not in Path(stack.log).read_text()
+
+
+def test_concurrent_streams_all_complete_with_their_own_answer(client: OpenAI) -> None:
+    colors = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
+
+    def ask(i: int) -> str:
+        stream = client.chat.completions.create(model="demo", messages=user(data_url(colors[i], seed=40 + i)),
+                                                temperature=0, max_tokens=8, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with ThreadPoolExecutor(max_workers=len(colors)) as pool:
+        answers = list(pool.map(ask, range(len(colors))))
+    assert answers == colors
+
+
+def test_same_seed_same_sample(client: OpenAI) -> None:
+    def sample(seed: int) -> str:
+        resp = client.chat.completions.create(model="demo", messages=user(data_url("white", seed=5)),
+                                              temperature=1.5, seed=seed, max_tokens=12,
+                                              extra_body={"ignore_eos": True})
+        return resp.choices[0].message.content or ""
+
+    first = sample(1)
+    assert sample(1) == first and len({first, sample(2), sample(3), sample(4)}) > 1
