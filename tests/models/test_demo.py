@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from decoder_service.generate import eos_token_ids, generate
 from decoder_service.prompt import build_prompt, chat_template, render
-from models.demo import DEMO_DIR, ensure_demo_model, has_model
+from models.demo import DEMO_DIR, ensure_demo_model, has_model, train
 from models.halves import LanguageHalf, VisionHalf
 from models.shapes import draw_shape
 from models.tokenizer import QUESTIONS
@@ -35,3 +36,12 @@ def test_ensure_demo_model_returns_committed_dir_without_training(monkeypatch: p
     monkeypatch.setattr("models.demo.train", fail)
     assert has_model(DEMO_DIR)
     assert ensure_demo_model() == DEMO_DIR
+
+
+def test_training_script_runs_and_saves_a_loadable_model(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    stats = train(out, steps=3)
+    assert stats["steps"] == 3 and has_model(out)
+    trained, committed = LanguageHalf(out).module.state_dict(), LanguageHalf(DEMO_DIR).module.state_dict()
+    assert trained.keys() == committed.keys()
+    assert VisionHalf(out).encode([draw_shape("red", "circle", random.Random(0))])[0].num_tokens == 64
