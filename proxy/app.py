@@ -71,10 +71,10 @@ class Generation:
             self.decoder = -1
 
 
-async def _sse(gen: Generation, completion: Completion, include_usage: bool, metrics: Any,
+async def _sse(gen: Generation, completion: Completion, include_usage: bool, metrics: ProxyMetrics,
                start: float) -> AsyncIterator[bytes]:
     request_id_var.set(gen.request_id)
-    last, finished = start, False
+    last, finished, failure = start, False, "generation ended without finishing"
     try:
         yield sse(completion.chunk({"role": "assistant", "content": ""}))
         async for ev in gen.events():
@@ -90,17 +90,18 @@ async def _sse(gen: Generation, completion: Completion, include_usage: bool, met
                     yield sse(completion.usage_chunk(openai_usage(ev["usage"])))
                 break
             else:
+                failure = str(ev.get("message", failure))
                 break
         if not finished:  # never a silent truncation
-            message = "generation ended without finishing"
-            yield sse(APIError(502, message, code="stream_interrupted").body())
+            logger.warning("stream failed: %s", failure)
+            yield sse(APIError(502, failure, code="stream_interrupted").body())
         yield sse("[DONE]")
         metrics.e2e.observe(time.perf_counter() - start)
     finally:
         await gen.close()
 
 
-async def _collect(gen: Generation, completion: Completion, metrics: Any, start: float) -> dict[str, Any]:
+async def _collect(gen: Generation, completion: Completion, metrics: ProxyMetrics, start: float) -> dict[str, Any]:
     text: list[str] = []
     try:
         async for ev in gen.events():

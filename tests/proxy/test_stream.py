@@ -1,0 +1,67 @@
+"""SSE translation: chunks in order, finish and usage at the end, and a failure is never a silent truncation."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from proxy.app import _sse
+from proxy.metrics import ProxyMetrics
+from proxy.openai_format import Completion
+from tests.openai_schema import assert_valid
+
+USAGE = {"prompt_tokens": 70, "completion_tokens": 2, "total_tokens": 72, "num_image_tokens": 64}
+
+
+class FakeGeneration:
+    request_id = "rid"
+
+    def __init__(self, events: list[dict[str, Any]]):
+        self._events, self.closed = events, False
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        for ev in self._events:
+            yield ev
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def run(events: list[dict[str, Any]], include_usage: bool = True) -> tuple[list[Any], FakeGeneration]:
+    gen = FakeGeneration(events)
+
+    async def collect() -> list[bytes]:
+        it = _sse(gen, Completion(model="demo"), include_usage, ProxyMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+                  time.perf_counter())
+        return [chunk async for chunk in it]
+
+    frames = [f.decode().removeprefix("data: ").strip() for f in asyncio.run(collect())]
+    return [f if f == "[DONE]" else json.loads(f) for f in frames], gen
+
+
+def test_stream_has_role_deltas_finish_usage_and_done() -> None:
+    out, gen = run([{"type": "delta", "text": "re"}, {"type": "delta", "text": "d"},
+                    {"type": "done", "finish_reason": "stop", "usage": USAGE}])
+    assert out[-1] == "[DONE]" and gen.closed
+    for chunk in out[:-1]:
+        assert_valid("CreateChatCompletionStreamResponse", chunk)
+    assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in out[:-2]) == "red"
+    assert out[-3]["choices"][0]["finish_reason"] == "stop"
+    assert out[-2]["usage"] == {k: USAGE[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def test_failure_after_first_token_ends_with_an_error_event() -> None:
+    out, gen = run([{"type": "delta", "text": "re"}, {"type": "error", "message": "decoder connection lost"}])
+    assert out[-1] == "[DONE]" and gen.closed
+    assert out[-2]["error"]["message"] == "decoder connection lost"
+    assert all(c["choices"][0]["finish_reason"] is None for c in out[:-2])
+
+
+def test_stream_that_just_stops_is_not_silently_truncated() -> None:
+    out, _ = run([{"type": "delta", "text": "re"}])
+    assert out[-2]["error"]["code"] == "stream_interrupted" and out[-1] == "[DONE]"
