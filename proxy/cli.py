@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-images-per-request", type=int, default=16)
     p.add_argument("--max-image-bytes", type=int, default=20 << 20)
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="larger images get a 400")
+    p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds for one encode or generation")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="info")
     return p
@@ -50,6 +52,7 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         served_model_name=args.served_model_name or _served_name(args.model),
         host=args.host, port=args.port, max_images_per_request=args.max_images_per_request,
         max_image_bytes=args.max_image_bytes, max_body_bytes=args.max_body_bytes,
+        max_image_pixels=args.max_image_pixels, worker_timeout=args.worker_timeout,
         startup_timeout=args.startup_timeout, log_level=args.log_level,
     )
 
