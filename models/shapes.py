@@ -39,15 +39,22 @@ def draw_shape(color: str, shape: str, rng: random.Random, size: int = IMAGE_SIZ
     return img
 
 
-def make_example(rng: random.Random, size: int = IMAGE_SIZE) -> Example:
-    """One random image with a random question about it."""
-    color, shape, kind = rng.choice(COLORS), rng.choice(SHAPES), rng.choice(sorted(QUESTIONS))
+# NOTE: shape is the hard question (colour is learned within ~150 steps), so training asks it more often.
+# At 0.8 (with MAX_LR 1.5e-3) the demo model keeps colour at 100% and shape rose from 52% to 76% (seeds 0/1/2:
+# 76/74/82%); at 0.9 colour collapsed (45%).
+SHAPE_FRACTION = 0.8
+
+
+def make_example(rng: random.Random, size: int = IMAGE_SIZE, shape_fraction: float = SHAPE_FRACTION) -> Example:
+    """One random image with a random question about it (a shape question with probability shape_fraction)."""
+    color, shape = rng.choice(COLORS), rng.choice(SHAPES)
+    kind = "shape" if rng.random() < shape_fraction else "color"
     answer = color if kind == "color" else shape
     return Example(image=draw_shape(color, shape, rng, size), question=QUESTIONS[kind], answer=answer)
 
 
-def examples(seed: int, size: int = IMAGE_SIZE) -> Iterator[Example]:
+def examples(seed: int, size: int = IMAGE_SIZE, shape_fraction: float = SHAPE_FRACTION) -> Iterator[Example]:
     """An endless, deterministic stream of examples for one seed."""
     rng = random.Random(seed)
     while True:
-        yield make_example(rng, size)
+        yield make_example(rng, size, shape_fraction)
