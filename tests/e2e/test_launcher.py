@@ -112,10 +112,18 @@ def test_each_process_holds_only_its_half(stack: Stack) -> None:
         assert loaded == {"modules": ["language_model", "lm_head"], "num_parameters": sum(numel.values()) - vision}
 
 
+def truncated_png() -> str:
+    """A PNG whose header is fine (the proxy's check passes) but whose pixels are cut off (the encoder fails)."""
+    url = data_url("orange", seed=99)
+    raw = base64.b64decode(url.split(",", 1)[1])
+    return "data:image/png;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()
+
+
 @pytest.mark.parametrize("url,code", [
     ("data:image/png;base64,%%%", "invalid_image_url"),
     ("data:image/png;base64," + base64.b64encode(b"GIF89a but not really an image").decode(), "invalid_image"),
-])
+    (truncated_png(), "invalid_image"),
+], ids=["malformed_data_url", "non_image_bytes", "truncated_png"])
 def test_bad_image_is_400_and_next_request_succeeds(client: OpenAI, stack: Stack, url: str, code: str) -> None:
     with pytest.raises(BadRequestError) as err:
         client.chat.completions.create(model="demo", messages=user(url), max_tokens=2)
