@@ -30,3 +30,16 @@ def test_stop_string_ends_text_and_is_not_returned(tiny_model_dirs: dict[str, Pa
     tok = AutoTokenizer.from_pretrained(tiny_model_dirs["llava"])
     pieces, d = stream(tok, "It is red. It is a circle.", ("a circle",))
     assert "".join(pieces) == "It is red. It is " and d.stopped
+
+
+def test_long_random_token_streams_join_to_the_full_decode(tiny_model_dirs: dict[str, Path]) -> None:
+    import random
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dirs["qwen2_vl"])
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 60))]
+        d = IncrementalDetokenizer(tok, ())
+        out = "".join(d.add(t) for t in ids) + d.flush()
+        full = tok.decode(ids, skip_special_tokens=True)
+        assert out == full.rstrip("\ufffd") or out == full
