@@ -149,8 +149,9 @@ def test_schema_violation_is_openai_error_not_fastapi_detail(stack: Stack) -> No
     assert resp.json()["error"]["param"] == "messages"
 
 
-def test_models_endpoint_lists_the_served_model(client: OpenAI) -> None:
+def test_models_endpoint_lists_the_served_model(client: OpenAI, stack: Stack) -> None:
     assert [m.id for m in client.models.list().data] == ["demo"]
+    assert_valid("ListModelsResponse", stack.get("/v1/models").json())
 
 
 def test_request_id_is_returned(stack: Stack) -> None:
