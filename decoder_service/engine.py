@@ -18,10 +18,11 @@ from decoder_service.config import DecoderConfig
 from decoder_service.detokenizer import IncrementalDetokenizer
 from decoder_service.generate import eos_token_ids, generate
 from decoder_service.metrics import DecoderMetrics
-from decoder_service.prompt import Prompt, build_prompt, chat_template, render
+from decoder_service.prompt import Prompt, build_prompt
 from decoder_service.protocol import Event, GenerateRequest, Usage
 from decoder_service.sampling import Sampler, SamplingParams
 from models.base import ImageFeatures
+from models.chat import chat_template, render
 from models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
@@ -44,7 +45,7 @@ class Job:
 class Engine:
     def __init__(self, lm: LanguageHalf, consumer: ECConsumer, cfg: DecoderConfig, metrics: DecoderMetrics):
         self.lm, self.consumer, self.cfg, self.metrics = lm, consumer, cfg, metrics
-        self.template = chat_template(lm)
+        self.template = chat_template(lm.tokenizer, lm.model_dir)
         self.eos_ids = eos_token_ids(lm)
         self.max_model_len = cfg.max_model_len or int(lm.config.get_text_config().max_position_embeddings)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -61,7 +62,7 @@ class Engine:
         """Gather embeddings and build the prompt (blocking); raises APIError for what cannot run."""
         images = self._gather(req)
         try:
-            prompt = build_prompt(self.lm, render(self.lm, req.messages, self.template), images)
+            prompt = build_prompt(self.lm, render(self.lm.tokenizer, req.messages, self.template), images)
         except (TemplateError, ValueError, TypeError, KeyError) as exc:
             raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
         room = self.max_model_len - prompt.num_tokens

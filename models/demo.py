@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.utils import logging as hf_logging
 
 from models.base import expand_placeholders
+from models.chat import chat_template, render
+from models.halves import LanguageHalf, VisionHalf
 from models.shapes import IMAGE_SIZE, Example, draw_shape, examples
 from models.tiny import TinySpec, build_tiny
 from models.tokenizer import COLORS, QUESTIONS, SHAPES
@@ -40,11 +43,13 @@ def _num_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 4))
 
 
+def _messages(question: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+
 def _prompt_ids(tok: Any, question: str, num_image_tokens: int) -> list[int]:
     """The chat-templated user turn + assistant header, placeholder expanded, as the decoder builds it."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    ids = render(tok, _messages(question), tok.chat_template)
     return expand_placeholders(ids, tok.convert_tokens_to_ids(tok.image_token), [num_image_tokens])
 
 
@@ -92,24 +97,27 @@ def train(out_dir: Path, steps: int = DEMO_STEPS, seed: int = 0) -> dict[str, An
             "final_loss": round(sum(tail) / len(tail), 4), "threads": torch.get_num_threads()}
 
 
+def answer(vision: VisionHalf, lm: LanguageHalf, image: Image.Image, question: str) -> str:
+    """Greedy answer to one question about one image, through the split serving path."""
+    from decoder_service.generate import eos_token_ids, generate
+    from decoder_service.prompt import build_prompt
+
+    (features,) = vision.encode([image])
+    prompt = build_prompt(lm, render(lm.tokenizer, _messages(question), chat_template(lm.tokenizer, lm.model_dir)), [features])
+    ids = generate(lm, prompt, choose=lambda x: int(torch.argmax(x)), max_tokens=8, eos_ids=eos_token_ids(lm))
+    return str(lm.tokenizer.decode(list(ids), skip_special_tokens=True)).strip()
+
+
 def evaluate(model_dir: Path, n: int = 200, seed: int = EVAL_SEED) -> dict[str, Any]:
     """Colour and shape accuracy on n held-out images per question, through the split serving path."""
-    from decoder_service.generate import eos_token_ids, generate
-    from decoder_service.prompt import build_prompt, chat_template, render
-    from models.halves import LanguageHalf, VisionHalf
-
     torch.set_num_threads(_num_threads())
     vision, lm = VisionHalf(model_dir), LanguageHalf(model_dir)
-    template, eos = chat_template(lm), eos_token_ids(lm)
     rng, hits = random.Random(seed), {"color": 0, "shape": 0}
     for _ in range(n):
         color, shape = rng.choice(COLORS), rng.choice(SHAPES)
-        (features,) = vision.encode([draw_shape(color, shape, rng)])
+        image = draw_shape(color, shape, rng)
         for kind, truth in (("color", color), ("shape", shape)):
-            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[kind]}]}]
-            prompt = build_prompt(lm, render(lm, messages, template), [features])
-            ids = list(generate(lm, prompt, choose=lambda x: int(torch.argmax(x)), max_tokens=8, eos_ids=eos))
-            hits[kind] += str(lm.tokenizer.decode(ids, skip_special_tokens=True)).strip() == truth
+            hits[kind] += answer(vision, lm, image, QUESTIONS[kind]) == truth
     return {"n": n, "seed": seed, "color_acc": hits["color"] / n, "shape_acc": hits["shape"] / n}
 
 

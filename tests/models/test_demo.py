@@ -5,11 +5,8 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
-from decoder_service.generate import eos_token_ids, generate
-from decoder_service.prompt import build_prompt, chat_template, render
-from models.demo import DEMO_DIR, ensure_demo_model, has_model, train
+from models.demo import DEMO_DIR, answer, ensure_demo_model, has_model, train
 from models.halves import LanguageHalf, VisionHalf
 from models.shapes import draw_shape
 from models.tokenizer import QUESTIONS
@@ -17,11 +14,7 @@ from models.tokenizer import QUESTIONS
 
 def _answer(color: str, shape: str, seed: int) -> str:
     vision, lm = VisionHalf(DEMO_DIR), LanguageHalf(DEMO_DIR)
-    (features,) = vision.encode([draw_shape(color, shape, random.Random(seed))])
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS["color"]}]}]
-    prompt = build_prompt(lm, render(lm, messages, chat_template(lm)), [features])
-    ids = generate(lm, prompt, choose=lambda x: int(torch.argmax(x)), max_tokens=8, eos_ids=eos_token_ids(lm))
-    return lm.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
+    return answer(vision, lm, draw_shape(color, shape, random.Random(seed)), QUESTIONS["color"])
 
 
 @pytest.mark.parametrize(("color", "shape"), [("red", "circle"), ("blue", "square"), ("yellow", "triangle")])

@@ -9,8 +9,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationC
 
 from connector import ECConsumer, ECProducer, EncoderOutput
 from decoder_service.generate import generate
-from decoder_service.prompt import build_prompt, chat_template, render
+from decoder_service.prompt import build_prompt
 from models.base import ImageFeatures
+from models.chat import chat_template, render
 from models.halves import LanguageHalf, VisionHalf
 from models.tiny import FAMILIES
 from tests.factories import make_image
@@ -57,7 +58,7 @@ def test_split_path_matches_generate(tiny_model_dirs: dict[str, Path], family: s
     model_dir = tiny_model_dirs[family]
     images = [make_image(w, h, color) for w, h, color in CASES[case]]
     vision, lm = VisionHalf(model_dir), LanguageHalf(model_dir)
-    ids = render(lm, _messages(len(images)), chat_template(lm))
+    ids = render(lm.tokenizer, _messages(len(images)), chat_template(lm.tokenizer, model_dir))
     features = _through_connector(vision.encode(images)) if images else []
     prompt = build_prompt(lm, ids, features)
     ours = list(generate(lm, prompt, lambda logits: int(torch.argmax(logits)), NUM_NEW, eos_ids=set()))
