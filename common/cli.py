@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
+
+from connector.security import CurveConfig, load_curve_config
 
 
 def worker_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
@@ -13,3 +16,32 @@ def worker_parser(prog: str, description: str, defaults: Any) -> argparse.Argume
     p.add_argument("--port", type=int, default=defaults.port)
     p.add_argument("--log-level", default=defaults.log_level)
     return p
+
+
+def add_curve_flags(p: argparse.ArgumentParser) -> None:
+    """Optional CURVE keys for connector links; each falls back to its EPD_EC_CURVE_* env var."""
+    g = p.add_argument_group("connector security (ZeroMQ CURVE; see docs/ARCHITECTURE.md)")
+    g.add_argument("--ec-curve-key", default=None,
+                   help="this node's secret key file (`python -m connector.security generate DIR`); "
+                        "env EPD_EC_CURVE_SECRET_KEY")
+    g.add_argument("--ec-curve-server-key", default=None,
+                   help="the encoders' public key file (decoders, proxies); env EPD_EC_CURVE_SERVER_KEY")
+    g.add_argument("--ec-curve-allowed-clients", default=None,
+                   help="encoders: directory of client public key files allowed in; env EPD_EC_CURVE_ALLOWED_CLIENTS")
+
+
+def pop_curve(p: argparse.ArgumentParser, args: argparse.Namespace) -> CurveConfig | None:
+    """Remove the CURVE flags from `args` and load the keys they name (a usage error if they are bad)."""
+    d = vars(args)
+    try:
+        return load_curve_config(d.pop("ec_curve_key"), d.pop("ec_curve_server_key"), d.pop("ec_curve_allowed_clients"))
+    except (ValueError, OSError) as exc:
+        p.error(str(exc))
+
+
+def describe(cfg: Any) -> dict[str, Any]:
+    """A config for the log: keys are never printed, only whether CURVE is on."""
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    if "curve" in d:
+        d["curve"] = "on" if d["curve"] is not None else "off"
+    return d

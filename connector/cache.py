@@ -1,39 +1,54 @@
-"""Byte-bounded LRU cache of encoder outputs, keyed by mm_hash."""
+"""Byte-bounded LRU cache of encoder outputs, keyed by mm_hash, with pins and an event journal."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Iterator
 
 from connector.types import EncoderOutput
 
+STORED, EVICTED = "stored", "evicted"
+CacheEvent = tuple[int, str, str]  # (seq, STORED | EVICTED, mm_hash)
+
 
 class EmbeddingCache:
-    """Thread-safe LRU that evicts least recently used items to stay under `max_bytes`."""
+    """Thread-safe LRU that evicts least recently used, unpinned items to stay under `max_bytes`.
 
-    def __init__(self, max_bytes: int) -> None:
+    Every store and eviction gets the next sequence number; with `journal=True` the events are kept
+    until `drain_events()` so a publisher can send them in order.
+    """
+
+    def __init__(self, max_bytes: int, journal: bool = False) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._items: OrderedDict[str, EncoderOutput] = OrderedDict()  # oldest first
+        self._pins: Counter[str] = Counter()  # mm_hash -> users that must not lose it
         self._lock = threading.Lock()
+        self._journal: list[CacheEvent] | None = [] if journal else None
+        self._seq = 0
         self._nbytes = 0
         self._num_hits = 0
         self._num_misses = 0
         self._num_evictions = 0
+        self._num_rejected = 0
 
     def put(self, out: EncoderOutput) -> bool:
-        """Store (or replace) an item; return False if it alone is over the byte bound."""
-        if out.nbytes > self.max_bytes:
-            return False
+        """Store (or replace) an item; False if it cannot fit beside the pinned items."""
         with self._lock:
-            self._discard(out.mm_hash)
-            while self._nbytes + out.nbytes > self.max_bytes:
-                _, oldest = self._items.popitem(last=False)
-                self._nbytes -= oldest.nbytes
-                self._num_evictions += 1
+            old = self._items.get(out.mm_hash)
+            room = self.max_bytes - self._pinned_bytes(exclude=out.mm_hash)
+            if out.nbytes > room:
+                self._num_rejected += 1
+                return False
+            if old is not None:
+                self._nbytes -= self._items.pop(out.mm_hash).nbytes
+            self._evict_until(self.max_bytes - out.nbytes)
             self._items[out.mm_hash] = out
             self._nbytes += out.nbytes
+            self._record(STORED, out.mm_hash)
         return True
 
     def get(self, mm_hash: str) -> EncoderOutput | None:
@@ -47,6 +62,32 @@ class EmbeddingCache:
             self._num_hits += 1
             return out
 
+    @contextlib.contextmanager
+    def pinned(self, mm_hashes: Iterable[str]) -> Iterator[dict[str, EncoderOutput]]:
+        """Hold the given items (those present) against eviction; yields them, refreshed as hits."""
+        keys = list(dict.fromkeys(mm_hashes))
+        with self._lock:
+            self._pins.update(keys)
+        try:
+            yield {h: out for h in keys if (out := self.get(h)) is not None}
+        finally:
+            with self._lock:
+                self._pins.subtract(keys)
+                self._pins += Counter()  # drop zero counts
+
+    def snapshot(self) -> tuple[int, list[str]]:
+        """The sequence number of the last event and every held mm_hash, consistent with each other."""
+        with self._lock:
+            return self._seq, list(self._items)
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Events recorded since the last drain, oldest first (empty without a journal)."""
+        with self._lock:
+            if not self._journal:
+                return []
+            events, self._journal = self._journal, []
+            return events
+
     def __contains__(self, mm_hash: object) -> bool:
         with self._lock:
             return mm_hash in self._items
@@ -59,18 +100,44 @@ class EmbeddingCache:
     def nbytes(self) -> int:
         return self._nbytes
 
+    @property
+    def seq(self) -> int:
+        return self._seq
+
     def stats(self) -> dict[str, int]:
         """Counters for metrics and tests."""
         with self._lock:
             return {
                 "num_items": len(self._items),
                 "bytes": self._nbytes,
+                "max_bytes": self.max_bytes,
                 "hits": self._num_hits,
                 "misses": self._num_misses,
                 "evictions": self._num_evictions,
+                "rejected": self._num_rejected,
+                "pinned": len(self._pins),
             }
 
-    def _discard(self, mm_hash: str) -> None:
-        old = self._items.pop(mm_hash, None)
-        if old is not None:
-            self._nbytes -= old.nbytes
+    # under self._lock
+
+    def _pinned_bytes(self, exclude: str) -> int:
+        return sum(self._items[h].nbytes for h in self._pins if h in self._items and h != exclude)
+
+    def _evict_until(self, limit: int) -> None:
+        """Evict oldest unpinned items until at most `limit` bytes are held (the caller checked it can)."""
+        victims, freed = [], 0
+        for mm_hash, out in self._items.items():
+            if self._nbytes - freed <= limit:
+                break
+            if mm_hash not in self._pins:
+                victims.append(mm_hash)
+                freed += out.nbytes
+        for mm_hash in victims:
+            self._nbytes -= self._items.pop(mm_hash).nbytes
+            self._num_evictions += 1
+            self._record(EVICTED, mm_hash)
+
+    def _record(self, kind: str, mm_hash: str) -> None:
+        self._seq += 1
+        if self._journal is not None:
+            self._journal.append((self._seq, kind, mm_hash))

@@ -1,4 +1,4 @@
-"""One lazily created DEALER socket to one producer, used under its own lock."""
+"""DEALER sockets to producers, pooled per address so concurrent requests never share one."""
 
 from __future__ import annotations
 
@@ -7,15 +7,23 @@ from typing import Any
 
 import zmq
 
+from connector.security import CurveConfig, secure_client
+from connector.wire import apply_socket_limits
+
+MAX_IDLE_PER_PEER = 8
+
 
 class PeerChannel:
-    """A DEALER socket to `address`; hold `lock` around every use of `socket()`."""
+    """A DEALER socket to `address`, used by one request at a time (checked out of a ChannelPool)."""
 
-    def __init__(self, ctx: zmq.Context[Any], address: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], address: str, curve: CurveConfig | None, max_bytes: int) -> None:
         self.address = address
-        self.lock = threading.Lock()
-        self._ctx = ctx
+        self._ctx, self._curve, self._max_bytes = ctx, curve, max_bytes
         self._socket: zmq.Socket[Any] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._socket is not None
 
     def socket(self) -> zmq.Socket[Any]:
         """Return the socket, connecting it on first use."""
@@ -23,6 +31,8 @@ class PeerChannel:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             try:
+                secure_client(sock, self._curve)
+                apply_socket_limits(sock, self._max_bytes)
                 sock.connect(self.address)
             except zmq.ZMQError:
                 sock.close()  # a bad address must not leak an unclosed socket
@@ -44,3 +54,39 @@ class PeerChannel:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+
+
+class ChannelPool:
+    """Idle channels per producer address; a checked-out channel belongs to one request."""
+
+    def __init__(self, ctx: zmq.Context[Any], curve: CurveConfig | None, max_bytes: int) -> None:
+        self._ctx, self._curve, self._max_bytes = ctx, curve, max_bytes
+        self._idle: dict[str, list[PeerChannel]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def checkout(self, address: str) -> PeerChannel:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ECConsumer is closed")
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop()
+        return PeerChannel(self._ctx, address, self._curve, self._max_bytes)
+
+    def checkin(self, channel: PeerChannel) -> None:
+        """Return a channel; it is closed instead when the pool is closed or full, or the socket was reset."""
+        with self._lock:
+            idle = self._idle.setdefault(channel.address, [])
+            if not self._closed and channel.is_open and len(idle) < MAX_IDLE_PER_PEER:
+                idle.append(channel)
+                return
+        channel.reset()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for channel in channels:
+            channel.reset()

@@ -2,55 +2,60 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 import zmq
 
 from connector import messages
 from connector.cache import EmbeddingCache
-from connector.channel import PeerChannel
+from connector.channel import ChannelPool, PeerChannel
+from connector.security import CurveConfig
 from connector.types import EncoderOutput, MissingEmbeddings
-from connector.wire import MAX_TENSOR_BYTES, WireError, decode_message, encode_message
+from connector.wire import MAX_REPLY_HEADER_BYTES, MAX_TENSOR_BYTES, WireError, decode_message, encode_message
 
 logger = logging.getLogger("epd.connector")
 
 Reply = tuple[dict[str, Any], list[memoryview]]  # (header, tensor frame buffers)
+_WAIT_MARGIN_S = 0.2  # a waiting producer answers this long before the consumer gives up
 
 
 class ECConsumer:
     """Fetches embeddings by mm_hash from the producers that computed them."""
 
-    def __init__(self, cache_bytes: int = 1 << 30, max_message_bytes: int = MAX_TENSOR_BYTES) -> None:
+    def __init__(self, cache_bytes: int = 1 << 30, max_message_bytes: int = MAX_TENSOR_BYTES,
+                 curve: CurveConfig | None = None) -> None:
         self.max_message_bytes = max_message_bytes
         self._cache = EmbeddingCache(cache_bytes)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._channels: dict[str, PeerChannel] = {}  # producer address -> channel
-        self._channels_lock = threading.Lock()
-        self._closed = False
+        self._pool = ChannelPool(zmq.Context.instance(), curve, max_message_bytes)
         self._req_ids = itertools.count(1)
         self._stats_lock = threading.Lock()
         self._bytes_received = 0
         self._num_gathers = 0
         self._num_remote_fetches = 0
 
-    def gather(self, mm_hashes: list[str], sources: dict[str, str], timeout: float = 10.0) -> dict[str, EncoderOutput]:
-        """Return every requested item, from the local cache or its source producer (mm_hash -> address)."""
+    def gather(self, mm_hashes: list[str], sources: dict[str, str], timeout: float = 10.0,
+               wait_for: Collection[str] = ()) -> dict[str, EncoderOutput]:
+        """Return every requested item, from the local cache or its source producer (mm_hash -> address).
+
+        Items in `wait_for` may still be encoding: their producer holds the reply until they are stored
+        (pipelined gather), for at most `timeout` seconds.
+        """
         wanted = list(dict.fromkeys(mm_hashes))
-        result = {h: out for h in wanted if (out := self._cache.get(h)) is not None}
-        remote: dict[str, list[str]] = {}  # producer address -> hashes to fetch there
-        for h in wanted:
-            if h not in result and h in sources:
-                remote.setdefault(sources[h], []).append(h)
-        fetched = self._fetch(remote, timeout) if remote else {}
-        for out in fetched.values():
-            self._cache.put(out)
-        result.update(fetched)
+        with self._cache.pinned(wanted) as result:
+            remote: dict[str, list[str]] = {}  # producer address -> hashes to fetch there
+            for h in wanted:
+                if h not in result and h in sources:
+                    remote.setdefault(sources[h], []).append(h)
+            fetched = self._fetch(remote, timeout, set(wait_for)) if remote else {}
+            for out in fetched.values():
+                self._cache.put(out)
+            result = {**result, **fetched}
         with self._stats_lock:
             self._num_gathers += 1
             self._bytes_received += sum(out.nbytes for out in fetched.values())
@@ -75,6 +80,15 @@ class ECConsumer:
             logger.warning("bad has_reply from %s: %s", address, e)
             return [False] * len(mm_hashes)
 
+    def snapshot(self, address: str, timeout: float = 2.0) -> tuple[str, int, list[str]] | None:
+        """(epoch, seq, held hashes) of one producer, or None if it does not answer in time."""
+        reply = self._exchange({address: messages.request("snapshot", next(self._req_ids))}, timeout).get(address)
+        try:
+            return messages.parse_position(self._expect(reply, "snapshot_reply", address))
+        except WireError as e:
+            logger.warning("no snapshot from %s: %s", address, e)
+            return None
+
     def ping(self, address: str, timeout: float = 2.0) -> bool:
         """Whether a producer answers a ping in time."""
         reply = self._exchange({address: messages.request("ping", next(self._req_ids))}, timeout).get(address)
@@ -91,17 +105,14 @@ class ECConsumer:
         return {**self._cache.stats(), **counters}
 
     def close(self) -> None:
-        """Close every producer socket; the consumer cannot be used afterwards."""
-        with self._channels_lock:
-            self._closed = True
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            with channel.lock:
-                channel.reset()
+        """Close every idle producer socket; the consumer cannot be used afterwards."""
+        self._pool.close()
 
-    def _fetch(self, remote: dict[str, list[str]], timeout: float) -> dict[str, EncoderOutput]:
+    def _fetch(self, remote: dict[str, list[str]], timeout: float, wait_for: set[str]) -> dict[str, EncoderOutput]:
         """Send one `get` per producer at once, then keep the items each was asked for."""
-        requests = {addr: messages.request("get", next(self._req_ids), hashes) for addr, hashes in remote.items()}
+        wait_ms = max(0, int((timeout - _WAIT_MARGIN_S) * 1000))
+        requests = {addr: messages.get_request(next(self._req_ids), hashes, [h for h in hashes if h in wait_for],
+                                               wait_ms) for addr, hashes in remote.items()}
         with self._stats_lock:
             self._num_remote_fetches += len(requests)
         replies = self._exchange(requests, timeout)
@@ -128,10 +139,8 @@ class ECConsumer:
     def _exchange(self, requests: dict[str, dict[str, Any]], timeout: float) -> dict[str, Reply]:
         """Send each request to its producer, then collect replies until `timeout` seconds pass."""
         deadline = time.monotonic() + timeout
-        channels = [self._channel(addr) for addr in sorted(requests)]  # sorted: one lock order
-        with contextlib.ExitStack() as stack:
-            for channel in channels:
-                stack.enter_context(channel.lock)
+        channels = [self._pool.checkout(addr) for addr in requests]
+        try:
             pending: dict[zmq.Socket[Any], tuple[PeerChannel, int]] = {}  # socket -> (channel, req_id)
             for channel in channels:
                 req = requests[channel.address]
@@ -141,6 +150,9 @@ class ECConsumer:
             for channel, _ in pending.values():
                 # NOTE: a timed-out socket may still get the late reply; a fresh one never will.
                 channel.reset()
+        finally:
+            for channel in channels:
+                self._pool.checkin(channel)
         return replies
 
     def _collect(self, pending: dict[zmq.Socket[Any], tuple[PeerChannel, int]], deadline: float) -> dict[str, Reply]:
@@ -163,7 +175,7 @@ class ECConsumer:
         """Decode one reply; None for a malformed one or a stale one of an earlier request."""
         frames = sock.recv_multipart(copy=False)
         try:
-            header, buffers = decode_message(frames, self.max_message_bytes)
+            header, buffers = decode_message(frames, self.max_message_bytes, MAX_REPLY_HEADER_BYTES)
         except WireError as e:
             logger.warning("malformed reply from %s: %s", address, e)
             return None
@@ -171,11 +183,3 @@ class ECConsumer:
             logger.debug("discarding stale reply %s from %s", header["req_id"], address)
             return None
         return header, buffers
-
-    def _channel(self, address: str) -> PeerChannel:
-        with self._channels_lock:
-            if self._closed:
-                raise RuntimeError("ECConsumer is closed")
-            if address not in self._channels:
-                self._channels[address] = PeerChannel(self._ctx, address)
-            return self._channels[address]

@@ -1,13 +1,17 @@
-"""Headers of the connector ops (get, has, ping) and their replies."""
+"""Headers of the connector ops (get, has, ping, snapshot), their replies, and published events."""
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import torch
 
 from connector.types import EncoderOutput
 from connector.wire import WireError, tensor_from_frame, tensor_spec
+
+MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
+EVENT_KINDS = frozenset({"stored", "evicted", "heartbeat"})
 
 
 def request(op: str, req_id: int, hashes: list[str] | None = None) -> dict[str, Any]:
@@ -16,6 +20,43 @@ def request(op: str, req_id: int, hashes: list[str] | None = None) -> dict[str, 
     if hashes is not None:
         header["hashes"] = list(hashes)
     return header
+
+
+def get_request(req_id: int, hashes: list[str], wait: list[str] | None = None, wait_ms: int = 0) -> dict[str, Any]:
+    """A `get`; items in `wait` may still be encoding, and the producer holds the reply up to `wait_ms` for them."""
+    header = request("get", req_id, hashes)
+    if wait and wait_ms > 0:
+        header.update(wait=list(wait), wait_ms=int(wait_ms))
+    return header
+
+
+def parse_wait(header: dict[str, Any], hashes: list[str]) -> tuple[set[str], int]:
+    """A `get`'s wait list (a subset of its hashes) and wait in ms, capped at MAX_WAIT_MS."""
+    wait, wait_ms = header.get("wait", []), header.get("wait_ms", 0)
+    if not isinstance(wait, list) or not all(isinstance(h, str) for h in wait) or not set(wait) <= set(hashes):
+        raise WireError("get `wait` must be a list of hashes the get asks for")
+    if not isinstance(wait_ms, int) or isinstance(wait_ms, bool) or wait_ms < 0:
+        raise WireError(f"get `wait_ms` must be a non-negative int, got {reprlib.repr(wait_ms)}")
+    return set(wait), min(wait_ms, MAX_WAIT_MS)
+
+
+def snapshot_reply(req_id: int, epoch: str, seq: int, hashes: list[str]) -> dict[str, Any]:
+    """Everything a producer holds, as of event `seq` of `epoch`."""
+    return {"op": "snapshot_reply", "req_id": req_id, "epoch": epoch, "seq": seq, "hashes": hashes}
+
+
+def event(producer: str, epoch: str, seq: int, kind: str, hashes: list[str]) -> dict[str, Any]:
+    """A published cache event; `heartbeat` repeats the last seq and carries no hashes."""
+    return {"op": "event", "req_id": 0, "producer": producer, "epoch": epoch, "seq": seq, "kind": kind,
+            "hashes": hashes}
+
+
+def parse_position(header: dict[str, Any]) -> tuple[str, int, list[str]]:
+    """(epoch, seq, hashes) of a snapshot reply or an event, checking their types."""
+    epoch, seq = header.get("epoch"), header.get("seq")
+    if not isinstance(epoch, str) or not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise WireError(f"{header['op']} needs a str epoch and a non-negative int seq")
+    return epoch, seq, parse_hashes(header)
 
 
 def error_reply(req_id: int, message: str) -> dict[str, Any]:
@@ -31,14 +72,15 @@ def parse_hashes(header: dict[str, Any]) -> list[str]:
     return hashes
 
 
-def get_reply(req_id: int, hashes: list[str], found: dict[str, EncoderOutput]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Header and tensor frames answering a `get`: one item per requested hash."""
+def get_reply(req_id: int, hashes: list[str], found: dict[str, EncoderOutput],
+              failed: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Header and tensor frames answering a `get`: one item per requested hash (`failed`: encoding failed)."""
     items: list[dict[str, Any]] = []
     tensors: list[torch.Tensor] = []
     for mm_hash in hashes:
         out = found.get(mm_hash)
         if out is None:
-            items.append({"mm_hash": mm_hash, "found": False})
+            items.append({"mm_hash": mm_hash, "found": False, "failed": mm_hash in failed})
             continue
         spec = tensor_spec(out.embeds, frame=len(tensors))
         grid = list(out.grid_thw) if out.grid_thw is not None else None
@@ -53,11 +95,11 @@ def parse_get_reply(header: dict[str, Any], buffers: list[memoryview]) -> dict[s
     for item in header.get("items", []):
         mm_hash = item.get("mm_hash")
         if not isinstance(mm_hash, str):
-            raise WireError(f"get_reply item has a non-str mm_hash {mm_hash!r}")
+            raise WireError(f"get_reply item has a non-str mm_hash {reprlib.repr(mm_hash)}")
         if item.get("found") is not True:
             continue
         if "frame" not in item:
-            raise WireError(f"get_reply item {mm_hash!r} is found but has no tensor frame")
+            raise WireError(f"get_reply item {reprlib.repr(mm_hash)} is found but has no tensor frame")
         embeds = tensor_from_frame(buffers[item["frame"]], item.get("dtype"), item.get("shape"))
         found[mm_hash] = _output(mm_hash, embeds, item)
     return found
@@ -67,16 +109,16 @@ def parse_has_reply(header: dict[str, Any], num_hashes: int) -> list[bool]:
     """Return the flags of a `has_reply`, checking there is one bool per asked hash."""
     flags = header.get("has")
     if not isinstance(flags, list) or len(flags) != num_hashes or not all(isinstance(f, bool) for f in flags):
-        raise WireError(f"has_reply needs `has` as a list of {num_hashes} bool(s), got {flags!r}")
+        raise WireError(f"has_reply needs `has` as a list of {num_hashes} bool(s), got {reprlib.repr(flags)}")
     return flags
 
 
 def _output(mm_hash: str, embeds: torch.Tensor, item: dict[str, Any]) -> EncoderOutput:
     if embeds.dim() < 1 or item.get("num_tokens") != embeds.shape[0]:
-        raise WireError(f"get_reply item {mm_hash!r}: num_tokens does not match shape {list(embeds.shape)}")
+        raise WireError(f"get_reply item {reprlib.repr(mm_hash)}: num_tokens does not match shape {list(embeds.shape)}")
     grid = item.get("grid_thw")
     if grid is None:
         return EncoderOutput(mm_hash, embeds, None)
     if not isinstance(grid, list) or len(grid) != 3 or not all(type(v) is int for v in grid):
-        raise WireError(f"get_reply item {mm_hash!r}: grid_thw must be 3 ints or nil, got {grid!r}")
+        raise WireError(f"get_reply item {reprlib.repr(mm_hash)}: grid_thw must be 3 ints or nil, got {reprlib.repr(grid)}")
     return EncoderOutput(mm_hash, embeds, (grid[0], grid[1], grid[2]))

@@ -1,11 +1,13 @@
-"""Encoder side of the connector: caches embeddings and serves them over a ROUTER socket."""
+"""Encoder side of the connector: caches embeddings, serves them over ROUTER, publishes cache events over PUB."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import itertools
 import logging
+import secrets
 import threading
+import time
 from typing import Any
 
 import torch
@@ -13,35 +15,61 @@ import zmq
 
 from connector import messages
 from connector.cache import EmbeddingCache
+from connector.security import CurveConfig, secure_server, start_authenticator
 from connector.types import EncoderOutput
-from connector.wire import MAX_TENSOR_BYTES, WireError, decode_message, encode_message, peek_req_id
+from connector.waiters import FailedSet, ParkedGet, WaitList
+from connector.waker import Waker
+from connector.wire import MAX_TENSOR_BYTES, WireError, apply_socket_limits, decode_message, encode_message, peek_req_id
 
 logger = logging.getLogger("epd.connector")
 
 _START_TIMEOUT_S = 10.0
-_POLL_MS = 1000  # backstop only: close() wakes the loop through the control socket
-_ids = itertools.count()
+HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
+MAX_REQUEST_BYTES = 1 << 20  # requests carry hashes only
+
+
+def events_endpoint(bind: str) -> str:
+    """Where the PUB socket binds by default: beside the ROUTER endpoint."""
+    if bind.startswith("ipc://"):
+        return bind + ".events"
+    host, _, port = bind.rpartition(":")
+    return f"{host}:{int(port) + 1 if port.isdigit() and int(port) else 0}"
 
 
 class ECProducer:
-    """Serves `get`/`has`/`ping` for embeddings saved by this encoder process."""
+    """Serves `get`/`has`/`ping`/`snapshot` for embeddings saved by this encoder process.
+
+    A `get` may wait (up to its `wait_ms`) for items that are still being encoded; it is answered the
+    moment they are stored or marked failed. Every store and eviction is published with a sequence number.
+    """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", cache_bytes: int = 1 << 30,
-                 max_message_bytes: int = MAX_TENSOR_BYTES) -> None:
-        self.bind = bind
-        self.max_message_bytes = max_message_bytes
-        self._cache = EmbeddingCache(cache_bytes)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._ctl_address = f"inproc://epd-producer-ctl-{next(_ids)}-{id(self)}"
+                 max_message_bytes: int = MAX_TENSOR_BYTES, events_bind: str | None = None,
+                 curve: CurveConfig | None = None) -> None:
+        self.bind, self.events_bind = bind, events_bind or events_endpoint(bind)
+        self.max_message_bytes, self.curve = max_message_bytes, curve
+        self.epoch = secrets.token_hex(8)  # a restarted producer is a new epoch: subscribers drop what they knew
+        self._cache = EmbeddingCache(cache_bytes, journal=True)
+        # NOTE: a ZAP authenticator is per context, so a producer that checks client keys has its own.
+        self._ctx: zmq.Context[Any] = zmq.Context() if curve and curve.allowed_clients else zmq.Context.instance()
         self._address: str | None = None
+        self._events_address: str | None = None
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._start_error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        # Counters are written only by the serving thread.
+        self._waker = Waker()
+        self._failed_inbox: collections.deque[str] = collections.deque()
+        # Serving-thread state.
+        self._router: zmq.Socket[Any] | None = None
+        self._waits = WaitList()
+        self._failed = FailedSet()
+        self._published_seq = 0
         self._num_gets_served = 0
+        self._num_gets_waited = 0
         self._bytes_sent = 0
         self._num_bad_messages = 0
+        self._num_events = 0
 
     @property
     def address(self) -> str:
@@ -49,8 +77,14 @@ class ECProducer:
         assert self._address is not None, "ECProducer.start() has not been called"
         return self._address
 
+    @property
+    def events_address(self) -> str:
+        """The endpoint cache-event subscribers connect to."""
+        assert self._events_address is not None, "ECProducer.start() has not been called"
+        return self._events_address
+
     def start(self) -> ECProducer:
-        """Bind the ROUTER socket in a daemon thread and wait until it is listening."""
+        """Bind the sockets in a daemon thread and wait until they are listening."""
         assert self._thread is None, "ECProducer already started"
         self._thread = threading.Thread(target=self._serve, name="epd-ec-producer", daemon=True)
         self._thread.start()
@@ -68,7 +102,14 @@ class ECProducer:
         if embeds is not output.embeds:
             output = dataclasses.replace(output, embeds=embeds)
         if not self._cache.put(output):
-            logger.warning("embeddings %s (%d bytes) exceed the producer cache; not saved", mm_hash, output.nbytes)
+            logger.warning("embeddings %s (%d bytes) do not fit the producer cache; not saved", mm_hash, output.nbytes)
+            self.mark_failed([mm_hash])
+        self._waker.wake()
+
+    def mark_failed(self, mm_hashes: list[str]) -> None:
+        """These items will not be stored (bad image, encoder error): gets waiting for them answer now."""
+        self._failed_inbox.extend(mm_hashes)
+        self._waker.wake()
 
     def has_cache_item(self, mm_hash: str) -> bool:
         return mm_hash in self._cache
@@ -77,96 +118,153 @@ class ECProducer:
         """The held output (refreshing its recency), or None."""
         return self._cache.get(mm_hash)
 
+    def position(self) -> tuple[str, int]:
+        """(epoch, seq) of the last cache event: a subscriber that has seen it knows everything stored so far."""
+        return self.epoch, self._cache.seq
+
     def stats(self) -> dict[str, Any]:
         """Cache counters plus serving counters."""
         return {
             **self._cache.stats(),
             "gets_served": self._num_gets_served,
+            "gets_waited": self._num_gets_waited,
+            "gets_waiting": len(self._waits),
             "bytes_sent": self._bytes_sent,
             "bad_messages": self._num_bad_messages,
+            "events_published": self._num_events,
         }
 
     def close(self) -> None:
-        """Stop the serving thread; the thread closes its own sockets."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        waker = self._ctx.socket(zmq.PAIR)
-        waker.setsockopt(zmq.LINGER, 0)
-        try:
-            waker.connect(self._ctl_address)
-            waker.send(b"stop", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the thread never bound or already stopped; the stop event is enough
-        finally:
-            waker.close()
-        self._thread.join(timeout=_POLL_MS / 1000 * 5)
-        self._thread = None
+        """Stop the serving thread (it closes its own sockets), then the wake pipe."""
+        if self._thread is not None:
+            self._stop.set()
+            self._waker.wake()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._waker.close()
 
-    # serving thread: the only user of the ROUTER and control sockets
+    # serving thread: the only user of the sockets and of the wait list
 
     def _serve(self) -> None:
-        router = self._ctx.socket(zmq.ROUTER)
-        ctl = self._ctx.socket(zmq.PAIR)
-        for sock in (router, ctl):
+        auth = start_authenticator(self._ctx, self.curve)
+        router, pub = self._ctx.socket(zmq.ROUTER), self._ctx.socket(zmq.PUB)
+        for sock in (router, pub):
             sock.setsockopt(zmq.LINGER, 0)
+            secure_server(sock, self.curve)
+        apply_socket_limits(router, MAX_REQUEST_BYTES)
+        pub.setsockopt(zmq.SNDHWM, 100_000)  # a slow subscriber loses events past this and resyncs
         try:
-            ctl.bind(self._ctl_address)
             router.bind(self.bind)
+            pub.bind(self.events_bind)
             self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._events_address = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self._start_error = e
-            self._ready.set()
-            router.close()
-            ctl.close()
-            return
         self._ready.set()
         try:
-            self._loop(router, ctl)
+            if self._start_error is None:
+                self._router = router
+                self._loop(router, pub)
         finally:
             router.close()
-            ctl.close()
+            pub.close()
+            if auth is not None:
+                auth.stop()
+            if self._ctx is not zmq.Context.instance():
+                self._ctx.term()
 
-    def _loop(self, router: zmq.Socket, ctl: zmq.Socket) -> None:
+    def _loop(self, router: zmq.Socket[Any], pub: zmq.Socket[Any]) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(ctl, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        next_beat = time.monotonic()
         while not self._stop.is_set():
-            events = dict(poller.poll(_POLL_MS))
-            if ctl in events:
-                return
+            now = time.monotonic()
+            if now >= next_beat:
+                self._publish(pub, messages.event(self.address, self.epoch, self._published_seq, "heartbeat", []))
+                next_beat = now + HEARTBEAT_S
+            for get in self._waits.expired(now):
+                self._answer(get)
+            deadline = min(next_beat, self._waits.next_deadline() or next_beat)
+            events = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000) + 1)))
+            if self._waker.fileno() in events:
+                self._waker.drain()
+                self._settle(pub)
             if router in events:
-                self._serve_one(router)
+                self._serve_pending(router)
 
-    def _serve_one(self, router: zmq.Socket) -> None:
+    def _serve_pending(self, router: zmq.Socket[Any]) -> None:
+        """Serve every request queued on the ROUTER now, without blocking."""
+        while router.poll(0, zmq.POLLIN):
+            self._serve_one(router)
+
+    def _settle(self, pub: zmq.Socket[Any]) -> None:
+        """Publish new cache events and answer the parked gets they (or new failures) complete."""
+        settled: list[str] = []
+        while self._failed_inbox:
+            mm_hash = self._failed_inbox.popleft()
+            self._failed.add(mm_hash)
+            settled.append(mm_hash)
+        for seq, kind, mm_hash in self._cache.drain_events():
+            self._publish(pub, messages.event(self.address, self.epoch, seq, kind, [mm_hash]))
+            self._published_seq = seq
+            if kind == "stored":
+                self._failed.discard(mm_hash)
+                settled.append(mm_hash)
+        for get in self._waits.resolve(settled, lambda h: h in self._cache or h in self._failed):
+            self._answer(get)
+
+    def _publish(self, pub: zmq.Socket[Any], header: dict[str, Any]) -> None:
+        pub.send_multipart(encode_message(header), copy=False)
+        self._num_events += 1
+
+    def _serve_one(self, router: zmq.Socket[Any]) -> None:
         frames = router.recv_multipart(copy=False)
         identity, payload = frames[0], frames[1:]
         try:
-            header, tensors = self._handle(payload)
+            reply = self._handle(identity.bytes, payload)
         except WireError as e:
-            header, tensors = self._reject(payload, str(e))
+            reply = self._reject(payload, str(e))
         except Exception as e:  # noqa: BLE001 - no request may kill the serving thread
             logger.exception("producer failed to serve a request")
-            header, tensors = self._reject(payload, f"internal error: {type(e).__name__}")
-        router.send_multipart([identity, *encode_message(header, tensors)], copy=False)
+            reply = self._reject(payload, f"internal error: {type(e).__name__}")
+        if reply is not None:
+            router.send_multipart([identity, *encode_message(*reply)], copy=False)
 
-    def _handle(self, payload: list[zmq.Frame]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def _handle(self, identity: bytes, payload: list[zmq.Frame]) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         header, _ = decode_message(payload, self.max_message_bytes)
         op, req_id = header["op"], header["req_id"]
         if op == "ping":
             return {"op": "pong", "req_id": req_id}, []
         if op == "has":
             return {"op": "has_reply", "req_id": req_id, "has": [h in self._cache for h in messages.parse_hashes(header)]}, []
+        if op == "snapshot":
+            seq, held = self._cache.snapshot()
+            return messages.snapshot_reply(req_id, self.epoch, seq, held), []
         if op == "get":
-            return self._get(req_id, messages.parse_hashes(header))
+            self._get(identity, req_id, header)
+            return None
         raise WireError(f"op {op!r} is not a request")
 
-    def _get(self, req_id: int, hashes: list[str]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        found = {h: out for h in dict.fromkeys(hashes) if (out := self._cache.get(h)) is not None}
-        header, tensors = messages.get_reply(req_id, hashes, found)
+    def _get(self, identity: bytes, req_id: int, header: dict[str, Any]) -> None:
+        """Answer now, or park the get when it may wait for items still being encoded."""
+        hashes = messages.parse_hashes(header)
+        wait, wait_ms = messages.parse_wait(header, hashes)
+        missing = {h for h in hashes if h not in self._cache and h not in self._failed}
+        if missing and missing <= wait and wait_ms > 0 and not self._waits.is_full:
+            self._waits.park(ParkedGet(identity, req_id, hashes, missing, time.monotonic() + wait_ms / 1000))
+            self._num_gets_waited += 1
+            return
+        self._answer(ParkedGet(identity, req_id, hashes, set(), 0.0))
+
+    def _answer(self, get: ParkedGet) -> None:
+        """Send a get's reply; its items stay pinned until ZeroMQ has taken the frames."""
+        assert self._router is not None
+        with self._cache.pinned(get.hashes) as found:
+            header, tensors = messages.get_reply(get.req_id, get.hashes, found, self._failed.frozen(get.hashes))
+            self._router.send_multipart([get.identity, *encode_message(header, tensors)], copy=False)
         self._num_gets_served += 1
         self._bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        return header, tensors
 
     def _reject(self, payload: list[zmq.Frame], message: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
         self._num_bad_messages += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,11 +14,16 @@ import zmq
 MAGIC_VERSION = b"EPDC" + bytes([1])
 MAX_TENSOR_BYTES = 1 << 30  # per tensor frame, checked before any tensor is built
 MAX_NDIM = 8
+MAX_FRAMES = 2 + 4096  # magic, header and up to 4096 tensor frames; checked before any frame is read
+MAX_HEADER_BYTES = 1 << 20  # checked before the header is unpacked
+MAX_REPLY_HEADER_BYTES = 64 << 20  # consumers: a snapshot of about a million hashes
+MAX_HEADER_ITEMS = 1 << 16  # longest array or map inside a header (msgpack would presize to the declared length)
 
 # Requests the producer serves, and the replies it sends back.
-REQUEST_OPS = frozenset({"get", "has", "ping"})
-REPLY_OPS = frozenset({"get_reply", "has_reply", "pong", "error"})
-OPS = REQUEST_OPS | REPLY_OPS
+REQUEST_OPS = frozenset({"get", "has", "ping", "snapshot"})
+REPLY_OPS = frozenset({"get_reply", "has_reply", "pong", "snapshot_reply", "error"})
+EVENT_OPS = frozenset({"event"})  # published on the producer's PUB socket, never requested
+OPS = REQUEST_OPS | REPLY_OPS | EVENT_OPS
 
 # wire name -> torch dtype; a closed table, so no dtype name is ever evaluated
 DTYPES: dict[str, torch.dtype] = {
@@ -66,14 +72,26 @@ def as_buffer(frame: Frame) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def decode_message(frames: Sequence[Frame], max_bytes: int = MAX_TENSOR_BYTES) -> tuple[dict[str, Any], list[memoryview]]:
-    """Check a received message and return its header and tensor frame buffers."""
-    if len(frames) < 2:
-        raise WireError(f"expected at least 2 frames (magic, header), got {len(frames)}")
+def apply_socket_limits(sock: zmq.Socket[Any], max_bytes: int) -> None:
+    """Make libzmq drop any peer that sends a message part over `max_bytes`; call before bind/connect."""
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+
+
+def decode_message(frames: Sequence[Frame], max_bytes: int = MAX_TENSOR_BYTES,
+                   max_header_bytes: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], list[memoryview]]:
+    """Check a received message and return its header and tensor frame buffers.
+
+    Producers keep the default header bound (requests carry hashes only); consumers allow larger replies
+    (MAX_REPLY_HEADER_BYTES) because a snapshot lists every hash a producer holds.
+    """
+    if not 2 <= len(frames) <= MAX_FRAMES:
+        raise WireError(f"expected 2 to {MAX_FRAMES} frames (magic, header, tensors), got {len(frames)}")
     buffers = [as_buffer(f) for f in frames]
-    if bytes(buffers[0]) != MAGIC_VERSION:
+    if buffers[0] != MAGIC_VERSION:  # compares without copying the frame
         raise WireError(f"bad magic/version {bytes(buffers[0][:16])!r}, expected {MAGIC_VERSION!r}")
-    header = _unpack_header(buffers[1])
+    header = _unpack_header(buffers[1], max_header_bytes)
     _check_tensor_specs(header, buffers[2:], max_bytes)
     return header, buffers[2:]
 
@@ -81,7 +99,7 @@ def decode_message(frames: Sequence[Frame], max_bytes: int = MAX_TENSOR_BYTES) -
 def peek_req_id(frames: Sequence[Frame]) -> int:
     """Best-effort req_id of a message that failed to decode, or -1."""
     try:
-        req_id = msgpack.unpackb(as_buffer(frames[1]), raw=False).get("req_id", -1)
+        req_id = _unpackb(as_buffer(frames[1])).get("req_id", -1)
     except Exception:  # noqa: BLE001 - any bytes may arrive here
         return -1
     return req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else -1
@@ -90,12 +108,12 @@ def peek_req_id(frames: Sequence[Frame]) -> int:
 def tensor_nbytes(dtype: Any, shape: Any, max_bytes: int = MAX_TENSOR_BYTES) -> int:
     """Validate a declared dtype and shape and return the byte size they need."""
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise WireError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+        raise WireError(f"unknown dtype {reprlib.repr(dtype)}; known: {sorted(DTYPES)}")
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
-        raise WireError(f"shape must be a list of at most {MAX_NDIM} ints, got {shape!r}")
+        raise WireError(f"shape must be a list of at most {MAX_NDIM} ints, got {reprlib.repr(shape)}")
     for dim in shape:
         if not _is_int(dim) or dim < 0:
-            raise WireError(f"shape dims must be non-negative ints, got {shape!r}")
+            raise WireError(f"shape dims must be non-negative ints, got {reprlib.repr(shape)}")
         if dim > max_bytes:
             raise WireError(f"shape dim {dim} is over the {max_bytes}-byte limit")
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize
@@ -119,18 +137,31 @@ def tensor_from_frame(buf: Frame, dtype: Any, shape: Any, max_bytes: int = MAX_T
     return torch.frombuffer(view, dtype=DTYPES[dtype]).reshape(tuple(shape))
 
 
-def _unpack_header(buf: memoryview) -> dict[str, Any]:
+def _unpackb(buf: memoryview, max_header_bytes: int = MAX_HEADER_BYTES) -> Any:
+    """Unpack a header with every length bounded; msgpack's own stack caps nesting (StackError)."""
+    if buf.nbytes > max_header_bytes:
+        raise WireError(f"header of {buf.nbytes} bytes is over the {max_header_bytes}-byte limit")
+    max_items = max(MAX_HEADER_ITEMS, max_header_bytes // 64)  # a snapshot lists one 64-char hash per item
+    return msgpack.unpackb(
+        buf, raw=False, strict_map_key=True, max_str_len=max_header_bytes, max_bin_len=max_header_bytes,
+        max_array_len=max_items, max_map_len=MAX_HEADER_ITEMS, max_ext_len=0,  # no ext types on the wire
+    )
+
+
+def _unpack_header(buf: memoryview, max_header_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
     try:
-        header = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+        header = _unpackb(buf, max_header_bytes)
+    except WireError:
+        raise
     except Exception as e:  # noqa: BLE001 - msgpack raises a zoo of types on bad bytes
         raise WireError(f"header is not valid msgpack: {e}") from e
     if not isinstance(header, dict):
         raise WireError(f"header must be a map, got {type(header).__name__}")
     op = header.get("op")
     if not isinstance(op, str) or op not in OPS:
-        raise WireError(f"unknown op {op!r}")
+        raise WireError(f"unknown op {reprlib.repr(op)}")
     if not _is_int(header.get("req_id")):
-        raise WireError(f"req_id must be an int, got {header.get('req_id')!r}")
+        raise WireError(f"req_id must be an int, got {reprlib.repr(header.get('req_id'))}")
     return header
 
 
@@ -146,7 +177,7 @@ def _check_tensor_specs(header: dict[str, Any], buffers: list[memoryview], max_b
     for spec in specs:
         index = spec["frame"]
         if not _is_int(index) or not 0 <= index < len(buffers) or index in seen:
-            raise WireError(f"bad or repeated tensor frame index {index!r}")
+            raise WireError(f"bad or repeated tensor frame index {reprlib.repr(index)}")
         seen.add(index)
         nbytes = tensor_nbytes(spec.get("dtype"), spec.get("shape"), max_bytes)
         if buffers[index].nbytes != nbytes:

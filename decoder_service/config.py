@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.security import CurveConfig
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -14,6 +16,7 @@ class DecoderConfig:
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings
     log_level: str = "info"
+    curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
 
     def __post_init__(self) -> None:
         assert self.max_model_len >= 0, "max_model_len must be >= 0"

@@ -90,7 +90,8 @@ class Engine:
         hashes = [im.mm_hash for im in req.images]
         start = time.perf_counter()
         try:
-            got = self.consumer.gather(hashes, {im.mm_hash: im.source for im in req.images}, self.cfg.gather_timeout)
+            got = self.consumer.gather(hashes, {im.mm_hash: im.source for im in req.images}, self.cfg.gather_timeout,
+                                       wait_for=[im.mm_hash for im in req.images if im.pending])
         except MissingEmbeddings as exc:
             raise APIError(409, str(exc), param="images", code="missing_embeddings",
                            extra={"missing": exc.missing}) from exc

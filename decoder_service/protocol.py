@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 class ImageRef(BaseModel):
     mm_hash: str = Field(min_length=1, max_length=256)
     source: str  # ZeroMQ address of the encoder that holds it
+    pending: bool = False  # still being encoded there: the gather waits for it (pipelined mode)
 
 
 class GenerateRequest(BaseModel):

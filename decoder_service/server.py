@@ -6,13 +6,12 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from common.cli import worker_parser
+from common.cli import add_curve_flags, describe, pop_curve, worker_parser
 from common.errors import APIError, install_error_handlers
 from common.http import install_metrics, install_request_id, serve
 from common.logs import request_id_var, setup_logging
@@ -43,7 +42,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
     """The decoder app; loads its LM at startup unless one is given (tests)."""
     state: dict[str, Engine] = {}
     registry = CollectorRegistry()
-    consumer = ECConsumer(cache_bytes=cfg.ec_cache_bytes)
+    consumer = ECConsumer(cache_bytes=cfg.ec_cache_bytes, curve=cfg.curve)
     metrics = DecoderMetrics(registry, lambda: consumer.stats())
 
     @asynccontextmanager
@@ -102,14 +101,18 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-queued", type=int, default=d.max_queued)
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout)
-    p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes)
-    return DecoderConfig(**vars(p.parse_args(argv)))
+    p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
+                   help="bytes of gathered embeddings this decoder keeps (LRU)")
+    add_curve_flags(p)
+    args = p.parse_args(argv)
+    curve = pop_curve(p, args)
+    return DecoderConfig(**vars(args), curve=curve)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     setup_logging("decoder", cfg.log_level)
-    logger.info("config: %s", asdict(cfg))
+    logger.info("config: %s", describe(cfg))
     serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
 
 

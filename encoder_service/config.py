@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.security import CurveConfig
+
 
 @dataclass(frozen=True)
 class EncoderConfig:
@@ -10,10 +12,12 @@ class EncoderConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     ec_bind: str = "tcp://127.0.0.1:0"  # ZeroMQ endpoint the producer serves embeddings on
+    ec_events_bind: str | None = None  # ZeroMQ PUB endpoint for cache events; None: beside ec_bind
     ec_cache_bytes: int = 1 << 30
     max_batch_size: int = 16  # images per vision forward
     max_image_pixels: int = 40_000_000
     log_level: str = "info"
+    curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
 
     def __post_init__(self) -> None:
         assert self.max_batch_size >= 1, "max_batch_size must be >= 1"

@@ -23,3 +23,6 @@ class EncodedItem(BaseModel):
 class EncodeResponse(BaseModel):
     items: list[EncodedItem]
     ec_address: str
+    # the producer's cache-event position after storing these: an index that has seen it knows they are held
+    ec_epoch: str
+    ec_seq: int

@@ -11,12 +11,11 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from common.cli import worker_parser
+from common.cli import add_curve_flags, describe, pop_curve, worker_parser
 from common.errors import APIError, bad_request, install_error_handlers
 from common.http import install_metrics, install_request_id, serve
 from common.logs import setup_logging
@@ -44,7 +43,8 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
 
 def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     vision = VisionHalf(resolve_model(cfg.model))
-    producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes).start()
+    producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
+                          curve=cfg.curve).start()
     return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels)
 
 
@@ -86,7 +86,8 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         m.requests.labels("200").inc()
         m.items_encoded.inc(sum(not d.cached for d in done))
         m.items_already_cached.inc(sum(d.cached for d in done))
-        return EncodeResponse(items=done, ec_address=w.producer.address)
+        epoch, seq = w.producer.position()
+        return EncodeResponse(items=done, ec_address=w.producer.address, ec_epoch=epoch, ec_seq=seq)
 
     @app.get("/health")
     async def health() -> dict[str, object]:
@@ -94,6 +95,7 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
             raise APIError(503, "encoder is loading", code="not_ready")
         w = state["worker"]
         return {"status": "ok", "role": "encoder", "model": cfg.model, "ec_address": w.producer.address,
+                "ec_events_address": w.producer.events_address, "ec_epoch": w.producer.epoch,
                 "num_encoded": w.num_encoded, "pid": os.getpid(), "loaded": loaded_summary(w.vision.module)}
 
     return app
@@ -103,16 +105,22 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
     d = EncoderConfig()
     p = worker_parser("epd-encoder", "EPD encoder worker (vision tower + projector only)", d)
     p.add_argument("--ec-bind", default=d.ec_bind, help="ZeroMQ endpoint for embeddings (tcp://HOST:PORT or ipc://)")
-    p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes)
+    p.add_argument("--ec-events-bind", default=d.ec_events_bind,
+                   help="ZeroMQ PUB endpoint for cache events (default: beside --ec-bind, port + 1 or random)")
+    p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
+                   help="bytes of embeddings this encoder keeps (LRU; in-flight items are never evicted)")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
-    return EncoderConfig(**vars(p.parse_args(argv)))
+    add_curve_flags(p)
+    args = p.parse_args(argv)
+    curve = pop_curve(p, args)
+    return EncoderConfig(**vars(args), curve=curve)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     setup_logging("encoder", cfg.log_level)
-    logger.info("config: %s", asdict(cfg))
+    logger.info("config: %s", describe(cfg))
     serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
 
 

@@ -47,12 +47,17 @@ class EncoderWorker:
             else:
                 todo.setdefault(item.mm_hash, item.data)
         self.num_already_cached += len(done)
-        # decode every image first, so bad bytes fail the call before any work is done
-        images = {h: load_image(data, self.max_image_pixels) for h, data in todo.items()}
-        with self._lock:
-            hashes = list(images)
-            for start in range(0, len(hashes), self.max_batch_size):
-                done.update(self._encode_batch(hashes[start : start + self.max_batch_size], images))
+        try:
+            # decode every image first, so bad bytes fail the call before any work is done
+            images = {h: load_image(data, self.max_image_pixels) for h, data in todo.items()}
+            with self._lock:
+                hashes = list(images)
+                for start in range(0, len(hashes), self.max_batch_size):
+                    done.update(self._encode_batch(hashes[start : start + self.max_batch_size], images))
+        except BaseException:
+            # decoders already waiting for these (pipelined gather) get their answer now, not at their timeout
+            self.producer.mark_failed([h for h in todo if not self.producer.has_cache_item(h)])
+            raise
         return [done[item.mm_hash] for item in scheduled_encoder_inputs]
 
     def _encode_batch(self, hashes: list[str], images: dict[str, Image.Image]) -> dict[str, EncodedItem]:

@@ -35,11 +35,15 @@ class Generation:
         self.decoder = fleet.acquire_decoder()
         self.resp: httpx.Response | None = None
 
-    async def open(self, sources: dict[str, str]) -> None:
-        """Open the decoder stream; a gather miss re-encodes the missing items and retries once."""
+    async def open(self, sources: dict[str, str], pending: frozenset[str] = frozenset()) -> None:
+        """Open the decoder stream; a gather miss re-encodes the missing items and retries once.
+
+        `pending` items are still being encoded: the decoder's gather waits for them (pipelined mode).
+        """
         for attempt in (0, 1):
-            payload = {"messages": self.chat.messages, **self.chat.sampling,
-                       "images": [{"mm_hash": it.mm_hash, "source": sources[it.mm_hash]} for it in self.chat.items]}
+            images = [{"mm_hash": it.mm_hash, "source": sources[it.mm_hash], "pending": it.mm_hash in pending}
+                      for it in self.chat.items]
+            payload = {"messages": self.chat.messages, **self.chat.sampling, "images": images}
             try:
                 self.resp = await self.fleet.open_generation(self.decoder, payload, self.request_id)
                 return
@@ -53,6 +57,21 @@ class Generation:
                 logger.warning("decoder missed %d embedding(s); re-encoding", len(missing))
                 redo = [it for it in self.chat.items if it.mm_hash in missing]
                 sources = {**sources, **await self.fleet.encode(redo, self.request_id, skip_cached=False)}
+                pending = frozenset()
+
+    async def open_pipelined(self) -> None:
+        """Schedule the encodes, then open the decoder stream while they run; an encode error wins."""
+        out = await self.fleet.schedule(self.chat.items)
+        pending = frozenset(it.mm_hash for todo in out.scheduled_encoder_inputs.values() for it in todo)
+        encodes = asyncio.create_task(self.fleet.run_encodes(out, self.request_id))
+        opening = asyncio.create_task(self.open(out.sources, pending))
+        try:
+            await encodes
+        except BaseException:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            raise
+        await opening
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         assert self.resp is not None
@@ -162,10 +181,12 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
         rid = request_id_var.get()
         fleet = state["fleet"]
         chat = await asyncio.to_thread(prepare_chat, req, cfg)
-        sources = await fleet.encode(chat.items, rid)
         gen = Generation(fleet, chat, rid)
         try:
-            await gen.open(sources)
+            if cfg.pipeline_encode:
+                await gen.open_pipelined()
+            else:
+                await gen.open(await fleet.encode(chat.items, rid))
         except BaseException:
             await gen.close()
             raise

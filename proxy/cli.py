@@ -7,8 +7,10 @@ import os
 import signal
 import sys
 
+from common.cli import add_curve_flags, pop_curve
 from common.http import serve
 from common.logs import setup_logging
+from connector.security import CurveConfig
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.launcher import WorkerGroup
@@ -38,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="larger images get a 400")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds for one encode or generation")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--pipeline-encode", action="store_true",
+                   help="send the decode request as soon as encodes are scheduled; the decoder's gather waits for "
+                        "the embeddings (see docs/BENCHMARKS.md for the TTFT it saves)")
     p.add_argument("--log-level", default="info")
+    add_curve_flags(p)
     return p
 
 
@@ -46,25 +52,29 @@ def _served_name(model: str) -> str:
     return model if model == "demo" else os.path.basename(os.path.normpath(model))
 
 
-def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls: tuple[str, ...]) -> ProxyConfig:
+def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls: tuple[str, ...],
+            curve: CurveConfig | None) -> ProxyConfig:
     return ProxyConfig(
         encode_urls=encode_urls, decode_urls=decode_urls,
         served_model_name=args.served_model_name or _served_name(args.model),
         host=args.host, port=args.port, max_images_per_request=args.max_images_per_request,
         max_image_bytes=args.max_image_bytes, max_body_bytes=args.max_body_bytes,
         max_image_pixels=args.max_image_pixels, worker_timeout=args.worker_timeout,
-        startup_timeout=args.startup_timeout, log_level=args.log_level,
+        startup_timeout=args.startup_timeout, log_level=args.log_level, pipeline_encode=args.pipeline_encode,
+        curve=curve,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    curve = pop_curve(parser, args)
     setup_logging("proxy", args.log_level)
     encode_urls, decode_urls = _urls(args.encode_servers_urls), _urls(args.decode_servers_urls)
     if encode_urls or decode_urls:  # attach mode
         if not (encode_urls and decode_urls):
             raise SystemExit("attach mode needs both --encode-servers-urls and --decode-servers-urls")
-        cfg = _config(args, encode_urls, decode_urls)
+        cfg = _config(args, encode_urls, decode_urls, curve)
         serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
         return
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turn it into SystemExit so the
@@ -72,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     group = WorkerGroup()
     try:
-        cfg = _config(args, *_launch(group, args))
+        cfg = _config(args, *_launch(group, args), curve)
         serve(create_app(cfg, on_ready=lambda: _print_banner(cfg)), cfg.host, cfg.port, cfg.log_level)
     finally:
         group.stop()

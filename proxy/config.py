@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.security import CurveConfig
+
 
 @dataclass(frozen=True)
 class ProxyConfig:
@@ -18,6 +20,9 @@ class ProxyConfig:
     worker_timeout: float = 300.0  # seconds for one encode call or one generation
     startup_timeout: float = 300.0  # seconds to wait for workers at start
     log_level: str = "info"
+    # send the decode request as soon as encodes are scheduled; the decoder's gather waits for them
+    pipeline_encode: bool = False
+    curve: CurveConfig | None = None  # CURVE keys for the proxy's connector links (cache events, snapshots)
 
     def __post_init__(self) -> None:
         if not self.encode_urls or not self.decode_urls:

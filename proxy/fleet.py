@@ -15,10 +15,11 @@ from common.http import REQUEST_ID_HEADER
 from connector import ECConsumer
 from proxy.config import ProxyConfig
 from proxy.metrics import ProxyMetrics
-from scheduler.cache_index import RemoteEncoderCache
-from scheduler.scheduler import EncoderSlot, MMItem, Scheduler
+from scheduler.cache_index import FleetCacheIndex
+from scheduler.scheduler import EncoderSlot, MMItem, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("epd.proxy")
+_SEEN_TIMEOUT_S = 0.5  # the index normally has an encoder's events before its HTTP reply arrives
 
 
 def upstream_error(resp: httpx.Response, body: bytes, who: str) -> APIError:
@@ -34,7 +35,8 @@ def upstream_error(resp: httpx.Response, body: bytes, who: str) -> APIError:
 class Fleet:
     def __init__(self, cfg: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics):
         self.cfg, self.client, self.metrics = cfg, client, metrics
-        self.consumer = ECConsumer(cache_bytes=1)  # only used to ask encoders what they hold
+        self.consumer = ECConsumer(cache_bytes=0, curve=cfg.curve)  # only asks encoders for snapshots
+        self.index = FleetCacheIndex(self.consumer, cfg.curve)
         self.scheduler: Scheduler | None = None
         self.decoder_load = [0] * len(cfg.decode_urls)  # decoder index -> generations in flight
 
@@ -43,12 +45,17 @@ class Fleet:
         deadline = time.monotonic() + self.cfg.startup_timeout
         infos = await asyncio.gather(*(self._wait_healthy(u, deadline) for u in self.cfg.encode_urls))
         await asyncio.gather(*(self._wait_healthy(u, deadline) for u in self.cfg.decode_urls))
-        slots = [EncoderSlot(name=url, ec_address=info["ec_address"],
-                             cache=RemoteEncoderCache(self.consumer, info["ec_address"]))
+        for info in infos:
+            self.index.add(info["ec_address"], info["ec_events_address"])
+        slots = [EncoderSlot(name=url, ec_address=info["ec_address"], cache=self.index.view(info["ec_address"]))
                  for url, info in zip(self.cfg.encode_urls, infos, strict=True)]
         self.scheduler = Scheduler(slots)
+        addresses = [slot.ec_address for slot in slots]
+        if not await asyncio.to_thread(self.index.wait_for, lambda: all(map(self.index.is_synced, addresses)), 5.0):
+            logger.warning("cache index not synced with every encoder yet; it will catch up from their events")
 
     def close(self) -> None:
+        self.index.close()
         self.consumer.close()
 
     async def _wait_healthy(self, url: str, deadline: float) -> dict[str, Any]:
@@ -65,17 +72,28 @@ class Fleet:
 
     async def encode(self, items: list[MMItem], request_id: str, skip_cached: bool = True) -> dict[str, str]:
         """Make sure every item is held by some encoder; returns mm_hash -> ZeroMQ address."""
+        out = await self.schedule(items, skip_cached)
+        await self.run_encodes(out, request_id)
+        return out.sources
+
+    async def schedule(self, items: list[MMItem], skip_cached: bool = True) -> SchedulerOutput:
+        """Decide which encoder holds or will encode each item (no encoding yet)."""
         if not items:
-            return {}
+            return SchedulerOutput()
         assert self.scheduler is not None, "fleet not started"
-        start = time.perf_counter()
-        out = await asyncio.to_thread(self.scheduler.schedule, items, skip_cached)
+        out = self.scheduler.schedule(items, skip_cached)  # in-memory index: no I/O
         self.metrics.items_skipped.inc(len(out.skipped))
         self.metrics.items_scheduled.inc(out.num_scheduled)
+        return out
+
+    async def run_encodes(self, out: SchedulerOutput, request_id: str) -> None:
+        """Run the scheduled encode calls in parallel; return once the index has seen what they stored."""
+        if not out.scheduled_encoder_inputs:
+            return
+        start = time.perf_counter()
         await asyncio.gather(*(self._encode_on(i, todo, request_id)
                                for i, todo in out.scheduled_encoder_inputs.items()))
         self.metrics.encode_seconds.observe(time.perf_counter() - start)
-        return out.sources
 
     async def _encode_on(self, index: int, items: list[MMItem], request_id: str) -> None:
         assert self.scheduler is not None
@@ -90,6 +108,13 @@ class Fleet:
             self.scheduler.update_from_output(index, len(items))
         if resp.status_code != 200:
             raise upstream_error(resp, resp.content, f"encoder {url}")
+        await self._seen(resp.json())
+
+    async def _seen(self, encoded: dict[str, Any]) -> None:
+        """Read your writes: wait (briefly) until the index has the encoder's events for these items."""
+        position = (encoded["ec_address"], encoded["ec_epoch"], encoded["ec_seq"])
+        if not self.index.has_seen(*position):
+            await asyncio.to_thread(self.index.wait_for, lambda: self.index.has_seen(*position), _SEEN_TIMEOUT_S)
 
     def acquire_decoder(self) -> int:
         index = min(range(len(self.decoder_load)), key=lambda i: (self.decoder_load[i], i))

@@ -1,28 +1,253 @@
-"""Which embeddings the fleet already holds: the answer behind has_cache_item."""
+"""Which embeddings the fleet holds: an index built from every producer's cache events.
+
+Each producer publishes `stored`/`evicted` events with consecutive sequence numbers, plus heartbeats
+that repeat its last seq. A subscriber that starts late, misses an event (a gap), or sees a new epoch
+(the producer restarted with an empty cache) asks that producer for a snapshot and resyncs. Every proxy
+keeps its own index, so several proxies share one view with no central store.
+"""
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
 
 from connector import ECConsumer
+from connector.messages import parse_position
+from connector.producer import HEARTBEAT_S
+from connector.security import CurveConfig, secure_client
+from connector.waker import Waker
+from connector.wire import WireError, apply_socket_limits, decode_message
+
+logger = logging.getLogger("epd.scheduler")
+
+STALE_AFTER_S = 6 * HEARTBEAT_S  # a producer silent this long is presumed gone: forget what it held
+_MAX_EVENT_BYTES = 1 << 20
 
 
 class CacheView(Protocol):
-    """Anything that can say whether it holds an embedding (producer, consumer, remote encoder)."""
+    """Anything that can say whether it holds an embedding (producer, consumer, index view)."""
 
     def has_cache_item(self, mm_hash: str) -> bool: ...
 
 
-class RemoteEncoderCache:
-    """An encoder's producer cache, asked over ZeroMQ (batched `has` query)."""
+@dataclass
+class ProducerView:
+    """What one producer holds, as far as its events say; `synced` once a snapshot was applied."""
 
-    def __init__(self, consumer: ECConsumer, address: str, timeout: float = 2.0):
-        self.consumer, self.address, self.timeout = consumer, address, timeout
+    address: str
+    events_address: str
+    epoch: str | None = None
+    seq: int = 0
+    held: set[str] = field(default_factory=set)
+    synced: bool = False
+    last_heard: float = field(default_factory=time.monotonic)
+
+    def apply_snapshot(self, epoch: str, seq: int, hashes: list[str]) -> None:
+        self.epoch, self.seq, self.held, self.synced = epoch, seq, set(hashes), True
+
+    def apply_event(self, epoch: str, seq: int, kind: str, hashes: list[str]) -> bool:
+        """Apply one event in order; False when a snapshot is needed (new epoch, gap, or not synced)."""
+        self.last_heard = time.monotonic()
+        if not self.synced or epoch != self.epoch:
+            return False
+        if kind == "heartbeat":
+            return seq <= self.seq  # a higher seq means events were missed
+        if seq <= self.seq:
+            return True  # already part of the snapshot
+        if seq != self.seq + 1:
+            return False
+        self.seq = seq
+        if kind == "stored":
+            self.held.update(hashes)
+        elif kind == "evicted":
+            self.held.difference_update(hashes)
+        return True
+
+    def forget(self) -> None:
+        self.held, self.synced = set(), False
+
+
+class FleetCacheIndex:
+    """has_cache_item for the whole fleet, answered locally from subscribed cache events."""
+
+    def __init__(self, consumer: ECConsumer, curve: CurveConfig | None = None,
+                 stale_after_s: float = STALE_AFTER_S, snapshot_timeout: float = 2.0) -> None:
+        self.consumer, self.curve = consumer, curve
+        self.stale_after_s, self.snapshot_timeout = stale_after_s, snapshot_timeout
+        self._views: dict[str, ProducerView] = {}  # producer address -> view
+        self._changed = threading.Condition()  # guards _views; notified on every change
+        self._commands: list[tuple[str, ProducerView]] = []
+        self._waker = Waker()
+        self._stop = threading.Event()
+        self.num_resyncs = 0
+        self.num_events = 0
+        self._thread = threading.Thread(target=self._run, name="epd-cache-index", daemon=True)
+        self._thread.start()
+
+    # any thread
+
+    def add(self, address: str, events_address: str) -> None:
+        """Follow one producer (idempotent); it is snapshotted right away."""
+        self._command("add", ProducerView(address, events_address))
+
+    def remove(self, address: str) -> None:
+        self._command("remove", ProducerView(address, ""))
+
+    def holders(self, mm_hash: str) -> list[str]:
+        """Producer addresses that hold the item now."""
+        with self._changed:
+            return [a for a, v in self._views.items() if v.synced and mm_hash in v.held]
+
+    def has_cache_item(self, mm_hash: str) -> bool:
+        return bool(self.holders(mm_hash))
+
+    def view(self, address: str) -> ProducerCache:
+        return ProducerCache(self, address)
+
+    def is_synced(self, address: str) -> bool:
+        with self._changed:
+            v = self._views.get(address)
+            return v is not None and v.synced
+
+    def held_by(self, address: str, mm_hashes: list[str]) -> list[bool]:
+        with self._changed:
+            v = self._views.get(address)
+            return [v is not None and v.synced and h in v.held for h in mm_hashes]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until `predicate()` (checked after each index change) is true, or the timeout passes."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def has_seen(self, address: str, epoch: str, seq: int) -> bool:
+        """Whether the index reflects producer `address` up to event `seq` of `epoch`."""
+        with self._changed:
+            v = self._views.get(address)
+            return v is not None and v.synced and v.epoch == epoch and v.seq >= seq
+
+    def close(self) -> None:
+        self._stop.set()
+        self._waker.wake()
+        self._thread.join(timeout=5)
+        self._waker.close()
+
+    def _command(self, op: str, view: ProducerView) -> None:
+        with self._changed:
+            self._commands.append((op, view))
+        self._waker.wake()
+
+    # index thread: the only user of the SUB sockets
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        subs: dict[zmq.Socket[Any], ProducerView] = {}
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(int(HEARTBEAT_S * 1000)))
+                if self._waker.fileno() in ready:
+                    self._waker.drain()
+                    self._run_commands(poller, subs)
+                for sock in [s for s in subs if s in ready]:
+                    self._drain(sock, subs[sock])
+                self._expire(subs.values())
+        finally:
+            for sock in subs:
+                sock.close(linger=0)
+
+    def _run_commands(self, poller: zmq.Poller, subs: dict[zmq.Socket[Any], ProducerView]) -> None:
+        with self._changed:
+            commands, self._commands = self._commands, []
+        for op, view in commands:
+            for sock, old in list(subs.items()):
+                if old.address == view.address:
+                    poller.unregister(sock)
+                    sock.close(linger=0)
+                    del subs[sock]
+            with self._changed:
+                self._views.pop(view.address, None)
+                if op == "add":
+                    self._views[view.address] = view
+                self._changed.notify_all()
+            if op == "add":
+                sock = self._subscribe(view.events_address)
+                poller.register(sock, zmq.POLLIN)
+                subs[sock] = view
+                self._resync(view)  # after subscribing, so no event falls between snapshot and stream
+
+    def _subscribe(self, events_address: str) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        secure_client(sock, self.curve)
+        apply_socket_limits(sock, _MAX_EVENT_BYTES)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(events_address)
+        return sock
+
+    def _drain(self, sock: zmq.Socket[Any], view: ProducerView) -> None:
+        """Apply every queued event of one producer; resync once if any is out of order."""
+        needs_resync = False
+        while sock.poll(0, zmq.POLLIN):
+            frames = sock.recv_multipart(copy=False)
+            try:
+                header, _ = decode_message(frames, _MAX_EVENT_BYTES)
+                epoch, seq, hashes = parse_position(header)
+                kind = header.get("kind")
+                if header["op"] != "event" or kind not in ("stored", "evicted", "heartbeat"):
+                    raise WireError(f"not a cache event: op={header['op']!r} kind={kind!r}")
+            except WireError as e:
+                logger.warning("bad cache event from %s: %s", view.events_address, e)
+                continue
+            self.num_events += 1
+            with self._changed:
+                if needs_resync:
+                    view.last_heard = time.monotonic()
+                elif not view.apply_event(epoch, seq, kind, hashes):
+                    needs_resync = True
+                self._changed.notify_all()
+        if needs_resync:
+            self._resync(view)
+
+    def _resync(self, view: ProducerView) -> None:
+        snap = self.consumer.snapshot(view.address, self.snapshot_timeout)
+        with self._changed:
+            if snap is None:
+                view.forget()
+            else:
+                view.apply_snapshot(*snap)
+                self.num_resyncs += 1
+                logger.info("cache index synced with %s: epoch %s seq %d, %d item(s)",
+                            view.address, snap[0], snap[1], len(snap[2]))
+            self._changed.notify_all()
+
+    def _expire(self, views: Any) -> None:
+        now = time.monotonic()
+        for view in views:
+            if view.synced and now - view.last_heard > self.stale_after_s:
+                logger.warning("no cache events from %s for %.1fs; forgetting its %d item(s)",
+                               view.address, now - view.last_heard, len(view.held))
+                with self._changed:
+                    view.forget()
+                    self._changed.notify_all()
+
+
+class ProducerCache:
+    """One producer's cache as the index sees it (what the scheduler asks per encoder)."""
+
+    def __init__(self, index: FleetCacheIndex, address: str) -> None:
+        self.index, self.address = index, address
 
     def has_cache_item(self, mm_hash: str) -> bool:
         return self.has_cache_items([mm_hash])[0]
 
     def has_cache_items(self, mm_hashes: list[str]) -> list[bool]:
-        return self.consumer.query(self.address, mm_hashes, self.timeout)
+        return self.index.held_by(self.address, mm_hashes)
 
 
 def holds(view: CacheView, mm_hashes: list[str]) -> list[bool]:

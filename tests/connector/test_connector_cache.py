@@ -19,7 +19,8 @@ def test_put_and_get_count_hits_and_misses() -> None:
     assert cache.put(out)
     assert cache.get("a") is out and cache.get("b") is None
     assert "a" in cache and len(cache) == 1
-    assert cache.stats() == {"num_items": 1, "bytes": 128, "hits": 1, "misses": 1, "evictions": 0}
+    assert cache.stats() == {"num_items": 1, "bytes": 128, "max_bytes": 1024, "hits": 1, "misses": 1, "evictions": 0,
+                             "rejected": 0, "pinned": 0}
 
 
 def test_byte_bound_is_respected_and_evictions_counted() -> None:
@@ -53,3 +54,26 @@ def test_replacing_an_item_updates_its_bytes() -> None:
     cache.put(make_output("a", num_tokens=4))
     cache.put(make_output("a", num_tokens=2))
     assert len(cache) == 1 and cache.nbytes == 64
+
+
+def test_pinned_item_is_not_evicted_and_a_put_that_cannot_fit_is_refused() -> None:
+    cache = EmbeddingCache(max_bytes=256)  # room for two 128-byte items
+    a, b, c = make_output("a"), make_output("b"), make_output("c")
+    assert cache.put(a) and cache.put(b)
+    with cache.pinned(["a", "b"]) as held:
+        assert set(held) == {"a", "b"}
+        assert not cache.put(c)  # everything is pinned: refused, nothing evicted
+        assert "a" in cache and "b" in cache and cache.stats()["rejected"] == 1
+    with cache.pinned(["a"]):
+        assert cache.put(c)  # the unpinned one goes
+    assert "a" in cache and "b" not in cache and "c" in cache
+    assert cache.stats()["evictions"] == 1 and cache.stats()["pinned"] == 0
+
+
+def test_journal_records_every_store_and_eviction_in_sequence() -> None:
+    cache = EmbeddingCache(max_bytes=256, journal=True)
+    for h in "abc":
+        cache.put(make_output(h))
+    assert cache.drain_events() == [(1, "stored", "a"), (2, "stored", "b"), (3, "evicted", "a"), (4, "stored", "c")]
+    assert cache.drain_events() == []
+    assert cache.snapshot() == (4, ["b", "c"])

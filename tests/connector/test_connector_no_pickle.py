@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 FORBIDDEN = {"pickle", "cloudpickle", "dill", "marshal", "_pickle", "joblib"}
@@ -31,3 +34,115 @@ def test_import_checker_catches_a_pickle_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import os\nfrom pickle import loads\nimport dill.source\n")
     assert imported_modules(bad) & FORBIDDEN == {"pickle", "dill"}
+
+
+# methods that pickle (pyzmq) or take a serializer, dunders pickle calls, and calls that pickle or run code
+FORBIDDEN_ATTRS = {"send_pyobj", "recv_pyobj", "send_serialized", "recv_serialized", "__reduce__", "__reduce_ex__"}
+FORBIDDEN_CALLS = {"torch.load", "torch.save", "torch.serialization.load", "numpy.load", "np.load", "eval", "exec"}
+
+
+def dotted_name(node: ast.expr) -> str:
+    """`a.b.c` for a Name/Attribute chain, else ''."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted_name(node.value)
+        return f"{base}.{node.attr}" if base else ""
+    return ""
+
+
+def forbidden_uses(path: Path) -> set[str]:
+    """Every pickling method, dunder or code-running call a source file names."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRS:
+            found.add(node.attr)
+        elif isinstance(node, ast.Name) and node.id in FORBIDDEN_ATTRS:
+            found.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in FORBIDDEN_ATTRS:
+            found.add(node.value)  # getattr(sock, "recv_pyobj")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in FORBIDDEN_ATTRS:
+            found.add(node.name)
+        elif isinstance(node, ast.Call) and dotted_name(node.func) in FORBIDDEN_CALLS:
+            found.add(dotted_name(node.func))
+        elif isinstance(node, ast.ImportFrom) and node.module in {"torch", "numpy"}:
+            found.update(f"{node.module}.{a.name}" for a in node.names if a.name in {"load", "save"})
+    return found
+
+
+def test_no_connector_module_calls_pickling_or_code_running_functions() -> None:
+    offenders = {p.name: sorted(forbidden_uses(p)) for p in sorted(CONNECTOR_DIR.glob("**/*.py"))}
+    assert {name: uses for name, uses in offenders.items() if uses} == {}
+
+
+def test_call_checker_catches_pickling_calls(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch, numpy as np\nfrom torch import load\n"
+        "def f(sock, x):\n    sock.send_pyobj(x)\n    getattr(sock, 'recv_pyobj')()\n    torch.save(x, 'p')\n"
+        "    np.load('p')\n    eval('1')\n    return x.__reduce_ex__(2)\n"
+        "class C:\n    def __reduce__(self):\n        return (C, ())\n"
+    )
+    assert forbidden_uses(bad) == {"torch.load", "send_pyobj", "recv_pyobj", "torch.save", "np.load", "eval",
+                                   "__reduce_ex__", "__reduce__"}
+
+
+ROUND_TRIP = r"""
+import json, pickle, _pickle
+import msgpack, numpy, torch, zmq  # third-party imports come first; only the connector runs under the trap
+
+calls = []
+
+def trap(name):
+    def called(*args, **kwargs):
+        calls.append(name)
+        raise RuntimeError(f"{name} called")
+    return called
+
+for module in (pickle, _pickle):
+    for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
+        setattr(module, name, trap(f"{module.__name__}.{name}"))
+
+from connector import ECConsumer, ECProducer, EncoderOutput
+from connector.wire import decode_message
+
+outs = [
+    EncoderOutput("f32", torch.randn(5, 8)),
+    EncoderOutput("f16", torch.randn(3, 8).half()),
+    EncoderOutput("bf16", torch.randn(4, 8).to(torch.bfloat16), (1, 2, 2)),
+    EncoderOutput("empty", torch.empty(0, 8)),
+]
+producer = ECProducer().start()
+consumer = ECConsumer()
+try:
+    for out in outs:
+        producer.save_caches(out.mm_hash, out)
+    got = consumer.gather([o.mm_hash for o in outs], {o.mm_hash: producer.address for o in outs}, timeout=10)
+    for out in outs:
+        back = got[out.mm_hash]
+        assert back.embeds.dtype == out.embeds.dtype and torch.equal(back.embeds, out.embeds), out.mm_hash
+        assert back.grid_thw == out.grid_thw, out.mm_hash
+    assert consumer.query(producer.address, ["f32", "nope"], timeout=10) == [True, False]
+    assert consumer.ping(producer.address, timeout=10)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.connect(producer.address)
+    raw.send_multipart([b"EPDC\x01", b"\xc1\xc1"])
+    assert raw.poll(10_000), "no reply to a malformed message"
+    assert decode_message(raw.recv_multipart())[0]["op"] == "error"
+    raw.close(linger=0)
+finally:
+    consumer.close()
+    producer.close()
+try:
+    pickle.dumps(1)  # canary: the trap itself works
+except RuntimeError:
+    pass
+print(json.dumps(calls))
+"""
+
+
+def test_round_trip_over_tcp_never_calls_pickle() -> None:
+    repo = CONNECTOR_DIR.parent
+    run = subprocess.run([sys.executable, "-c", ROUND_TRIP], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == ["pickle.dumps"], run.stderr[-3000:]

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 import pytest
 import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from connector import messages
 from connector.types import EncoderOutput
-from connector.wire import MAGIC_VERSION, WireError, decode_message, encode_message, tensor_from_frame, tensor_spec
+from connector.wire import (
+    MAGIC_VERSION,
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    WireError,
+    apply_socket_limits,
+    decode_message,
+    encode_message,
+    peek_req_id,
+    tensor_from_frame,
+    tensor_spec,
+)
 
 
 def make_frames(header: Any, tensors: Sequence[bytes] = ()) -> list[bytes]:
@@ -135,3 +149,106 @@ def test_get_reply_with_inconsistent_item_fields_is_rejected() -> None:
     frames = make_frames({"op": "get_reply", "req_id": 1, "items": [item]}, [bytes(16)])
     with pytest.raises(WireError, match="num_tokens"):
         messages.parse_get_reply(*decode_message(frames))
+
+
+def deep(depth: int, leaf: bytes = b"\x01") -> bytes:
+    """Raw msgpack of `depth` nested one-element arrays (packb refuses to nest this deep)."""
+    return b"\x91" * depth + leaf
+
+
+def raw_map(**fields: bytes) -> bytes:
+    """Raw msgpack map whose values are already-packed bytes."""
+    return bytes([0x80 | len(fields)]) + b"".join(msgpack.packb(k) + v for k, v in fields.items())
+
+
+def test_too_many_frames_are_rejected_before_any_is_read() -> None:
+    untouchable: list[Any] = [object()] * MAX_FRAMES  # as_buffer() on these would raise TypeError
+    with pytest.raises(WireError, match=f"2 to {MAX_FRAMES} frames"):
+        decode_message([MAGIC_VERSION, msgpack.packb({"op": "ping", "req_id": 1}), *untouchable])
+
+
+def test_oversized_header_is_rejected_before_unpacking(monkeypatch: pytest.MonkeyPatch) -> None:
+    header = msgpack.packb({"op": "ping", "req_id": 3, "pad": "x" * MAX_HEADER_BYTES})
+
+    def no_unpack(*args: object, **kwargs: object) -> None:
+        raise AssertionError("unpacked an oversized header")
+
+    monkeypatch.setattr(msgpack, "unpackb", no_unpack)
+    with pytest.raises(WireError, match="over the 1048576-byte limit"):
+        decode_message([MAGIC_VERSION, header])
+    assert peek_req_id([MAGIC_VERSION, header]) == -1
+
+
+REPLY, UINT8 = msgpack.packb("get_reply"), msgpack.packb("uint8")
+NESTED = {
+    "past_msgpack_stack": deep(5000),
+    "deep_op": raw_map(op=deep(1020), req_id=b"\x01"),
+    "deep_req_id": raw_map(op=msgpack.packb("ping"), req_id=deep(1020)),
+    "deep_shape": raw_map(op=REPLY, req_id=b"\x01", items=b"\x91" + raw_map(dtype=UINT8, shape=deep(1015), frame=b"\x00")),
+    "deep_dtype": raw_map(op=REPLY, req_id=b"\x01", items=b"\x91" + raw_map(dtype=deep(1015), shape=b"\x91\x01", frame=b"\x00")),
+}
+
+
+@pytest.mark.parametrize("name", list(NESTED))
+def test_deeply_nested_header_is_a_wire_error_with_a_short_message(name: str) -> None:
+    with pytest.raises(WireError) as info:
+        decode_message([MAGIC_VERSION, NESTED[name], bytes(1)])
+    assert len(str(info.value)) < 300
+    peek_req_id([MAGIC_VERSION, NESTED[name]])  # best effort, but never raises
+
+
+def test_huge_values_are_echoed_briefly_and_ext_types_are_refused() -> None:
+    with pytest.raises(WireError, match="unknown op") as info:
+        decode_message(make_frames({"op": "x" * 500_000, "req_id": 1}))
+    assert len(str(info.value)) < 300
+    with pytest.raises(WireError, match="max_ext_len"):
+        decode_message(make_frames({"op": "ping", "req_id": 1, "ext": msgpack.ExtType(1, b"data")}))
+
+
+def test_huge_magic_frame_is_not_copied() -> None:
+    magic = bytes(16 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError, match="bad magic"):
+            decode_message([magic, msgpack.packb({"op": "ping", "req_id": 1})])
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_apply_socket_limits_sets_maxmsgsize() -> None:
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        apply_socket_limits(sock, 4096)
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == 4096
+        with pytest.raises(ValueError, match=">= 0"):
+            apply_socket_limits(sock, -1)
+    finally:
+        sock.close(linger=0)
+
+
+def test_router_drops_a_peer_over_its_message_size_limit_and_serves_others() -> None:
+    guard_ms = 5000
+    ctx: zmq.Context[zmq.Socket[Any]] = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    apply_socket_limits(router, 1024)
+    monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    big, small = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (big, small):
+            sock.connect(f"tcp://127.0.0.1:{port}")
+        big.send_multipart([MAGIC_VERSION, bytes(2048)])
+        assert monitor.poll(guard_ms), "the oversized sender was not disconnected"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        small.send_multipart(encode_message(messages.request("ping", 11)))
+        assert router.poll(guard_ms)
+        identity, *frames = router.recv_multipart()
+        assert decode_message(frames)[0] == {"op": "ping", "req_id": 11}  # not the oversized message
+        router.send_multipart([identity, *encode_message({"op": "pong", "req_id": 11})])
+        assert small.poll(guard_ms) and decode_message(small.recv_multipart())[0]["op"] == "pong"
+        assert not router.poll(0)
+    finally:
+        router.disable_monitor()
+        for sock in (monitor, big, small, router):
+            sock.close(linger=0)

@@ -18,6 +18,6 @@ def test_attach_mode_needs_both_kinds_of_worker() -> None:
 def test_flags_map_to_the_proxy_config() -> None:
     args = build_parser().parse_args(["--model", "/models/Qwen2-VL-2B/", "--max-images-per-request", "3",
                                       "--max-image-pixels", "1000", "--port", "9000"])
-    cfg = _config(args, ("http://e",), ("http://d",))
+    cfg = _config(args, ("http://e",), ("http://d",), None)
     assert (cfg.served_model_name, cfg.max_images_per_request, cfg.max_image_pixels, cfg.port) == (
         "Qwen2-VL-2B", 3, 1000, 9000)

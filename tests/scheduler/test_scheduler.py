@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from connector import ECConsumer, ECProducer, EncoderOutput
-from scheduler.cache_index import RemoteEncoderCache
+from scheduler.cache_index import FleetCacheIndex
 from scheduler.scheduler import EncoderSlot, MMItem, Scheduler
 
 
@@ -57,15 +57,19 @@ def test_encoder_input_skipped_when_connector_already_has_the_item(role: str, pr
             view.close()
 
 
-def test_remote_encoder_cache_answers_over_zeromq(producer: ECProducer) -> None:
-    producer.save_caches("a", output("a"))
-    consumer = ECConsumer()
+def test_scheduler_skips_what_the_event_index_says_an_encoder_holds(producer: ECProducer) -> None:
+    consumer = ECConsumer(cache_bytes=0)
+    index = FleetCacheIndex(consumer)
     try:
-        remote = RemoteEncoderCache(consumer, producer.address)
-        assert remote.has_cache_items(["a", "b"]) == [True, False]
-        out = Scheduler([EncoderSlot("e0", producer.address, remote)]).schedule(items("a", "b"))
+        producer.save_caches("a", output("a"))
+        index.add(producer.address, producer.events_address)
+        assert index.wait_for(lambda: index.has_cache_item("a"), 5.0)
+        view = index.view(producer.address)
+        assert view.has_cache_items(["a", "b"]) == [True, False]
+        out = Scheduler([EncoderSlot("e0", producer.address, view)]).schedule(items("a", "b"))
         assert out.skipped == ["a"] and out.num_scheduled == 1
     finally:
+        index.close()
         consumer.close()
 
 

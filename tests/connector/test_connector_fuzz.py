@@ -1,0 +1,223 @@
+"""Property-based fuzzing of one live ECProducer with random and mutated messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector import ECConsumer, ECProducer, EncoderOutput, messages
+from connector.wire import DTYPES, MAGIC_VERSION, OPS, REPLY_OPS, REQUEST_OPS, WireError, decode_message, encode_message
+
+GUARD_MS = 5000  # upper bound on any wait; never reached while the producer answers
+RSS_BOUND = 64 << 20  # the producer's process may grow by less than this over the whole fuzz run
+HASH = "known"
+KNOWN = torch.arange(7 * 16, dtype=torch.float32).reshape(7, 16).div(3).to(torch.bfloat16)
+FUZZ = settings(deadline=None, max_examples=200, database=None)
+
+# msgpack-able values, including the extremes of its int range
+SCALARS = (
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats() | st.text(max_size=16) | st.binary(max_size=16)
+)
+VALUES = st.recursive(
+    SCALARS, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4), max_leaves=12
+)
+REQ_IDS = st.integers(min_value=-(2**63), max_value=2**64 - 1) | VALUES
+OP_NAMES = st.sampled_from(sorted(OPS)) | st.sampled_from(["format_disk", "", "GET", "get\x00"]) | VALUES
+DIMS = st.integers(min_value=-2, max_value=2**64 - 1) | st.sampled_from([2**40, 2**62, 2**63 - 1]) | VALUES
+SPECS = st.fixed_dictionaries(
+    {},
+    optional={
+        "dtype": st.sampled_from(sorted(DTYPES)) | VALUES,
+        "shape": st.lists(DIMS, max_size=10) | VALUES,
+        "frame": st.integers(min_value=-1, max_value=4) | VALUES,
+        "mm_hash": st.just(HASH) | VALUES,
+        "found": st.booleans() | VALUES,
+        "num_tokens": st.integers(min_value=-1, max_value=8) | VALUES,
+        "grid_thw": st.lists(st.integers(min_value=-1, max_value=4), max_size=4) | VALUES,
+    },
+)
+HEADERS = st.fixed_dictionaries(  # about half pass the op and req_id checks, to reach the op handlers
+    {"op": st.sampled_from(sorted(REQUEST_OPS)) | st.deferred(lambda: OP_NAMES), "req_id": REQ_IDS},
+    optional={
+        "hashes": st.lists(st.just(HASH) | st.text(max_size=8), max_size=4) | VALUES,
+        "items": st.lists(SPECS, max_size=3) | VALUES,
+    },
+)
+
+
+def valid_requests() -> list[list[bytes]]:
+    """Well-formed requests of every op the producer serves, as raw frames."""
+    hashes = {"get": [HASH, "missing"], "has": [HASH, "x"], "ping": None, "snapshot": None}
+    assert set(hashes) >= REQUEST_OPS, "a new request op needs a sample here"
+    return [[bytes(f) for f in encode_message(messages.request(op, 7, hashes.get(op)))] for op in sorted(REQUEST_OPS)]
+
+
+def rss_bytes() -> int:
+    """VmRSS of this process (the producer serves from a thread in it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@dataclasses.dataclass
+class Live:
+    producer: ECProducer
+    consumer: ECConsumer
+    dealer: zmq.Socket[Any]
+    rss_before: int = 0
+    bad_before: int = 0
+    errors: int = 0  # error replies received, to check against the producer's bad_messages counter
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    producer = ECProducer().start()
+    producer.save_caches(HASH, EncoderOutput(HASH, KNOWN, (1, 7, 1)))
+    consumer = ECConsumer(cache_bytes=0)  # caches nothing: every gather asks the producer
+    dealer: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(producer.address)
+    state = Live(producer, consumer, dealer)
+    try:
+        for frames in valid_requests():  # warm up every path before measuring memory
+            exchange(state, frames)
+        state.rss_before, state.bad_before = rss_bytes(), producer.stats()["bad_messages"]
+        yield state
+    finally:
+        dealer.close()
+        consumer.close()
+        producer.close()
+
+
+def exchange(live: Live, frames: list[bytes]) -> dict[str, Any]:
+    """Send raw frames; the producer must answer with an error or a well-formed reply."""
+    live.dealer.send_multipart(frames)
+    assert live.dealer.poll(GUARD_MS), f"producer stopped answering after {frames!r:.300}"
+    header, buffers = decode_message(live.dealer.recv_multipart())
+    assert header["op"] in REPLY_OPS
+    if header["op"] == "error":
+        live.errors += 1
+        assert isinstance(header["message"], str) and header["message"]
+        assert not header["message"].startswith("internal error"), f"{header['message']} for {frames!r:.300}"
+    elif header["op"] == "get_reply":
+        found = messages.parse_get_reply(header, buffers)
+        assert HASH not in found or torch.equal(found[HASH].embeds, KNOWN)
+    elif header["op"] == "has_reply":
+        assert all(isinstance(flag, bool) for flag in header["has"])
+    return header
+
+
+def still_serves(live: Live) -> None:
+    """A valid gather still returns the exact tensor, and memory stayed bounded."""
+    got = live.consumer.gather([HASH], {HASH: live.producer.address}, timeout=GUARD_MS / 1000)
+    assert got[HASH].embeds.dtype == KNOWN.dtype and torch.equal(got[HASH].embeds, KNOWN)
+    assert rss_bytes() - live.rss_before < RSS_BOUND
+    assert live.producer.stats()["bad_messages"] - live.bad_before == live.errors
+
+
+def mutate(data: st.DataObject, frames: list[bytes]) -> list[bytes]:
+    """One random corruption of a valid message."""
+    frames = list(frames)
+    kinds = ["flip", "truncate", "extend", "header", "value", "version", "op", "extra", "drop"]
+    kind = data.draw(st.sampled_from(kinds))
+    i = data.draw(st.integers(min_value=0, max_value=len(frames) - 1))
+    if kind == "flip" and frames[i]:
+        at = data.draw(st.integers(min_value=0, max_value=len(frames[i]) - 1))
+        frames[i] = frames[i][:at] + bytes([frames[i][at] ^ data.draw(st.integers(1, 255))]) + frames[i][at + 1:]
+    elif kind == "truncate":
+        frames[i] = frames[i][: data.draw(st.integers(min_value=0, max_value=max(0, len(frames[i]) - 1)))]
+    elif kind == "extend":
+        frames[i] += data.draw(st.binary(min_size=1, max_size=32))
+    elif kind == "header":
+        frames[1] = msgpack.packb(data.draw(HEADERS))
+    elif kind == "value":
+        frames[1] = msgpack.packb(data.draw(VALUES))
+    elif kind == "version":
+        frames[0] = MAGIC_VERSION[:4] + bytes([data.draw(st.integers(0, 255).filter(lambda v: v != MAGIC_VERSION[4]))])
+    elif kind == "op":
+        op = data.draw(st.sampled_from(sorted(REPLY_OPS - {"get_reply"})) | OP_NAMES)
+        frames[1] = msgpack.packb({**msgpack.unpackb(frames[1]), "op": op})
+    elif kind == "extra":
+        frames += data.draw(st.lists(st.binary(max_size=32), min_size=1, max_size=3))
+    else:
+        frames = frames[: data.draw(st.integers(min_value=1, max_value=len(frames)))]
+    return frames
+
+
+@FUZZ
+@given(frames=st.lists(st.binary(max_size=64), min_size=1, max_size=8))
+def test_random_multipart_messages_get_error_replies(live: Live, frames: list[bytes]) -> None:
+    exchange(live, frames)
+    still_serves(live)
+
+
+@FUZZ
+@given(base=st.sampled_from(valid_requests()), data=st.data())
+def test_mutated_valid_requests_are_answered(live: Live, base: list[bytes], data: st.DataObject) -> None:
+    exchange(live, mutate(data, base))
+    still_serves(live)
+
+
+@FUZZ
+@given(header=HEADERS, tensors=st.lists(st.binary(max_size=64), max_size=3))
+def test_random_headers_with_tensor_frames_are_answered(live: Live, header: Any, tensors: list[bytes]) -> None:
+    exchange(live, [MAGIC_VERSION, msgpack.packb(header), *tensors])
+    still_serves(live)
+
+
+def test_fuzzing_counted_bad_messages_and_kept_memory_bounded(live: Live) -> None:
+    huge = {"dtype": "float32", "shape": [1 << 20, 1 << 18], "frame": 0}  # 2**40 bytes
+    declared = {"op": "get", "req_id": 5, "hashes": [HASH], "items": [huge]}
+    before = live.errors
+    assert exchange(live, [MAGIC_VERSION, msgpack.packb(declared), bytes(16)])["req_id"] == 5
+    assert live.errors == before + 1 and live.producer.stats()["bad_messages"] > live.bad_before
+    still_serves(live)
+
+
+@FUZZ
+@given(frames=st.lists(st.binary(max_size=64), min_size=0, max_size=6), header=HEADERS | VALUES)
+def test_decode_message_raises_only_wire_error(frames: list[bytes], header: Any) -> None:
+    for message in (frames, [MAGIC_VERSION, msgpack.packb(header), *frames]):
+        try:
+            decode_message(message)
+        except WireError as e:
+            assert str(e)
+
+
+def peak_bytes_of_decoding(frames: list[bytes]) -> int:
+    """Peak traced allocation while decode_message rejects `frames`."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError):
+            decode_message(frames)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        msgpack.packb({"op": "get_reply", "req_id": 1, "items": [{"dtype": "float32", "shape": [1 << 38], "frame": 0}]}),
+        msgpack.packb({"op": "get_reply", "req_id": 1, "items": [{"dtype": "uint8", "shape": [1 << 20] * 2, "frame": 0}]}),
+        b"\xdd" + struct.pack(">I", 2**32 - 1),  # array declaring 4G elements
+        b"\xdf" + struct.pack(">I", 2**32 - 1),  # map declaring 4G pairs
+        b"\xdb" + struct.pack(">I", 2**32 - 1) + b"x",  # str declaring 4 GiB
+        b"\xc6" + struct.pack(">I", 2**32 - 1) + b"x",  # bin declaring 4 GiB
+    ],
+)
+def test_huge_declarations_are_rejected_before_allocating(header: bytes) -> None:
+    assert peak_bytes_of_decoding([MAGIC_VERSION, header, bytes(16)]) < 1 << 20

@@ -1,0 +1,162 @@
+"""The fleet cache index: built from producers' events, resynced by snapshot after gaps and restarts."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import zmq
+
+from connector import ECConsumer, ECProducer, EncoderOutput, messages
+from connector.wire import decode_message, encode_message
+from scheduler.cache_index import FleetCacheIndex, ProducerView
+
+GUARD_S = 10.0  # upper bound on any wait here; never reached when things work
+
+
+def output(h: str, num_tokens: int = 4) -> EncoderOutput:
+    return EncoderOutput(h, torch.ones(num_tokens, 8))  # 32 * num_tokens bytes
+
+
+@pytest.fixture
+def consumer() -> Iterator[ECConsumer]:
+    c = ECConsumer(cache_bytes=0)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def index(consumer: ECConsumer) -> Iterator[FleetCacheIndex]:
+    idx = FleetCacheIndex(consumer)
+    yield idx
+    idx.close()
+
+
+def follow(index: FleetCacheIndex, producer: ECProducer) -> None:
+    index.add(producer.address, producer.events_address)
+    assert index.wait_for(lambda: index.is_synced(producer.address), GUARD_S)
+
+
+def test_view_follows_stores_and_evictions(index: FleetCacheIndex) -> None:
+    producer = ECProducer(cache_bytes=256).start()  # room for two items
+    try:
+        follow(index, producer)
+        for h in "abc":
+            producer.save_caches(h, output(h, 4))
+        assert index.wait_for(lambda: index.has_cache_item("c") and not index.has_cache_item("a"), GUARD_S)
+        assert index.holders("b") == [producer.address]
+        assert index.has_seen(producer.address, *producer.position())
+    finally:
+        producer.close()
+
+
+def test_a_late_subscriber_starts_from_a_snapshot(index: FleetCacheIndex) -> None:
+    producer = ECProducer().start()
+    try:
+        producer.save_caches("early", output("early"))
+        follow(index, producer)
+        assert index.has_cache_item("early") and index.num_resyncs == 1
+    finally:
+        producer.close()
+
+
+def test_two_indexes_share_one_view_without_a_central_store(consumer: ECConsumer) -> None:
+    producer = ECProducer().start()
+    first, second = FleetCacheIndex(consumer), FleetCacheIndex(consumer)
+    try:
+        follow(first, producer)
+        follow(second, producer)
+        producer.save_caches("x", output("x"))
+        for idx in (first, second):
+            assert idx.wait_for(lambda idx=idx: idx.has_cache_item("x"), GUARD_S)  # type: ignore[misc]
+    finally:
+        first.close()
+        second.close()
+        producer.close()
+
+
+def test_a_restarted_producer_is_a_new_epoch_and_its_old_items_are_forgotten(index: FleetCacheIndex) -> None:
+    old = ECProducer().start()
+    follow(index, old)
+    old.save_caches("before", output("before"))
+    assert index.wait_for(lambda: index.has_cache_item("before"), GUARD_S)
+    address, events = old.address, old.events_address
+    old.close()
+    new = ECProducer(bind=address, events_bind=events).start()  # same endpoints, empty cache
+    try:
+        assert new.epoch != old.epoch
+        assert index.wait_for(lambda: index.has_seen(address, new.epoch, 0), GUARD_S)
+        assert not index.has_cache_item("before")
+    finally:
+        new.close()
+
+
+def test_a_silent_producer_is_forgotten(consumer: ECConsumer) -> None:
+    index = FleetCacheIndex(consumer, stale_after_s=0.5)
+    producer = ECProducer().start()
+    try:
+        follow(index, producer)
+        producer.save_caches("x", output("x"))
+        assert index.wait_for(lambda: index.has_cache_item("x"), GUARD_S)
+        producer.close()  # no more heartbeats
+        assert index.wait_for(lambda: not index.has_cache_item("x"), GUARD_S)
+    finally:
+        index.close()
+        producer.close()
+
+
+class FakeProducer:
+    """A PUB + ROUTER pair that publishes hand-made events and answers snapshots with a fixed state."""
+
+    def __init__(self) -> None:
+        ctx = zmq.Context.instance()
+        self.router, self.pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.events_address = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.snapshot: tuple[int, list[str]] = (0, [])
+
+    def publish(self, seq: int, kind: str, hashes: list[str]) -> None:
+        self.pub.send_multipart(encode_message(messages.event(self.address, "e1", seq, kind, hashes)))
+
+    def answer_snapshot(self) -> None:
+        assert self.router.poll(int(GUARD_S * 1000)), "no snapshot request arrived"
+        identity, *request = self.router.recv_multipart()
+        header, _ = decode_message(request)
+        assert header["op"] == "snapshot"
+        reply = messages.snapshot_reply(header["req_id"], "e1", *self.snapshot)
+        self.router.send_multipart([identity, *encode_message(reply)])
+
+    def close(self) -> None:
+        self.router.close(linger=0)
+        self.pub.close(linger=0)
+
+
+def test_a_gap_in_the_sequence_triggers_a_resync(index: FleetCacheIndex) -> None:
+    fake = FakeProducer()
+    try:
+        index.add(fake.address, fake.events_address)
+        fake.answer_snapshot()  # initial sync: empty at seq 0
+        assert index.wait_for(lambda: index.is_synced(fake.address), GUARD_S)
+        # the subscription may still be connecting: repeat seq 1 (idempotent) until the index has it
+        assert index.wait_for(lambda: fake.publish(1, "stored", ["a"]) or index.has_cache_item("a"), GUARD_S)
+        fake.snapshot = (3, ["a", "b", "c"])
+        fake.publish(3, "stored", ["c"])  # seq 2 was lost
+        fake.answer_snapshot()
+        assert index.wait_for(lambda: index.has_cache_item("b") and index.has_cache_item("c"), GUARD_S)
+        assert index.num_resyncs == 2
+    finally:
+        fake.close()
+
+
+def test_producer_view_applies_events_in_order_only() -> None:
+    view = ProducerView("tcp://p", "tcp://p-events")
+    assert not view.apply_event("e", 1, "stored", ["a"])  # not synced yet
+    view.apply_snapshot("e", 1, ["a"])
+    assert view.apply_event("e", 1, "stored", ["a"])  # already in the snapshot: ignored
+    assert view.apply_event("e", 2, "stored", ["b"]) and view.held == {"a", "b"}
+    assert view.apply_event("e", 3, "evicted", ["a"]) and view.held == {"b"}
+    assert view.apply_event("e", 3, "heartbeat", [])
+    assert not view.apply_event("e", 5, "stored", ["c"])  # gap
+    assert not view.apply_event("e", 4, "heartbeat", [])  # the heartbeat says events were missed
+    assert not view.apply_event("other", 1, "stored", ["d"])  # new epoch: the producer restarted
