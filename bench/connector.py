@@ -80,11 +80,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-# child processes: print the bound address, serve until stdin closes
-
-
 def serve_connector(bind: str, sizes: list[int]) -> None:
-    """Run an ECProducer holding one tensor per size until stdin reaches EOF."""
+    """Child: print the address of an ECProducer holding one tensor per size; serve until stdin closes."""
     producer = ECProducer(bind=bind, cache_bytes=sum(sizes) + (1 << 20)).start()
     for n in sizes:
         producer.save_caches(item_hash(n), EncoderOutput(item_hash(n), payload_tensor(n)))
@@ -96,7 +93,7 @@ def serve_connector(bind: str, sizes: list[int]) -> None:
 
 
 def serve_raw(bind: str, sizes: list[int]) -> None:
-    """Run a ROUTER that answers a request naming a size with that payload frame (copy=False)."""
+    """Child: like serve_connector, but a bare ROUTER replies to a size with that payload frame (copy=False)."""
     payloads = {n: byte_view(payload_tensor(n)) for n in sizes}
     router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -129,9 +126,6 @@ def child(args: list[str], timeout: float = 60.0) -> Iterator[tuple[subprocess.P
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-# client side
 
 
 def check(ok: bool, message: str) -> None:
@@ -274,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "latency": "one gather (or request/reply) round trip of one item, client in this process, server in a child",
         "methods": METHODS,
         "machine": machine_info(load_start),
-        "safetensors_dir": {"path": tmp, "fstype": fstype(tmp), "tmpfs": fstype(tmp) == "tmpfs",
+        "safetensors_dir": {"path": tempfile.gettempdir(), "fstype": fstype(tmp), "tmpfs": fstype(tmp) == "tmpfs",
                             "note": "read right after write, so load_file hits the page cache, not the disk"},
         "payloads": payloads,
         "consumer_peak_rss_increase_bytes": rss_increase, "consumer_peak_rss_increase_ratio": rss_ratio,

@@ -8,12 +8,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # seconds
-CACHE_KEYS = ("num_items", "bytes", "hits", "misses", "evictions")
+CACHE_KEYS = ("num_items", "bytes", "max_bytes", "hits", "misses", "evictions", "rejected")
+PRODUCER_KEYS = ("gets_served", "gets_waited", "gets_waiting", "bytes_sent", "bad_messages", "events_published")
+CONSUMER_KEYS = ("gathers", "remote_fetches", "bytes_received")
 
 
-def cache_gauges(registry: CollectorRegistry, prefix: str, what: str, stats: Callable[[], dict[str, Any]]) -> None:
-    """One gauge per embedding-cache counter, read from stats() at scrape time."""
-    for key in CACHE_KEYS:
+def cache_gauges(registry: CollectorRegistry, prefix: str, what: str, stats: Callable[[], dict[str, Any]],
+                 keys: tuple[str, ...] = CACHE_KEYS) -> None:
+    """One gauge per counter of a stats() dict (embedding cache, connector), read at scrape time."""
+    for key in keys:
         Gauge(f"{prefix}_{key}", f"{what}: {key}", registry=registry).set_function(partial(_stat, stats, key))
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import LATENCY_BUCKETS, cache_gauges
+from common.metrics import CONSUMER_KEYS, LATENCY_BUCKETS, cache_gauges
 
 
 class DecoderMetrics:
@@ -23,3 +23,4 @@ class DecoderMetrics:
         self.prompt_tokens = Counter("epd_decoder_prompt_tokens", "Prompt tokens prefilled", registry=registry)
         self.waiting = Gauge("epd_decoder_waiting", "Requests queued or running", registry=registry)
         cache_gauges(registry, "epd_ec_consumer_cache", "Gathered-embedding cache", cache_stats)
+        cache_gauges(registry, "epd_ec_consumer", "Connector consumer", cache_stats, CONSUMER_KEYS)

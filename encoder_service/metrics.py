@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import cache_gauges
+from common.metrics import PRODUCER_KEYS, cache_gauges
 
 
 class EncoderMetrics:
@@ -21,3 +21,4 @@ class EncoderMetrics:
                                         registry=registry)
         self.queue_depth = Gauge("epd_encoder_queue_depth", "Encode calls waiting or running", registry=registry)
         cache_gauges(registry, "epd_ec_cache", "Embedding cache (producer side)", cache_stats)
+        cache_gauges(registry, "epd_ec_producer", "Connector producer", cache_stats, PRODUCER_KEYS)

@@ -1,0 +1,100 @@
+"""Connector paths end to end: an ipc:// encoder, two proxies sharing one cache view, pipelined encode."""
+from __future__ import annotations
+
+import base64
+import io
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from models.shapes import draw_shape
+from proxy.launcher import free_port
+from tests.e2e.stack import health, metric, start, stop, wait_healthy
+
+pytestmark = pytest.mark.e2e
+
+
+@dataclass
+class Fleet:
+    encoder: str
+    decoder: str
+    plain: str  # proxy that encodes, then decodes
+    pipelined: str  # proxy started with --pipeline-encode
+
+
+def ask(proxy: str, image: bytes) -> httpx.Response:
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What color is the shape?"}]
+    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{proxy}/v1/chat/completions", json=body, timeout=60)
+
+
+def png(colour: str, seed: int) -> bytes:
+    """A demo-style picture: a shape of `colour`, its size and place drawn from `seed` (distinct bytes)."""
+    buf = io.BytesIO()
+    draw_shape(colour, "circle", random.Random(seed)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("paths")
+    enc_port, dec_port, p1, p2 = free_port(), free_port(), free_port(), free_port()
+    ipc = f"ipc://{tmp}/encoder.sock"
+    procs = [start("encoder_service.server", ["--port", str(enc_port), "--ec-bind", ipc], tmp / "enc.log"),
+             start("decoder_service.server", ["--port", str(dec_port)], tmp / "dec.log")]
+    urls = ["--encode-servers-urls", f"http://127.0.0.1:{enc_port}", "--decode-servers-urls",
+            f"http://127.0.0.1:{dec_port}"]
+    procs.append(start("proxy.cli", ["--port", str(p1), *urls], tmp / "p1.log"))
+    procs.append(start("proxy.cli", ["--port", str(p2), "--pipeline-encode", *urls], tmp / "p2.log"))
+    try:
+        for port, log in ((p1, "p1.log"), (p2, "p2.log")):
+            wait_healthy(f"http://127.0.0.1:{port}", procs[2 if log == "p1.log" else 3], tmp / log)
+        yield Fleet(f"http://127.0.0.1:{enc_port}", f"http://127.0.0.1:{dec_port}",
+                    f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}")
+    finally:
+        for p in reversed(procs):
+            stop(p)
+
+
+def answer(resp: httpx.Response) -> str:
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def scrape(url: str, name: str) -> float:
+    return metric(httpx.get(f"{url}/metrics", timeout=10).text, name)
+
+
+def test_encoder_serves_embeddings_over_ipc(fleet: Fleet) -> None:
+    info: dict[str, Any] = health(fleet.encoder)
+    assert info["ec_address"].startswith("ipc://") and info["ec_events_address"].startswith("ipc://")
+    assert answer(ask(fleet.plain, png("red", 1))) == "red"
+
+
+def test_a_second_proxy_skips_what_the_first_had_encoded(fleet: Fleet) -> None:
+    image = png("blue", 2)
+    encoded_before = health(fleet.encoder)["num_encoded"]
+    assert answer(ask(fleet.plain, image)) == "blue"
+    skipped_before = scrape(fleet.pipelined, "epd_proxy_items_skipped_cached_total")
+    assert answer(ask(fleet.pipelined, image)) == "blue"  # the second proxy learnt it from cache events
+    assert scrape(fleet.pipelined, "epd_proxy_items_skipped_cached_total") == skipped_before + 1
+    assert health(fleet.encoder)["num_encoded"] == encoded_before + 1
+
+
+def test_pipelined_encode_gives_the_same_answers(fleet: Fleet) -> None:
+    for colour, seed in (("green", 3), ("red", 4), ("blue", 5)):
+        assert answer(ask(fleet.pipelined, png(colour, seed))) == colour == answer(ask(fleet.plain, png(colour, seed + 10)))
+    assert scrape(fleet.encoder, "epd_ec_producer_gets_served") >= 6
+
+
+def test_pipelined_bad_image_is_a_400_and_the_next_request_succeeds(fleet: Fleet) -> None:
+    truncated = png("green", 6)[:60]  # header intact, pixels cut
+    resp = ask(fleet.pipelined, truncated)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_image"
+    assert scrape(fleet.encoder, "epd_ec_producer_gets_waiting") == 0  # the decoder's wait ended with the failure
+    assert answer(ask(fleet.pipelined, png("green", 7))) == "green"
