@@ -46,7 +46,7 @@ class WorkerGroup:
 
     def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str]) -> Worker:
         port = free_port(host)
-        module = {"encoder": "encoder_service.server", "decoder": "decoder_service.server"}[role]
+        module = {"encoder": "encoder_service.server", "decoder": "decoder_service.server", "proxy": "proxy.cli"}[role]
         cmd = [sys.executable, "-m", module, "--model", model, "--host", host, "--port", str(port), *extra]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
