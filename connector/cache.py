@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 from connector.types import EncoderOutput
@@ -25,7 +25,7 @@ class EmbeddingCache:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._items: OrderedDict[str, EncoderOutput] = OrderedDict()  # oldest first
-        self._pins: Counter[str] = Counter()  # mm_hash -> users that must not lose it
+        self._pins: dict[str, int] = {}  # mm_hash -> users that must not lose it
         self._lock = threading.Lock()
         self._journal: list[CacheEvent] | None = [] if journal else None
         self._seq = 0
@@ -38,6 +38,9 @@ class EmbeddingCache:
     def put(self, out: EncoderOutput) -> bool:
         """Store (or replace) an item; False if it cannot fit beside the pinned items."""
         with self._lock:
+            if out.nbytes > self.max_bytes:
+                self._num_rejected += 1
+                return False
             old = self._items.get(out.mm_hash)
             room = self.max_bytes - self._pinned_bytes(exclude=out.mm_hash)
             if out.nbytes > room:
@@ -66,14 +69,26 @@ class EmbeddingCache:
     def pinned(self, mm_hashes: Iterable[str]) -> Iterator[dict[str, EncoderOutput]]:
         """Hold the given items (those present) against eviction; yields them, refreshed as hits."""
         keys = list(dict.fromkeys(mm_hashes))
+        found: dict[str, EncoderOutput] = {}
         with self._lock:
-            self._pins.update(keys)
+            for h in keys:
+                self._pins[h] = self._pins.get(h, 0) + 1
+                out = self._items.get(h)
+                if out is None:
+                    self._num_misses += 1
+                else:
+                    self._items.move_to_end(h)
+                    self._num_hits += 1
+                    found[h] = out
         try:
-            yield {h: out for h in keys if (out := self.get(h)) is not None}
+            yield found
         finally:
             with self._lock:
-                self._pins.subtract(keys)
-                self._pins += Counter()  # drop zero counts
+                for h in keys:
+                    if self._pins[h] == 1:
+                        del self._pins[h]
+                    else:
+                        self._pins[h] -= 1
 
     def snapshot(self) -> tuple[int, list[str]]:
         """The sequence number of the last event and every held mm_hash, consistent with each other."""

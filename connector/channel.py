@@ -43,7 +43,10 @@ class PeerChannel:
     def send(self, frames: list[bytes | memoryview]) -> bool:
         """Queue a request without blocking; False when the socket cannot take it."""
         try:
-            self.socket().send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            if len(frames) == 1:
+                self.socket().send(frames[0], zmq.NOBLOCK)  # requests are one small frame
+            else:
+                self.socket().send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             self.reset()
             return False

@@ -158,6 +158,19 @@ class ECConsumer:
     def _collect(self, pending: dict[zmq.Socket[Any], tuple[PeerChannel, int]], deadline: float) -> dict[str, Reply]:
         """Read replies into a dict (address -> reply), removing answered sockets from `pending`."""
         replies: dict[str, Reply] = {}
+        if len(pending) == 1:  # the common case: one producer; a blocking receive with a timeout, no poll
+            (sock, (channel, req_id)), = pending.items()
+            while (remaining_s := deadline - time.monotonic()) > 0:
+                sock.setsockopt(zmq.RCVTIMEO, math.ceil(remaining_s * 1000))
+                try:
+                    reply = self._read(sock, channel.address, req_id)
+                except zmq.Again:
+                    break
+                if reply is not None:
+                    replies[channel.address] = reply
+                    del pending[sock]
+                    break
+            return replies
         poller = zmq.Poller()
         for sock in pending:
             poller.register(sock, zmq.POLLIN)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from connector.types import EncoderOutput
-from connector.wire import WireError, tensor_from_frame, tensor_spec
+from connector.wire import WireError, frame_tensor, tensor_spec
 
 MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
 EVENT_KINDS = frozenset({"stored", "evicted", "heartbeat"})
@@ -73,20 +73,20 @@ def parse_hashes(header: dict[str, Any]) -> list[str]:
 
 
 def get_reply(req_id: int, hashes: list[str], found: dict[str, EncoderOutput],
-              failed: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[torch.Tensor]]:
+              failed: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[memoryview]]:
     """Header and tensor frames answering a `get`: one item per requested hash (`failed`: encoding failed)."""
     items: list[dict[str, Any]] = []
-    tensors: list[torch.Tensor] = []
+    frames: list[memoryview] = []
     for mm_hash in hashes:
         out = found.get(mm_hash)
         if out is None:
             items.append({"mm_hash": mm_hash, "found": False, "failed": mm_hash in failed})
             continue
-        spec = tensor_spec(out.embeds, frame=len(tensors))
+        spec = tensor_spec(out.embeds, frame=len(frames))
         grid = list(out.grid_thw) if out.grid_thw is not None else None
         items.append({"mm_hash": mm_hash, "found": True, "num_tokens": out.num_tokens, "grid_thw": grid, **spec})
-        tensors.append(out.embeds)
-    return {"op": "get_reply", "req_id": req_id, "items": items}, tensors
+        frames.append(out.wire_buffer)
+    return {"op": "get_reply", "req_id": req_id, "items": items}, frames
 
 
 def parse_get_reply(header: dict[str, Any], buffers: list[memoryview]) -> dict[str, EncoderOutput]:
@@ -100,7 +100,7 @@ def parse_get_reply(header: dict[str, Any], buffers: list[memoryview]) -> dict[s
             continue
         if "frame" not in item:
             raise WireError(f"get_reply item {reprlib.repr(mm_hash)} is found but has no tensor frame")
-        embeds = tensor_from_frame(buffers[item["frame"]], item.get("dtype"), item.get("shape"))
+        embeds = frame_tensor(buffers[item["frame"]], item["dtype"], item["shape"])  # decode_message checked them
         found[mm_hash] = _output(mm_hash, embeds, item)
     return found
 
@@ -114,8 +114,9 @@ def parse_has_reply(header: dict[str, Any], num_hashes: int) -> list[bool]:
 
 
 def _output(mm_hash: str, embeds: torch.Tensor, item: dict[str, Any]) -> EncoderOutput:
-    if embeds.dim() < 1 or item.get("num_tokens") != embeds.shape[0]:
-        raise WireError(f"get_reply item {reprlib.repr(mm_hash)}: num_tokens does not match shape {list(embeds.shape)}")
+    shape = item["shape"]  # decode_message checked it: a list of ints
+    if not shape or item.get("num_tokens") != shape[0]:
+        raise WireError(f"get_reply item {reprlib.repr(mm_hash)}: num_tokens does not match shape {shape}")
     grid = item.get("grid_thw")
     if grid is None:
         return EncoderOutput(mm_hash, embeds, None)

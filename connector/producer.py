@@ -26,6 +26,7 @@ logger = logging.getLogger("epd.connector")
 _START_TIMEOUT_S = 10.0
 HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
 MAX_REQUEST_BYTES = 1 << 20  # requests carry hashes only
+_BATCH = 64  # requests served per wake-up before timers are checked again
 
 
 def events_endpoint(bind: str) -> str:
@@ -194,9 +195,14 @@ class ECProducer:
                 self._serve_pending(router)
 
     def _serve_pending(self, router: zmq.Socket[Any]) -> None:
-        """Serve every request queued on the ROUTER now, without blocking."""
-        while router.poll(0, zmq.POLLIN):
-            self._serve_one(router)
+        """Serve the requests queued on the ROUTER now (a bounded batch), without blocking."""
+        for _ in range(_BATCH):
+            try:
+                # NOTE: requests are small, and copying them into bytes is cheaper than zmq.Frame objects.
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._serve_one(router, frames)
 
     def _settle(self, pub: zmq.Socket[Any]) -> None:
         """Publish new cache events and answer the parked gets they (or new failures) complete."""
@@ -218,11 +224,10 @@ class ECProducer:
         pub.send_multipart(encode_message(header), copy=False)
         self._num_events += 1
 
-    def _serve_one(self, router: zmq.Socket[Any]) -> None:
-        frames = router.recv_multipart(copy=False)
+    def _serve_one(self, router: zmq.Socket[Any], frames: list[bytes]) -> None:
         identity, payload = frames[0], frames[1:]
         try:
-            reply = self._handle(identity.bytes, payload)
+            reply = self._handle(identity, payload)
         except WireError as e:
             reply = self._reject(payload, str(e))
         except Exception as e:  # noqa: BLE001 - no request may kill the serving thread
@@ -231,7 +236,7 @@ class ECProducer:
         if reply is not None:
             router.send_multipart([identity, *encode_message(*reply)], copy=False)
 
-    def _handle(self, identity: bytes, payload: list[zmq.Frame]) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    def _handle(self, identity: bytes, payload: list[bytes]) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         header, _ = decode_message(payload, self.max_message_bytes)
         op, req_id = header["op"], header["req_id"]
         if op == "ping":
@@ -250,23 +255,28 @@ class ECProducer:
         """Answer now, or park the get when it may wait for items still being encoded."""
         hashes = messages.parse_hashes(header)
         wait, wait_ms = messages.parse_wait(header, hashes)
-        missing = {h for h in hashes if h not in self._cache and h not in self._failed}
-        if missing and missing <= wait and wait_ms > 0 and not self._waits.is_full:
-            self._waits.park(ParkedGet(identity, req_id, hashes, missing, time.monotonic() + wait_ms / 1000))
-            self._num_gets_waited += 1
-            return
-        self._answer(ParkedGet(identity, req_id, hashes, set(), 0.0))
+        with self._cache.pinned(hashes) as found:
+            missing = {h for h in hashes if h not in found and h not in self._failed}
+            if not (missing and missing <= wait and wait_ms > 0 and not self._waits.is_full):
+                self._send_get_reply(identity, req_id, hashes, found)
+                return
+        self._waits.park(ParkedGet(identity, req_id, hashes, missing, time.monotonic() + wait_ms / 1000))
+        self._num_gets_waited += 1
 
     def _answer(self, get: ParkedGet) -> None:
-        """Send a get's reply; its items stay pinned until ZeroMQ has taken the frames."""
-        assert self._router is not None
+        """Answer a parked get with whatever is there now."""
         with self._cache.pinned(get.hashes) as found:
-            header, tensors = messages.get_reply(get.req_id, get.hashes, found, self._failed.frozen(get.hashes))
-            self._router.send_multipart([get.identity, *encode_message(header, tensors)], copy=False)
-        self._num_gets_served += 1
-        self._bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+            self._send_get_reply(get.identity, get.req_id, get.hashes, found)
 
-    def _reject(self, payload: list[zmq.Frame], message: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def _send_get_reply(self, identity: bytes, req_id: int, hashes: list[str], found: dict[str, EncoderOutput]) -> None:
+        """Send a get's reply; the caller keeps the items pinned until ZeroMQ has taken the frames."""
+        assert self._router is not None
+        header, frames = messages.get_reply(req_id, hashes, found, self._failed.frozen(hashes))
+        self._num_gets_served += 1  # before the send: a consumer may read stats() the moment it has the reply
+        self._bytes_sent += sum(buf.nbytes for buf in frames)
+        self._router.send_multipart([identity, *encode_message(header, frames)], copy=False)
+
+    def _reject(self, payload: list[bytes], message: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
         self._num_bad_messages += 1
         logger.warning("producer %s rejected a malformed message: %s", self._address, message)
         return messages.error_reply(peek_req_id(payload), message), []

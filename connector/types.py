@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,12 @@ class EncoderOutput:
     @property
     def nbytes(self) -> int:
         return self.embeds.numel() * self.embeds.element_size()
+
+    @functools.cached_property
+    def wire_buffer(self) -> memoryview:
+        """A flat byte view of the embeddings (no copy for a contiguous CPU tensor), made once per item."""
+        flat = self.embeds.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return memoryview(flat.numpy())  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
 class MissingEmbeddings(Exception):

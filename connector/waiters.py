@@ -102,4 +102,6 @@ class FailedSet:
         return mm_hash in self._items
 
     def frozen(self, among: Iterable[str]) -> frozenset[str]:
+        if not self._items:
+            return frozenset()
         return frozenset(h for h in among if h in self._items)

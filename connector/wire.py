@@ -1,4 +1,8 @@
-"""Wire format: [MAGIC_VERSION, msgpack header, raw tensor frame, ...]; never pickle."""
+"""Wire format: [MAGIC_VERSION + msgpack header, raw tensor frame, ...]; never pickle.
+
+The magic and version prefix the header in one frame: every frame costs a send and a receive call, and
+a get round trip is dominated by such fixed costs until payloads reach several MiB.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ import msgpack
 import torch
 import zmq
 
-MAGIC_VERSION = b"EPDC" + bytes([1])
+MAGIC_VERSION = b"EPDC" + bytes([2])  # version 2: magic and header share the first frame
+_MAGIC_LEN = len(MAGIC_VERSION)
 MAX_TENSOR_BYTES = 1 << 30  # per tensor frame, checked before any tensor is built
 MAX_NDIM = 8
-MAX_FRAMES = 2 + 4096  # magic, header and up to 4096 tensor frames; checked before any frame is read
+MAX_FRAMES = 1 + 4096  # magic+header and up to 4096 tensor frames; checked before any frame is read
 MAX_HEADER_BYTES = 1 << 20  # checked before the header is unpacked
 MAX_REPLY_HEADER_BYTES = 64 << 20  # consumers: a snapshot of about a million hashes
 MAX_HEADER_ITEMS = 1 << 16  # longest array or map inside a header (msgpack would presize to the declared length)
@@ -60,10 +65,11 @@ def tensor_spec(t: torch.Tensor, frame: int) -> dict[str, Any]:
     return {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "frame": frame}
 
 
-def encode_message(header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> list[bytes | memoryview]:
-    """Frame a header and its tensors; send the result with `send_multipart(copy=False)`."""
+def encode_message(header: dict[str, Any], tensors: Sequence[torch.Tensor | memoryview] = ()) -> list[bytes | memoryview]:
+    """Frame a header and its tensors (or their byte views); send with `send_multipart(copy=False)`."""
     assert header.get("op") in OPS, f"unknown op {header.get('op')!r}"
-    return [MAGIC_VERSION, msgpack.packb(header, use_bin_type=True), *(tensor_buffer(t) for t in tensors)]
+    bufs = [t if isinstance(t, memoryview) else tensor_buffer(t) for t in tensors]
+    return [MAGIC_VERSION + msgpack.packb(header, use_bin_type=True), *bufs]
 
 
 def as_buffer(frame: Frame) -> memoryview:
@@ -86,20 +92,22 @@ def decode_message(frames: Sequence[Frame], max_bytes: int = MAX_TENSOR_BYTES,
     Producers keep the default header bound (requests carry hashes only); consumers allow larger replies
     (MAX_REPLY_HEADER_BYTES) because a snapshot lists every hash a producer holds.
     """
-    if not 2 <= len(frames) <= MAX_FRAMES:
-        raise WireError(f"expected 2 to {MAX_FRAMES} frames (magic, header, tensors), got {len(frames)}")
-    buffers = [as_buffer(f) for f in frames]
-    if buffers[0] != MAGIC_VERSION:  # compares without copying the frame
-        raise WireError(f"bad magic/version {bytes(buffers[0][:16])!r}, expected {MAGIC_VERSION!r}")
-    header = _unpack_header(buffers[1], max_header_bytes)
-    _check_tensor_specs(header, buffers[2:], max_bytes)
-    return header, buffers[2:]
+    if not 1 <= len(frames) <= MAX_FRAMES:
+        raise WireError(f"expected 1 to {MAX_FRAMES} frames (magic+header, tensors), got {len(frames)}")
+    first = as_buffer(frames[0])
+    if first[:_MAGIC_LEN] != MAGIC_VERSION:  # compares without copying the frame
+        raise WireError(f"bad magic/version {bytes(first[:_MAGIC_LEN])!r}, expected {MAGIC_VERSION!r}")
+    header = _unpack_header(first[_MAGIC_LEN:], max_header_bytes)
+    buffers = [as_buffer(f) for f in frames[1:]]
+    if buffers or "items" in header:
+        _check_tensor_specs(header, buffers, max_bytes)
+    return header, buffers
 
 
 def peek_req_id(frames: Sequence[Frame]) -> int:
     """Best-effort req_id of a message that failed to decode, or -1."""
     try:
-        req_id = _unpackb(as_buffer(frames[1])).get("req_id", -1)
+        req_id = _unpackb(as_buffer(frames[0])[_MAGIC_LEN:]).get("req_id", -1)
     except Exception:  # noqa: BLE001 - any bytes may arrive here
         return -1
     return req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else -1
@@ -112,10 +120,9 @@ def tensor_nbytes(dtype: Any, shape: Any, max_bytes: int = MAX_TENSOR_BYTES) -> 
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
         raise WireError(f"shape must be a list of at most {MAX_NDIM} ints, got {reprlib.repr(shape)}")
     for dim in shape:
-        if not _is_int(dim) or dim < 0:
-            raise WireError(f"shape dims must be non-negative ints, got {reprlib.repr(shape)}")
-        if dim > max_bytes:
-            raise WireError(f"shape dim {dim} is over the {max_bytes}-byte limit")
+        if type(dim) is not int or not 0 <= dim <= max_bytes:
+            raise WireError(f"shape dims must be non-negative ints, none over the {max_bytes}-byte limit, "
+                            f"got {reprlib.repr(shape)}")
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize
     if nbytes > max_bytes:
         raise WireError(f"declared tensor of {nbytes} bytes is over the {max_bytes}-byte limit")
@@ -123,18 +130,24 @@ def tensor_nbytes(dtype: Any, shape: Any, max_bytes: int = MAX_TENSOR_BYTES) -> 
 
 
 def tensor_from_frame(buf: Frame, dtype: Any, shape: Any, max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor:
-    """Build a tensor over a frame's memory (no copy when the buffer is writable)."""
+    """Build a tensor over a frame's memory (no copy when the buffer is writable), checking dtype and shape."""
     nbytes = tensor_nbytes(dtype, shape, max_bytes)
     view = as_buffer(buf)
     if view.nbytes != nbytes:
         raise WireError(f"frame has {view.nbytes} bytes, but {dtype}{list(shape)} needs {nbytes}")
-    if nbytes == 0:
+    return frame_tensor(view, dtype, shape)
+
+
+def frame_tensor(buf: Frame, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A tensor over a frame whose dtype and shape `decode_message` has already checked."""
+    view = as_buffer(buf)
+    if view.nbytes == 0:
         return torch.empty(tuple(shape), dtype=DTYPES[dtype])  # frombuffer rejects empty buffers
     if view.readonly:
         # NOTE: zmq frames received with copy=False are writable; only bytes objects (tests,
         # copy=True receives) land here, and torch.frombuffer warns on read-only memory.
         view = memoryview(bytearray(view))
-    return torch.frombuffer(view, dtype=DTYPES[dtype]).reshape(tuple(shape))
+    return torch.frombuffer(view, dtype=DTYPES[dtype]).view(shape)
 
 
 def _unpackb(buf: memoryview, max_header_bytes: int = MAX_HEADER_BYTES) -> Any:
@@ -154,7 +167,7 @@ def _unpack_header(buf: memoryview, max_header_bytes: int = MAX_HEADER_BYTES) ->
     except WireError:
         raise
     except Exception as e:  # noqa: BLE001 - msgpack raises a zoo of types on bad bytes
-        raise WireError(f"header is not valid msgpack: {e}") from e
+        raise WireError(f"header is not valid msgpack: {type(e).__name__}: {e}") from e
     if not isinstance(header, dict):
         raise WireError(f"header must be a map, got {type(header).__name__}")
     op = header.get("op")

@@ -57,6 +57,11 @@ HEADERS = st.fixed_dictionaries(  # about half pass the op and req_id checks, to
 )
 
 
+def frame(header_bytes: bytes) -> bytes:
+    """The first frame of a wire v2 message: magic and version, then the raw msgpack header."""
+    return MAGIC_VERSION + header_bytes
+
+
 def valid_requests() -> list[list[bytes]]:
     """Well-formed requests of every op the producer serves, as raw frames."""
     hashes = {"get": [HASH, "missing"], "has": [HASH, "x"], "ping": None, "snapshot": None}
@@ -128,33 +133,56 @@ def still_serves(live: Live) -> None:
     assert live.producer.stats()["bad_messages"] - live.bad_before == live.errors
 
 
+def split_parts(frames: list[bytes]) -> list[bytes]:
+    """[magic, header, *tensors]: the first frame split where the magic and version end."""
+    magic_len = len(MAGIC_VERSION)
+    return [frames[0][:magic_len], frames[0][magic_len:], *frames[1:]]
+
+
+def join_parts(parts: list[bytes]) -> list[bytes]:
+    """Frames of a message from its parts: magic and header share the first frame."""
+    return [parts[0] + b"".join(parts[1:2]), *parts[2:]]
+
+
+def test_split_and_join_parts_invert_each_other() -> None:
+    for frames in valid_requests():
+        parts = split_parts(frames)
+        assert parts[0] == MAGIC_VERSION and msgpack.unpackb(parts[1])["req_id"] == 7
+        assert join_parts(parts) == frames
+    assert join_parts([MAGIC_VERSION]) == [MAGIC_VERSION]  # the header dropped
+
+
 def mutate(data: st.DataObject, frames: list[bytes]) -> list[bytes]:
-    """One random corruption of a valid message."""
-    frames = list(frames)
+    """One random corruption of a valid message.
+
+    It works on the parts [magic, header, *tensors], so "the magic" is the first 5 bytes of frame 0 and "the
+    header" the rest of it; `drop` down to one part leaves frame 0 holding the magic alone.
+    """
+    parts = split_parts(frames)
     kinds = ["flip", "truncate", "extend", "header", "value", "version", "op", "extra", "drop"]
     kind = data.draw(st.sampled_from(kinds))
-    i = data.draw(st.integers(min_value=0, max_value=len(frames) - 1))
-    if kind == "flip" and frames[i]:
-        at = data.draw(st.integers(min_value=0, max_value=len(frames[i]) - 1))
-        frames[i] = frames[i][:at] + bytes([frames[i][at] ^ data.draw(st.integers(1, 255))]) + frames[i][at + 1:]
+    i = data.draw(st.integers(min_value=0, max_value=len(parts) - 1))
+    if kind == "flip" and parts[i]:
+        at = data.draw(st.integers(min_value=0, max_value=len(parts[i]) - 1))
+        parts[i] = parts[i][:at] + bytes([parts[i][at] ^ data.draw(st.integers(1, 255))]) + parts[i][at + 1:]
     elif kind == "truncate":
-        frames[i] = frames[i][: data.draw(st.integers(min_value=0, max_value=max(0, len(frames[i]) - 1)))]
+        parts[i] = parts[i][: data.draw(st.integers(min_value=0, max_value=max(0, len(parts[i]) - 1)))]
     elif kind == "extend":
-        frames[i] += data.draw(st.binary(min_size=1, max_size=32))
+        parts[i] += data.draw(st.binary(min_size=1, max_size=32))
     elif kind == "header":
-        frames[1] = msgpack.packb(data.draw(HEADERS))
+        parts[1] = msgpack.packb(data.draw(HEADERS))
     elif kind == "value":
-        frames[1] = msgpack.packb(data.draw(VALUES))
+        parts[1] = msgpack.packb(data.draw(VALUES))
     elif kind == "version":
-        frames[0] = MAGIC_VERSION[:4] + bytes([data.draw(st.integers(0, 255).filter(lambda v: v != MAGIC_VERSION[4]))])
+        parts[0] = MAGIC_VERSION[:4] + bytes([data.draw(st.integers(0, 255).filter(lambda v: v != MAGIC_VERSION[4]))])
     elif kind == "op":
         op = data.draw(st.sampled_from(sorted(REPLY_OPS - {"get_reply"})) | OP_NAMES)
-        frames[1] = msgpack.packb({**msgpack.unpackb(frames[1]), "op": op})
+        parts[1] = msgpack.packb({**msgpack.unpackb(parts[1]), "op": op})
     elif kind == "extra":
-        frames += data.draw(st.lists(st.binary(max_size=32), min_size=1, max_size=3))
+        parts += data.draw(st.lists(st.binary(max_size=32), min_size=1, max_size=3))
     else:
-        frames = frames[: data.draw(st.integers(min_value=1, max_value=len(frames)))]
-    return frames
+        parts = parts[: data.draw(st.integers(min_value=1, max_value=len(parts)))]
+    return join_parts(parts)
 
 
 @FUZZ
@@ -174,7 +202,7 @@ def test_mutated_valid_requests_are_answered(live: Live, base: list[bytes], data
 @FUZZ
 @given(header=HEADERS, tensors=st.lists(st.binary(max_size=64), max_size=3))
 def test_random_headers_with_tensor_frames_are_answered(live: Live, header: Any, tensors: list[bytes]) -> None:
-    exchange(live, [MAGIC_VERSION, msgpack.packb(header), *tensors])
+    exchange(live, [frame(msgpack.packb(header)), *tensors])
     still_serves(live)
 
 
@@ -182,7 +210,7 @@ def test_fuzzing_counted_bad_messages_and_kept_memory_bounded(live: Live) -> Non
     huge = {"dtype": "float32", "shape": [1 << 20, 1 << 18], "frame": 0}  # 2**40 bytes
     declared = {"op": "get", "req_id": 5, "hashes": [HASH], "items": [huge]}
     before = live.errors
-    assert exchange(live, [MAGIC_VERSION, msgpack.packb(declared), bytes(16)])["req_id"] == 5
+    assert exchange(live, [frame(msgpack.packb(declared)), bytes(16)])["req_id"] == 5
     assert live.errors == before + 1 and live.producer.stats()["bad_messages"] > live.bad_before
     still_serves(live)
 
@@ -190,7 +218,7 @@ def test_fuzzing_counted_bad_messages_and_kept_memory_bounded(live: Live) -> Non
 @FUZZ
 @given(frames=st.lists(st.binary(max_size=64), min_size=0, max_size=6), header=HEADERS | VALUES)
 def test_decode_message_raises_only_wire_error(frames: list[bytes], header: Any) -> None:
-    for message in (frames, [MAGIC_VERSION, msgpack.packb(header), *frames]):
+    for message in (frames, [frame(msgpack.packb(header)), *frames]):
         try:
             decode_message(message)
         except WireError as e:
@@ -220,4 +248,5 @@ def peak_bytes_of_decoding(frames: list[bytes]) -> int:
     ],
 )
 def test_huge_declarations_are_rejected_before_allocating(header: bytes) -> None:
-    assert peak_bytes_of_decoding([MAGIC_VERSION, header, bytes(16)]) < 1 << 20
+    first = frame(header)  # built before tracing starts
+    assert peak_bytes_of_decoding([first, bytes(16)]) < 1 << 20

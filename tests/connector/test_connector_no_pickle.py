@@ -104,7 +104,7 @@ for module in (pickle, _pickle):
         setattr(module, name, trap(f"{module.__name__}.{name}"))
 
 from connector import ECConsumer, ECProducer, EncoderOutput
-from connector.wire import decode_message
+from connector.wire import MAGIC_VERSION, decode_message
 
 outs = [
     EncoderOutput("f32", torch.randn(5, 8)),
@@ -126,7 +126,7 @@ try:
     assert consumer.ping(producer.address, timeout=10)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.connect(producer.address)
-    raw.send_multipart([b"EPDC\x01", b"\xc1\xc1"])
+    raw.send_multipart([MAGIC_VERSION + b"\xc1\xc1"])  # valid magic, bad msgpack
     assert raw.poll(10_000), "no reply to a malformed message"
     assert decode_message(raw.recv_multipart())[0]["op"] == "error"
     raw.close(linger=0)

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from connector import ECConsumer, ECProducer, EncoderOutput, MissingEmbeddings, messages
-from connector.wire import decode_message, encode_message
+from connector.wire import MAGIC_VERSION, decode_message, encode_message
 
 GUARD_MS = 5000  # upper bound on any wait in these tests; never reached when things work
 
@@ -171,9 +171,11 @@ def test_producer_keeps_serving_after_garbage(
     garbage = [
         [b"garbage"],
         [b""],
-        [b"EPDC\x01", b"\xc1\xc1"],
-        [b"EPDC\x02", b"\x80"],
-        [b"EPDC\x01", b"\x82\xa2op\xa3get\xa6req_id\x05"],  # get without hashes
+        [MAGIC_VERSION + b"\xc1\xc1"],  # bad msgpack
+        [MAGIC_VERSION[:4] + b"\x01\x80"],  # wrong version
+        [b"EPDC\x01", b"\x82\xa2op\xa4ping\xa6req_id\x05"],  # a version 1 message
+        [MAGIC_VERSION, b"\x82\xa2op\xa4ping\xa6req_id\x05"],  # header in its own frame
+        [MAGIC_VERSION + b"\x82\xa2op\xa3get\xa6req_id\x05"],  # get without hashes
         [*encode_message(messages.request("get", 9, ["a"])), b"unexpected tensor frame"],
         encode_message({"op": "pong", "req_id": 4}),  # a reply op sent as a request
     ]

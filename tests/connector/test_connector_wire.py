@@ -28,14 +28,24 @@ from connector.wire import (
 )
 
 
+def frame(header_bytes: bytes) -> bytes:
+    """The first frame of a wire v2 message: magic and version, then the raw msgpack header."""
+    return MAGIC_VERSION + header_bytes
+
+
 def make_frames(header: Any, tensors: Sequence[bytes] = ()) -> list[bytes]:
     """Hand-built message with a raw header, to reach checks that encode_message would not produce."""
-    return [MAGIC_VERSION, msgpack.packb(header), *tensors]
+    return [frame(msgpack.packb(header)), *tensors]
+
+
+PING = msgpack.packb({"op": "ping", "req_id": 1})
 
 
 def round_trip(tensors: list[torch.Tensor]) -> tuple[list[bytes | memoryview], list[torch.Tensor]]:
     items = [tensor_spec(t, frame=i) for i, t in enumerate(tensors)]
-    frames = encode_message({"op": "get_reply", "req_id": 7, "items": items}, tensors)
+    header = {"op": "get_reply", "req_id": 7, "items": items}
+    frames = encode_message(header, tensors)
+    assert bytes(frames[0]) == frame(msgpack.packb(header))  # magic, version and header share the first frame
     # bytes() mimics what arrives off a socket, so nothing aliases the sender's tensors
     header, buffers = decode_message([bytes(f) for f in frames])
     assert header["req_id"] == 7
@@ -57,7 +67,7 @@ AWKWARD = {
 def test_round_trip_preserves_dtype_shape_and_values(name: str) -> None:
     t = AWKWARD[name]
     frames, (back,) = round_trip([t])
-    assert len(frames) == 3  # magic, header, one tensor frame
+    assert len(frames) == 2  # magic+header, one tensor frame
     assert back.dtype == t.dtype and back.shape == t.shape
     assert torch.equal(back, t)
 
@@ -65,15 +75,16 @@ def test_round_trip_preserves_dtype_shape_and_values(name: str) -> None:
 def test_round_trip_of_several_tensors_keeps_one_frame_each() -> None:
     tensors = list(AWKWARD.values())
     frames, back = round_trip(tensors)
-    assert len(frames) == 2 + len(tensors)
+    assert len(frames) == 1 + len(tensors)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, back, strict=True))
 
 
 def test_get_reply_round_trips_encoder_outputs_and_not_found_items() -> None:
     out = EncoderOutput("h1", torch.randn(6, 32).to(torch.bfloat16), (1, 4, 6))
     header, tensors = messages.get_reply(3, ["h1", "nope"], {"h1": out})
+    assert len(tensors) == 1 and isinstance(tensors[0], memoryview) and tensors[0].nbytes == out.nbytes
     frames = [bytes(f) for f in encode_message(header, tensors)]
-    assert len(frames) == 3
+    assert len(frames) == 2
     found = messages.parse_get_reply(*decode_message(frames))
     assert list(found) == ["h1"]
     assert torch.equal(found["h1"].embeds, out.embeds) and found["h1"].grid_thw == (1, 4, 6)
@@ -88,11 +99,18 @@ def test_writable_frame_buffer_is_used_without_copy() -> None:
 
 GOOD_SPEC = {"dtype": "float32", "shape": [2, 2], "frame": 0}
 MALFORMED: dict[str, list[bytes]] = {
-    "too_few_frames": [MAGIC_VERSION],
-    "wrong_magic": [b"NOPE\x01", msgpack.packb({"op": "ping", "req_id": 1})],
-    "wrong_version": [b"EPDC\x02", msgpack.packb({"op": "ping", "req_id": 1})],
-    "bad_msgpack": [MAGIC_VERSION, b"\xc1\xff\x00"],
-    "truncated_msgpack": [MAGIC_VERSION, msgpack.packb({"op": "ping", "req_id": 1})[:-2]],
+    "too_few_frames": [],
+    "empty_first_frame": [b""],
+    "truncated_magic": [MAGIC_VERSION[:3]],
+    "missing_header": [MAGIC_VERSION],
+    "wrong_magic": [b"NOPE" + MAGIC_VERSION[4:] + PING],
+    "wrong_version": [MAGIC_VERSION[:4] + bytes([1]) + PING],
+    "future_version": [MAGIC_VERSION[:4] + bytes([MAGIC_VERSION[4] + 1]) + PING],
+    "v1_message": [MAGIC_VERSION[:4] + bytes([1]), PING],  # magic and header in separate frames
+    "v2_magic_then_header_frame": [MAGIC_VERSION, PING],
+    "bad_msgpack": [frame(b"\xc1\xff\x00")],
+    "truncated_msgpack": [frame(PING[:-2])],
+    "trailing_bytes_after_header": [frame(PING + b"\x00")],
     "header_not_map": make_frames([1, 2, 3]),
     "unknown_op": make_frames({"op": "format_disk", "req_id": 1}),
     "missing_req_id": make_frames({"op": "ping"}),
@@ -163,8 +181,8 @@ def raw_map(**fields: bytes) -> bytes:
 
 def test_too_many_frames_are_rejected_before_any_is_read() -> None:
     untouchable: list[Any] = [object()] * MAX_FRAMES  # as_buffer() on these would raise TypeError
-    with pytest.raises(WireError, match=f"2 to {MAX_FRAMES} frames"):
-        decode_message([MAGIC_VERSION, msgpack.packb({"op": "ping", "req_id": 1}), *untouchable])
+    with pytest.raises(WireError, match=f"1 to {MAX_FRAMES} frames"):
+        decode_message([frame(PING), *untouchable])
 
 
 def test_oversized_header_is_rejected_before_unpacking(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,8 +193,8 @@ def test_oversized_header_is_rejected_before_unpacking(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(msgpack, "unpackb", no_unpack)
     with pytest.raises(WireError, match="over the 1048576-byte limit"):
-        decode_message([MAGIC_VERSION, header])
-    assert peek_req_id([MAGIC_VERSION, header]) == -1
+        decode_message([frame(header)])
+    assert peek_req_id([frame(header)]) == -1
 
 
 REPLY, UINT8 = msgpack.packb("get_reply"), msgpack.packb("uint8")
@@ -192,9 +210,9 @@ NESTED = {
 @pytest.mark.parametrize("name", list(NESTED))
 def test_deeply_nested_header_is_a_wire_error_with_a_short_message(name: str) -> None:
     with pytest.raises(WireError) as info:
-        decode_message([MAGIC_VERSION, NESTED[name], bytes(1)])
+        decode_message([frame(NESTED[name]), bytes(1)])
     assert len(str(info.value)) < 300
-    peek_req_id([MAGIC_VERSION, NESTED[name]])  # best effort, but never raises
+    peek_req_id([frame(NESTED[name])])  # best effort, but never raises
 
 
 def test_huge_values_are_echoed_briefly_and_ext_types_are_refused() -> None:
@@ -206,11 +224,11 @@ def test_huge_values_are_echoed_briefly_and_ext_types_are_refused() -> None:
 
 
 def test_huge_magic_frame_is_not_copied() -> None:
-    magic = bytes(16 << 20)
+    first = bytes(16 << 20) + PING  # 16 MiB where the magic should be, then a header
     tracemalloc.start()
     try:
         with pytest.raises(WireError, match="bad magic"):
-            decode_message([magic, msgpack.packb({"op": "ping", "req_id": 1})])
+            decode_message([first])
         assert tracemalloc.get_traced_memory()[1] < 1 << 20
     finally:
         tracemalloc.stop()
@@ -238,7 +256,7 @@ def test_router_drops_a_peer_over_its_message_size_limit_and_serves_others() -> 
     try:
         for sock in (big, small):
             sock.connect(f"tcp://127.0.0.1:{port}")
-        big.send_multipart([MAGIC_VERSION, bytes(2048)])
+        big.send_multipart([frame(bytes(2048))])
         assert monitor.poll(guard_ms), "the oversized sender was not disconnected"
         assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
         small.send_multipart(encode_message(messages.request("ping", 11)))
