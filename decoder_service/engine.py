@@ -60,10 +60,14 @@ class Engine:
 
     def prepare(self, req: GenerateRequest) -> tuple[Prompt, SamplingParams]:
         """Gather embeddings and build the prompt (blocking); raises APIError for what cannot run."""
+        try:  # before the gather: with pipelined encode this overlaps the encoder's work
+            ids = render(self.lm.tokenizer, req.messages, self.template)
+        except (TemplateError, ValueError, TypeError, KeyError) as exc:
+            raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
         images = self._gather(req)
         try:
-            prompt = build_prompt(self.lm, render(self.lm.tokenizer, req.messages, self.template), images)
-        except (TemplateError, ValueError, TypeError, KeyError) as exc:
+            prompt = build_prompt(self.lm, ids, images)
+        except ValueError as exc:  # placeholder count does not match the images
             raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
         room = self.max_model_len - prompt.num_tokens
         max_tokens = req.max_tokens or room

@@ -270,3 +270,11 @@ def test_router_drops_a_peer_over_its_message_size_limit_and_serves_others() -> 
         router.disable_monitor()
         for sock in (monitor, big, small, router):
             sock.close(linger=0)
+
+
+def test_producer_side_byte_view_shares_the_stored_tensor_memory() -> None:
+    out = EncoderOutput("z", torch.zeros(4, 3, dtype=torch.bfloat16))
+    view = out.wire_buffer
+    assert view.nbytes == out.nbytes and out.wire_buffer is view  # made once per item
+    out.embeds[0, 0] = 1.5
+    assert bytes(view[:2]) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
