@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = _config(args, encode_urls, decode_urls, curve)
         serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
         return
+    if curve is not None:
+        parser.error("CURVE keys are for attach mode (workers on other hosts); launcher mode keeps every "
+                     "connector link on this host")
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turn it into SystemExit so the
     # `finally` below stops the workers and the launcher exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
