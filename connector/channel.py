@@ -20,6 +20,7 @@ class PeerChannel:
         self.address = address
         self._ctx, self._curve, self._max_bytes = ctx, curve, max_bytes
         self._socket: zmq.Socket[Any] | None = None
+        self._rcvtimeo = -1  # what the open socket has; setsockopt costs a libzmq call, cold after big replies
 
     @property
     def is_open(self) -> bool:
@@ -52,11 +53,18 @@ class PeerChannel:
             return False
         return True
 
+    def set_rcvtimeo(self, ms: int) -> None:
+        """Bound the next blocking receive on the open socket to `ms` milliseconds."""
+        if ms != self._rcvtimeo:
+            self.socket().setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo = ms
+
     def reset(self) -> None:
         """Drop the socket (and any late reply queued on it); the next use reconnects."""
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+            self._rcvtimeo = -1
 
 
 class ChannelPool:

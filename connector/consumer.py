@@ -161,7 +161,7 @@ class ECConsumer:
         if len(pending) == 1:  # the common case: one producer; a blocking receive with a timeout, no poll
             (sock, (channel, req_id)), = pending.items()
             while (remaining_s := deadline - time.monotonic()) > 0:
-                sock.setsockopt(zmq.RCVTIMEO, math.ceil(remaining_s * 1000))
+                channel.set_rcvtimeo(math.ceil(remaining_s * 1000))
                 try:
                     reply = self._read(sock, channel.address, req_id)
                 except zmq.Again:

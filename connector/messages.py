@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from connector.types import EncoderOutput
-from connector.wire import WireError, frame_tensor, tensor_spec
+from connector.wire import WireError, frame_tensor
 
 MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
 EVENT_KINDS = frozenset({"stored", "evicted", "heartbeat"})
@@ -82,9 +82,7 @@ def get_reply(req_id: int, hashes: list[str], found: dict[str, EncoderOutput],
         if out is None:
             items.append({"mm_hash": mm_hash, "found": False, "failed": mm_hash in failed})
             continue
-        spec = tensor_spec(out.embeds, frame=len(frames))
-        grid = list(out.grid_thw) if out.grid_thw is not None else None
-        items.append({"mm_hash": mm_hash, "found": True, "num_tokens": out.num_tokens, "grid_thw": grid, **spec})
+        items.append({"mm_hash": mm_hash, "found": True, **out.wire_spec, "frame": len(frames)})
         frames.append(out.wire_buffer)
     return {"op": "get_reply", "req_id": req_id, "items": items}, frames
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +31,17 @@ class EncoderOutput:
 
     @property
     def nbytes(self) -> int:
-        return self.embeds.numel() * self.embeds.element_size()
+        return self.embeds.nbytes  # one call into torch instead of two
+
+    @functools.cached_property
+    def wire_spec(self) -> dict[str, Any]:
+        """The item fields of a get_reply (num_tokens, grid_thw, dtype, shape), made once per item."""
+        from connector.wire import tensor_spec  # NOTE: wire imports torch helpers only; avoid a cycle at import
+
+        spec = tensor_spec(self.embeds, frame=0)
+        del spec["frame"]
+        grid = list(self.grid_thw) if self.grid_thw is not None else None
+        return {"num_tokens": self.num_tokens, "grid_thw": grid, **spec}
 
     @functools.cached_property
     def wire_buffer(self) -> memoryview:
