@@ -69,6 +69,13 @@ class EmbeddingCache:
     def pinned(self, mm_hashes: Iterable[str]) -> Iterator[dict[str, EncoderOutput]]:
         """Hold the given items (those present) against eviction; yields them, refreshed as hits."""
         keys = list(dict.fromkeys(mm_hashes))
+        try:
+            yield self.pin(keys)
+        finally:
+            self.unpin(keys)
+
+    def pin(self, keys: list[str]) -> dict[str, EncoderOutput]:
+        """Pin `keys` (distinct) and return those present, refreshed as hits; pair with `unpin(keys)`."""
         found: dict[str, EncoderOutput] = {}
         with self._lock:
             for h in keys:
@@ -80,15 +87,15 @@ class EmbeddingCache:
                     self._items.move_to_end(h)
                     self._num_hits += 1
                     found[h] = out
-        try:
-            yield found
-        finally:
-            with self._lock:
-                for h in keys:
-                    if self._pins[h] == 1:
-                        del self._pins[h]
-                    else:
-                        self._pins[h] -= 1
+        return found
+
+    def unpin(self, keys: list[str]) -> None:
+        with self._lock:
+            for h in keys:
+                if self._pins[h] == 1:
+                    del self._pins[h]
+                else:
+                    self._pins[h] -= 1
 
     def snapshot(self) -> tuple[int, list[str]]:
         """The sequence number of the last event and every held mm_hash, consistent with each other."""

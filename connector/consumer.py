@@ -47,7 +47,8 @@ class ECConsumer:
         (pipelined gather), for at most `timeout` seconds.
         """
         wanted = list(dict.fromkeys(mm_hashes))
-        with self._cache.pinned(wanted) as result:
+        result = self._cache.pin(wanted)  # what is here stays here until this gather returns
+        try:
             remote: dict[str, list[str]] = {}  # producer address -> hashes to fetch there
             for h in wanted:
                 if h not in result and h in sources:
@@ -55,7 +56,9 @@ class ECConsumer:
             fetched = self._fetch(remote, timeout, set(wait_for)) if remote else {}
             for out in fetched.values():
                 self._cache.put(out)
-            result = {**result, **fetched}
+            result.update(fetched)
+        finally:
+            self._cache.unpin(wanted)
         with self._stats_lock:
             self._num_gathers += 1
             self._bytes_received += sum(out.nbytes for out in fetched.values())

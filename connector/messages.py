@@ -32,6 +32,8 @@ def get_request(req_id: int, hashes: list[str], wait: list[str] | None = None, w
 
 def parse_wait(header: dict[str, Any], hashes: list[str]) -> tuple[set[str], int]:
     """A `get`'s wait list (a subset of its hashes) and wait in ms, capped at MAX_WAIT_MS."""
+    if "wait" not in header and "wait_ms" not in header:
+        return set(), 0  # the common case: nothing may wait
     wait, wait_ms = header.get("wait", []), header.get("wait_ms", 0)
     if not isinstance(wait, list) or not all(isinstance(h, str) for h in wait) or not set(wait) <= set(hashes):
         raise WireError("get `wait` must be a list of hashes the get asks for")

@@ -26,6 +26,7 @@ logger = logging.getLogger("epd.connector")
 _START_TIMEOUT_S = 10.0
 HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
 MAX_REQUEST_BYTES = 1 << 20  # requests carry hashes only
+_MORE = int(zmq.SNDMORE)
 _BATCH = 64  # requests served per wake-up before timers are checked again
 
 
@@ -261,11 +262,15 @@ class ECProducer:
         """Answer now, or park the get when it may wait for items still being encoded."""
         hashes = messages.parse_hashes(header)
         wait, wait_ms = messages.parse_wait(header, hashes)
-        with self._cache.pinned(hashes) as found:
-            missing = {h for h in hashes if h not in found and h not in self._failed}
+        keys = list(dict.fromkeys(hashes))
+        found = self._cache.pin(keys)
+        try:
+            missing = {h for h in keys if h not in found and h not in self._failed}
             if not (missing and missing <= wait and wait_ms > 0 and not self._waits.is_full):
                 self._send_get_reply(identity, req_id, hashes, found)
                 return
+        finally:
+            self._cache.unpin(keys)
         self._waits.park(ParkedGet(identity, req_id, hashes, missing, time.monotonic() + wait_ms / 1000))
         self._num_gets_waited += 1
 
@@ -280,7 +285,12 @@ class ECProducer:
         header, frames = messages.get_reply(req_id, hashes, found, self._failed.frozen(hashes))
         self._num_gets_served += 1  # before the send: a consumer may read stats() the moment it has the reply
         self._bytes_sent += sum(buf.nbytes for buf in frames)
-        self._router.send_multipart([identity, *encode_message(header, frames)], copy=False)
+        router, (head, *tensors) = self._router, encode_message(header, frames)
+        # NOTE: send part by part: send_multipart adds flag arithmetic per part, costly on a cold cache
+        router.send(identity, _MORE)
+        router.send(head, _MORE if tensors else 0)
+        for i, buf in enumerate(tensors, 1):
+            router.send(buf, _MORE if i < len(tensors) else 0, copy=False)
 
     def _reject(self, payload: list[bytes], message: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
         self._num_bad_messages += 1
