@@ -93,6 +93,9 @@ class ECProducer:
         if not self._ready.wait(_START_TIMEOUT_S):
             raise TimeoutError(f"producer did not bind {self.bind} within {_START_TIMEOUT_S}s")
         if self._start_error is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+            self._waker.close()
             raise self._start_error
         return self
 

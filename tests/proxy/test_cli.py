@@ -1,11 +1,23 @@
 """disagg-epd-proxy argument handling."""
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from proxy.cli import _config, _urls, build_parser, main
+
+
+@pytest.fixture(autouse=True)
+def keep_root_logging() -> Iterator[None]:
+    """main() installs the service's log handler on the root logger; put pytest's back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def test_worker_urls_accept_spaces_and_commas() -> None:

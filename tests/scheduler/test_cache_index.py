@@ -1,6 +1,9 @@
 """The fleet cache index: built from producers' events, resynced by snapshot after gaps and restarts."""
 from __future__ import annotations
 
+import errno
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -75,6 +78,18 @@ def test_two_indexes_share_one_view_without_a_central_store(consumer: ECConsumer
         producer.close()
 
 
+def restart_on(address: str, events: str) -> ECProducer:
+    """A new producer on the old endpoints; ZeroMQ frees a closed listener asynchronously, so retry (bounded)."""
+    deadline = time.monotonic() + GUARD_S
+    while True:
+        try:
+            return ECProducer(bind=address, events_bind=events).start()
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            threading.Event().wait(0.05)
+
+
 def test_a_restarted_producer_is_a_new_epoch_and_its_old_items_are_forgotten(index: FleetCacheIndex) -> None:
     old = ECProducer().start()
     follow(index, old)
@@ -82,7 +97,7 @@ def test_a_restarted_producer_is_a_new_epoch_and_its_old_items_are_forgotten(ind
     assert index.wait_for(lambda: index.has_cache_item("before"), GUARD_S)
     address, events = old.address, old.events_address
     old.close()
-    new = ECProducer(bind=address, events_bind=events).start()  # same endpoints, empty cache
+    new = restart_on(address, events)  # same endpoints, empty cache
     try:
         assert new.epoch != old.epoch
         assert index.wait_for(lambda: index.has_seen(address, new.epoch, 0), GUARD_S)
