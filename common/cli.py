@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from connector.security import CurveConfig, load_curve_config
+
+T = TypeVar("T")
 
 
 def worker_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
@@ -37,6 +40,14 @@ def pop_curve(p: argparse.ArgumentParser, args: argparse.Namespace) -> CurveConf
         return load_curve_config(d.pop("ec_curve_key"), d.pop("ec_curve_server_key"), d.pop("ec_curve_allowed_clients"))
     except (ValueError, OSError) as exc:
         p.error(str(exc))
+
+
+def parse_config(p: argparse.ArgumentParser, argv: list[str] | None, config_cls: Callable[..., T]) -> T:
+    """Add the CURVE flags, parse, and build the worker's config dataclass from the flags."""
+    add_curve_flags(p)
+    args = p.parse_args(argv)
+    curve = pop_curve(p, args)
+    return config_cls(**vars(args), curve=curve)
 
 
 def describe(cfg: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from common.cli import add_curve_flags, describe, pop_curve, worker_parser
+from common.cli import describe, parse_config, worker_parser
 from common.errors import APIError, install_error_handlers
 from common.http import install_metrics, install_request_id, serve
 from common.logs import request_id_var, setup_logging
@@ -103,10 +103,7 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout)
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of gathered embeddings this decoder keeps (LRU)")
-    add_curve_flags(p)
-    args = p.parse_args(argv)
-    curve = pop_curve(p, args)
-    return DecoderConfig(**vars(args), curve=curve)
+    return parse_config(p, argv, DecoderConfig)
 
 
 def main(argv: list[str] | None = None) -> None:

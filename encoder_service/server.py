@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from common.cli import add_curve_flags, describe, pop_curve, worker_parser
+from common.cli import describe, parse_config, worker_parser
 from common.errors import APIError, bad_request, install_error_handlers
 from common.http import install_metrics, install_request_id, serve
 from common.logs import setup_logging
@@ -111,10 +111,7 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="bytes of embeddings this encoder keeps (LRU; in-flight items are never evicted)")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
-    add_curve_flags(p)
-    args = p.parse_args(argv)
-    curve = pop_curve(p, args)
-    return EncoderConfig(**vars(args), curve=curve)
+    return parse_config(p, argv, EncoderConfig)
 
 
 def main(argv: list[str] | None = None) -> None:

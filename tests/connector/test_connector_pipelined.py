@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,18 +15,6 @@ GUARD_S = 10.0  # upper bound on any wait here; never reached when things work
 LONG_TIMEOUT_S = 60.0  # gather timeout far beyond GUARD_S: returning within GUARD_S proves no timeout was hit
 
 
-@pytest.fixture
-def producer() -> Iterator[ECProducer]:
-    p = ECProducer().start()
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def consumer() -> Iterator[ECConsumer]:
-    c = ECConsumer(cache_bytes=0)
-    yield c
-    c.close()
 
 
 def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:

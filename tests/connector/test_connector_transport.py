@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,18 +17,6 @@ from connector.wire import MAGIC_VERSION, decode_message, encode_message
 GUARD_MS = 5000  # upper bound on any wait in these tests; never reached when things work
 
 
-@pytest.fixture
-def producer() -> Iterator[ECProducer]:
-    p = ECProducer().start()
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def consumer() -> Iterator[ECConsumer]:
-    c = ECConsumer()
-    yield c
-    c.close()
 
 
 def save(producer: ECProducer, mm_hash: str, embeds: torch.Tensor, grid: tuple[int, int, int] | None = None) -> EncoderOutput:
