@@ -76,7 +76,8 @@ class Engine:
                               f"model's maximum length ({self.max_model_len})", param="max_tokens",
                               code="context_length_exceeded")
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos)
+                                top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+                                frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty)
         return prompt, params
 
     def submit(self, prompt: Prompt, params: SamplingParams) -> Job:

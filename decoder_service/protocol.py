@@ -22,6 +22,8 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     stop: list[str] = Field(default=[], max_length=4)
     ignore_eos: bool = False
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
 
 
 class Usage(BaseModel):

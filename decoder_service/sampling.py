@@ -1,4 +1,4 @@
-"""Sampling parameters and the next-token choice (greedy, temperature, top-k, top-p, seed)."""
+"""Sampling parameters and the next-token choice (penalties, greedy, temperature, top-k, top-p, seed)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +15,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often a token was already generated
+    presence_penalty: float = 0.0  # OpenAI: minus this once a token has been generated at all
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -25,6 +27,12 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not (-2 <= self.frequency_penalty <= 2 and -2 <= self.presence_penalty <= 2):
+            raise ValueError("frequency_penalty and presence_penalty must be in [-2, 2]")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -32,10 +40,15 @@ class SamplingParams:
 
 
 class Sampler:
-    """Chooses tokens for one sequence; a seed makes the choice reproducible."""
+    """Chooses tokens for one sequence; a seed makes the choice reproducible.
+
+    Penalties count the tokens this sampler has chosen (the completion, not the prompt), as OpenAI
+    defines them, and apply before the greedy or random choice.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
+        self.counts: dict[int, int] = {}  # token id -> times chosen so far
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -43,6 +56,19 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
+        token = self._choose(self._penalize(logits) if self.params.penalized and self.counts else logits)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return token
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        ids = torch.tensor(list(self.counts))
+        counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+        logits = logits.float().clone()
+        logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        return logits
+
+    def _choose(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits))

@@ -23,9 +23,6 @@ def _check_supported(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
     if req.model != cfg.served_model_name:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {cfg.served_model_name!r}",
                        param="model", code="model_not_found")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} other than 0 is not supported yet", param=name, code="unsupported_parameter")
 
 
 def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig) -> PreparedChat:

@@ -49,8 +49,8 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # only 0 is supported yet
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)  # only 0 is supported yet
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     ignore_eos: bool = False  # extension, as in vLLM
 
     def sampling(self) -> dict[str, Any]:
@@ -64,4 +64,6 @@ class ChatCompletionRequest(BaseModel):
             "seed": self.seed,
             "stop": stop,
             "ignore_eos": self.ignore_eos,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
         }

@@ -1,4 +1,4 @@
-"""Sampling: greedy is argmax, a seed reproduces, top-k / top-p restrict the choice."""
+"""Sampling: greedy is argmax, a seed reproduces, top-k / top-p restrict the choice, penalties count the output."""
 from __future__ import annotations
 
 import pytest
@@ -35,3 +35,24 @@ def test_top_p_keeps_smallest_prefix_reaching_mass() -> None:
 def test_invalid_params_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_presence_penalty_applies_once_per_generated_token() -> None:
+    # 1 (3.0) is chosen, then 2.5 < 2.9 so 2, then 2.5 > 2.4 so 1, and 1 is not penalized again
+    assert draws(SamplingParams(temperature=0, presence_penalty=0.5), 4) == [1, 2, 1, 1]
+
+
+def test_frequency_penalty_grows_with_each_repeat() -> None:
+    assert draws(SamplingParams(temperature=0, frequency_penalty=0.2), 4) == [1, 2, 1, 2]
+
+
+def test_negative_penalty_favours_repeats_and_zero_changes_nothing() -> None:
+    logits = torch.tensor([2.9, 3.0])
+    sampler = Sampler(SamplingParams(temperature=0, presence_penalty=-1.0))
+    assert [sampler(logits) for _ in range(3)] == [1, 1, 1]
+    assert draws(SamplingParams(temperature=0), 3) == [1, 1, 1]
+
+
+def test_penalties_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match="penalty"):
+        SamplingParams(frequency_penalty=2.5)

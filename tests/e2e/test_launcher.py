@@ -75,6 +75,18 @@ def test_streaming_gives_the_same_answer_in_chunks(client: OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_presence_penalty_reaches_the_decoder(client: OpenAI) -> None:
+    def answer(**penalty: float) -> str:
+        resp = client.chat.completions.create(model="demo", messages=user(data_url("green")), temperature=0,
+                                              max_tokens=6, extra_body={"ignore_eos": True}, **penalty)
+        assert resp.usage is not None and resp.usage.completion_tokens == 6
+        return resp.choices[0].message.content or ""
+
+    plain, penalized = answer(), answer(presence_penalty=2.0)
+    assert plain.startswith("green") and penalized.startswith("green")  # the first token is never penalized
+    assert penalized != plain  # later tokens already generated are pushed down
+
+
 def test_same_image_sent_again_is_not_re_encoded(client: OpenAI, stack: Stack) -> None:
     url = data_url("green", "triangle", seed=11)
     client.chat.completions.create(model="demo", messages=user(url), temperature=0, max_tokens=4)

@@ -69,6 +69,7 @@ def test_unknown_model_is_404() -> None:
     assert refused(request(model="gpt-4o")).status == 404
 
 
-def test_unsupported_penalty_is_400() -> None:
-    err = refused(request(frequency_penalty=0.5))
-    assert err.status == 400 and err.param == "frequency_penalty"
+def test_penalties_are_passed_to_the_decoder() -> None:
+    chat = prepare_chat(request(frequency_penalty=0.5, presence_penalty=-1.0), CFG)
+    assert (chat.sampling["frequency_penalty"], chat.sampling["presence_penalty"]) == (0.5, -1.0)
+    assert prepare_chat(request(), CFG).sampling["frequency_penalty"] == 0.0
