@@ -85,6 +85,13 @@ class LanguageHalf:
         )
         return self.module.lm_head(out.last_hidden_state[0, -1]).float()
 
+    def forward_rows(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache,
+                     attention_mask: torch.Tensor) -> torch.Tensor:
+        """Run a batch of rows over new positions with an explicit 4D mask; return each row's last logits."""
+        out = self.module.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache,
+                                         attention_mask=attention_mask, use_cache=True)
+        return self.module.lm_head(out.last_hidden_state[:, -1]).float()
+
 
 def loaded_summary(module: torch.nn.Module) -> dict[str, object]:
     """What a process really holds: its top-level modules and parameter count (for /health)."""
