@@ -12,7 +12,9 @@ class DecoderConfig:
     host: str = "127.0.0.1"
     port: int = 8200
     max_model_len: int = 0  # 0: the model's max_position_embeddings
-    max_queued: int = 256  # requests waiting for the engine; more get 503
+    max_queued: int = 256  # requests waiting for a slot; more get 503
+    max_num_seqs: int = 32  # sequences decoded together (KV slots preallocated for each)
+    max_prefill_tokens: int = 128  # prompt tokens prefilled per engine step (chunked prefill budget)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings
     log_level: str = "info"
@@ -21,3 +23,4 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         assert self.max_model_len >= 0, "max_model_len must be >= 0"
         assert self.gather_timeout > 0, "gather_timeout must be > 0"
+        assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"

@@ -1,45 +1,40 @@
-"""The decoder engine: one sequence at a time on its own thread; requests queue in front of it."""
+"""The decoder engine: continuous batching on its own thread.
+
+Each step decodes every running sequence in one batched forward, then prefills waiting prompts within a
+token budget (chunked), so a long multi-image prefill delays running streams by at most one budget per
+step. Requests join when a slot is free and leave the step after they finish or their client goes.
+"""
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Hashable
 
+import torch
 from jinja2 import TemplateError
 
 from common.errors import APIError, bad_request
 from common.logs import request_id_var
 from connector import ECConsumer, MissingEmbeddings
+from decoder_service.batch import BatchRunner
 from decoder_service.config import DecoderConfig
-from decoder_service.detokenizer import IncrementalDetokenizer
-from decoder_service.generate import eos_token_ids, generate
+from decoder_service.generate import eos_token_ids
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt, build_prompt
-from decoder_service.protocol import Event, GenerateRequest, Usage
-from decoder_service.sampling import Sampler, SamplingParams
+from decoder_service.protocol import Event, GenerateRequest
+from decoder_service.sampling import SamplingParams
+from decoder_service.sequence import Job, Sequence
 from models.base import ImageFeatures
 from models.chat import chat_template, render
 from models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
-
-
-@dataclass
-class Job:
-    prompt: Prompt
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    request_id: str = "-"
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    arrival: float = field(default_factory=time.perf_counter)
-
-    def emit(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 class Engine:
@@ -49,14 +44,24 @@ class Engine:
         self.eos_ids = eos_token_ids(lm)
         self.max_model_len = cfg.max_model_len or int(lm.config.get_text_config().max_position_embeddings)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self.running: Job | None = None  # the sequence on the engine thread now
+        self.waiting: collections.deque[Job] = collections.deque()  # engine thread only
+        self.seqs: dict[int, Sequence] = {}  # slot key -> running sequence; engine thread only
+        self.runner = BatchRunner(lm, cfg.max_num_seqs, self.max_model_len, chunk=cfg.max_prefill_tokens)
         self.finished: Counter[str] = Counter()  # finish_reason -> sequences
+        self.peak_running = 0  # most sequences decoded together so far
+        self._keys = itertools.count()
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="epd-engine", daemon=True)
         self._thread.start()
 
     @property
     def num_waiting(self) -> int:
-        return self._jobs.qsize()
+        """Requests not running yet (queued for a slot)."""
+        return self._jobs.qsize() + len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.seqs)
 
     def prepare(self, req: GenerateRequest) -> tuple[Prompt, SamplingParams]:
         """Gather embeddings and build the prompt (blocking); raises APIError for what cannot run."""
@@ -104,48 +109,66 @@ class Engine:
         return [ImageFeatures(embeds=got[h].embeds, grid_thw=got[h].grid_thw) for h in hashes]
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            request_id_var.set(job.request_id)
-            self.running = job
+        while not self._stopping:
+            self._take_new_jobs(block=not self.seqs and not self.waiting)
+            self._abort_cancelled()
+            self._admit()
             try:
-                self.finished[self._run(job)] += 1
-            except Exception as exc:  # a failed request ends with an error event; the loop survives
-                logger.exception("generation failed")
-                self.finished["error"] += 1
-                job.emit(Event(type="error", message=f"generation failed: {type(exc).__name__}: {exc}"))
-            finally:
-                self.running = None
+                self._step()
+            except Exception as exc:  # a failed step ends its sequences with an error event; the loop survives
+                logger.exception("engine step failed")
+                for key in list(self.seqs):
+                    seq = self._drop(key, "error")
+                    seq.job.emit(Event(type="error", message=f"generation failed: {type(exc).__name__}: {exc}"))
+        for key in list(self.seqs):  # closing: running streams end cleanly instead of hanging
+            self._drop(key, "abort").finish("abort")
 
-    def _run(self, job: Job) -> str:
-        """Generate for one job; returns its finish reason."""
-        p, m = job.params, self.metrics
-        detok = IncrementalDetokenizer(self.lm.tokenizer, p.stop)
-        eos = set() if p.ignore_eos else self.eos_ids
-        finish, num_generated, last = "length", 0, job.arrival
-        for token in generate(self.lm, job.prompt, Sampler(p), p.max_tokens, eos):
-            now = time.perf_counter()
-            (m.ttft if num_generated == 0 else m.itl).observe(now - last)
-            last, num_generated = now, num_generated + 1
-            if job.cancelled.is_set():
-                finish = "abort"
-                break
-            if token in eos:
-                finish = "stop"
-                break
-            text = detok.add(token)
-            if text:
-                job.emit(Event(type="delta", text=text))
-            if detok.stopped:
-                finish = "stop"
-                break
-        tail = detok.flush()
-        if tail:
-            job.emit(Event(type="delta", text=tail))
-        m.generated_tokens.inc(num_generated)
-        m.prompt_tokens.inc(job.prompt.num_tokens)
-        m.e2e.observe(time.perf_counter() - job.arrival)
-        num_image = sum(im.num_tokens for im in job.prompt.images)
-        usage = Usage(prompt_tokens=job.prompt.num_tokens, completion_tokens=num_generated,
-                      total_tokens=job.prompt.num_tokens + num_generated, num_image_tokens=num_image)
-        job.emit(Event(type="done", finish_reason=finish, usage=usage))  # type: ignore[arg-type]
-        return finish
+    def _take_new_jobs(self, block: bool) -> None:
+        try:
+            job = self._jobs.get(block=block)
+            while True:
+                if job is None:
+                    self._stopping = True
+                    return
+                self.waiting.append(job)
+                job = self._jobs.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _abort_cancelled(self) -> None:
+        """Clients that went away free their slot now, before the next forward."""
+        for key in [k for k, seq in self.seqs.items() if seq.job.cancelled.is_set()]:
+            self._drop(key, "abort").finish("abort")
+        for job in [j for j in self.waiting if j.cancelled.is_set()]:
+            self.waiting.remove(job)
+            self.finished["abort"] += 1
+
+    def _admit(self) -> None:
+        while self.waiting and not self.runner.is_full:
+            job = self.waiting.popleft()
+            key = next(self._keys)
+            self.runner.add(key, job.prompt)
+            self.seqs[key] = Sequence(job, self.lm.tokenizer, self.eos_ids, self.metrics)
+        self.peak_running = max(self.peak_running, len(self.seqs))
+
+    def _step(self) -> None:
+        # decode: every sequence past its prefill feeds back its last token
+        feed: dict[Hashable, int] = {k: seq.pending for k, seq in self.seqs.items() if seq.pending is not None}
+        self._on_logits(self.runner.decode(feed))
+        # prefill: waiting prompts, in chunks, within the per-step token budget
+        self._on_logits(self.runner.prefill(self.cfg.max_prefill_tokens))
+
+    def _on_logits(self, logits: dict[Hashable, torch.Tensor]) -> None:
+        for key, row_logits in logits.items():
+            assert isinstance(key, int)
+            seq = self.seqs[key]
+            request_id_var.set(seq.job.request_id)
+            seq.pending = None
+            reason = seq.on_logits(row_logits)
+            if reason is not None:
+                self._drop(key, reason).finish(reason)
+
+    def _drop(self, key: int, reason: str) -> Sequence:
+        self.runner.remove(key)
+        self.finished[reason] += 1
+        return self.seqs.pop(key)

@@ -17,9 +17,10 @@ from common.http import install_metrics, install_request_id, serve
 from common.logs import request_id_var, setup_logging
 from connector import ECConsumer
 from decoder_service.config import DecoderConfig
-from decoder_service.engine import Engine, Job
+from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.protocol import GenerateRequest
+from decoder_service.sequence import Job
 from models.halves import LanguageHalf, loaded_summary
 from models.resolve import resolve_model
 
@@ -99,7 +100,11 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     d = DecoderConfig()
     p = worker_parser("epd-decoder", "EPD decoder worker (language model only)", d)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--max-queued", type=int, default=d.max_queued)
+    p.add_argument("--max-queued", type=int, default=d.max_queued, help="requests waiting for a slot; more get 503")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="sequences decoded together; a KV slot of --max-model-len is preallocated for each")
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                   help="prompt tokens prefilled per engine step, in chunks, between decode steps")
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout)
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of gathered embeddings this decoder keeps (LRU)")

@@ -1,0 +1,31 @@
+"""A decoder app served by uvicorn in a thread, on the tiny LLaVA model (no encoders needed for text)."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from decoder_service.config import DecoderConfig
+from decoder_service.engine import Engine
+from decoder_service.server import create_app
+from models.halves import LanguageHalf
+from proxy.launcher import free_port
+
+
+@pytest.fixture
+def decoder(tiny_model_dirs: dict[str, Path]) -> Iterator[tuple[str, dict[str, Engine]]]:
+    port = free_port()
+    app = create_app(DecoderConfig(port=port, max_num_seqs=32), lm=LanguageHalf(tiny_model_dirs["llava"]))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", app.state.engine_ref
+    server.should_exit = True
+    thread.join(timeout=30)

@@ -1,0 +1,50 @@
+"""200 concurrent streams against one decoder running at most 32 sequences: none lost, each as if alone."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from decoder_service.engine import Engine
+
+NUM_REQUESTS, NUM_PROMPTS = 200, 20
+
+
+def body(i: int) -> dict:
+    text = " ".join(["describe the image"] * (1 + i % NUM_PROMPTS))  # 20 prompts of different lengths
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
+            "max_tokens": 4 + i % 7, "temperature": 0, "ignore_eos": True}
+
+
+async def stream(client: httpx.AsyncClient, url: str, payload: dict) -> tuple[str, dict]:
+    text, done = [], {}
+    async with client.stream("POST", f"{url}/generate", json=payload) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            event = json.loads(line)
+            if event["type"] == "delta":
+                text.append(event["text"])
+            else:
+                done = event
+    return "".join(text), done
+
+
+async def run_all(url: str) -> tuple[dict[int, tuple[str, dict]], list[tuple[str, dict]]]:
+    limits = httpx.Limits(max_connections=NUM_REQUESTS)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        alone = {i: await stream(client, url, body(i)) for i in range(NUM_PROMPTS * 7)}  # one at a time
+        together = await asyncio.gather(*(stream(client, url, body(i)) for i in range(NUM_REQUESTS)))
+    return alone, list(together)
+
+
+def test_200_concurrent_streams_all_complete_with_their_single_run_output(
+        decoder: tuple[str, dict[str, Engine]]) -> None:
+    url, ref = decoder
+    alone, together = asyncio.run(run_all(url))
+    engine = ref["engine"]
+    assert engine.peak_running == 32 and engine.num_running == 0 and engine.num_waiting == 0  # all slots were used
+    for i, (text, done) in enumerate(together):
+        expected_text, expected_done = alone[i % (NUM_PROMPTS * 7)]
+        assert done["type"] == "done" and done["finish_reason"] == "length"
+        assert (text, done["usage"]) == (expected_text, expected_done["usage"]), f"request {i} differs"
