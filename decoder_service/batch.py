@@ -38,6 +38,11 @@ class BatchRunner:
     def is_full(self) -> bool:
         return len(self.rows) >= self.cache.max_slots
 
+    @property
+    def num_prefill_tokens_left(self) -> int:
+        """Prompt tokens admitted but not prefilled yet."""
+        return sum(r.prompt.num_tokens - r.length for r in self.rows if not r.prefilled)
+
     @torch.inference_mode()
     def add(self, key: Hashable, prompt: Prompt) -> None:
         assert not self.is_full, "no free slot"

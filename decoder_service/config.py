@@ -14,7 +14,7 @@ class DecoderConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     max_queued: int = 256  # requests waiting for a slot; more get 503
     max_num_seqs: int = 32  # sequences decoded together (KV slots preallocated for each)
-    max_prefill_tokens: int = 128  # prompt tokens prefilled per engine step (chunked prefill budget)
+    max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings
     log_level: str = "info"

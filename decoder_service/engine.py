@@ -35,6 +35,7 @@ from models.chat import chat_template, render
 from models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
+_IDLE_PREFILL_FACTOR = 8  # with no stream decoding there is no latency to protect
 
 
 class Engine:
@@ -46,7 +47,8 @@ class Engine:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self.waiting: collections.deque[Job] = collections.deque()  # engine thread only
         self.seqs: dict[int, Sequence] = {}  # slot key -> running sequence; engine thread only
-        self.runner = BatchRunner(lm, cfg.max_num_seqs, self.max_model_len, chunk=cfg.max_prefill_tokens)
+        self.runner = BatchRunner(lm, cfg.max_num_seqs, self.max_model_len,
+                                  chunk=cfg.max_prefill_tokens * _IDLE_PREFILL_FACTOR)
         self.finished: Counter[str] = Counter()  # finish_reason -> sequences
         self.peak_running = 0  # most sequences decoded together so far
         self._keys = itertools.count()
@@ -143,8 +145,16 @@ class Engine:
             self.waiting.remove(job)
             self.finished["abort"] += 1
 
+    @property
+    def prefill_budget(self) -> int:
+        """Prompt tokens per step: small while streams decode (their inter-token latency), larger when none do."""
+        decoding = any(seq.pending is not None for seq in self.seqs.values())
+        return self.cfg.max_prefill_tokens * (1 if decoding else _IDLE_PREFILL_FACTOR)
+
     def _admit(self) -> None:
-        while self.waiting and not self.runner.is_full:
+        """Take waiting requests into free slots, but only as many as this step's prefill budget can start."""
+        budget = self.prefill_budget
+        while self.waiting and not self.runner.is_full and self.runner.num_prefill_tokens_left < budget:
             job = self.waiting.popleft()
             key = next(self._keys)
             self.runner.add(key, job.prompt)
@@ -156,7 +166,7 @@ class Engine:
         feed: dict[Hashable, int] = {k: seq.pending for k, seq in self.seqs.items() if seq.pending is not None}
         self._on_logits(self.runner.decode(feed))
         # prefill: waiting prompts, in chunks, within the per-step token budget
-        self._on_logits(self.runner.prefill(self.cfg.max_prefill_tokens))
+        self._on_logits(self.runner.prefill(self.prefill_budget))
 
     def _on_logits(self, logits: dict[Hashable, torch.Tensor]) -> None:
         for key, row_logits in logits.items():

@@ -24,6 +24,7 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)  # perf_counter() of each chosen token (engine side)
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -47,6 +48,7 @@ class Sequence:
         now = time.perf_counter()
         (self.metrics.ttft if self.num_generated == 0 else self.metrics.itl).observe(now - self.last)
         self.last, self.num_generated = now, self.num_generated + 1
+        self.job.token_times.append(now)
         if token in self.eos:
             return "stop"
         text = self.detok.add(token)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from common.cli import describe, parse_config, worker_parser
 from common.errors import APIError, install_error_handlers
-from common.http import install_metrics, install_request_id, serve
+from common.http import freeze_startup_heap, install_metrics, install_request_id, serve
 from common.logs import request_id_var, setup_logging
 from connector import ECConsumer
 from decoder_service.config import DecoderConfig
@@ -50,6 +50,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         half = lm if lm is not None else await asyncio.to_thread(LanguageHalf, resolve_model(cfg.model))
         state["engine"] = Engine(half, consumer, cfg, metrics)
+        freeze_startup_heap()
         logger.info("decoder ready: model=%s max_model_len=%d", cfg.model, state["engine"].max_model_len)
         yield
         await asyncio.to_thread(state["engine"].close)
@@ -104,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="sequences decoded together; a KV slot of --max-model-len is preallocated for each")
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
-                   help="prompt tokens prefilled per engine step, in chunks, between decode steps")
+                   help="prompt tokens prefilled per engine step while streams decode (8x when none do)")
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout)
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of gathered embeddings this decoder keeps (LRU)")

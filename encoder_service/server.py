@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from common.cli import describe, parse_config, worker_parser
 from common.errors import APIError, bad_request, install_error_handlers
-from common.http import install_metrics, install_request_id, serve
+from common.http import freeze_startup_heap, install_metrics, install_request_id, serve
 from common.logs import setup_logging
 from connector import ECProducer
 from encoder_service.config import EncoderConfig
@@ -57,6 +57,7 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state["worker"] = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
+        freeze_startup_heap()
         app.state.metrics = EncoderMetrics(registry, state["worker"].producer.stats)
         logger.info("encoder ready: model=%s ec_address=%s", cfg.model, state["worker"].producer.address)
         yield

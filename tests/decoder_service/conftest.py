@@ -19,7 +19,9 @@ from proxy.launcher import free_port
 @pytest.fixture
 def decoder(tiny_model_dirs: dict[str, Path]) -> Iterator[tuple[str, dict[str, Engine]]]:
     port = free_port()
-    app = create_app(DecoderConfig(port=port, max_num_seqs=32), lm=LanguageHalf(tiny_model_dirs["llava"]))
+    # a large prefill budget admits requests quickly, so 32 slots fill up under load
+    cfg = DecoderConfig(port=port, max_num_seqs=32, max_prefill_tokens=1024)
+    app = create_app(cfg, lm=LanguageHalf(tiny_model_dirs["llava"]))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

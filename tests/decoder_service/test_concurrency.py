@@ -43,7 +43,8 @@ def test_200_concurrent_streams_all_complete_with_their_single_run_output(
     url, ref = decoder
     alone, together = asyncio.run(run_all(url))
     engine = ref["engine"]
-    assert engine.peak_running == 32 and engine.num_running == 0 and engine.num_waiting == 0  # all slots were used
+    # the cap bound (every slot used, never more) and nothing is left behind
+    assert engine.peak_running == 32 and engine.num_running == 0 and engine.num_waiting == 0
     for i, (text, done) in enumerate(together):
         expected_text, expected_done = alone[i % (NUM_PROMPTS * 7)]
         assert done["type"] == "done" and done["finish_reason"] == "length"
