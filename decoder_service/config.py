@@ -17,6 +17,8 @@ class DecoderConfig:
     max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings
+    aggregated: bool = False  # also load the vision half and encode images sent inline (no encoders)
+    max_image_pixels: int = 40_000_000  # aggregated mode: larger images get a 400
     log_level: str = "info"
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
 

@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 from common.errors import APIError, bad_request
 from common.logs import request_id_var
 from connector import ECConsumer, MissingEmbeddings
+from decoder_service.aggregated import InlineEncoder
 from decoder_service.batch import BatchRunner
 from decoder_service.config import DecoderConfig
 from decoder_service.generate import eos_token_ids
@@ -39,8 +40,10 @@ _IDLE_PREFILL_FACTOR = 8  # with no stream decoding there is no latency to prote
 
 
 class Engine:
-    def __init__(self, lm: LanguageHalf, consumer: ECConsumer, cfg: DecoderConfig, metrics: DecoderMetrics):
+    def __init__(self, lm: LanguageHalf, consumer: ECConsumer, cfg: DecoderConfig, metrics: DecoderMetrics,
+                 inline: InlineEncoder | None = None):
         self.lm, self.consumer, self.cfg, self.metrics = lm, consumer, cfg, metrics
+        self.inline = inline  # aggregated mode: images arrive inline and are encoded here
         self.template = chat_template(lm.tokenizer, lm.model_dir)
         self.eos_ids = eos_token_ids(lm)
         self.max_model_len = cfg.max_model_len or int(lm.config.get_text_config().max_position_embeddings)
@@ -99,6 +102,8 @@ class Engine:
     def _gather(self, req: GenerateRequest) -> list[ImageFeatures]:
         if not req.images:
             return []
+        if self.inline is not None:
+            return self.inline.features(req.images)
         hashes = [im.mm_hash for im in req.images]
         start = time.perf_counter()
         try:

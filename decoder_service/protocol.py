@@ -8,7 +8,8 @@ from pydantic import BaseModel, Field
 
 class ImageRef(BaseModel):
     mm_hash: str = Field(min_length=1, max_length=256)
-    source: str  # ZeroMQ address of the encoder that holds it
+    source: str = ""  # ZeroMQ address of the encoder that holds it (EPD mode)
+    data: str | None = None  # base64 image file bytes (aggregated mode: the decoder encodes it)
     pending: bool = False  # still being encoded there: the gather waits for it (pipelined mode)
 
 

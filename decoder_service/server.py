@@ -16,12 +16,13 @@ from common.errors import APIError, install_error_handlers
 from common.http import freeze_startup_heap, install_metrics, install_request_id, serve
 from common.logs import request_id_var, setup_logging
 from connector import ECConsumer
+from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.protocol import GenerateRequest
 from decoder_service.sequence import Job
-from models.halves import LanguageHalf, loaded_summary
+from models.halves import LanguageHalf, VisionHalf, loaded_summary
 from models.resolve import resolve_model
 
 logger = logging.getLogger("epd.decoder")
@@ -49,7 +50,11 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         half = lm if lm is not None else await asyncio.to_thread(LanguageHalf, resolve_model(cfg.model))
-        state["engine"] = Engine(half, consumer, cfg, metrics)
+        inline = None
+        if cfg.aggregated:
+            vision = await asyncio.to_thread(VisionHalf, half.model_dir)
+            inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels)
+        state["engine"] = Engine(half, consumer, cfg, metrics, inline)
         freeze_startup_heap()
         logger.info("decoder ready: model=%s max_model_len=%d", cfg.model, state["engine"].max_model_len)
         yield
@@ -91,8 +96,14 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
         if "engine" not in state:
             raise APIError(503, "decoder is loading", code="not_ready")
         engine = state["engine"]
-        return {"status": "ok", "role": "decoder", "model": cfg.model, "waiting": engine.num_waiting,
-                "pid": os.getpid(), "loaded": loaded_summary(engine.lm.module)}
+        loaded = loaded_summary(engine.lm.module)
+        if engine.inline is not None:  # aggregated mode holds both halves
+            vision = loaded_summary(engine.inline.vision.module)
+            loaded = {"modules": sorted([*loaded["modules"], *vision["modules"]]),  # type: ignore[misc]
+                      "num_parameters": loaded["num_parameters"] + vision["num_parameters"],  # type: ignore[operator]
+                      "num_encoded": engine.inline.num_encoded}
+        return {"status": "ok", "role": "decoder", "model": cfg.model, "aggregated": cfg.aggregated,
+                "waiting": engine.num_waiting, "running": engine.num_running, "pid": os.getpid(), "loaded": loaded}
 
     return app
 
@@ -107,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                    help="prompt tokens prefilled per engine step while streams decode (8x when none do)")
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout)
+    p.add_argument("--aggregated", action="store_true",
+                   help="also load the vision tower and encode images sent inline (one process, no encoders)")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, help="aggregated mode")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of gathered embeddings this decoder keeps (LRU)")
     return parse_config(p, argv, DecoderConfig)

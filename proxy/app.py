@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.openai_format import Completion, openai_finish_reason, openai_usage, sse
 from proxy.prepare import PreparedChat, prepare_chat
 from proxy.protocol import ChatCompletionRequest
+from scheduler.scheduler import MMItem
 
 logger = logging.getLogger("epd.proxy")
 
@@ -41,8 +43,7 @@ class Generation:
         `pending` items are still being encoded: the decoder's gather waits for them (pipelined mode).
         """
         for attempt in (0, 1):
-            images = [{"mm_hash": it.mm_hash, "source": sources[it.mm_hash], "pending": it.mm_hash in pending}
-                      for it in self.chat.items]
+            images = [self._image(it, sources, pending) for it in self.chat.items]
             payload = {"messages": self.chat.messages, **self.chat.sampling, "images": images}
             try:
                 self.resp = await self.fleet.open_generation(self.decoder, payload, self.request_id)
@@ -72,6 +73,11 @@ class Generation:
             await asyncio.gather(opening, return_exceptions=True)
             raise
         await opening
+
+    def _image(self, item: MMItem, sources: dict[str, str], pending: frozenset[str]) -> dict[str, Any]:
+        if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
+            return {"mm_hash": item.mm_hash, "data": base64.b64encode(item.data).decode()}
+        return {"mm_hash": item.mm_hash, "source": sources[item.mm_hash], "pending": item.mm_hash in pending}
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         assert self.resp is not None
@@ -183,7 +189,7 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
         chat = await asyncio.to_thread(prepare_chat, req, cfg)
         gen = Generation(fleet, chat, rid)
         try:
-            if cfg.pipeline_encode:
+            if cfg.pipeline_encode and not cfg.aggregated:
                 await gen.open_pipelined()
             else:
                 await gen.open(await fleet.encode(chat.items, rid))

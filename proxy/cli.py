@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="larger images get a 400")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds for one encode or generation")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--aggregated", action="store_true",
+                   help="no encoders: decoders load the vision tower too and encode images sent inline "
+                        "(launcher: spawns --num-decoders aggregated decoders; the baseline EPD is compared with)")
     p.add_argument("--pipeline-encode", action="store_true",
                    help="send the decode request as soon as encodes are scheduled; the decoder's gather waits for "
                         "the embeddings (see docs/BENCHMARKS.md for the TTFT it saves)")
@@ -61,6 +64,7 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         max_image_bytes=args.max_image_bytes, max_body_bytes=args.max_body_bytes,
         max_image_pixels=args.max_image_pixels, worker_timeout=args.worker_timeout,
         startup_timeout=args.startup_timeout, log_level=args.log_level, pipeline_encode=args.pipeline_encode,
+        aggregated=args.aggregated,
         curve=curve,
     )
 
@@ -72,8 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("proxy", args.log_level)
     encode_urls, decode_urls = _urls(args.encode_servers_urls), _urls(args.decode_servers_urls)
     if encode_urls or decode_urls:  # attach mode
-        if not (encode_urls and decode_urls):
-            raise SystemExit("attach mode needs both --encode-servers-urls and --decode-servers-urls")
+        if not decode_urls or not (encode_urls or args.aggregated):
+            raise SystemExit("attach mode needs both --encode-servers-urls and --decode-servers-urls "
+                             "(only the decoders with --aggregated)")
         cfg = _config(args, encode_urls, decode_urls, curve)
         serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
         return
@@ -95,12 +100,14 @@ def _launch(group: WorkerGroup, args: argparse.Namespace) -> tuple[tuple[str, ..
     from models.resolve import resolve_model  # heavy (torch); attach mode never needs it
 
     model = str(resolve_model(args.model))
-    threads = max(1, (os.cpu_count() or 1) // max(1, args.num_encoders + args.num_decoders))
+    num_encoders = 0 if args.aggregated else args.num_encoders
+    threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders))
     wh = args.worker_host
     common = ["--log-level", args.log_level]
     enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0", *common])
-           for _ in range(args.num_encoders)]
-    dec = [group.spawn("decoder", model, wh, threads, common) for _ in range(args.num_decoders)]
+           for _ in range(num_encoders)]
+    dec_flags = [*common, "--aggregated"] if args.aggregated else common
+    dec = [group.spawn("decoder", model, wh, threads, dec_flags) for _ in range(args.num_decoders)]
     group.wait_healthy(args.startup_timeout)
     return tuple(w.url for w in enc), tuple(w.url for w in dec)
 

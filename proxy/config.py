@@ -22,9 +22,11 @@ class ProxyConfig:
     log_level: str = "info"
     # send the decode request as soon as encodes are scheduled; the decoder's gather waits for them
     pipeline_encode: bool = False
+    # no encoders: decoders run in aggregated mode and get the image bytes inline (the baseline deployment)
+    aggregated: bool = False
     curve: CurveConfig | None = None  # CURVE keys for the proxy's connector links (cache events, snapshots)
 
     def __post_init__(self) -> None:
-        if not self.encode_urls or not self.decode_urls:
-            raise ValueError("the proxy needs at least one encoder URL and one decoder URL")
+        if not self.decode_urls or not (self.encode_urls or self.aggregated):
+            raise ValueError("the proxy needs at least one decoder URL and, unless aggregated, one encoder URL")
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"

@@ -49,7 +49,7 @@ class Fleet:
             self.index.add(info["ec_address"], info["ec_events_address"])
         slots = [EncoderSlot(name=url, ec_address=info["ec_address"], cache=self.index.view(info["ec_address"]))
                  for url, info in zip(self.cfg.encode_urls, infos, strict=True)]
-        self.scheduler = Scheduler(slots)
+        self.scheduler = Scheduler(slots) if slots else None  # None: aggregated, decoders encode
         addresses = [slot.ec_address for slot in slots]
         if not await asyncio.to_thread(self.index.wait_for, lambda: all(map(self.index.is_synced, addresses)), 5.0):
             logger.warning("cache index not synced with every encoder yet; it will catch up from their events")
@@ -78,7 +78,7 @@ class Fleet:
 
     async def schedule(self, items: list[MMItem], skip_cached: bool = True) -> SchedulerOutput:
         """Decide which encoder holds or will encode each item (no encoding yet)."""
-        if not items:
+        if not items or self.cfg.aggregated:  # aggregated: the decoder encodes what it is sent
             return SchedulerOutput()
         assert self.scheduler is not None, "fleet not started"
         out = self.scheduler.schedule(items, skip_cached)  # in-memory index: no I/O

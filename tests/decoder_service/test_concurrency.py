@@ -1,4 +1,5 @@
-"""200 concurrent streams against one decoder running at most 32 sequences: none lost, each as if alone."""
+"""200 concurrent streams against one decoder running at most 32 sequences: none lost, each as if alone
+(greedy and seeded sampling alike)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,9 @@ NUM_REQUESTS, NUM_PROMPTS = 200, 20
 
 def body(i: int) -> dict:
     text = " ".join(["describe the image"] * (1 + i % NUM_PROMPTS))  # 20 prompts of different lengths
+    sampling = {"temperature": 1.0, "seed": i % 5} if i % 5 == 0 else {"temperature": 0}  # some seeded sampling
     return {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
-            "max_tokens": 4 + i % 7, "temperature": 0, "ignore_eos": True}
+            "max_tokens": 4 + i % 7, "ignore_eos": True, **sampling}
 
 
 async def stream(client: httpx.AsyncClient, url: str, payload: dict) -> tuple[str, dict]:

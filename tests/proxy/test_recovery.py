@@ -20,6 +20,7 @@ class FakeFleet:
         self.encode_calls: list[tuple[list[str], bool]] = []
         self.payloads: list[dict[str, Any]] = []
         self.released = 0
+        self.cfg = type("Cfg", (), {"aggregated": False})()
         self.metrics = type("M", (), {"retries": type("C", (), {"inc": lambda self: None})()})()
 
     def acquire_decoder(self) -> int:
