@@ -1,7 +1,10 @@
 """Start the real system (launcher or separate workers) as processes on loopback, and read it back."""
 from __future__ import annotations
 
+import base64
+import io
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -14,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from models.shapes import draw_shape
 from proxy.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,3 +99,19 @@ def pid_alive(pid: int) -> bool:
 
 def health(url: str) -> dict[str, Any]:
     return dict(httpx.get(f"{url}/health", timeout=10).json())
+
+
+def demo_png(colour: str, seed: int, shape: str = "circle") -> bytes:
+    """A demo-style picture: a shape of `colour`, its size and place drawn from `seed` (distinct bytes)."""
+    buf = io.BytesIO()
+    draw_shape(colour, shape, random.Random(seed)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def ask_colour(base_url: str, *images: bytes) -> httpx.Response:
+    """POST the demo's colour question about `images` (greedy, 4 tokens) to a proxy."""
+    urls = ["data:image/png;base64," + base64.b64encode(im).decode() for im in images]
+    content = [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+               {"type": "text", "text": "What color is the shape?"}]
+    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)

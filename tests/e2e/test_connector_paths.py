@@ -1,9 +1,6 @@
 """Connector paths end to end: an ipc:// encoder, two proxies sharing one cache view, pipelined encode."""
 from __future__ import annotations
 
-import base64
-import io
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -11,9 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from models.shapes import draw_shape
 from proxy.launcher import free_port
-from tests.e2e.stack import health, metric, start, stop, wait_healthy
+from tests.e2e.stack import ask_colour, demo_png, health, metric, start, stop, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -24,20 +20,6 @@ class Fleet:
     decoder: str
     plain: str  # proxy that encodes, then decodes
     pipelined: str  # proxy started with --pipeline-encode
-
-
-def ask(proxy: str, image: bytes) -> httpx.Response:
-    url = "data:image/png;base64," + base64.b64encode(image).decode()
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What color is the shape?"}]
-    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
-    return httpx.post(f"{proxy}/v1/chat/completions", json=body, timeout=60)
-
-
-def png(colour: str, seed: int) -> bytes:
-    """A demo-style picture: a shape of `colour`, its size and place drawn from `seed` (distinct bytes)."""
-    buf = io.BytesIO()
-    draw_shape(colour, "circle", random.Random(seed)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -73,28 +55,29 @@ def scrape(url: str, name: str) -> float:
 def test_encoder_serves_embeddings_over_ipc(fleet: Fleet) -> None:
     info: dict[str, Any] = health(fleet.encoder)
     assert info["ec_address"].startswith("ipc://") and info["ec_events_address"].startswith("ipc://")
-    assert answer(ask(fleet.plain, png("red", 1))) == "red"
+    assert answer(ask_colour(fleet.plain, demo_png("red", 1))) == "red"
 
 
 def test_a_second_proxy_skips_what_the_first_had_encoded(fleet: Fleet) -> None:
-    image = png("blue", 2)
+    image = demo_png("blue", 2)
     encoded_before = health(fleet.encoder)["num_encoded"]
-    assert answer(ask(fleet.plain, image)) == "blue"
+    assert answer(ask_colour(fleet.plain, image)) == "blue"
     skipped_before = scrape(fleet.pipelined, "epd_proxy_items_skipped_cached_total")
-    assert answer(ask(fleet.pipelined, image)) == "blue"  # the second proxy learnt it from cache events
+    assert answer(ask_colour(fleet.pipelined, image)) == "blue"  # the second proxy learnt it from cache events
     assert scrape(fleet.pipelined, "epd_proxy_items_skipped_cached_total") == skipped_before + 1
     assert health(fleet.encoder)["num_encoded"] == encoded_before + 1
 
 
 def test_pipelined_encode_gives_the_same_answers(fleet: Fleet) -> None:
     for colour, seed in (("green", 3), ("red", 4), ("blue", 5)):
-        assert answer(ask(fleet.pipelined, png(colour, seed))) == colour == answer(ask(fleet.plain, png(colour, seed + 10)))
+        pipelined = answer(ask_colour(fleet.pipelined, demo_png(colour, seed)))
+        assert pipelined == colour == answer(ask_colour(fleet.plain, demo_png(colour, seed + 10)))
     assert scrape(fleet.encoder, "epd_ec_producer_gets_served") >= 6
 
 
 def test_pipelined_bad_image_is_a_400_and_the_next_request_succeeds(fleet: Fleet) -> None:
-    truncated = png("green", 6)[:60]  # header intact, pixels cut
-    resp = ask(fleet.pipelined, truncated)
+    truncated = demo_png("green", 6)[:60]  # header intact, pixels cut
+    resp = ask_colour(fleet.pipelined, truncated)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_image"
     assert scrape(fleet.encoder, "epd_ec_producer_gets_waiting") == 0  # the decoder's wait ended with the failure
-    assert answer(ask(fleet.pipelined, png("green", 7))) == "green"
+    assert answer(ask_colour(fleet.pipelined, demo_png("green", 7))) == "green"

@@ -1,27 +1,17 @@
 """An embedding evicted between encode and decode is re-encoded, and the client still gets its answer."""
 from __future__ import annotations
 
-import base64
-import io
-import random
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from models.shapes import draw_shape
 from proxy.launcher import free_port
-from tests.e2e.stack import metric, start, stop, wait_healthy
+from tests.e2e.stack import ask_colour, demo_png, metric, start, stop, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
 ONE_EMBEDDING = 40_000  # bytes: the demo's 64 x 128 float32 embedding (32 KiB) fits, two do not
-
-
-def png(colour: str, seed: int) -> str:
-    buf = io.BytesIO()
-    draw_shape(colour, "circle", random.Random(seed)).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +31,8 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             stop(p)
 
 
-def ask(proxy: str, *urls: str) -> str:
-    content = [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
-               {"type": "text", "text": "What color is the shape?"}]
-    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
-    resp = httpx.post(f"{proxy}/v1/chat/completions", json=body, timeout=60)
+def ask(proxy: str, *images: bytes) -> str:
+    resp = ask_colour(proxy, *images)
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["message"]["content"])
 
@@ -55,10 +42,10 @@ def retries(proxy: str) -> float:
 
 
 def test_an_image_evicted_before_the_decoder_gathers_it_is_re_encoded(proxy: str) -> None:
-    a, b = png("red", 1), png("red", 2)
+    a, b = demo_png("red", 1), demo_png("red", 2)
     # the encoder holds one embedding: storing b evicts a before the decoder asks for it
     first = ask(proxy, a, b)
     assert retries(proxy) == 1
     # now a is on the encoder and b in the decoder's cache: no miss, and the same answer
     assert ask(proxy, a, b) == first and retries(proxy) == 1
-    assert ask(proxy, png("blue", 3)) == "blue"  # single images still fit and work
+    assert ask(proxy, demo_png("blue", 3)) == "blue"  # single images still fit and work
