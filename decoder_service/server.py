@@ -56,7 +56,9 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
             inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels)
         state["engine"] = Engine(half, consumer, cfg, metrics, inline)
         freeze_startup_heap()
-        logger.info("decoder ready: model=%s max_model_len=%d", cfg.model, state["engine"].max_model_len)
+        engine = state["engine"]
+        logger.info("decoder ready: model=%s max_model_len=%d, KV slots %d x %d positions = %.1f MiB", cfg.model,
+                    engine.max_model_len, cfg.max_num_seqs, engine.max_model_len, engine.runner.cache.nbytes / 2**20)
         yield
         await asyncio.to_thread(state["engine"].close)
         consumer.close()

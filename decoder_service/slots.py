@@ -74,6 +74,12 @@ class SlotCache(Cache):
         self.slot_layers = layers
         self.max_slots, self.max_len = max_slots, max_len
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the preallocated K/V of every layer."""
+        return sum(t.numel() * t.element_size() for layer in self.slot_layers for t in (layer.keys, layer.values)
+                   if t is not None)
+
     def set_plan(self, plan: Plan) -> torch.Tensor:
         """Plan the next forward; returns its boolean attention mask (rows, 1, num_new, kv_len)."""
         assert plan.kv_len <= self.max_len, f"{plan.kv_len} positions exceed the cache's {self.max_len}"

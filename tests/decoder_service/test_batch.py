@@ -73,3 +73,11 @@ def test_batched_greedy_equals_single_sequence_greedy(tiny_model_dirs: dict[str,
     # 3 slots for 5 prompts: slots are reused while others run; chunks of 16 split long prefills
     assert batched(lm, all_prompts, max_slots=3, chunk=16, budget=24) == expected
     assert batched(lm, all_prompts, max_slots=5, chunk=256, budget=4096) == expected
+
+
+def test_slot_cache_memory_is_slots_times_positions(tiny_model_dirs: dict[str, Path]) -> None:
+    lm = LanguageHalf(tiny_model_dirs["llava"])
+    text = lm.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_position = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4  # K and V, float32
+    assert BatchRunner(lm, max_slots=3, max_len=100).cache.nbytes == 3 * 100 * per_position
