@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import hmac
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -9,6 +10,7 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from common.errors import APIError
 from common.logs import request_id_var
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -33,6 +35,21 @@ def install_metrics(app: FastAPI, registry: CollectorRegistry) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def install_api_key(app: FastAPI, key: str | None, prefix: str = "/v1/") -> None:
+    """Require `Authorization: Bearer <key>` on paths under `prefix` (a 401 OpenAI error otherwise); no key: open."""
+    if not key:
+        return
+    expected = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def _require_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path.startswith(prefix) and not hmac.compare_digest(given, expected):
+            return APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                            code="invalid_api_key").response()
+        return await call_next(request)
 
 
 def freeze_startup_heap() -> None:

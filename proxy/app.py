@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from common.errors import APIError, install_error_handlers
-from common.http import install_metrics, install_request_id
+from common.http import install_api_key, install_metrics, install_request_id
 from common.logs import request_id_var
 from proxy.config import ProxyConfig
 from proxy.fleet import Fleet
@@ -166,6 +166,8 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
     app = FastAPI(title="EPD proxy", lifespan=lifespan)
     install_error_handlers(app)
     install_metrics(app, registry)
+
+    install_api_key(app, cfg.api_key)  # inside the counting middleware: 401s are counted too
 
     @app.middleware("http")
     async def _limits_and_counts(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

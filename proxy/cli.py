@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="larger images get a 400")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds for one encode or generation")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY"),
+                   help="clients must send `Authorization: Bearer <key>` on /v1/* (default: env EPD_API_KEY; "
+                        "unset: open)")
     p.add_argument("--aggregated", action="store_true",
                    help="no encoders: decoders load the vision tower too and encode images sent inline "
                         "(launcher: spawns --num-decoders aggregated decoders; the baseline EPD is compared with)")
@@ -64,7 +67,7 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         max_image_bytes=args.max_image_bytes, max_body_bytes=args.max_body_bytes,
         max_image_pixels=args.max_image_pixels, worker_timeout=args.worker_timeout,
         startup_timeout=args.startup_timeout, log_level=args.log_level, pipeline_encode=args.pipeline_encode,
-        aggregated=args.aggregated,
+        aggregated=args.aggregated, api_key=args.api_key,
         curve=curve,
     )
 

@@ -1,7 +1,7 @@
 """Proxy configuration (CLI flags map one to one)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connector.security import CurveConfig
 
@@ -24,6 +24,7 @@ class ProxyConfig:
     pipeline_encode: bool = False
     # no encoders: decoders run in aggregated mode and get the image bytes inline (the baseline deployment)
     aggregated: bool = False
+    api_key: str | None = field(default=None, repr=False)  # Bearer key clients must send on /v1/*
     curve: CurveConfig | None = None  # CURVE keys for the proxy's connector links (cache events, snapshots)
 
     def __post_init__(self) -> None:
