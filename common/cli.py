@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -56,3 +57,13 @@ def describe(cfg: Any) -> dict[str, Any]:
     if "curve" in d:
         d["curve"] = "on" if d["curve"] is not None else "off"
     return d
+
+
+def run_worker(role: str, cfg: Any, create_app: Callable[[Any], Any]) -> None:
+    """Log setup, the (key-free) config, then serve the worker's app until SIGINT/SIGTERM."""
+    from common.http import serve  # NOTE: local import keeps argument parsing free of the web stack
+    from common.logs import setup_logging
+
+    setup_logging(role, cfg.log_level)
+    logging.getLogger(f"epd.{role}").info("config: %s", describe(cfg))
+    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)

@@ -11,10 +11,10 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from common.cli import describe, parse_config, worker_parser
+from common.cli import parse_config, run_worker, worker_parser
 from common.errors import APIError, install_error_handlers
-from common.http import freeze_startup_heap, install_metrics, install_request_id, serve
-from common.logs import request_id_var, setup_logging
+from common.http import freeze_startup_heap, install_metrics, install_request_id
+from common.logs import request_id_var
 from connector import ECConsumer
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
@@ -129,10 +129,7 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
-    setup_logging("decoder", cfg.log_level)
-    logger.info("config: %s", describe(cfg))
-    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
+    run_worker("decoder", parse_args(argv), create_app)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from common.cli import describe, parse_config, worker_parser
+from common.cli import parse_config, run_worker, worker_parser
 from common.errors import APIError, bad_request, install_error_handlers
-from common.http import freeze_startup_heap, install_metrics, install_request_id, serve
-from common.logs import setup_logging
+from common.http import freeze_startup_heap, install_metrics, install_request_id
 from connector import ECProducer
 from encoder_service.config import EncoderConfig
 from encoder_service.metrics import EncoderMetrics
@@ -116,10 +115,7 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
-    setup_logging("encoder", cfg.log_level)
-    logger.info("config: %s", describe(cfg))
-    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
+    run_worker("encoder", parse_args(argv), create_app)
 
 
 if __name__ == "__main__":
