@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from connector.security import (
@@ -131,11 +132,18 @@ def test_plaintext_client_gets_nothing(sockets: Sockets) -> None:
     assert seen["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
 
 
-def test_allow_list_admits_listed_client_only(ctx: zmq.Context, sockets: Sockets) -> None:
-    server, allowed = keys(), keys()
+def allow_only(ctx: zmq.Context, allowed: CurveConfig) -> tuple[CurveConfig, CurveConfig, ThreadAuthenticator]:
+    """A server key pair whose config admits only `allowed`, and the running authenticator for it."""
+    server = keys()
     cfg = CurveConfig(server.secret_key, server.public_key, allowed_clients=frozenset({allowed.public_key}))
     auth = start_authenticator(ctx, cfg)
     assert auth is not None
+    return server, cfg, auth
+
+
+def test_allow_list_admits_listed_client_only(ctx: zmq.Context, sockets: Sockets) -> None:
+    allowed = keys()
+    server, cfg, auth = allow_only(ctx, allowed)
     try:
         router, monitor, address = serve(sockets, cfg)
         dealer = send_from(sockets, address, client_of(server, allowed))
@@ -149,10 +157,8 @@ def test_allow_list_admits_listed_client_only(ctx: zmq.Context, sockets: Sockets
 
 
 def test_allow_list_fails_closed_when_authenticator_stops(ctx: zmq.Context, sockets: Sockets) -> None:
-    server, allowed = keys(), keys()
-    cfg = CurveConfig(server.secret_key, server.public_key, allowed_clients=frozenset({allowed.public_key}))
-    auth = start_authenticator(ctx, cfg)
-    assert auth is not None
+    allowed = keys()
+    server, cfg, auth = allow_only(ctx, allowed)
     try:
         router, monitor, address = serve(sockets, cfg)
     finally:
