@@ -43,9 +43,14 @@ class SlotLayer(CacheLayerMixin):
         plan = self._plan[0]
         assert self.keys is not None and self.values is not None
         keys, values = self.keys[plan.rows], self.values[plan.rows]
-        for i, start in enumerate(plan.starts):
-            keys[i, :, start : start + plan.num_new] = key_states[i]
-            values[i, :, start : start + plan.num_new] = value_states[i]
+        if plan.num_new == 1:  # decode: one write per layer for all rows, each at its own column
+            rows, cols = torch.arange(len(plan.starts)), torch.tensor(plan.starts)
+            keys[rows, :, cols] = key_states[:, :, 0]
+            values[rows, :, cols] = value_states[:, :, 0]
+        else:
+            for i, start in enumerate(plan.starts):
+                keys[i, :, start : start + plan.num_new] = key_states[i]
+                values[i, :, start : start + plan.num_new] = value_states[i]
         return keys[:, :, : plan.kv_len], values[:, :, : plan.kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
