@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-bytes", type=int, default=20 << 20)
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
     p.add_argument("--max-image-pixels", type=int, default=40_000_000, help="larger images get a 400")
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="serve file:// image URLs from under this directory (default: file URLs are refused)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[],
+                   help="hosts whose http(s) image URLs are fetched even when they resolve to loopback, private "
+                        "or link-local addresses (default: such addresses are refused before connecting)")
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                   help="seconds to connect, and per read, when downloading an image URL")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds for one encode or generation")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY"),
@@ -65,7 +72,9 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         served_model_name=args.served_model_name or _served_name(args.model),
         host=args.host, port=args.port, max_images_per_request=args.max_images_per_request,
         max_image_bytes=args.max_image_bytes, max_body_bytes=args.max_body_bytes,
-        max_image_pixels=args.max_image_pixels, worker_timeout=args.worker_timeout,
+        max_image_pixels=args.max_image_pixels, allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=_urls(args.allowed_media_domains), media_fetch_timeout=args.media_fetch_timeout,
+        worker_timeout=args.worker_timeout,
         startup_timeout=args.startup_timeout, log_level=args.log_level, pipeline_encode=args.pipeline_encode,
         aggregated=args.aggregated, api_key=args.api_key,
         curve=curve,

@@ -17,6 +17,10 @@ class ProxyConfig:
     max_image_bytes: int = 20 << 20  # one decoded image file
     max_body_bytes: int = 64 << 20  # the whole HTTP request
     max_image_pixels: int = 40_000_000
+    # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
+    allowed_local_media_path: str | None = None  # file:// URLs only under this directory
+    allowed_media_domains: tuple[str, ...] = ()  # hosts (names or IPs) fetched even if they resolve privately
+    media_fetch_timeout: float = 10.0  # seconds: connect, and each read, of one image download
     worker_timeout: float = 300.0  # seconds for one encode call or one generation
     startup_timeout: float = 300.0  # seconds to wait for workers at start
     log_level: str = "info"
