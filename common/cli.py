@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,6 +20,9 @@ def worker_parser(prog: str, description: str, defaults: Any) -> argparse.Argume
     p.add_argument("--host", default=defaults.host)
     p.add_argument("--port", type=int, default=defaults.port)
     p.add_argument("--log-level", default=defaults.log_level)
+    p.add_argument("--internal-key", default=os.environ.get("EPD_INTERNAL_KEY"),
+                   help="callers (the proxy) must send `Authorization: Bearer <key>` on the work endpoints "
+                        "(default: env EPD_INTERNAL_KEY; unset: open)")
     return p
 
 
@@ -56,6 +60,9 @@ def describe(cfg: Any) -> dict[str, Any]:
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     if "curve" in d:
         d["curve"] = "on" if d["curve"] is not None else "off"
+    for secret in ("internal_key", "api_key"):
+        if secret in d:
+            d[secret] = "set" if d[secret] else "unset"
     return d
 
 

@@ -37,17 +37,21 @@ def install_metrics(app: FastAPI, registry: CollectorRegistry) -> None:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def install_api_key(app: FastAPI, key: str | None, prefix: str = "/v1/") -> None:
-    """Require `Authorization: Bearer <key>` on paths under `prefix` (a 401 OpenAI error otherwise); no key: open."""
+def has_bearer(request: Request, key: str) -> bool:
+    """Whether the request carries `Authorization: Bearer <key>` (constant-time compare)."""
+    return hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode())
+
+
+def install_api_key(app: FastAPI, key: str | None, prefixes: tuple[str, ...] = ("/v1/",),
+                    what: str = "API key") -> None:
+    """Require `Authorization: Bearer <key>` on paths under `prefixes` (a 401 OpenAI error otherwise); no key: open."""
     if not key:
         return
-    expected = f"Bearer {key}".encode()
 
     @app.middleware("http")
     async def _require_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        given = request.headers.get("authorization", "").encode()
-        if request.url.path.startswith(prefix) and not hmac.compare_digest(given, expected):
-            return APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+        if request.url.path.startswith(prefixes) and not has_bearer(request, key):
+            return APIError(401, f"missing or invalid {what}: send `Authorization: Bearer <key>`",
                             code="invalid_api_key").response()
         return await call_next(request)
 

@@ -30,6 +30,14 @@ _MORE = int(zmq.SNDMORE)
 _BATCH = 64  # requests served per wake-up before timers are checked again
 
 
+def advertised(endpoint: str, host: str | None) -> str:
+    """`endpoint` with its tcp host replaced by `host` (what peers on other hosts can reach); ipc unchanged."""
+    if not host or not endpoint.startswith("tcp://"):
+        return endpoint
+    port = endpoint.rpartition(":")[2]
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def events_endpoint(bind: str) -> str:
     """Where the PUB socket binds by default: beside the ROUTER endpoint."""
     if bind.startswith("ipc://"):
@@ -47,8 +55,9 @@ class ECProducer:
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", cache_bytes: int = 1 << 30,
                  max_message_bytes: int = MAX_TENSOR_BYTES, events_bind: str | None = None,
-                 curve: CurveConfig | None = None) -> None:
+                 curve: CurveConfig | None = None, advertise_host: str | None = None) -> None:
         self.bind, self.events_bind = bind, events_bind or events_endpoint(bind)
+        self.advertise_host = advertise_host  # None: advertise the bound address
         self.max_message_bytes, self.curve = max_message_bytes, curve
         self.epoch = secrets.token_hex(8)  # a restarted producer is a new epoch: subscribers drop what they knew
         self._cache = EmbeddingCache(cache_bytes, journal=True)
@@ -161,8 +170,8 @@ class ECProducer:
         try:
             router.bind(self.bind)
             pub.bind(self.events_bind)
-            self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._events_address = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._address = advertised(router.getsockopt_string(zmq.LAST_ENDPOINT), self.advertise_host)
+            self._events_address = advertised(pub.getsockopt_string(zmq.LAST_ENDPOINT), self.advertise_host)
         except zmq.ZMQError as e:
             self._start_error = e
         self._ready.set()

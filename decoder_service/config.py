@@ -1,7 +1,7 @@
 """Decoder worker configuration (CLI flags map one to one)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connector.security import CurveConfig
 
@@ -20,6 +20,7 @@ class DecoderConfig:
     aggregated: bool = False  # also load the vision half and encode images sent inline (no encoders)
     max_image_pixels: int = 40_000_000  # aggregated mode: larger images get a 400
     log_level: str = "info"
+    internal_key: str | None = field(default=None, repr=False)  # Bearer key /generate requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
 
     def __post_init__(self) -> None:

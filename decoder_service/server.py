@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from common.cli import parse_config, run_worker, worker_parser
 from common.errors import APIError, install_error_handlers
-from common.http import freeze_startup_heap, install_metrics, install_request_id
+from common.http import freeze_startup_heap, install_api_key, install_metrics, install_request_id
 from common.logs import request_id_var
 from connector import ECConsumer
 from decoder_service.aggregated import InlineEncoder
@@ -68,6 +68,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
     install_error_handlers(app)
     install_request_id(app)
     install_metrics(app, registry)
+    install_api_key(app, cfg.internal_key, ("/generate",), "internal key")
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> StreamingResponse:

@@ -1,7 +1,7 @@
 """Encoder worker configuration (CLI flags map one to one)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connector.security import CurveConfig
 
@@ -14,9 +14,11 @@ class EncoderConfig:
     ec_bind: str = "tcp://127.0.0.1:0"  # ZeroMQ endpoint the producer serves embeddings on
     ec_events_bind: str | None = None  # ZeroMQ PUB endpoint for cache events; None: beside ec_bind
     ec_cache_bytes: int = 1 << 30
+    ec_advertise_host: str | None = None  # host decoders and proxies reach the ZeroMQ endpoints at (0.0.0.0 binds)
     max_batch_size: int = 16  # images per vision forward
     max_image_pixels: int = 40_000_000
     log_level: str = "info"
+    internal_key: str | None = field(default=None, repr=False)  # Bearer key /encode requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
 
     def __post_init__(self) -> None:

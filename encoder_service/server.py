@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from common.cli import parse_config, run_worker, worker_parser
 from common.errors import APIError, bad_request, install_error_handlers
-from common.http import freeze_startup_heap, install_metrics, install_request_id
+from common.http import freeze_startup_heap, install_api_key, install_metrics, install_request_id
 from connector import ECProducer
 from encoder_service.config import EncoderConfig
 from encoder_service.metrics import EncoderMetrics
@@ -43,7 +43,7 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
 def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     vision = VisionHalf(resolve_model(cfg.model))
     producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
-                          curve=cfg.curve).start()
+                          curve=cfg.curve, advertise_host=cfg.ec_advertise_host).start()
     return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels)
 
 
@@ -67,6 +67,7 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
     install_error_handlers(app)
     install_request_id(app)
     install_metrics(app, registry)
+    install_api_key(app, cfg.internal_key, ("/encode",), "internal key")
 
     @app.post("/encode", response_model=EncodeResponse)
     async def encode(req: EncodeRequest) -> EncodeResponse:
@@ -107,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
     p.add_argument("--ec-bind", default=d.ec_bind, help="ZeroMQ endpoint for embeddings (tcp://HOST:PORT or ipc://)")
     p.add_argument("--ec-events-bind", default=d.ec_events_bind,
                    help="ZeroMQ PUB endpoint for cache events (default: beside --ec-bind, port + 1 or random)")
+    p.add_argument("--ec-advertise-host", default=d.ec_advertise_host,
+                   help="host other machines reach this encoder's ZeroMQ endpoints at (needed when --ec-bind is "
+                        "tcp://0.0.0.0:PORT); default: the bound address")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of embeddings this encoder keeps (LRU; in-flight items are never evicted)")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,84 +14,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from common.errors import APIError, install_error_handlers
-from common.http import install_api_key, install_metrics, install_request_id
+from common.http import has_bearer, install_api_key, install_metrics, install_request_id
 from common.logs import request_id_var
 from proxy.config import ProxyConfig
 from proxy.fleet import Fleet
+from proxy.generation import Generation
 from proxy.metrics import ProxyMetrics
 from proxy.openai_format import Completion, openai_finish_reason, openai_usage, sse
-from proxy.prepare import PreparedChat, prepare_chat
-from proxy.protocol import ChatCompletionRequest
-from scheduler.scheduler import MMItem
+from proxy.prepare import prepare_chat
+from proxy.protocol import ChatCompletionRequest, InstanceRequest
 
 logger = logging.getLogger("epd.proxy")
-
-
-class Generation:
-    """One request's upstream generation: opened with recovery, read as events, released once."""
-
-    def __init__(self, fleet: Fleet, chat: PreparedChat, request_id: str):
-        self.fleet, self.chat, self.request_id = fleet, chat, request_id
-        self.decoder = fleet.acquire_decoder()
-        self.resp: httpx.Response | None = None
-
-    async def open(self, sources: dict[str, str], pending: frozenset[str] = frozenset()) -> None:
-        """Open the decoder stream; a gather miss re-encodes the missing items and retries once.
-
-        `pending` items are still being encoded: the decoder's gather waits for them (pipelined mode).
-        """
-        for attempt in (0, 1):
-            images = [self._image(it, sources, pending) for it in self.chat.items]
-            payload = {"messages": self.chat.messages, **self.chat.sampling, "images": images}
-            try:
-                self.resp = await self.fleet.open_generation(self.decoder, payload, self.request_id)
-                return
-            except APIError as exc:
-                if exc.code != "missing_embeddings":
-                    raise
-                if attempt:  # lost again right after re-encoding: not the client's fault, and retryable
-                    raise APIError(503, f"embeddings lost twice: {exc.message}", code="embeddings_unavailable") from exc
-                self.fleet.metrics.retries.inc()
-                missing = set(exc.extra.get("missing", []))
-                logger.warning("decoder missed %d embedding(s); re-encoding", len(missing))
-                redo = [it for it in self.chat.items if it.mm_hash in missing]
-                sources = {**sources, **await self.fleet.encode(redo, self.request_id, skip_cached=False)}
-                pending = frozenset()
-
-    async def open_pipelined(self) -> None:
-        """Schedule the encodes, then open the decoder stream while they run; an encode error wins."""
-        out = await self.fleet.schedule(self.chat.items)
-        pending = frozenset(it.mm_hash for todo in out.scheduled_encoder_inputs.values() for it in todo)
-        encodes = asyncio.create_task(self.fleet.run_encodes(out, self.request_id))
-        opening = asyncio.create_task(self.open(out.sources, pending))
-        try:
-            await encodes
-        except BaseException:
-            opening.cancel()
-            await asyncio.gather(opening, return_exceptions=True)
-            raise
-        await opening
-
-    def _image(self, item: MMItem, sources: dict[str, str], pending: frozenset[str]) -> dict[str, Any]:
-        if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
-            return {"mm_hash": item.mm_hash, "data": base64.b64encode(item.data).decode()}
-        return {"mm_hash": item.mm_hash, "source": sources[item.mm_hash], "pending": item.mm_hash in pending}
-
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        assert self.resp is not None
-        try:
-            async for line in self.resp.aiter_lines():
-                if line:
-                    yield json.loads(line)
-        except httpx.HTTPError as exc:
-            yield {"type": "error", "message": f"decoder connection lost: {type(exc).__name__}"}
-
-    async def close(self) -> None:
-        if self.resp is not None:
-            await self.resp.aclose()
-        if self.decoder >= 0:
-            self.fleet.release_decoder(self.decoder)
-            self.decoder = -1
 
 
 async def _sse(gen: Generation, completion: Completion, include_usage: bool, metrics: ProxyMetrics,
@@ -145,6 +76,10 @@ async def _collect(gen: Generation, completion: Completion, metrics: ProxyMetric
         await gen.close()
 
 
+def _instances(fleet: Fleet) -> dict[str, Any]:
+    return {f"{role}s": [w.describe() for w in fleet.workers.of(role)] for role in ("encoder", "decoder")}
+
+
 def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> FastAPI:
     registry = CollectorRegistry()
     metrics = ProxyMetrics(registry)
@@ -161,7 +96,7 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
             if on_ready is not None:
                 on_ready()
             yield
-            fleet.close()
+            await fleet.close()
 
     app = FastAPI(title="EPD proxy", lifespan=lifespan)
     install_error_handlers(app)
@@ -214,6 +149,40 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
     async def health() -> dict[str, Any]:
         if "fleet" not in state:
             raise APIError(503, "proxy is starting", code="not_ready")
-        return {"status": "ok", "role": "proxy", "encoders": list(cfg.encode_urls), "decoders": list(cfg.decode_urls)}
+        return {"status": "ok", "role": "proxy", **_instances(state["fleet"])}
+
+    def require_internal_key(request: Request) -> Fleet:
+        """/instances needs the internal key (not the public API key); without one configured it is off."""
+        if not cfg.internal_key:
+            raise APIError(403, "dynamic registration is off: start the proxy with --internal-key",
+                           code="registration_disabled")
+        if not has_bearer(request, cfg.internal_key):
+            raise APIError(401, "missing or invalid internal key: send `Authorization: Bearer <internal key>`",
+                           code="invalid_internal_key")
+        if "fleet" not in state:
+            raise APIError(503, "proxy is starting", code="not_ready")
+        return state["fleet"]
+
+    @app.get("/instances")
+    async def list_instances(request: Request) -> dict[str, Any]:
+        return _instances(require_internal_key(request))
+
+    @app.post("/instances", status_code=201)
+    async def add_instance(body: InstanceRequest, request: Request) -> dict[str, Any]:
+        fleet = require_internal_key(request)
+        if cfg.aggregated and body.role == "encoder":
+            raise APIError(400, "an aggregated proxy has no encoders", param="role", code="invalid_value")
+        try:
+            worker = await fleet.register(body.role, body.url)
+        except ValueError as exc:
+            raise APIError(409, str(exc), param="url", code="conflict") from exc
+        return {"role": worker.role, **worker.describe()}
+
+    @app.delete("/instances")
+    async def remove_instance(body: InstanceRequest, request: Request) -> dict[str, Any]:
+        worker = require_internal_key(request).deregister(body.url)
+        if worker is None:
+            raise APIError(404, f"no worker is registered at {body.url}", param="url", code="not_found")
+        return {"role": worker.role, "url": worker.url, "removed": True}
 
     return app

@@ -50,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY"),
                    help="clients must send `Authorization: Bearer <key>` on /v1/* (default: env EPD_API_KEY; "
                         "unset: open)")
+    p.add_argument("--internal-key", default=os.environ.get("EPD_INTERNAL_KEY"),
+                   help="Bearer key of the internal side: sent to workers (start them with the same --internal-key) "
+                        "and required on /instances (default: env EPD_INTERNAL_KEY; unset: open, /instances off)")
+    p.add_argument("--dynamic-registration", action="store_true",
+                   help="attach mode where workers may also be added/removed at run time with POST/DELETE "
+                        "/instances (the URL lists may then be empty); needs --internal-key")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health probes of a worker")
+    p.add_argument("--health-timeout", type=float, default=2.0, help="seconds one probe may take")
+    p.add_argument("--health-failures", type=int, default=3,
+                   help="failed probes in a row that take a worker out (a failed call takes it out at once)")
     p.add_argument("--aggregated", action="store_true",
                    help="no encoders: decoders load the vision tower too and encode images sent inline "
                         "(launcher: spawns --num-decoders aggregated decoders; the baseline EPD is compared with)")
@@ -76,8 +86,9 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         allowed_media_domains=_urls(args.allowed_media_domains), media_fetch_timeout=args.media_fetch_timeout,
         worker_timeout=args.worker_timeout,
         startup_timeout=args.startup_timeout, log_level=args.log_level, pipeline_encode=args.pipeline_encode,
-        aggregated=args.aggregated, api_key=args.api_key,
-        curve=curve,
+        aggregated=args.aggregated, api_key=args.api_key, internal_key=args.internal_key,
+        dynamic_registration=args.dynamic_registration, health_interval=args.health_interval,
+        health_timeout=args.health_timeout, health_failures=args.health_failures, curve=curve,
     )
 
 
@@ -87,8 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     curve = pop_curve(parser, args)
     setup_logging("proxy", args.log_level)
     encode_urls, decode_urls = _urls(args.encode_servers_urls), _urls(args.decode_servers_urls)
-    if encode_urls or decode_urls:  # attach mode
-        if not decode_urls or not (encode_urls or args.aggregated):
+    if encode_urls or decode_urls or args.dynamic_registration:  # attach mode
+        if args.dynamic_registration and not args.internal_key:
+            parser.error("--dynamic-registration needs --internal-key (or env EPD_INTERNAL_KEY): it guards /instances")
+        if not args.dynamic_registration and (not decode_urls or not (encode_urls or args.aggregated)):
             raise SystemExit("attach mode needs both --encode-servers-urls and --decode-servers-urls "
                              "(only the decoders with --aggregated)")
         cfg = _config(args, encode_urls, decode_urls, curve)
@@ -100,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turn it into SystemExit so the
     # `finally` below stops the workers and the launcher exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    group = WorkerGroup()
+    group = WorkerGroup(env={"EPD_INTERNAL_KEY": args.internal_key} if args.internal_key else {})
     try:
         cfg = _config(args, *_launch(group, args), curve)
         serve(create_app(cfg, on_ready=lambda: _print_banner(cfg)), cfg.host, cfg.port, cfg.log_level)

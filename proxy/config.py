@@ -29,9 +29,19 @@ class ProxyConfig:
     # no encoders: decoders run in aggregated mode and get the image bytes inline (the baseline deployment)
     aggregated: bool = False
     api_key: str | None = field(default=None, repr=False)  # Bearer key clients must send on /v1/*
+    # Bearer key for the internal side: sent to workers' /encode and /generate, required on /instances
+    internal_key: str | None = field(default=None, repr=False)
+    dynamic_registration: bool = False  # workers may be added and removed at run time (POST/DELETE /instances)
+    health_interval: float = 2.0  # seconds between probes of each worker's /health
+    health_timeout: float = 2.0  # seconds one probe may take
+    health_failures: int = 3  # failed probes in a row that take a worker out
     curve: CurveConfig | None = None  # CURVE keys for the proxy's connector links (cache events, snapshots)
 
     def __post_init__(self) -> None:
-        if not self.decode_urls or not (self.encode_urls or self.aggregated):
+        if self.dynamic_registration:
+            if not self.internal_key:
+                raise ValueError("--dynamic-registration needs --internal-key (it guards /instances)")
+        elif not self.decode_urls or not (self.encode_urls or self.aggregated):
             raise ValueError("the proxy needs at least one decoder URL and, unless aggregated, one encoder URL")
+        assert self.health_interval > 0 and self.health_timeout > 0 and self.health_failures >= 1
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"

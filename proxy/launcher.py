@@ -43,12 +43,13 @@ class WorkerGroup:
     """The spawned workers; stop() is safe to call more than once."""
 
     workers: list[Worker] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every worker (e.g. its key)
 
     def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str]) -> Worker:
         port = free_port(host)
         module = {"encoder": "encoder_service.server", "decoder": "decoder_service.server", "proxy": "proxy.cli"}[role]
         cmd = [sys.executable, "-m", module, "--model", model, "--host", host, "--port", str(port), *extra]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)), **self.env}
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         worker = Worker(role=role, url=f"http://{host}:{port}", proc=proc)
         self.workers.append(worker)

@@ -1,13 +1,20 @@
 """Prometheus metrics of the proxy."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from functools import partial
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.metrics import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from proxy.fleet import Fleet
 
 
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
         self.requests = Counter("epd_proxy_requests", "Chat completions by HTTP status", ["status"],
                                 registry=registry)
         self.ttft = Histogram("epd_proxy_ttft_seconds", "Arrival to first content token", buckets=LATENCY_BUCKETS,
@@ -20,6 +27,27 @@ class ProxyMetrics:
                                         buckets=LATENCY_BUCKETS, registry=registry)
         self.items_skipped = Counter("epd_proxy_items_skipped_cached", "Images not encoded: already cached",
                                      registry=registry)
+        self.items_joined = Counter("epd_proxy_items_joined_in_flight",
+                                    "Images not encoded again: another request's encode of them was in flight",
+                                    registry=registry)
         self.items_scheduled = Counter("epd_proxy_items_scheduled", "Images sent to an encoder", registry=registry)
         self.retries = Counter("epd_proxy_retries", "Generations retried after re-encoding missing embeddings",
                                registry=registry)
+        self.failovers = Counter("epd_proxy_failovers", "Work moved to another worker after one failed", ["role"],
+                                 registry=registry)
+        self.workers_marked_down = Counter("epd_proxy_workers_marked_down", "Workers taken out of service", ["role"],
+                                           registry=registry)
+        self.workers_healthy = Gauge("epd_proxy_workers_healthy", "Workers taking work", ["role"], registry=registry)
+        self.encoder_outstanding = Gauge("epd_proxy_encoder_items_outstanding",
+                                         "Images sent to encoders and not finished (the proxy's encoder queue depth)",
+                                         registry=registry)
+
+    def watch(self, fleet: Fleet) -> None:
+        """Gauges read from the fleet at scrape time."""
+        for role in ("encoder", "decoder"):
+            self.workers_healthy.labels(role).set_function(partial(_num_healthy, fleet, role))
+        self.encoder_outstanding.set_function(lambda: sum(fleet.scheduler.outstanding.values()))
+
+
+def _num_healthy(fleet: Fleet, role: str) -> float:
+    return len(fleet.workers.healthy(role))

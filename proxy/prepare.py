@@ -25,15 +25,21 @@ def _check_supported(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
                        param="model", code="model_not_found")
 
 
-def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig) -> PreparedChat:
-    """Check the request and load its images; raises APIError (4xx) naming the bad part."""
-    _check_supported(req, cfg)
+def _check_image_count(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
+    """Counted before anything is fetched or decoded, so a request with 300 images costs nothing."""
     num_images = sum(isinstance(p, ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
     if num_images > cfg.max_images_per_request:
         raise bad_request(f"request has {num_images} images; the maximum is {cfg.max_images_per_request}",
                           param="messages", code="too_many_images")
+
+
+def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """Decoder messages with an image marker per image, and the (param, url) of each image in order.
+
+    No I/O: the whole request is checked for shape before the first image is fetched.
+    """
     messages: list[dict[str, Any]] = []
-    items: list[MMItem] = []
+    images: list[tuple[str, str]] = []
     for i, msg in enumerate(req.messages):
         if not isinstance(msg.content, list):
             messages.append({"role": msg.role, "content": msg.content or ""})
@@ -41,13 +47,34 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig) -> PreparedChat:
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(msg.content):
             if isinstance(part, ImagePart):
-                if msg.role not in ("user",):
+                if msg.role != "user":
                     raise bad_request("images are only allowed in user messages", f"messages.{i}.content.{j}")
-                param = f"messages.{i}.content.{j}.image_url.url"
-                data = load_image_bytes(part.image_url.url, param, cfg.max_image_bytes, cfg.max_image_pixels)
-                items.append(MMItem(mm_hash=mm_hash(cfg.served_model_name, data), data=data))
+                images.append((f"messages.{i}.content.{j}.image_url.url", part.image_url.url))
                 parts.append({"type": "image"})
             else:
                 parts.append({"type": "text", "text": part.text})
         messages.append({"role": msg.role, "content": parts})
-    return PreparedChat(messages=messages, items=items, sampling=req.sampling())
+    return messages, images
+
+
+def _load_images(images: list[tuple[str, str]], cfg: ProxyConfig) -> list[MMItem]:
+    """Fetch and check each image (a URL repeated in the request is fetched once), hashed server-side."""
+    loaded: dict[str, MMItem] = {}
+    items: list[MMItem] = []
+    for param, url in images:
+        if url not in loaded:
+            data = load_image_bytes(url, param, cfg)
+            loaded[url] = MMItem(mm_hash=mm_hash(cfg.served_model_name, data), data=data)
+        items.append(loaded[url])
+    return items
+
+
+def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig) -> PreparedChat:
+    """Check the request and load its images; raises APIError (4xx) naming the bad part.
+
+    Blocking (images may be downloaded under cfg's media rules, see proxy.media): run it in a worker thread.
+    """
+    _check_supported(req, cfg)
+    _check_image_count(req, cfg)
+    messages, images = _render_messages(req)
+    return PreparedChat(messages=messages, items=_load_images(images, cfg), sampling=req.sampling())

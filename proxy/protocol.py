@@ -67,3 +67,12 @@ class ChatCompletionRequest(BaseModel):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "presence_penalty": self.presence_penalty or 0.0,
         }
+
+
+class InstanceRequest(BaseModel):
+    """POST/DELETE /instances: a worker to add or remove."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["encoder", "decoder"]
+    url: Annotated[str, Field(pattern=r"^https?://[^\s/]+$", max_length=512,
+                              description="the worker's base URL, e.g. http://10.0.0.7:8001")]

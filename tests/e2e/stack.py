@@ -116,3 +116,8 @@ def ask_colour(base_url: str, *images: bytes, api_key: str | None = None) -> htt
     body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def urls_of(stack: Stack, role: str) -> list[str]:
+    """The URLs of the proxy's `role` ("encoders" / "decoders") from its /health."""
+    return [w["url"] for w in stack.get("/health").json()[role]]

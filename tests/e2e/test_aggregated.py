@@ -21,12 +21,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def test_one_process_encodes_and_decodes(stack: Stack) -> None:
     info = stack.get("/health").json()
     assert info["encoders"] == [] and len(info["decoders"]) == 1
-    decoder = health(info["decoders"][0])
+    decoder = health(info["decoders"][0]["url"])
     assert decoder["aggregated"] and {"vision_tower", "language_model"} <= set(decoder["loaded"]["modules"])
     for colour, seed in (("red", 1), ("blue", 2), ("red", 1)):
         resp = ask_colour(stack.base_url, demo_png(colour, seed, "square"), api_key=KEY)
         assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == colour
-    assert health(info["decoders"][0])["loaded"]["num_encoded"] == 2  # the repeated image was encoded once
+    assert health(info["decoders"][0]["url"])["loaded"]["num_encoded"] == 2  # the repeated image was encoded once
 
 
 def test_a_broken_image_is_a_400_and_the_next_request_succeeds(stack: Stack) -> None:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from models.demo import ensure_demo_model
 from models.shapes import draw_shape
-from tests.e2e.stack import Stack, health, launched, metric
+from tests.e2e.stack import Stack, health, launched, metric, urls_of
 from tests.openai_schema import assert_valid
 
 pytestmark = pytest.mark.e2e
@@ -49,7 +49,7 @@ def user(*urls: str, question: str = "What color is the shape?") -> list[dict]:
 
 
 def encoders_encoded(stack: Stack) -> float:
-    urls = stack.get("/health").json()["encoders"]
+    urls = urls_of(stack, "encoders")
     return sum(metric(httpx.get(f"{u}/metrics").text, "epd_encoder_items_encoded_total") for u in urls)
 
 
@@ -103,10 +103,10 @@ def test_same_image_sent_again_is_not_re_encoded(client: OpenAI, stack: Stack) -
 def test_images_of_one_request_are_encoded_on_both_encoders(client: OpenAI, stack: Stack) -> None:
     urls = [data_url("yellow", seed=20 + i) for i in range(4)]
     per_encoder = [metric(httpx.get(f"{u}/metrics").text, "epd_encoder_items_encoded_total")
-                   for u in stack.get("/health").json()["encoders"]]
+                   for u in urls_of(stack, "encoders")]
     client.chat.completions.create(model="demo", messages=user(*urls), max_tokens=2)
     after = [metric(httpx.get(f"{u}/metrics").text, "epd_encoder_items_encoded_total")
-             for u in stack.get("/health").json()["encoders"]]
+             for u in urls_of(stack, "encoders")]
     assert [a - b for a, b in zip(after, per_encoder, strict=True)] == [2, 2]
 
 
@@ -115,11 +115,10 @@ def test_each_process_holds_only_its_half(stack: Stack) -> None:
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         numel = {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
     vision = sum(n for k, n in numel.items() if k.startswith(("vision_tower.", "multi_modal_projector.")))
-    info = stack.get("/health").json()
-    for url in info["encoders"]:
+    for url in urls_of(stack, "encoders"):
         loaded = health(url)["loaded"]
         assert loaded == {"modules": ["multi_modal_projector", "vision_tower"], "num_parameters": vision}
-    for url in info["decoders"]:
+    for url in urls_of(stack, "decoders"):
         loaded = health(url)["loaded"]
         assert loaded == {"modules": ["language_model", "lm_head"], "num_parameters": sum(numel.values()) - vision}
 

@@ -82,8 +82,8 @@ def test_encoder_asked_for_a_request_whose_items_another_encoder_holds_does_not_
     out = sched.schedule([MMItem("held-by-a", png("red")), MMItem("new", png("green"))])
     assert out.skipped == ["held-by-a"] and out.sources["held-by-a"] == producers[0].address
     # b runs its share of the request (possibly nothing) and, asked directly, encodes a's item itself
-    for index, items in out.scheduled_encoder_inputs.items():
-        worker = (a, b)[index]
+    for name, items in out.scheduled_encoder_inputs.items():
+        worker = {"e0": a, "e1": b}[name]
         worker.execute_mm_encoder([ScheduledEncoderInput(i.mm_hash, i.data) for i in items])
     assert b.execute_mm_encoder([]) == []
     (item,) = b.execute_mm_encoder([ScheduledEncoderInput("held-by-a", png("red"))])

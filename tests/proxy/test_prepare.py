@@ -52,7 +52,8 @@ def test_hash_depends_on_model_identity() -> None:
     ("data:image/png,rawbytes", "invalid_image_url"),
     ("data:text/plain;base64,aGVsbG8=", "invalid_image_url"),
     ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), "invalid_image"),
-    ("file:///etc/passwd", "unsupported_image_url"),
+    ("file:///etc/passwd", "image_url_forbidden"),
+    ("http://127.0.0.1/x.png", "image_url_forbidden"),
     ("ftp://x/y.png", "invalid_image_url"),
 ])
 def test_bad_image_urls_are_400(url: str, code: str) -> None:
@@ -63,6 +64,25 @@ def test_bad_image_urls_are_400(url: str, code: str) -> None:
 def test_more_images_than_the_maximum_is_400() -> None:
     err = refused(request(*[data_url()] * 4))
     assert err.status == 400 and err.code == "too_many_images" and "maximum is 3" in err.message
+
+
+def test_hundreds_of_images_are_refused_before_any_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    def load(*args: object) -> bytes:
+        raise AssertionError("an image was loaded")
+    monkeypatch.setattr("proxy.prepare.load_image_bytes", load)
+    err = refused(request(*["http://example.com/x.png"] * 300))
+    assert err.code == "too_many_images" and "300 images" in err.message
+
+
+def test_images_outside_user_messages_are_refused_before_any_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    def load(*args: object) -> bytes:
+        raise AssertionError("an image was loaded")
+    monkeypatch.setattr("proxy.prepare.load_image_bytes", load)
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}
+    req = ChatCompletionRequest.model_validate({"model": "demo", "messages": [
+        {"role": "user", "content": [image]}, {"role": "assistant", "content": [image]}]})
+    err = refused(req)
+    assert err.status == 400 and err.param == "messages.1.content.0"
 
 
 def test_unknown_model_is_404() -> None:

@@ -1,0 +1,159 @@
+"""One request's upstream generation: opened with recovery and decoder failover, read as events, released once."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from common.errors import APIError
+from proxy.fleet import Fleet, WorkerFailed
+from proxy.prepare import PreparedChat
+from proxy.workers import Worker, WorkerDown, until_down
+from scheduler.scheduler import MMItem
+
+logger = logging.getLogger("epd.proxy")
+
+
+class Generation:
+    """Decoder failures before the first token are invisible to the client: the generation is reopened on
+    another decoder. After the first token a failure ends the stream with an error event."""
+
+    def __init__(self, fleet: Fleet, chat: PreparedChat, request_id: str):
+        self.fleet, self.chat, self.request_id = fleet, chat, request_id
+        self.decoder: Worker | None = None
+        self.tried: set[str] = set()  # decoders that failed this request
+        self.resp: httpx.Response | None = None
+        self.sources: dict[str, str] = {}
+
+    async def open(self, sources: dict[str, str], pending: frozenset[str] = frozenset()) -> None:
+        """Open the stream on the least-loaded healthy decoder, moving to the next one if it fails.
+
+        `pending` items are still being encoded: the decoder's gather waits for them (pipelined mode).
+        """
+        self.sources = sources
+        while True:
+            decoder = self.decoder = self.fleet.acquire_decoder(self.tried)  # APIError 503 once all failed
+            try:
+                await self._open_on_decoder(pending)
+                return
+            except WorkerFailed as exc:
+                logger.warning("decoder %s failed before the first token (%s); trying another", decoder.url, exc)
+                self.fleet.decoder_failed(decoder, str(exc), mark_down=False)
+                self.tried.add(decoder.url)
+                self._release()
+            except BaseException:
+                self._release()
+                raise
+            pending = frozenset()
+
+    async def _open_on_decoder(self, pending: frozenset[str]) -> None:
+        """A gather miss re-encodes the missing items and retries once on the same decoder."""
+        assert self.decoder is not None
+        for attempt in (0, 1):
+            images = [self._image(it, pending) for it in self.chat.items]
+            payload = {"messages": self.chat.messages, **self.chat.sampling, "images": images}
+            try:
+                self.resp = await self.fleet.open_generation(self.decoder, payload, self.request_id)
+                return
+            except APIError as exc:
+                if exc.code != "missing_embeddings":
+                    raise
+                if attempt:  # lost again right after re-encoding: not the client's fault, and retryable
+                    raise APIError(503, f"embeddings lost twice: {exc.message}", code="embeddings_unavailable") from exc
+                self.fleet.metrics.retries.inc()
+                missing = set(exc.extra.get("missing", []))
+                logger.warning("decoder missed %d embedding(s); re-encoding", len(missing))
+                redo = [it for it in self.chat.items if it.mm_hash in missing]
+                self.sources = {**self.sources, **await self.fleet.encode(redo, self.request_id, skip_cached=False)}
+                pending = frozenset()
+
+    async def open_pipelined(self) -> None:
+        """Schedule the encodes, then open the decoder stream while they run; an encode error wins. If an
+        encoder fails over, the stream (waiting on the dead encoder) is reopened with the new sources."""
+        plan = self.fleet.plan(self.chat.items)
+        encodes = asyncio.create_task(self.fleet.execute(plan, self.request_id))
+        opening = asyncio.create_task(self.open(plan.out.sources, plan.pending))
+        try:
+            sources = await encodes
+        except BaseException:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            raise
+        if sources == plan.out.sources:
+            await opening
+            return
+        opening.cancel()
+        await asyncio.gather(opening, return_exceptions=True)
+        await self.close_stream()
+        await self.open(sources)
+
+    def _image(self, item: MMItem, pending: frozenset[str]) -> dict[str, Any]:
+        if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
+            return {"mm_hash": item.mm_hash, "data": base64.b64encode(item.data).decode()}
+        return {"mm_hash": item.mm_hash, "source": self.sources[item.mm_hash], "pending": item.mm_hash in pending}
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The decoder's events; before the first token a lost decoder means a retry on another one."""
+        while True:
+            assert self.resp is not None and self.decoder is not None
+            lines = self.resp.aiter_lines()
+            try:
+                first = await until_down(_next_event(lines), self.decoder)
+            except (httpx.HTTPError, WorkerDown, StreamEnded) as exc:
+                if not await self._reopen(f"stream lost before the first token: {type(exc).__name__}"):
+                    yield {"type": "error", "message": f"decoder connection lost: {type(exc).__name__}"}
+                    return
+                continue
+            yield first
+            try:
+                async for line in lines:
+                    if line:
+                        yield json.loads(line)
+            except httpx.HTTPError as exc:
+                yield {"type": "error", "message": f"decoder connection lost: {type(exc).__name__}"}
+            return
+
+    async def _reopen(self, reason: str) -> bool:
+        assert self.decoder is not None
+        logger.warning("decoder %s: %s; retrying on another decoder", self.decoder.url, reason)
+        self.fleet.decoder_failed(self.decoder, reason, mark_down=True)
+        self.tried.add(self.decoder.url)
+        await self.close_stream()
+        self._release()
+        try:
+            await self.open(self.sources)
+        except APIError as exc:
+            logger.warning("no decoder could take over: %s", exc.message)
+            return False
+        return True
+
+    async def close_stream(self) -> None:
+        if self.resp is not None:
+            await self.resp.aclose()
+            self.resp = None
+
+    def _release(self) -> None:
+        if self.decoder is not None:
+            self.fleet.release_decoder(self.decoder)
+            self.decoder = None
+
+    async def close(self) -> None:
+        await self.close_stream()
+        self._release()
+
+
+class StreamEnded(Exception):
+    """The decoder's stream closed before its first event."""
+
+
+async def _next_event(lines: AsyncIterator[str]) -> dict[str, Any]:
+    """The first non-empty line as an event."""
+    async for line in lines:
+        if line:
+            return dict(json.loads(line))
+    raise StreamEnded

@@ -1,0 +1,237 @@
+"""Fleet encode fan-out against scripted encoders (httpx.MockTransport): split, in-flight dedupe, failover,
+errors reaching every request that waits for an item, and work that outlives a client that left."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from common.errors import APIError
+from connector import ECProducer
+from proxy.config import ProxyConfig
+from proxy.fleet import Fleet
+from proxy.metrics import ProxyMetrics
+from scheduler.scheduler import MMItem
+from tests.e2e.stack import metric
+
+Handler = Callable[[str, list[str]], Awaitable[httpx.Response]]  # (encoder url, hashes) -> reply
+
+
+PRODUCERS: list[ECProducer] = []  # real producers stand in for the encoders' ZeroMQ side (snapshots, events)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def producers() -> Iterator[None]:
+    PRODUCERS.extend(ECProducer().start() for _ in range(2))
+    yield
+    for p in PRODUCERS:
+        p.close()
+    PRODUCERS.clear()
+
+
+def address(url: str) -> str:
+    return PRODUCERS[int(url.rsplit(":", 1)[1]) - 9100].address
+
+
+def encoded(url: str, hashes: list[str]) -> httpx.Response:
+    items = [{"mm_hash": h, "num_tokens": 4, "cached": False} for h in hashes]
+    return httpx.Response(200, json={"items": items, "ec_address": address(url), "ec_epoch": "x", "ec_seq": 1})
+
+
+class Encoders:
+    """Scripted encoders: every /encode call is recorded, then answered by `handler`."""
+
+    def __init__(self, handler: Handler):
+        self.handler = handler
+        self.calls: list[tuple[str, list[str], str | None]] = []
+        self.in_flight = self.max_in_flight = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if request.url.path == "/health":
+            producer = PRODUCERS[int(url.rsplit(":", 1)[1]) - 9100]
+            return httpx.Response(200, json={"ec_address": producer.address, "ec_events_address": producer.events_address})
+        hashes = [it["mm_hash"] for it in json.loads(request.content)["items"]]
+        self.calls.append((url, hashes, request.headers.get("authorization")))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self.handler(url, hashes)
+        finally:
+            self.in_flight -= 1
+
+
+@asynccontextmanager
+async def fleet_of(encoders: Encoders, n: int = 2) -> AsyncIterator[Fleet]:
+    cfg = ProxyConfig(encode_urls=(), decode_urls=(), dynamic_registration=True, internal_key="inner")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(encoders)) as client:
+        fleet = Fleet(cfg, client, ProxyMetrics(CollectorRegistry()))
+
+        async def seen(_: dict[str, Any]) -> None:  # no real producer publishes events here
+            return None
+
+        fleet._seen = seen  # type: ignore[method-assign]
+        try:
+            for i in range(n):
+                await fleet.register("encoder", f"http://127.0.0.1:{9100 + i}")
+            yield fleet
+        finally:
+            await fleet.close()
+
+
+def items(*hashes: str) -> list[MMItem]:
+    return [MMItem(h, h.encode()) for h in hashes]
+
+
+async def ok(url: str, hashes: list[str]) -> httpx.Response:
+    await asyncio.sleep(0)
+    return encoded(url, hashes)
+
+
+def test_images_of_one_request_are_split_and_encoded_in_parallel_several_per_call() -> None:
+    encoders = Encoders(ok)
+
+    async def main() -> dict[str, str]:
+        async with fleet_of(encoders) as fleet:
+            return await fleet.encode(items("a", "b", "c", "d"), "rid")
+
+    sources = asyncio.run(main())
+    assert sorted(len(h) for _, h, _ in encoders.calls) == [2, 2] and encoders.max_in_flight == 2
+    assert set(sources.values()) == {address("http://127.0.0.1:9100"), address("http://127.0.0.1:9101")}
+    assert {auth for _, _, auth in encoders.calls} == {"Bearer inner"}  # the internal key goes to workers
+
+
+def test_identical_images_in_concurrent_requests_are_encoded_once() -> None:
+    release = asyncio.Event()
+
+    async def held(url: str, hashes: list[str]) -> httpx.Response:
+        await release.wait()
+        return encoded(url, hashes)
+
+    encoders = Encoders(held)
+
+    async def main() -> list[dict[str, str]]:
+        async with fleet_of(encoders) as fleet:
+            first = asyncio.create_task(fleet.encode(items("same"), "r1"))
+            while not encoders.calls:  # the first request's encode is in flight
+                await asyncio.sleep(0)
+            second = asyncio.create_task(fleet.encode(items("same", "same"), "r2"))
+            await asyncio.sleep(0)
+            release.set()
+            out = await asyncio.gather(first, second)
+            assert metric(_scrape(fleet), "epd_proxy_items_joined_in_flight_total") == 1
+            return out
+
+    first, second = asyncio.run(main())
+    assert [h for _, h, _ in encoders.calls] == [["same"]] and first == second
+
+
+def test_an_encoder_that_fails_mid_request_is_marked_down_and_its_items_go_to_another() -> None:
+    async def first_dies(url: str, hashes: list[str]) -> httpx.Response:
+        if url.endswith("9100"):
+            raise httpx.RemoteProtocolError("server disconnected")
+        return encoded(url, hashes)
+
+    encoders = Encoders(first_dies)
+
+    async def main() -> tuple[dict[str, str], bool, float]:
+        async with fleet_of(encoders) as fleet:
+            sources = await fleet.encode(items("a", "b", "c"), "rid")
+            return sources, fleet.workers.by_url["http://127.0.0.1:9100"].healthy, metric(
+                _scrape(fleet), "epd_proxy_failovers_total")
+
+    sources, first_healthy, failovers = asyncio.run(main())
+    assert set(sources.values()) == {address("http://127.0.0.1:9101")} and sorted(sources) == ["a", "b", "c"]
+    assert not first_healthy and failovers == 1
+
+
+def test_no_encoder_left_is_a_503() -> None:
+    async def down(url: str, hashes: list[str]) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    async def main() -> None:
+        async with fleet_of(Encoders(down)) as fleet:
+            await fleet.encode(items("a"), "rid")
+
+    with pytest.raises(APIError) as err:
+        asyncio.run(main())
+    assert err.value.status == 503 and err.value.code == "encoder_unavailable"
+
+
+def test_a_bad_image_error_reaches_every_request_waiting_for_it() -> None:
+    release = asyncio.Event()
+
+    async def refuse(url: str, hashes: list[str]) -> httpx.Response:
+        await release.wait()
+        return httpx.Response(400, json={"error": {"message": "cannot identify image", "code": "invalid_image"}})
+
+    encoders = Encoders(refuse)
+
+    async def main() -> list[BaseException | dict[str, str]]:
+        async with fleet_of(encoders) as fleet:
+            first = asyncio.create_task(fleet.encode(items("bad"), "r1"))
+            while not encoders.calls:
+                await asyncio.sleep(0)
+            second = asyncio.create_task(fleet.encode(items("bad"), "r2"))
+            await asyncio.sleep(0)
+            release.set()
+            return await asyncio.gather(first, second, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, APIError) and r.status == 400 and r.code == "invalid_image" for r in results)
+    assert len(encoders.calls) == 1  # a 4xx is the request's fault: not retried elsewhere
+
+
+def test_a_client_that_leaves_does_not_cancel_an_encode_another_request_joined() -> None:
+    release = asyncio.Event()
+
+    async def held(url: str, hashes: list[str]) -> httpx.Response:
+        await release.wait()
+        return encoded(url, hashes)
+
+    encoders = Encoders(held)
+
+    async def main() -> dict[str, str]:
+        async with fleet_of(encoders) as fleet:
+            leaver = asyncio.create_task(fleet.encode(items("x"), "r1"))
+            while not encoders.calls:
+                await asyncio.sleep(0)
+            stayer = asyncio.create_task(fleet.encode(items("x"), "r2"))
+            await asyncio.sleep(0)
+            leaver.cancel()
+            release.set()
+            return await stayer
+
+    assert list(asyncio.run(main())) == ["x"] and len(encoders.calls) == 1
+
+
+def _scrape(fleet: Fleet) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(fleet.metrics.registry).decode()
+
+
+def test_an_encoder_that_hangs_is_abandoned_when_probes_mark_it_down() -> None:
+    async def first_hangs(url: str, hashes: list[str]) -> httpx.Response:
+        if url.endswith("9100"):
+            await asyncio.Event().wait()  # a link that drops packets: no error, no answer
+        return encoded(url, hashes)
+
+    encoders = Encoders(first_hangs)
+
+    async def main() -> dict[str, str]:
+        async with fleet_of(encoders) as fleet:
+            task = asyncio.create_task(fleet.encode(items("a", "b"), "rid"))
+            while len(encoders.calls) < 2:
+                await asyncio.sleep(0)
+            fleet.workers.mark_down(fleet.workers.by_url["http://127.0.0.1:9100"], "3 failed probe(s)")
+            return await task
+
+    sources = asyncio.run(main())
+    assert set(sources.values()) == {address("http://127.0.0.1:9101")} and sorted(sources) == ["a", "b"]

@@ -1,0 +1,140 @@
+"""Generation: a gather miss is re-encoded once; a decoder that fails before the first token is replaced
+by another decoder without the client noticing; after the first token the stream ends with an error."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from common.errors import APIError
+from proxy.fleet import WorkerFailed
+from proxy.generation import Generation
+from proxy.prepare import PreparedChat
+from proxy.workers import Worker, Workers
+from scheduler.scheduler import MMItem
+
+DONE = {"type": "done", "finish_reason": "stop", "usage": {}}
+
+
+class FakeStream:
+    """A decoder's NDJSON stream: `events`, then (optionally) a dropped connection."""
+
+    def __init__(self, events: list[dict[str, Any]], drop: bool = False):
+        self.events, self.drop, self.closed = events, drop, False
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        for ev in self.events:
+            yield json.dumps(ev)
+        if self.drop:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeFleet:
+    """Real worker bookkeeping; decoders behave as scripted: url -> list of outcomes, one per open."""
+
+    def __init__(self, script: dict[str, list[Any]]):
+        self.script = script
+        self.workers = Workers(None, 1.0, 1.0, 3, on_up=lambda w: None, on_down=lambda w: None)  # type: ignore[arg-type]
+        for url in script:
+            self.workers.add("decoder", url).healthy = True
+        self.encode_calls: list[tuple[list[str], bool]] = []
+        self.opened: list[tuple[str, dict[str, Any]]] = []
+        self.failed: list[tuple[str, bool]] = []
+        self.cfg = type("Cfg", (), {"aggregated": False})()
+        self.metrics = type("M", (), {"retries": type("C", (), {"inc": lambda self: None})()})()
+
+    def acquire_decoder(self, exclude: set[str]) -> Worker:
+        return self.workers.acquire_decoder(exclude)
+
+    def release_decoder(self, worker: Worker) -> None:
+        worker.load -= 1
+
+    def decoder_failed(self, worker: Worker, reason: str, mark_down: bool) -> None:
+        self.failed.append((worker.url, mark_down))
+        if mark_down:
+            self.workers.mark_down(worker, reason)
+
+    async def encode(self, items: list[MMItem], request_id: str, skip_cached: bool = True) -> dict[str, str]:
+        self.encode_calls.append(([i.mm_hash for i in items], skip_cached))
+        return {i.mm_hash: "tcp://re-encoded" for i in items}
+
+    async def open_generation(self, worker: Worker, payload: dict[str, Any], request_id: str) -> object:
+        self.opened.append((worker.url, payload))
+        outcome = self.script[worker.url].pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+CHAT = PreparedChat(messages=[], items=[MMItem("a", b"1"), MMItem("b", b"2")], sampling={})
+SOURCES = {"a": "tcp://e0", "b": "tcp://e1"}
+MISSING_B = APIError(409, "missing", code="missing_embeddings", extra={"missing": ["b"]})
+
+
+async def run(fleet: FakeFleet) -> tuple[Generation, list[dict[str, Any]]]:
+    gen = Generation(fleet, CHAT, "rid")  # type: ignore[arg-type]
+    await gen.open(SOURCES)
+    events = [ev async for ev in gen.events()]
+    await gen.close()
+    return gen, events
+
+
+def delta(text: str) -> dict[str, Any]:
+    return {"type": "delta", "text": text}
+
+
+def test_missing_embedding_is_re_encoded_and_the_request_retried() -> None:
+    fleet = FakeFleet({"d0": [MISSING_B, FakeStream([delta("x"), DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert fleet.encode_calls == [(["b"], False)]  # only the missing item, cache check bypassed
+    assert [im["source"] for im in fleet.opened[1][1]["images"]] == ["tcp://e0", "tcp://re-encoded"]
+    assert events[-1] == DONE
+
+
+def test_a_second_miss_is_a_retryable_503_not_a_loop() -> None:
+    fleet = FakeFleet({"d0": [MISSING_B, MISSING_B]})
+    gen = Generation(fleet, CHAT, "rid")  # type: ignore[arg-type]
+    with pytest.raises(APIError) as err:
+        asyncio.run(gen.open(SOURCES))
+    assert err.value.status == 503 and len(fleet.opened) == 2
+    assert fleet.workers.by_url["d0"].load == 0  # released on the error
+
+
+def test_decoder_unreachable_at_open_is_replaced_by_another() -> None:
+    fleet = FakeFleet({"d0": [WorkerFailed("ConnectError")], "d1": [FakeStream([delta("x"), DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert [url for url, _ in fleet.opened] == ["d0", "d1"] and events == [delta("x"), DONE]
+    assert all(w.load == 0 for w in fleet.workers.of("decoder"))
+
+
+def test_stream_lost_before_the_first_token_is_retried_on_another_decoder() -> None:
+    dropped = FakeStream([], drop=True)
+    fleet = FakeFleet({"d0": [dropped], "d1": [FakeStream([delta("hi"), DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert events == [delta("hi"), DONE]  # the client never sees the first decoder's failure
+    assert dropped.closed and fleet.failed == [("d0", True)]
+    assert not fleet.workers.by_url["d0"].healthy and all(w.load == 0 for w in fleet.workers.of("decoder"))
+    assert fleet.opened[1][1] == fleet.opened[0][1]  # same payload, same embedding sources
+
+
+def test_stream_lost_after_the_first_token_ends_with_an_error_event() -> None:
+    fleet = FakeFleet({"d0": [FakeStream([delta("hi")], drop=True)], "d1": [FakeStream([DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert events[0] == delta("hi") and events[1]["type"] == "error" and len(events) == 2
+    assert [url for url, _ in fleet.opened] == ["d0"]  # no retry: tokens were already sent
+
+
+def test_every_decoder_failing_is_a_503() -> None:
+    fleet = FakeFleet({"d0": [WorkerFailed("ConnectError")], "d1": [WorkerFailed("answered 500")]})
+    gen = Generation(fleet, CHAT, "rid")  # type: ignore[arg-type]
+    with pytest.raises(APIError) as err:
+        asyncio.run(gen.open(SOURCES))
+    assert err.value.status == 503 and err.value.code == "decoder_unavailable"
+    assert all(w.load == 0 for w in fleet.workers.of("decoder"))
