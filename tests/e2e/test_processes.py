@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 from proxy.launcher import free_port
-from tests.e2e.stack import health, launched, pid_alive, start, stop, wait_healthy
+from tests.e2e.stack import demo_png, health, launched, pid_alive, start, stop, wait_healthy
 from tests.factories import make_image
 
 pytestmark = pytest.mark.e2e
@@ -56,3 +60,38 @@ def test_attach_mode_serves_workers_started_elsewhere(tiny_model_dirs: dict[str,
     finally:
         for p in reversed(procs):
             stop(p)
+
+
+def test_sigterm_during_5_streams_lets_every_stream_finish(tmp_path: Path) -> None:
+    """SIGTERM: the proxy stops accepting, the streams already running end normally, then everything exits."""
+    started = threading.Barrier(6)  # 5 streams that have their first token + this thread
+
+    def stream(base_url: str, seed: int) -> tuple[int, str | None, bool]:
+        url = "data:image/png;base64," + base64.b64encode(demo_png("red", seed)).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What color is it?"}]
+        body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 48,
+                "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        tokens, finish, done, first = 0, None, False, True
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk["choices"]:
+                        finish = choice.get("finish_reason") or finish
+                        if first and choice["delta"].get("content"):
+                            first = False
+                            started.wait(timeout=60)
+        return tokens, finish, done
+
+    with launched(tmp_path, "--num-encoders", "1", "--num-decoders", "1") as stack, \
+            ThreadPoolExecutor(max_workers=5) as pool:
+        futures = [pool.submit(stream, stack.base_url, 500 + i) for i in range(5)]
+        started.wait(timeout=120)
+        stack.proc.send_signal(signal.SIGTERM)
+        results = [f.result(timeout=120) for f in futures]
+        assert stack.proc.wait(timeout=60) == 0
+    assert results == [(48, "length", True)] * 5  # every stream ran to its end: nothing truncated

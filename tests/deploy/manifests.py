@@ -1,0 +1,195 @@
+"""Read deploy/: compose files as Compose interpolates them, Kubernetes manifests, the Dockerfile, and the CLIs."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+COMPOSE_GPU, COMPOSE_CPU = DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.cpu.yml"
+ENV_EXAMPLE = DEPLOY / ".env.example"
+
+PROGRAM_ROLES = {"epd-encoder": "encoder", "epd-decoder": "decoder", "disagg-epd-proxy": "proxy"}
+_COMPOSE_VAR = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+_K8S_VAR = re.compile(r"\$\((\w+)\)")
+
+
+# --- compose ---
+
+def env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a Compose .env file (comments and blank lines skipped)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep, f"{path.name}: not KEY=VALUE: {line!r}"
+            out[key.strip()] = value.strip()
+    return out
+
+
+def compose_vars(path: Path) -> list[tuple[str, str | None, str]]:
+    """(name, operator, argument) of every ${...} in a compose file."""
+    return [(m[1], m[2], m[3] or "") for m in _COMPOSE_VAR.finditer(path.read_text())]
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}; a required variable left empty
+    becomes "required" so the commands that use it can still be parsed."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m[1], m[2], m[3] or ""
+        current = env.get(name)
+        if op in (":-", "-"):
+            return arg if current is None or (op == ":-" and current == "") else current
+        if op in (":?", "?"):
+            return current or "required"
+        return current or ""
+
+    return _COMPOSE_VAR.sub(sub, value)
+
+
+def compose(path: Path) -> dict[str, Any]:
+    """The services of a compose file, interpolated with deploy/.env.example (the GPU file) or nothing."""
+    env = env_file(ENV_EXAMPLE) if path == COMPOSE_GPU else {}
+    doc = interpolate(yaml.safe_load(path.read_text()), env)
+    services: dict[str, Any] = doc["services"]
+    return services
+
+
+def role(service: dict[str, Any]) -> str | None:
+    return PROGRAM_ROLES.get(service["command"][0])
+
+
+def flag(argv: list[str], name: str) -> list[str]:
+    """The values after `name` up to the next flag ([] when absent)."""
+    if name not in argv:
+        return []
+    values = []
+    for v in argv[argv.index(name) + 1:]:
+        if v.startswith("--"):
+            break
+        values.append(v)
+    return values
+
+
+def one(argv: list[str], name: str) -> str:
+    values = flag(argv, name)
+    assert len(values) == 1, f"{name} should have one value in {argv}"
+    return values[0]
+
+
+def host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.hostname and parts.port, url
+    return parts.hostname, parts.port
+
+
+# --- kubernetes ---
+
+def k8s_objects(*names: str) -> list[dict[str, Any]]:
+    files = [K8S / n for n in names] if names else sorted(K8S.glob("*.yaml"))
+    return [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in k8s_objects() if o["kind"] == kind}
+
+
+def deployment_of(component: str) -> dict[str, Any]:
+    found = [d for d in by_kind("Deployment").values()
+             if d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+    assert len(found) == 1, f"one Deployment for {component}, found {len(found)}"
+    return found[0]
+
+
+def containers(deployment: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+
+
+def main_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    """The container that runs an EPD role (not the registration sidecar)."""
+    found = [c for c in containers(deployment).values() if c["command"][0] in PROGRAM_ROLES]
+    assert len(found) == 1
+    return found[0]
+
+
+def config_map(name: str, key: str) -> str:
+    return str(by_kind("ConfigMap")[name]["data"][key])
+
+
+def k8s_env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def resolve_k8s_vars(container: dict[str, Any], pod_ip: str = "10.1.2.3") -> list[str]:
+    """The container's command with each $(VAR) replaced as the kubelet would (a fake pod IP, ConfigMap values)."""
+    env = k8s_env(container)
+
+    def sub(m: re.Match[str]) -> str:
+        entry = env.get(m[1])
+        assert entry is not None, f"{container['name']}: $({m[1]}) has no env entry: Kubernetes would pass it literally"
+        if "value" in entry:
+            return str(entry["value"])
+        source = entry["valueFrom"]
+        if "fieldRef" in source:
+            assert source["fieldRef"]["fieldPath"] == "status.podIP"
+            return pod_ip
+        ref = source["configMapKeyRef"]
+        return config_map(ref["name"], ref["key"])
+
+    return [_K8S_VAR.sub(sub, str(a)) for a in [*container["command"], *container.get("args", [])]]
+
+
+def port_number(container: dict[str, Any], port: str | int) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+
+
+# --- the real command-line parsers ---
+
+def register_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("epd_register", K8S / "epd_register.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parsers() -> dict[str, Callable[[list[str]], object]]:
+    """program -> a function that parses its argv exactly as the program does (SystemExit on a bad flag)."""
+    from decoder_service.server import parse_args as decoder_args
+    from encoder_service.server import parse_args as encoder_args
+    from proxy.cli import build_parser
+
+    return {"epd-encoder": encoder_args, "epd-decoder": decoder_args,
+            "disagg-epd-proxy": lambda argv: build_parser().parse_args(argv),
+            "epd-register": lambda argv: register_module().build_parser().parse_args(argv)}
+
+
+def help_text(program: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        parsers()[program](["--help"])
+    return capsys.readouterr().out
+
+
+def deploy_files() -> Iterator[Path]:
+    """Everything under deploy/ a commit would carry (deploy/.env is the operator's own, never committed)."""
+    for path in sorted(DEPLOY.rglob("*")):
+        if path.is_file() and path.name != ".env" and "__pycache__" not in path.parts:
+            yield path

@@ -1,0 +1,355 @@
+"""deploy/: the compose files, the Kubernetes manifests and the Dockerfile agree with each other and with the
+real command-line parsers, and nothing secret is committed."""
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+import zmq
+
+from tests.deploy.manifests import (
+    COMPOSE_CPU,
+    COMPOSE_GPU,
+    DEPLOY,
+    ENV_EXAMPLE,
+    K8S,
+    ROOT,
+    by_kind,
+    compose,
+    compose_vars,
+    config_map,
+    containers,
+    deploy_files,
+    deployment_of,
+    env_file,
+    flag,
+    help_text,
+    host_port,
+    k8s_env,
+    k8s_objects,
+    main_container,
+    one,
+    parsers,
+    port_number,
+    resolve_k8s_vars,
+    role,
+)
+
+COMPOSE_FILES = pytest.mark.parametrize("path", [COMPOSE_GPU, COMPOSE_CPU], ids=["gpu", "cpu"])
+WORKERS = ("encoder", "decoder")
+
+
+@pytest.fixture(autouse=True)
+def no_epd_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parsers read EPD_* defaults (keys, CURVE) from the environment; test them as a fresh shell would."""
+    for name in ("EPD_API_KEY", "EPD_INTERNAL_KEY", "EPD_PROXY_URL", "EPD_EC_CURVE_SECRET_KEY",
+                 "EPD_EC_CURVE_SERVER_KEY", "EPD_EC_CURVE_ALLOWED_CLIENTS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def accepted(program: str, argv: list[str], where: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        parsers()[program](argv)
+    except SystemExit as exc:
+        pytest.fail(f"{where}: `{program}` refuses {argv}: {capsys.readouterr().err.strip()} (exit {exc.code})")
+
+
+# --- docker compose ---
+
+@COMPOSE_FILES
+def test_compose_runs_every_role_and_the_proxy_points_at_each_worker(path: Path) -> None:
+    services = compose(path)
+    by_role = {r: {n: s for n, s in services.items() if role(s) == r} for r in ("encoder", "decoder", "proxy")}
+    assert len(by_role["proxy"]) == 1 and by_role["encoder"] and by_role["decoder"]
+    (proxy,) = by_role["proxy"].values()
+    for r, url_flag in (("encoder", "--encode-servers-urls"), ("decoder", "--decode-servers-urls")):
+        expected = [f"http://{name}:{one(s['command'], '--port')}" for name, s in by_role[r].items()]
+        assert flag(proxy["command"], url_flag) == expected
+        for s in by_role[r].values():
+            assert one(s["command"], "--host") == "0.0.0.0"  # reachable from the proxy's container
+    assert set(proxy["depends_on"]) == set(by_role["encoder"]) | set(by_role["decoder"])
+    assert all(d["condition"] == "service_healthy" for d in proxy["depends_on"].values())
+    published = [p.rsplit(":", 1) for p in proxy["ports"]]
+    assert [target for _, target in published] == [one(proxy["command"], "--port")]
+
+
+@COMPOSE_FILES
+def test_compose_encoders_advertise_a_name_other_containers_resolve(path: Path) -> None:
+    for name, s in compose(path).items():
+        if role(s) == "encoder":
+            bind = one(s["command"], "--ec-bind")
+            assert urlsplit(bind).hostname == "0.0.0.0", bind
+            assert one(s["command"], "--ec-advertise-host") == name  # the service name is its DNS name
+
+
+@COMPOSE_FILES
+def test_compose_health_checks_hit_each_services_own_port_and_services_restart(path: Path) -> None:
+    for name, s in compose(path).items():
+        test = " ".join(s["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{one(s['command'], '--port')}/health" in test, name
+        assert s["restart"] in ("always", "unless-stopped", "on-failure"), name
+        assert s["image"] and s["build"]["dockerfile"] == "deploy/Dockerfile" and s["build"]["context"] == ".."
+
+
+def test_gpu_compose_gives_each_worker_its_own_gpu() -> None:
+    gpus = []
+    for name, s in compose(COMPOSE_GPU).items():
+        reservations = s.get("deploy", {}).get("resources", {}).get("reservations", {})
+        if role(s) == "proxy":
+            assert not reservations, "the proxy needs no GPU"
+            continue
+        (device,) = reservations["devices"]
+        assert "gpu" in device["capabilities"] and len(device["device_ids"]) == 1, name
+        gpus.append(device["device_ids"][0])
+        # the container sees only its reserved GPU, as device 0
+        assert s["environment"]["CUDA_VISIBLE_DEVICES"] == "0", name
+        assert any(v.endswith(":/models") for v in s["volumes"]), f"{name} mounts no shared model volume"
+    assert len(gpus) == len(set(gpus)), f"two workers share a GPU: {gpus}"
+
+
+def test_cpu_compose_runs_the_demo_model_with_no_gpu_and_no_env_file() -> None:
+    for name, s in compose(COMPOSE_CPU).items():
+        assert "deploy" not in s, f"{name} reserves devices"
+        if role(s) != "proxy":
+            assert one(s["command"], "--model") == "demo"
+        args = s["build"]["args"]
+        assert "nvidia" not in args["BASE_IMAGE"] and args["TORCH_INDEX"].endswith("/whl/cpu")
+    # every variable has a default, so `docker compose up` needs no .env
+    assert all(op in (":-", "-") for _, op, _ in compose_vars(COMPOSE_CPU))
+
+
+def test_env_example_defines_exactly_what_the_gpu_compose_reads() -> None:
+    example = env_file(ENV_EXAMPLE)
+    used = {name for name, _, _ in compose_vars(COMPOSE_GPU)}
+    assert used - set(example) == set(), "compose reads variables .env.example does not define"
+    assert set(example) - used == set(), ".env.example defines variables compose never reads"
+    required = {name for name, op, _ in compose_vars(COMPOSE_GPU) if op in (":?", "?")}
+    assert {"EPD_API_KEY", "EPD_INTERNAL_KEY"} <= required  # refuse to start an open GPU server
+
+
+@COMPOSE_FILES
+def test_compose_commands_are_accepted_by_the_real_parsers(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name, s in compose(path).items():
+        accepted(s["command"][0], s["command"][1:], f"{path.name}:{name}", capsys)
+
+
+@COMPOSE_FILES
+def test_compose_sets_only_epd_variables_its_programs_read(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name, s in compose(path).items():
+        doc = help_text(s["command"][0], capsys)
+        for var in s.get("environment", {}):
+            if var.startswith("EPD_"):
+                assert var in doc, f"{path.name}:{name} sets {var}, which `{s['command'][0]} --help` never names"
+
+
+# --- kubernetes ---
+
+def test_k8s_has_a_deployment_and_a_service_for_every_role() -> None:
+    services = by_kind("Service").values()
+    for component in (*WORKERS, "proxy"):
+        d = deployment_of(component)
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert main_container(d)["command"][0] == {"proxy": "disagg-epd-proxy"}.get(component, f"epd-{component}")
+        selecting = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
+        assert selecting, f"no Service selects the {component} pods"
+        ports = {p["name"]: p["containerPort"] for p in main_container(d)["ports"]}
+        for s in selecting:
+            for p in s["spec"]["ports"]:
+                assert p["targetPort"] in ports, f"Service {s['metadata']['name']} targets a port the pod lacks"
+        pod = d["spec"]["template"]["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == dockerfile_uid()
+
+
+def test_k8s_probes_hit_health_on_the_port_each_role_serves() -> None:
+    for component in (*WORKERS, "proxy"):
+        c = main_container(deployment_of(component))
+        port = int(one(resolve_k8s_vars(c), "--port"))
+        assert one(resolve_k8s_vars(c), "--host") == "0.0.0.0"
+        for probe in ("readinessProbe", "livenessProbe"):
+            get = c[probe]["httpGet"]
+            assert get["path"] == "/health" and port_number(c, get["port"]) == port, f"{component} {probe}"
+        if "startupProbe" in c:
+            assert c["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_k8s_workers_register_their_pod_ip_with_every_proxy() -> None:
+    proxy = main_container(deployment_of("proxy"))
+    assert "--dynamic-registration" in proxy["command"]
+    key_ref = k8s_env(proxy)["EPD_INTERNAL_KEY"]["valueFrom"]["secretKeyRef"]
+    # the registration address is a headless Service of the proxies that lists them before they are ready
+    proxy_url = config_map("epd-config", "proxy-url")
+    host, port = host_port(proxy_url)
+    headless = by_kind("Service")[host]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert headless["selector"].items() <= deployment_of("proxy")["spec"]["template"]["metadata"]["labels"].items()
+    assert [port_number(proxy, p["targetPort"]) for p in headless["ports"]] == [port]
+    assert port == int(one(proxy["command"], "--port"))
+    for component in WORKERS:
+        d = deployment_of(component)
+        worker, sidecar = main_container(d), containers(d)["register"]
+        self_url = f"http://10.1.2.3:{one(resolve_k8s_vars(worker), '--port')}"
+        argv = resolve_k8s_vars(sidecar)
+        assert argv[0] == "epd-register" and one(argv, "--role") == component and one(argv, "--url") == self_url
+        for c in (worker, sidecar):  # the preStop hook runs in the worker's container
+            env = k8s_env(c)
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            assert env["EPD_PROXY_URL"]["valueFrom"]["configMapKeyRef"] == {"name": "epd-config", "key": "proxy-url"}
+            assert env["EPD_INTERNAL_KEY"]["valueFrom"]["secretKeyRef"] == key_ref
+        hook = worker["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert hook == f'epd-register deregister --role {component} --url "http://$POD_IP:{self_url.rsplit(":", 1)[1]}"'
+
+
+def test_k8s_encoders_advertise_their_pod_ip_on_the_ports_they_expose() -> None:
+    c = main_container(deployment_of("encoder"))
+    argv = resolve_k8s_vars(c, pod_ip="10.1.2.3")
+    bind = urlsplit(one(argv, "--ec-bind"))
+    assert bind.hostname == "0.0.0.0" and one(argv, "--ec-advertise-host") == "10.1.2.3"
+    assert port_number(c, "ec") == bind.port and port_number(c, "ec-events") == bind.port + 1  # events: port + 1
+
+
+def test_k8s_workers_each_get_one_gpu_and_the_shared_model_volume() -> None:
+    claims = by_kind("PersistentVolumeClaim")
+    for component in WORKERS:
+        d = deployment_of(component)
+        c = main_container(d)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert [m["mountPath"] for m in c["volumeMounts"]] == ["/models"]
+        (volume,) = d["spec"]["template"]["spec"]["volumes"]
+        assert volume["persistentVolumeClaim"]["claimName"] in claims
+    assert "nvidia.com/gpu" not in main_container(deployment_of("proxy"))["resources"].get("limits", {})
+
+
+def test_k8s_commands_are_accepted_by_the_real_parsers(capsys: pytest.CaptureFixture[str]) -> None:
+    for d in by_kind("Deployment").values():
+        for name, c in containers(d).items():
+            argv = resolve_k8s_vars(c)
+            accepted(argv[0], argv[1:], f"{d['metadata']['name']}/{name}", capsys)
+
+
+def test_k8s_sets_only_epd_variables_its_programs_read(capsys: pytest.CaptureFixture[str]) -> None:
+    for d in by_kind("Deployment").values():
+        for name, c in containers(d).items():
+            programs = [c["command"][0]]
+            if "epd-register" in str(c.get("lifecycle", "")):
+                programs.append("epd-register")
+            docs = " ".join(help_text(p, capsys) for p in programs)
+            in_command = " ".join(map(str, c["command"]))
+            for var in k8s_env(c):
+                if var.startswith("EPD_") and f"$({var})" not in in_command:
+                    assert var in docs, f"{d['metadata']['name']}/{name} sets {var}; {programs} never read it"
+
+
+def test_k8s_keys_come_from_secrets_and_no_secret_is_committed() -> None:
+    assert "Secret" not in {o["kind"] for o in k8s_objects()}
+    for d in by_kind("Deployment").values():
+        for c in containers(d).values():
+            for var, entry in k8s_env(c).items():
+                if re.search(r"KEY|TOKEN|SECRET|PASSWORD", var):
+                    assert "value" not in entry and "secretKeyRef" in entry["valueFrom"], var
+
+
+def test_k8s_hpa_scales_encoders_on_the_queue_depth_they_export() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from encoder_service.metrics import EncoderMetrics
+
+    (hpa,) = k8s_objects("encoder-hpa.yaml")
+    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["kind"] == "HorizontalPodAutoscaler"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert target["kind"] == "Deployment" and target["name"] == deployment_of("encoder")["metadata"]["name"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "epd_encoder_queue_depth"
+    registry = CollectorRegistry()
+    EncoderMetrics(registry, dict)
+    assert "\nepd_encoder_queue_depth 0.0\n" in generate_latest(registry).decode()
+
+
+def test_kustomization_lists_every_manifest_but_the_optional_hpa() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "encoder-hpa.yaml"}
+    assert set(kustomization["resources"]) == manifests
+    assert [i["name"] for i in kustomization["images"]] == ["epd"]
+    images = {c["image"] for d in by_kind("Deployment").values() for c in containers(d).values()}
+    assert images == {"epd"}
+
+
+# --- the image ---
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of deploy/Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def dockerfile_uid() -> int:
+    users = [args for op, args in dockerfile() if op == "USER"]
+    return int(users[-1].split(":")[0])
+
+
+def test_dockerfile_runs_as_a_numeric_non_root_user() -> None:
+    assert dockerfile_uid() != 0  # numeric, so Kubernetes' runAsNonRoot can verify it
+
+
+def test_dockerfile_builds_cuda_by_default_and_cpu_by_argument() -> None:
+    args = dict(a.split("=", 1) for op, a in dockerfile() if op == "ARG" and "=" in a)
+    assert args["BASE_IMAGE"].startswith("nvidia/cuda:") and "TORCH_INDEX" in args
+    assert dockerfile()[1] == ("FROM", "${BASE_IMAGE}")
+    assert not any("torchvision" in a for op, a in dockerfile())  # comments dropped: only instructions
+    env = " ".join(a for op, a in dockerfile() if op == "ENV")
+    assert "HF_HOME=/models/hf" in env and ("VOLUME", '["/models"]') in dockerfile()
+
+
+def test_dockerfile_copies_every_package_and_dockerignore_keeps_local_state_out() -> None:
+    # NOTE: tomllib is 3.11+; the [tool.setuptools.packages.find] include list is one line
+    include = re.findall(r'"(\w+)\*"', re.search(r"\ninclude = \[(.*)\]", (ROOT / "pyproject.toml").read_text())[1])
+    sources = [s for op, a in dockerfile() if op == "COPY" for s in a.split()[:-1] if not s.startswith("--")]
+    assert include and set(include) <= set(sources)
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    for src in sources:
+        assert (ROOT / src).exists(), f"COPY {src}: no such path"
+        parents = [str(Path(*Path(src).parts[:i])) for i in range(1, len(Path(src).parts) + 1)]
+        assert not any(fnmatch.fnmatch(p, pat.lstrip("*/")) for p in parents for pat in ignore), src
+    assert {".venv", "runs", ".git", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis",
+            "deploy/.env"} <= set(ignore)
+
+
+# --- secrets ---
+
+_PEM = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")
+_ZMQ_CERT = re.compile(r"(public|secret)-key\s*=\s*\"")
+_Z85 = r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]"
+_Z85_KEY = re.compile(rf"(?<!{_Z85}){_Z85}{{40}}(?!{_Z85})")
+_ASSIGNED = re.compile(r"""(?<![{\w])(\w*(?:KEY|TOKEN|SECRET|PASSWORD)\w*)["']?[ \t]*[=:][ \t]*(\S*)""")
+
+
+def secrets_in(text: str) -> list[str]:
+    found = [m[0] for m in _PEM.finditer(text)] + [m[0] for m in _ZMQ_CERT.finditer(text)]
+    found += [k for k in _Z85_KEY.findall(text) if re.search(r"[a-z]", k) and re.search(r"[A-Z]", k)]
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))  # not prose
+    for name, value in _ASSIGNED.findall(code):
+        value = value.strip("'\"")
+        if value and not value.startswith(("$", "{", "#")):
+            found.append(f"{name}={value}")
+    return found
+
+
+def test_the_secret_scanner_finds_keys() -> None:
+    public, secret = zmq.curve_keypair()
+    assert secrets_in(f"EPD_EC_CURVE_SECRET_KEY={secret.decode()}")
+    assert secrets_in(f'    secret-key = "{secret.decode()}"') and secrets_in(f"server: {public.decode()}")
+    assert secrets_in("-----BEGIN OPENSSH PRIVATE KEY-----") and secrets_in("EPD_API_KEY=sk-abc123")
+    assert secrets_in("      EPD_INTERNAL_KEY: hunter2") and secrets_in('{"HF_TOKEN": "hf_abc"}')
+    assert not secrets_in("EPD_API_KEY=\n  EPD_INTERNAL_KEY: ${EPD_INTERNAL_KEY:?set it}\n")
+
+
+def test_nothing_under_deploy_looks_like_a_committed_secret() -> None:
+    found = {str(p.relative_to(ROOT)): secrets_in(p.read_text()) for p in deploy_files()}
+    assert {p: s for p, s in found.items() if s} == {}
+    assert all(v == "" for k, v in env_file(ENV_EXAMPLE).items() if re.search(r"KEY|TOKEN|SECRET", k))
