@@ -38,6 +38,9 @@ class ProxyMetrics:
         self.workers_marked_down = Counter("epd_proxy_workers_marked_down", "Workers taken out of service", ["role"],
                                            registry=registry)
         self.workers_healthy = Gauge("epd_proxy_workers_healthy", "Workers taking work", ["role"], registry=registry)
+        for role in ("encoder", "decoder"):  # exported as 0 from the start, so dashboards and alerts see them
+            self.failovers.labels(role)
+            self.workers_marked_down.labels(role)
         self.encoder_outstanding = Gauge("epd_proxy_encoder_items_outstanding",
                                          "Images sent to encoders and not finished (the proxy's encoder queue depth)",
                                          registry=registry)

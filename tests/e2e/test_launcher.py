@@ -198,3 +198,30 @@ def test_same_seed_same_sample(client: OpenAI) -> None:
 
     first = sample(1)
     assert sample(1) == first and len({first, sample(2), sample(3), sample(4)}) > 1
+
+
+METRICS = {  # what the issue asks each service to export (Prometheus text format)
+    "proxy": ["epd_proxy_requests_total", "epd_proxy_ttft_seconds_bucket", "epd_proxy_inter_token_seconds_bucket",
+              "epd_proxy_e2e_seconds_bucket", "epd_proxy_items_skipped_cached_total", "epd_proxy_retries_total",
+              'epd_proxy_failovers_total{role="encoder"}', 'epd_proxy_failovers_total{role="decoder"}',
+              "epd_proxy_encoder_items_outstanding", 'epd_proxy_workers_healthy{role="encoder"}'],
+    "encoders": ["epd_encoder_queue_depth", "epd_encoder_items_encoded_total", "epd_ec_cache_hits", "epd_ec_cache_misses",
+                 "epd_ec_cache_evictions", "epd_ec_cache_bytes", "epd_ec_producer_bytes_sent"],
+    "decoders": ["epd_decoder_ttft_seconds_bucket", "epd_decoder_inter_token_seconds_bucket",
+                 "epd_decoder_e2e_seconds_bucket", "epd_decoder_gather_seconds_bucket",
+                 "epd_ec_consumer_bytes_received", "epd_ec_consumer_cache_hits", "epd_ec_consumer_cache_misses"],
+}
+
+
+def test_every_service_exports_the_operational_metrics(client: OpenAI, stack: Stack) -> None:
+    client.chat.completions.create(model="demo", messages=user(data_url("red", seed=40)), max_tokens=3)
+    texts = {"proxy": [stack.get("/metrics").text]}
+    for role in ("encoders", "decoders"):
+        texts[role] = [httpx.get(f"{u}/metrics", timeout=10).text for u in urls_of(stack, role)]
+    for role, names in METRICS.items():
+        for text in texts[role]:
+            samples = {line.split(" ")[0].split("{")[0] for line in text.splitlines() if not line.startswith("#")}
+            labelled = {line.rsplit(" ", 1)[0] for line in text.splitlines() if not line.startswith("#")}
+            missing = [n for n in names if n not in samples and n not in labelled]
+            assert not missing, f"{role} lacks {missing}"
+    assert metric(texts["proxy"][0], 'epd_proxy_workers_healthy{role="encoder"}') == 2
