@@ -167,9 +167,11 @@ def test_models_endpoint_lists_the_served_model(client: OpenAI, stack: Stack) ->
 
 def test_request_id_is_returned(stack: Stack) -> None:
     resp = httpx.post(f"{stack.base_url}/v1/chat/completions", headers={"X-Request-Id": "test-rid-1"},
-                      json={"model": "demo", "messages": user(data_url("red")), "max_tokens": 2}, timeout=60)
+                      json={"model": "demo", "messages": user(data_url("red", seed=77)), "max_tokens": 2}, timeout=60)
     assert resp.status_code == 200 and resp.headers["x-request-id"] == "test-rid-1"
     assert json.loads(resp.text)["object"] == "chat.completion"
+    # the proxy passed the id on: the encoder's log line for this image carries it
+    assert any(" encoder [test-rid-1] " in line for line in Path(stack.log).read_text().splitlines())
 
 
 def test_log_has_no_tracebacks(stack: Stack) -> None:
