@@ -94,6 +94,25 @@ async def ok(url: str, hashes: list[str]) -> httpx.Response:
     return encoded(url, hashes)
 
 
+def held_until(release: asyncio.Event, reply: Callable[[str, list[str]], httpx.Response] = encoded) -> Handler:
+    """Encoders that answer only once `release` is set (so a second request finds the encode in flight)."""
+    async def handler(url: str, hashes: list[str]) -> httpx.Response:
+        await release.wait()
+        return reply(url, hashes)
+    return handler
+
+
+async def start_two(fleet: Fleet, encoders: Encoders, first: list[MMItem],
+                    second: list[MMItem]) -> tuple[asyncio.Task[dict[str, str]], asyncio.Task[dict[str, str]]]:
+    """Start a request, wait until its encode call is in flight, then start a second request."""
+    one = asyncio.create_task(fleet.encode(first, "r1"))
+    while not encoders.calls:
+        await asyncio.sleep(0)
+    two = asyncio.create_task(fleet.encode(second, "r2"))
+    await asyncio.sleep(0)
+    return one, two
+
+
 def test_images_of_one_request_are_split_and_encoded_in_parallel_several_per_call() -> None:
     encoders = Encoders(ok)
 
@@ -109,20 +128,11 @@ def test_images_of_one_request_are_split_and_encoded_in_parallel_several_per_cal
 
 def test_identical_images_in_concurrent_requests_are_encoded_once() -> None:
     release = asyncio.Event()
-
-    async def held(url: str, hashes: list[str]) -> httpx.Response:
-        await release.wait()
-        return encoded(url, hashes)
-
-    encoders = Encoders(held)
+    encoders = Encoders(held_until(release))
 
     async def main() -> list[dict[str, str]]:
         async with fleet_of(encoders) as fleet:
-            first = asyncio.create_task(fleet.encode(items("same"), "r1"))
-            while not encoders.calls:  # the first request's encode is in flight
-                await asyncio.sleep(0)
-            second = asyncio.create_task(fleet.encode(items("same", "same"), "r2"))
-            await asyncio.sleep(0)
+            first, second = await start_two(fleet, encoders, items("same"), items("same", "same"))
             release.set()
             out = await asyncio.gather(first, second)
             assert metric(_scrape(fleet), "epd_proxy_items_joined_in_flight_total") == 1
@@ -166,20 +176,12 @@ def test_no_encoder_left_is_a_503() -> None:
 
 def test_a_bad_image_error_reaches_every_request_waiting_for_it() -> None:
     release = asyncio.Event()
-
-    async def refuse(url: str, hashes: list[str]) -> httpx.Response:
-        await release.wait()
-        return httpx.Response(400, json={"error": {"message": "cannot identify image", "code": "invalid_image"}})
-
-    encoders = Encoders(refuse)
+    refusal = {"error": {"message": "cannot identify image", "code": "invalid_image"}}
+    encoders = Encoders(held_until(release, lambda url, hashes: httpx.Response(400, json=refusal)))
 
     async def main() -> list[BaseException | dict[str, str]]:
         async with fleet_of(encoders) as fleet:
-            first = asyncio.create_task(fleet.encode(items("bad"), "r1"))
-            while not encoders.calls:
-                await asyncio.sleep(0)
-            second = asyncio.create_task(fleet.encode(items("bad"), "r2"))
-            await asyncio.sleep(0)
+            first, second = await start_two(fleet, encoders, items("bad"), items("bad"))
             release.set()
             return await asyncio.gather(first, second, return_exceptions=True)
 
@@ -190,20 +192,11 @@ def test_a_bad_image_error_reaches_every_request_waiting_for_it() -> None:
 
 def test_a_client_that_leaves_does_not_cancel_an_encode_another_request_joined() -> None:
     release = asyncio.Event()
-
-    async def held(url: str, hashes: list[str]) -> httpx.Response:
-        await release.wait()
-        return encoded(url, hashes)
-
-    encoders = Encoders(held)
+    encoders = Encoders(held_until(release))
 
     async def main() -> dict[str, str]:
         async with fleet_of(encoders) as fleet:
-            leaver = asyncio.create_task(fleet.encode(items("x"), "r1"))
-            while not encoders.calls:
-                await asyncio.sleep(0)
-            stayer = asyncio.create_task(fleet.encode(items("x"), "r2"))
-            await asyncio.sleep(0)
+            leaver, stayer = await start_two(fleet, encoders, items("x"), items("x"))
             leaver.cancel()
             release.set()
             return await stayer
