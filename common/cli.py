@@ -13,10 +13,27 @@ from connector.security import CurveConfig, load_curve_config
 T = TypeVar("T")
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def device_arg(value: str) -> str:
+    """--device: auto (cuda if available, else cpu), cpu, cuda, cuda:N -> the resolved device, e.g. 'cuda:0'."""
+    from models.halves import resolve_device  # NOTE: local import: torch is loaded only when parsing
+
+    try:
+        return str(resolve_device(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def worker_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
-    """--model, --host, --port and --log-level, with defaults from the worker's config dataclass."""
+    """--model, --device, --dtype, --host, --port and --log-level, with defaults from the worker's config."""
     p = argparse.ArgumentParser(prog, description=description)
     p.add_argument("--model", default=defaults.model, help="'demo', a checkpoint directory, or a hub id")
+    p.add_argument("--device", type=device_arg, default=defaults.device,
+                   help="where the model runs: auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype,
+                   help="weights' dtype; auto: the checkpoint's own (config.json dtype), float32 if it names none")
     p.add_argument("--host", default=defaults.host)
     p.add_argument("--port", type=int, default=defaults.port)
     p.add_argument("--log-level", default=defaults.log_level)

@@ -31,7 +31,7 @@ class BatchRunner:
     def __init__(self, lm: LanguageHalf, max_slots: int, max_len: int, chunk: int = 64):
         self.lm, self.chunk = lm, chunk
         dtype = next(lm.module.parameters()).dtype
-        self.cache = SlotCache(lm.config.get_text_config(), max_slots, max_len, dtype)
+        self.cache = SlotCache(lm.config.get_text_config(), max_slots, max_len, dtype, lm.device)
         self.rows: list[Row] = []  # index == slot
 
     @property
@@ -72,8 +72,9 @@ class BatchRunner:
         assert rows == self.rows[: len(rows)] and set(tokens) == {r.key for r in rows}, "decode every prefilled row"
         if not rows:
             return {}
-        ids = torch.tensor([[tokens[r.key]] for r in rows])
+        ids = torch.tensor([[tokens[r.key]] for r in rows])  # host tensors; embed / to_device move them
         positions = torch.cat([self.lm.adapter.decode_position_ids(r.length, r.rope_delta) for r in rows], dim=-2)
+        positions = self.lm.to_device(positions)
         mask = self.cache.set_plan(Plan(slice(0, len(rows)), [r.length for r in rows], 1))
         logits = self.lm.forward_rows(self.lm.embed(ids, []), positions, self.cache, mask)
         for r in rows:

@@ -9,6 +9,8 @@ from connector.security import CurveConfig
 @dataclass(frozen=True)
 class DecoderConfig:
     model: str = "demo"
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
     host: str = "127.0.0.1"
     port: int = 8200
     max_model_len: int = 0  # 0: the model's max_position_embeddings
@@ -24,6 +26,7 @@ class DecoderConfig:
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
 
     def __post_init__(self) -> None:
+        assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_model_len >= 0, "max_model_len must be >= 0"
         assert self.gather_timeout > 0, "gather_timeout must be > 0"
         assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"

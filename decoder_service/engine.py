@@ -163,7 +163,7 @@ class Engine:
             job = self.waiting.popleft()
             key = next(self._keys)
             self.runner.add(key, job.prompt)
-            self.seqs[key] = Sequence(job, self.lm.tokenizer, self.eos_ids, self.metrics)
+            self.seqs[key] = Sequence(job, self.lm.tokenizer, self.eos_ids, self.metrics, self.lm.device)
         self.peak_running = max(self.peak_running, len(self.seqs))
 
     def _step(self) -> None:
@@ -174,12 +174,17 @@ class Engine:
         self._on_logits(self.runner.prefill(self.prefill_budget))
 
     def _on_logits(self, logits: dict[Hashable, torch.Tensor]) -> None:
-        for key, row_logits in logits.items():
-            assert isinstance(key, int)
+        if not logits:
+            return
+        keys = [key for key in logits if isinstance(key, int)]
+        assert len(keys) == len(logits), "engine keys are ints"
+        # every row chooses on the device; the choices come back to the host in one transfer (one sync)
+        chosen = torch.stack([self.seqs[key].sampler.choose(logits[key]) for key in keys]).tolist()
+        for key, token in zip(keys, chosen, strict=True):
             seq = self.seqs[key]
             request_id_var.set(seq.job.request_id)
             seq.pending = None
-            reason = seq.on_logits(row_logits)
+            reason = seq.on_token(token)
             if reason is not None:
                 self._drop(key, reason).finish(reason)
 

@@ -28,7 +28,7 @@ def generate(
         if token in eos_ids or i == max_tokens - 1:
             return
         embeds = lm.embed(torch.tensor([[token]]), [])
-        logits = lm.forward(embeds, lm.adapter.decode_position_ids(past_len, rope_delta), cache)
+        logits = lm.forward(embeds, lm.to_device(lm.adapter.decode_position_ids(past_len, rope_delta)), cache)
         past_len += 1
 
 

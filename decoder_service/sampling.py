@@ -40,38 +40,46 @@ class SamplingParams:
 
 
 class Sampler:
-    """Chooses tokens for one sequence; a seed makes the choice reproducible.
+    """Chooses tokens for one sequence; a seed makes the choice reproducible (per device type).
 
     Penalties count the tokens this sampler has chosen (the completion, not the prompt), as OpenAI
-    defines them, and apply before the greedy or random choice.
+    defines them, and apply before the greedy or random choice. `choose` works where the logits are and
+    never waits for the device; the engine reads every row's choice back in one transfer and `accept`s it.
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
         self.params = params
         self.counts: dict[int, int] = {}  # token id -> times chosen so far
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=device)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        token = self._choose(self._penalize(logits) if self.params.penalized and self.counts else logits)
-        self.counts[token] = self.counts.get(token, 0) + 1
+        token = int(self.choose(logits))
+        self.accept(token)
         return token
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token as a 0-d tensor on the logits' device (no host sync)."""
+        return self._choose(self._penalize(logits) if self.params.penalized and self.counts else logits)
+
+    def accept(self, token: int) -> None:
+        self.counts[token] = self.counts.get(token, 0) + 1
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
-        ids = torch.tensor(list(self.counts))
-        counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+        ids = torch.tensor(list(self.counts)).to(logits.device, non_blocking=True)
+        counts = torch.tensor(list(self.counts.values()), dtype=torch.float32).to(logits.device, non_blocking=True)
         logits = logits.float().clone()
         logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
         return logits
 
-    def _choose(self, logits: torch.Tensor) -> int:
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if p.greedy:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         logits = logits.float() / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -81,6 +89,6 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            sorted_probs[drop] = 0
+            sorted_probs = sorted_probs.masked_fill(drop, 0)  # not boolean indexing: that waits for the device
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.multinomial(probs, 1, generator=self.generator)[0]

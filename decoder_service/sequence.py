@@ -33,18 +33,19 @@ class Job:
 class Sequence:
     """Turns each chosen token into events; `pending` is the token the next decode step feeds back."""
 
-    def __init__(self, job: Job, tokenizer: object, eos_ids: set[int], metrics: DecoderMetrics):
+    def __init__(self, job: Job, tokenizer: object, eos_ids: set[int], metrics: DecoderMetrics,
+                 device: torch.device | str = "cpu"):
         self.job, self.metrics = job, metrics
-        self.sampler = Sampler(job.params)
+        self.sampler = Sampler(job.params, device)  # on the LM's device, where the logits are
         self.detok = IncrementalDetokenizer(tokenizer, job.params.stop)
         self.eos = set() if job.params.ignore_eos else eos_ids
         self.num_generated = 0
         self.last = job.arrival
         self.pending: int | None = None
 
-    def on_logits(self, logits: torch.Tensor) -> str | None:
-        """Choose and emit the next token; returns the finish reason when the sequence is done."""
-        token = self.sampler(logits)
+    def on_token(self, token: int) -> str | None:
+        """Take the token `sampler.choose` picked (read back by the caller); returns the finish reason if done."""
+        self.sampler.accept(token)
         now = time.perf_counter()
         (self.metrics.ttft if self.num_generated == 0 else self.metrics.itl).observe(now - self.last)
         self.last, self.num_generated = now, self.num_generated + 1

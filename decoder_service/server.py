@@ -49,16 +49,18 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        half = lm if lm is not None else await asyncio.to_thread(LanguageHalf, resolve_model(cfg.model))
+        half = lm if lm is not None else await asyncio.to_thread(
+            LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device)
         inline = None
-        if cfg.aggregated:
-            vision = await asyncio.to_thread(VisionHalf, half.model_dir)
+        if cfg.aggregated:  # the vision half runs on the LM's device
+            vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)
             inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels)
         state["engine"] = Engine(half, consumer, cfg, metrics, inline)
         freeze_startup_heap()
         engine = state["engine"]
-        logger.info("decoder ready: model=%s max_model_len=%d, KV slots %d x %d positions = %.1f MiB", cfg.model,
-                    engine.max_model_len, cfg.max_num_seqs, engine.max_model_len, engine.runner.cache.nbytes / 2**20)
+        logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, KV slots %d x %d positions = "
+                    "%.1f MiB", cfg.model, half.device, str(half.dtype).removeprefix("torch."), engine.max_model_len,
+                    cfg.max_num_seqs, engine.max_model_len, engine.runner.cache.nbytes / 2**20)
         yield
         await asyncio.to_thread(state["engine"].close)
         consumer.close()

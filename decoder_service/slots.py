@@ -7,7 +7,7 @@ packed in slots 0..n-1, so a decode step reads K/V as views and gathers nothing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,8 @@ class Plan:
     rows: slice
     starts: list[int]
     num_new: int
+    # decode's write index (rows, columns) on the cache's device, made once per forward by SlotCache.set_plan
+    index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def kv_len(self) -> int:
@@ -44,7 +46,8 @@ class SlotLayer(CacheLayerMixin):
         assert self.keys is not None and self.values is not None
         keys, values = self.keys[plan.rows], self.values[plan.rows]
         if plan.num_new == 1:  # decode: one write per layer for all rows, each at its own column
-            rows, cols = torch.arange(len(plan.starts)), torch.tensor(plan.starts)
+            assert plan.index is not None, "planned by SlotCache.set_plan"
+            rows, cols = plan.index
             keys[rows, :, cols] = key_states[:, :, 0]
             values[rows, :, cols] = value_states[:, :, 0]
         else:
@@ -65,15 +68,21 @@ class SlotLayer(CacheLayerMixin):
 
 
 class SlotCache(Cache):
-    """K/V of shape (max_slots, kv_heads, max_len, head_dim) per layer, zero-filled (no NaN from masked rows)."""
+    """K/V of shape (max_slots, kv_heads, max_len, head_dim) per layer, zero-filled (no NaN from masked rows).
 
-    def __init__(self, text_config: Any, max_slots: int, max_len: int, dtype: torch.dtype):
+    Everything it makes (K/V, masks, write indices) is on `device`, the LM's.
+    """
+
+    def __init__(self, text_config: Any, max_slots: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         heads = text_config.num_attention_heads
         kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
         shape = (max_slots, kv_heads, max_len, head_dim)
         self.plan: list[Plan] = []
-        layers = [SlotLayer(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), self.plan)
+        self.device = torch.device(device)
+        layers = [SlotLayer(torch.zeros(shape, dtype=dtype, device=self.device),
+                            torch.zeros(shape, dtype=dtype, device=self.device), self.plan)
                   for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=list(layers))
         self.slot_layers = layers
@@ -88,9 +97,12 @@ class SlotCache(Cache):
     def set_plan(self, plan: Plan) -> torch.Tensor:
         """Plan the next forward; returns its boolean attention mask (rows, 1, num_new, kv_len)."""
         assert plan.kv_len <= self.max_len, f"{plan.kv_len} positions exceed the cache's {self.max_len}"
+        dev = self.device
+        starts = torch.tensor(plan.starts).to(dev, non_blocking=True)  # one small host->device copy per forward
+        plan.index = (torch.arange(len(plan.starts), device=dev), starts)
         self.plan[:] = [plan]
-        kv = torch.arange(plan.kv_len).view(1, 1, 1, -1)
-        last = torch.tensor(plan.starts).view(-1, 1, 1, 1) + torch.arange(plan.num_new).view(1, 1, -1, 1)
+        kv = torch.arange(plan.kv_len, device=dev).view(1, 1, 1, -1)
+        last = starts.view(-1, 1, 1, 1) + torch.arange(plan.num_new, device=dev).view(1, 1, -1, 1)
         return kv <= last  # each new position sees its own row's past and itself, never a masked-out row
 
     def move(self, src: int, dst: int, length: int) -> None:

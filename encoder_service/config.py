@@ -9,6 +9,8 @@ from connector.security import CurveConfig
 @dataclass(frozen=True)
 class EncoderConfig:
     model: str = "demo"
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
     host: str = "127.0.0.1"
     port: int = 8100
     ec_bind: str = "tcp://127.0.0.1:0"  # ZeroMQ endpoint the producer serves embeddings on
@@ -22,5 +24,6 @@ class EncoderConfig:
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
 
     def __post_init__(self) -> None:
+        assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_batch_size >= 1, "max_batch_size must be >= 1"
         assert self.ec_cache_bytes > 0, "ec_cache_bytes must be > 0"

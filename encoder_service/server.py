@@ -41,7 +41,7 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
 
 
 def build_worker(cfg: EncoderConfig) -> EncoderWorker:
-    vision = VisionHalf(resolve_model(cfg.model))
+    vision = VisionHalf(resolve_model(cfg.model), cfg.dtype, cfg.device)
     producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
                           curve=cfg.curve, advertise_host=cfg.ec_advertise_host).start()
     return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels)
@@ -58,7 +58,9 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         state["worker"] = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
         freeze_startup_heap()
         app.state.metrics = EncoderMetrics(registry, state["worker"].producer.stats)
-        logger.info("encoder ready: model=%s ec_address=%s", cfg.model, state["worker"].producer.address)
+        vision = state["worker"].vision
+        logger.info("encoder ready: model=%s device=%s dtype=%s ec_address=%s", cfg.model, vision.device,
+                    str(vision.dtype).removeprefix("torch."), state["worker"].producer.address)
         yield
         executor.shutdown(wait=True)
         state["worker"].producer.close()

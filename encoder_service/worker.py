@@ -61,6 +61,8 @@ class EncoderWorker:
         return [done[item.mm_hash] for item in scheduled_encoder_inputs]
 
     def _encode_batch(self, hashes: list[str], images: dict[str, Image.Image]) -> dict[str, EncodedItem]:
+        # the vision half runs on its device and hands back CPU tensors (one copy per batch): the connector
+        # sends their memory as ZeroMQ frames without copying
         outs = [
             EncoderOutput(mm_hash=h, embeds=f.embeds, grid_thw=f.grid_thw)
             for h, f in zip(hashes, self.vision.encode([images[h] for h in hashes]), strict=True)

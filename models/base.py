@@ -99,10 +99,16 @@ def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int]) 
 def merge_image_embeds(
     inputs_embeds: torch.Tensor, input_ids: torch.Tensor, image_token_id: int, images: list[ImageFeatures]
 ) -> torch.Tensor:
-    """Scatter image embeddings into the placeholder rows of inputs_embeds (1, L, H)."""
+    """Scatter image embeddings into the placeholder rows of inputs_embeds (1, L, H).
+
+    input_ids and the features may be host tensors (the features come from the connector in CPU memory):
+    the check runs where the ids are, and the mask and features move to inputs_embeds' device in one copy each.
+    """
     if not images:
         return inputs_embeds
-    mask = (input_ids == image_token_id).unsqueeze(-1).expand_as(inputs_embeds)
-    feats = torch.cat([im.embeds for im in images]).to(inputs_embeds.dtype)
-    assert int(mask[..., 0].sum()) == feats.shape[0], "placeholder count != image tokens"
+    is_image = input_ids == image_token_id
+    feats = torch.cat([im.embeds for im in images])
+    assert int(is_image.sum()) == feats.shape[0], "placeholder count != image tokens"
+    mask = is_image.to(inputs_embeds.device, non_blocking=True).unsqueeze(-1).expand_as(inputs_embeds)
+    feats = feats.to(inputs_embeds.device, inputs_embeds.dtype, non_blocking=True)
     return inputs_embeds.masked_scatter(mask, feats)

@@ -40,7 +40,8 @@ class LlavaAdapter(FamilyAdapter):
 
     def encode(self, vision: nn.Module, cfg: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> list[ImageFeatures]:
         assert isinstance(vision, LlavaVision), "built by build_vision"
-        pixel_values = inputs["pixel_values"].to(next(vision.parameters()).dtype)
+        weight = next(vision.parameters())
+        pixel_values = inputs["pixel_values"].to(weight.device, weight.dtype, non_blocking=True)
         out = vision.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
         layers = cfg.vision_feature_layer
         layers = [layers] if isinstance(layers, int) else list(layers)

@@ -43,9 +43,10 @@ class Qwen2VLAdapter(FamilyAdapter):
 
     def encode(self, vision: nn.Module, cfg: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> list[ImageFeatures]:
         assert isinstance(vision, QwenVision), "built by build_vision"
-        grid = inputs["image_grid_thw"]
-        pixel_values = inputs["pixel_values"].to(next(vision.parameters()).dtype)
-        merged = vision.visual(pixel_values, grid_thw=grid).pooler_output
+        grid = inputs["image_grid_thw"]  # stays on the host for the sizes below; the tower gets its own copy
+        weight = next(vision.parameters())
+        pixel_values = inputs["pixel_values"].to(weight.device, weight.dtype, non_blocking=True)
+        merged = vision.visual(pixel_values, grid_thw=grid.to(weight.device)).pooler_output
         sizes = (grid.prod(-1) // cfg.vision_config.spatial_merge_size**2).tolist()
         return [
             ImageFeatures(embeds=e, grid_thw=tuple(int(x) for x in g))  # type: ignore[arg-type]

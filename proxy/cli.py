@@ -129,12 +129,22 @@ def _launch(group: WorkerGroup, args: argparse.Namespace) -> tuple[tuple[str, ..
     threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders))
     wh = args.worker_host
     common = ["--log-level", args.log_level]
-    enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0", *common])
-           for _ in range(num_encoders)]
+    devices = _devices(num_encoders + args.num_decoders)
+    enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0", *common, *devices[i]])
+           for i in range(num_encoders)]
     dec_flags = [*common, "--aggregated"] if args.aggregated else common
-    dec = [group.spawn("decoder", model, wh, threads, dec_flags) for _ in range(args.num_decoders)]
+    dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *devices[num_encoders + i]])
+           for i in range(args.num_decoders)]
     group.wait_healthy(args.startup_timeout)
     return tuple(w.url for w in enc), tuple(w.url for w in dec)
+
+
+def _devices(num_workers: int) -> list[list[str]]:
+    """Spread spawned workers over the visible GPUs round-robin (`--device cuda:i`); no GPU: their default."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    return [["--device", f"cuda:{i % gpus}"] if gpus else [] for i in range(num_workers)]
 
 
 def _print_banner(cfg: ProxyConfig) -> None:
