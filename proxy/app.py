@@ -4,14 +4,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import APIError, install_error_handlers
 from common.http import has_bearer, install_api_key, install_metrics, install_request_id
@@ -76,6 +78,35 @@ async def _collect(gen: Generation, completion: Completion, metrics: ProxyMetric
         await gen.close()
 
 
+class _LimitsAndCounts:
+    """Pure ASGI: a 413 for a declared body over the limit (before it is read); chat completions counted
+    by status."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, requests: Counter) -> None:
+        self.app, self.max_body_bytes, self.requests = app, max_body_bytes, requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        counted = scope["path"] == "/v1/chat/completions"
+        size = Headers(scope=scope).get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
+            if counted:
+                self.requests.labels("413").inc()
+            response = APIError(413, f"request body is larger than {self.max_body_bytes} bytes",
+                                code="body_too_large").response()
+            return await response(scope, receive, send)
+        if not counted:
+            return await self.app(scope, receive, send)
+
+        async def count(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.requests.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, count)
+
+
 def _instances(fleet: Fleet) -> dict[str, Any]:
     return {f"{role}s": [w.describe() for w in fleet.workers.of(role)] for role in ("encoder", "decoder")}
 
@@ -104,17 +135,7 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
 
     install_api_key(app, cfg.api_key)  # inside the counting middleware: 401s are counted too
 
-    @app.middleware("http")
-    async def _limits_and_counts(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
-            response: Response = APIError(413, f"request body is larger than {cfg.max_body_bytes} bytes",
-                                          code="body_too_large").response()
-        else:
-            response = await call_next(request)
-        if request.url.path == "/v1/chat/completions":
-            metrics.requests.labels(str(response.status_code)).inc()
-        return response
+    app.add_middleware(_LimitsAndCounts, max_body_bytes=cfg.max_body_bytes, requests=metrics.requests)
 
     install_request_id(app)  # outermost: the id is set before anything else runs
 
@@ -156,7 +177,7 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
         if not cfg.internal_key:
             raise APIError(403, "dynamic registration is off: start the proxy with --internal-key",
                            code="registration_disabled")
-        if not has_bearer(request, cfg.internal_key):
+        if not has_bearer(request.headers, cfg.internal_key):
             raise APIError(401, "missing or invalid internal key: send `Authorization: Bearer <internal key>`",
                            code="invalid_internal_key")
         if "fleet" not in state:
