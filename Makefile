@@ -11,7 +11,7 @@ PORT ?= 8000
 NUM_ENCODERS ?= 2
 NUM_DECODERS ?= 1
 
-.PHONY: install run test lint demo-model clean
+.PHONY: install run test lint demo-model bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,18 @@ lint: install
 
 test: install lint
 	$(BIN)/python -m pytest
+
+# Side-by-side comparison (docs/BENCHMARKS.md, marked section; docs/bench/*.png). transformers serve gets its own
+# venv (it must not share ours); if that install fails, the comparison runs without it and says why.
+TSERVE_VENV ?= runs/tserve-venv
+$(TSERVE_VENV)/.installed:
+	@mkdir -p runs
+	-@( $(PYTHON) -m venv $(TSERVE_VENV) && $(TSERVE_VENV)/bin/pip install -q "$(TORCH_SPEC)" && \
+	   $(TSERVE_VENV)/bin/pip install -q "transformers[serving]==5.24.0" pillow numpy safetensors tokenizers && \
+	   touch $@ ) > runs/tserve-install.log 2>&1 || echo "transformers serve not installed (runs/tserve-install.log)"
+
+bench: install $(TSERVE_VENV)/.installed
+	$(BIN)/python -m bench.compare $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,123 @@
+"""epd-bench's random multimodal dataset: prompts of random words plus random-noise images, some repeated.
+
+Every image is random noise (so no two distinct images share bytes, and therefore an `mm_hash`); a
+"repeated" image is the very same bytes as one an earlier request sent, which is what lets an
+embedding cache skip it. The whole dataset is a pure function of its spec and seed.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import random
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+# NOTE: plain, common words: most tokenizers give about one token per word for these
+WORDS = (
+    "the a of and to in is it that was for on are with as his they be at one have this from or had by "
+    "word but what some we can out other were all there when up use your how said an each she which do "
+    "their time if will way about many then them write would like so these her long make thing see him "
+    "two has look more day could go come did number sound no most people my over know water than call "
+    "first who may down side been now find any new work part take get place made live where after back "
+    "little only round man year came show every good me give our under name very through just form "
+    "sentence great think say help low line differ turn cause much mean before move right boy old too "
+    "same tell does set three want air well also play small end put home read hand port large spell add "
+    "even land here must big high such follow act why ask men change went light kind off need house "
+    "picture try us again animal point mother world near build self earth father head stand own page"
+).split()
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    num_prompts: int = 100
+    input_len: int = 32  # words of text per prompt (about one token each)
+    output_len: int = 64  # max_tokens per request
+    range_ratio: float = 0.0  # lengths drawn uniformly from [len * (1 - r), len * (1 + r)]
+    images_per_request: int = 1
+    image_width: int = 224
+    image_height: int = 224
+    repeat_ratio: float = 0.0  # share of image slots that reuse an image an earlier request sent
+    image_format: str = "jpeg"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        assert 0.0 <= self.repeat_ratio <= 1.0, "repeat_ratio must be in [0, 1]"
+        assert 0.0 <= self.range_ratio < 1.0, "range_ratio must be in [0, 1)"
+        assert self.image_format in ("jpeg", "png"), "image_format is jpeg or png"
+        assert self.num_prompts >= 0 and self.images_per_request >= 0, "counts must be >= 0"
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt: str
+    images: tuple[str, ...]  # data: URLs, in order
+    image_ids: tuple[int, ...]  # which distinct image each one is (a repeat shares its id)
+    output_len: int
+
+
+def _length(rng: random.Random, base: int, ratio: float) -> int:
+    lo, hi = int(base * (1 - ratio)), int(base * (1 + ratio))
+    return max(1, rng.randint(lo, hi)) if hi > lo else max(1, base)
+
+
+def noise_image(spec: DatasetSpec, image_id: int) -> str:
+    """Distinct image `image_id` as a data URL (random noise seeded by the spec's seed and the id)."""
+    pixels = np.random.default_rng([spec.seed, image_id]).integers(
+        0, 256, (spec.image_height, spec.image_width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=spec.image_format.upper(), **({"quality": 90} if spec.image_format == "jpeg" else {}))
+    return f"data:image/{spec.image_format};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+class _ImagePicker:
+    """Per image slot: a repeat of an earlier image with probability repeat_ratio, else a new one."""
+
+    def __init__(self, spec: DatasetSpec, rng: random.Random, first_id: int):
+        self.spec, self.rng, self.next_id = spec, rng, first_id
+        self.seen: list[int] = []
+        self.urls: dict[int, str] = {}
+
+    def pick(self, count: int, allow_repeats: bool) -> tuple[int, ...]:
+        ids: list[int] = []
+        for _ in range(count):
+            candidates = [i for i in self.seen if i not in ids]  # never the same image twice in one request
+            if allow_repeats and candidates and self.rng.random() < self.spec.repeat_ratio:
+                ids.append(self.rng.choice(candidates))
+            else:
+                ids.append(self.next_id)
+                self.next_id += 1
+        self.seen.extend(i for i in ids if i not in self.urls)
+        for i in ids:
+            if i not in self.urls:
+                self.urls[i] = noise_image(self.spec, i)
+        return tuple(ids)
+
+
+def build_dataset(spec: DatasetSpec, num_warmups: int = 0) -> tuple[list[SampleRequest], list[SampleRequest]]:
+    """(warm-up requests, measured requests). Warm-ups use their own images, never seen again."""
+    rng = random.Random(spec.seed)
+    warm_picker = _ImagePicker(spec, random.Random(spec.seed + 1), first_id=1_000_000_000)
+    picker = _ImagePicker(spec, rng, first_id=0)
+
+    def sample(p: _ImagePicker, allow_repeats: bool) -> SampleRequest:
+        words = " ".join(rng.choice(WORDS) for _ in range(_length(rng, spec.input_len, spec.range_ratio)))
+        ids = p.pick(spec.images_per_request, allow_repeats)
+        return SampleRequest(prompt=words, images=tuple(p.urls[i] for i in ids), image_ids=ids,
+                             output_len=_length(rng, spec.output_len, spec.range_ratio))
+
+    warmups = [sample(warm_picker, allow_repeats=False) for _ in range(num_warmups)]
+    return warmups, [sample(picker, allow_repeats=True) for _ in range(spec.num_prompts)]
+
+
+def repeat_share(requests: list[SampleRequest]) -> float:
+    """Share of image slots whose image an earlier request (or slot) already sent."""
+    seen: set[int] = set()
+    slots = repeats = 0
+    for r in requests:
+        for i in r.image_ids:
+            slots += 1
+            repeats += i in seen
+            seen.add(i)
+    return repeats / slots if slots else 0.0

@@ -1,0 +1,116 @@
+"""A fake OpenAI-compatible streaming server (and a fake EPD decoder API) on loopback, for epd-bench tests."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from proxy.launcher import free_port
+
+
+@dataclass
+class FakeBehaviour:
+    ttft_s: float = 0.02  # before the first token
+    itl_s: float = 0.002  # between tokens
+    usage: bool = True  # send a usage chunk (vLLM/EPD with include_usage; transformers serve always)
+    done_line: bool = True  # end with `data: [DONE]` (transformers serve does not)
+    fail_every: int = 0  # answer every n-th request with a 500
+    model: str = "fake-model"
+
+
+@dataclass
+class FakeServer:
+    url: str
+    behaviour: FakeBehaviour
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    auth: list[str | None] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+
+def _app(fake: FakeServer) -> FastAPI:
+    app = FastAPI()
+    b = fake.behaviour
+
+    async def tokens(n: int) -> AsyncIterator[str]:
+        fake.in_flight += 1
+        fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+        try:
+            await asyncio.sleep(b.ttft_s)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(b.itl_s)
+                yield f"t{i} "
+        finally:
+            fake.in_flight -= 1
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": b.model, "object": "model"}]}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        fake.bodies.append(body)
+        fake.auth.append(request.headers.get("authorization"))
+        if b.fail_every and len(fake.bodies) % b.fail_every == 0:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        n = int(body["max_tokens"])
+
+        async def sse() -> AsyncIterator[bytes]:
+            chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()  # before generation, as the EPD proxy does
+            async for text in tokens(n):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': text}}]})}\n\n".encode()
+            if b.usage:
+                usage = {"prompt_tokens": 10 + 100 * sum(1 for part in body["messages"][0]["content"]
+                                                         if part["type"] == "image_url"),
+                         "completion_tokens": n, "total_tokens": n + 10}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+            if b.done_line:
+                yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/generate")
+    async def generate(request: Request) -> StreamingResponse:
+        body = await request.json()
+        fake.bodies.append(body)
+        n = int(body["max_tokens"])
+
+        async def ndjson() -> AsyncIterator[bytes]:
+            async for text in tokens(n):
+                yield (json.dumps({"type": "delta", "text": text}) + "\n").encode()
+            usage = {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": n + 10}
+            yield (json.dumps({"type": "done", "finish_reason": "length", "usage": usage}) + "\n").encode()
+
+        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
+
+    return app
+
+
+@pytest.fixture
+def fake_server(request: pytest.FixtureRequest) -> Iterator[FakeServer]:
+    """A FakeServer on a free loopback port; parametrize indirectly with a FakeBehaviour to change it."""
+    behaviour = getattr(request, "param", None) or FakeBehaviour()
+    port = free_port()
+    fake = FakeServer(url=f"http://127.0.0.1:{port}", behaviour=behaviour)
+    server = uvicorn.Server(uvicorn.Config(_app(fake), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:  # readiness, not a fixed sleep
+        assert thread.is_alive() and time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.01)
+    yield fake
+    server.should_exit = True
+    thread.join(timeout=10)
