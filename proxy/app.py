@@ -144,7 +144,8 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
         start = time.perf_counter()
         rid = request_id_var.get()
         fleet = state["fleet"]
-        chat = await asyncio.to_thread(prepare_chat, req, cfg)
+        # images may be downloaded or decoded: off the event loop; text alone is cheap: no thread hop
+        chat = await asyncio.to_thread(prepare_chat, req, cfg) if req.num_images() else prepare_chat(req, cfg)
         gen = Generation(fleet, chat, rid)
         try:
             if cfg.pipeline_encode and not cfg.aggregated:

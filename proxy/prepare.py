@@ -27,7 +27,7 @@ def _check_supported(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
 
 def _check_image_count(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
     """Counted before anything is fetched or decoded, so a request with 300 images costs nothing."""
-    num_images = sum(isinstance(p, ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
+    num_images = req.num_images()
     if num_images > cfg.max_images_per_request:
         raise bad_request(f"request has {num_images} images; the maximum is {cfg.max_images_per_request}",
                           param="messages", code="too_many_images")

@@ -40,6 +40,9 @@ class ChatCompletionRequest(BaseModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     stream: bool = False
+
+    def num_images(self) -> int:
+        return sum(isinstance(p, ImagePart) for m in self.messages if isinstance(m.content, list) for p in m.content)
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
