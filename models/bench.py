@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor
-from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+from transformers import AutoModelForImageTextToText, LlavaConfig
 from transformers.utils import logging as hf_logging
 
+from models.tiny import llava_config, llava_processor
 from models.tokenizer import train_tokenizer
 
 hf_logging.disable_progress_bar()
@@ -66,22 +66,13 @@ BENCH_SPEC = BenchSpec()
 
 def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
     """The LlavaConfig for spec (cheap: no weights), given the tokenizer for vocab and special ids."""
-    vision = CLIPVisionConfig(
-        hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
-        num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size, patch_size=spec.patch, projection_dim=spec.vision_hidden,
-    )
-    text = LlamaConfig(
-        vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
-        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_kv_heads, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    return LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
-    )
+    vision: dict[str, Any] = dict(hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
+                  num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
+                  image_size=spec.image_size, patch_size=spec.patch)
+    text: dict[str, Any] = dict(hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+                num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+                num_key_value_heads=spec.text_kv_heads, max_position_embeddings=spec.max_position_embeddings)
+    return llava_config(tok, vision, text)
 
 
 def build_bench(spec: BenchSpec, out_dir: str | Path) -> Path:
@@ -95,14 +86,8 @@ def build_bench(spec: BenchSpec, out_dir: str | Path) -> Path:
     if spec.visible_tokens_only:
         with torch.no_grad():
             model.lm_head.weight[invisible_token_ids(tok)] = 0.0
-    size = spec.image_size
-    proc = LlavaProcessor(
-        image_processor=LlavaImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
-        tokenizer=tok, patch_size=spec.patch, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, chat_template=tok.chat_template,
-    )
     model.save_pretrained(out)
-    proc.save_pretrained(out)
+    llava_processor(tok, spec.image_size, spec.patch).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 

@@ -79,30 +79,34 @@ def _special_ids(tok: Any) -> dict[str, Any]:
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
 
-def _llava(spec: TinySpec, tok: Any) -> tuple[Any, Any]:
-    vision = CLIPVisionConfig(
-        hidden_size=spec.vision_hidden, intermediate_size=spec.vision_hidden * 2,
-        num_hidden_layers=spec.vision_layers, num_attention_heads=spec.heads,
-        image_size=spec.image_size, patch_size=spec.patch, projection_dim=spec.vision_hidden,
+def llava_config(tok: Any, vision: dict[str, Any], text: dict[str, Any]) -> LlavaConfig:
+    """A LLaVA (CLIP tower + Llama LM) config; `vision` are CLIPVisionConfig sizes, `text` LlamaConfig sizes."""
+    return LlavaConfig(
+        vision_config=CLIPVisionConfig(**vision, projection_dim=vision["hidden_size"]),
+        text_config=LlamaConfig(vocab_size=len(tok), tie_word_embeddings=False, **text, **_special_ids(tok)),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="default", tie_word_embeddings=False,
     )
-    text = LlamaConfig(
-        vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
-        num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=False, **_special_ids(tok),
-    )
-    cfg = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
-    )
-    size = spec.image_size
+
+
+def llava_processor(tok: Any, image_size: int, patch: int) -> LlavaProcessor:
     image_processor = LlavaImageProcessorPil(
-        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
-    proc = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=spec.patch,
+    return LlavaProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=patch,
         vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=tok.chat_template,
     )
-    return cfg, proc
+
+
+def _llava(spec: TinySpec, tok: Any) -> tuple[Any, Any]:
+    vision: dict[str, Any] = dict(hidden_size=spec.vision_hidden, intermediate_size=spec.vision_hidden * 2,
+                  num_hidden_layers=spec.vision_layers, num_attention_heads=spec.heads,
+                  image_size=spec.image_size, patch_size=spec.patch)
+    text: dict[str, Any] = dict(hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
+                num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads,
+                num_key_value_heads=spec.kv_heads, max_position_embeddings=4096)
+    return llava_config(tok, vision, text), llava_processor(tok, spec.image_size, spec.patch)
 
 
 def _qwen(spec: TinySpec, tok: Any) -> tuple[Any, Any]:
