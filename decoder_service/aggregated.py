@@ -33,12 +33,14 @@ class InlineEncoder:
         found = {im.mm_hash: out for im in images if (out := self.cache.get(im.mm_hash)) is not None}
         todo = {im.mm_hash: self._load(i, im) for i, im in enumerate(images) if im.mm_hash not in found}
         if todo:
-            with self._lock:
-                encoded = self.vision.encode(list(todo.values()))
-            for mm_hash, feat in zip(todo, encoded, strict=True):
-                found[mm_hash] = EncoderOutput(mm_hash, feat.embeds, feat.grid_thw)
-                self.cache.put(found[mm_hash])
-            self.num_encoded += len(todo)
+            with self._lock:  # a request that waited here may find its images encoded by the one before it
+                found.update((h, out) for h in todo if (out := self.cache.get(h)) is not None)
+                todo = {h: image for h, image in todo.items() if h not in found}
+                encoded = self.vision.encode(list(todo.values())) if todo else []
+                for mm_hash, feat in zip(todo, encoded, strict=True):
+                    found[mm_hash] = EncoderOutput(mm_hash, feat.embeds, feat.grid_thw)
+                    self.cache.put(found[mm_hash])
+                self.num_encoded += len(todo)
         return [ImageFeatures(embeds=found[im.mm_hash].embeds, grid_thw=found[im.mm_hash].grid_thw) for im in images]
 
     def _load(self, index: int, im: ImageRef) -> Image.Image:
