@@ -1,0 +1,286 @@
+"""http(s) image downloads with an SSRF guard.
+
+The host is resolved once and every address it resolves to must be public (not loopback, private,
+link-local -- which includes the 169.254.169.254 cloud metadata address --, unspecified, multicast, reserved
+or otherwise non-global); the connection goes to the address that was checked, so a second DNS answer cannot
+rebind it to an internal one. Hosts named in ``ProxyConfig.allowed_media_domains`` skip the address check
+(but are still pinned). Redirects are followed by hand, at most ``MAX_REDIRECTS``, and each target is checked
+by the same rules before it is contacted. The body is capped at ``max_image_bytes`` while it is read.
+"""
+from __future__ import annotations
+
+import functools
+import ipaddress
+import os
+import re
+import socket
+import ssl
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from proxy.config import ProxyConfig
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+MAX_REDIRECTS = 5
+# The whole download (all hops, connect to last byte) must finish within this many media_fetch_timeouts;
+# the per-read timeout alone would let a server that trickles a byte at a time hold a worker thread for hours.
+TOTAL_TIMEOUT_FACTOR = 3
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+# Names of cloud metadata services, refused even before resolving (they may be reachable without resolving to
+# a link-local address, e.g. through a resolver search domain or a metadata proxy).
+METADATA_HOSTS = frozenset({
+    "metadata", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal",
+    "metadata.azure.internal", "metadata.tencentyun.com", "metadata.oraclecloud.com",
+})
+# Generic binary types some servers use for images; accepted because the bytes are then identified by content
+# (open_image accepts only a recognised image format), so nothing but an image gets through either way.
+_GENERIC_CONTENT_TYPES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
+
+
+class MediaError(Exception):
+    """An image reference we refuse; load_image_bytes turns it into a 400 naming the request field."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def fetch_http_image(url: str, cfg: ProxyConfig) -> bytes:
+    """GET an image, following redirects by hand so each hop is checked before any connection is made."""
+    deadline = time.monotonic() + TOTAL_TIMEOUT_FACTOR * cfg.media_fetch_timeout
+    target = parse_http_url(url)
+    for _ in range(MAX_REDIRECTS + 1):
+        addresses = check_fetch_target(target, cfg)
+        outcome = fetch_once(target, addresses, cfg, deadline)
+        if isinstance(outcome, bytes):
+            return outcome
+        target = outcome
+    raise MediaError("image_fetch_failed", f"more than {MAX_REDIRECTS} redirects fetching image from "
+                                           f"{_host(target)!r}")
+
+
+def parse_http_url(url: str) -> httpx.URL:
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise MediaError("invalid_image_url", "image URL is not a valid URL") from exc
+    if parsed.scheme not in ("http", "https") or not _valid_host(parsed.raw_host.decode("ascii")):
+        raise MediaError("invalid_image_url", "image URL must be http(s)://host/... with a valid host name")
+    return parsed
+
+
+def check_fetch_target(url: httpx.URL, cfg: ProxyConfig) -> list[IPAddress]:
+    """Resolve the URL's host and return the addresses that may be connected to, refusing non-public ones.
+
+    Runs before any connection. A host listed in cfg.allowed_media_domains (exact, case-insensitive; names or
+    IP literals) may resolve anywhere; for any other host every resolved address must be public, so a name
+    with one public and one private address is refused too.
+    """
+    names = _host_names(url)
+    allowed = not names.isdisjoint(_allowed_hosts(cfg))
+    if not allowed and not names.isdisjoint(METADATA_HOSTS):
+        raise MediaError("image_url_forbidden", f"image host {_host(url)!r} is a cloud metadata service")
+    addresses = resolve(url)
+    if not allowed and not all(is_public_address(a) for a in addresses):
+        raise MediaError("image_url_forbidden",
+                         f"image host {_host(url)!r} resolves to a non-public address (loopback, private, "
+                         "link-local or reserved); the server must list it in --allowed-media-domains")
+    return addresses
+
+
+def resolve(url: httpx.URL) -> list[IPAddress]:
+    """All addresses the URL's host resolves to (an IP literal resolves to itself, in any inet_aton form)."""
+    host = url.raw_host.decode("ascii")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise MediaError("image_fetch_failed", f"cannot resolve image host {_host(url)!r}") from exc
+    addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos
+                                   if info[0] in (socket.AF_INET, socket.AF_INET6)))
+    if not addresses:
+        raise MediaError("image_fetch_failed", f"cannot resolve image host {_host(url)!r}")
+    return addresses
+
+
+def is_public_address(ip: IPAddress) -> bool:
+    """False for loopback, private (RFC 1918, fc00::/7), link-local, unspecified, multicast, reserved and any
+    other non-global range (e.g. 100.64/10), also when wrapped in an IPv6 form that routes to IPv4."""
+    return not any(a.is_loopback or a.is_private or a.is_link_local or a.is_unspecified or a.is_multicast
+                   or a.is_reserved or not a.is_global for a in _address_forms(ip))
+
+
+def _address_forms(ip: IPAddress) -> list[IPAddress]:
+    """The addresses that decide where a connection to `ip` really goes.
+
+    IPv4-mapped (::ffff:a.b.c.d) and NAT64 (64:ff9b::a.b.c.d) addresses reach the embedded IPv4 address, so
+    that is what is judged (the IPv6 forms themselves are 'reserved'); a 6to4 address must be public in both
+    forms.
+    """
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return [ip.ipv4_mapped]
+        if ip in _NAT64:
+            return [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)]
+        if ip.sixtofour is not None:
+            return [ip, ip.sixtofour]
+    return [ip]
+
+
+def pinned_request(url: httpx.URL, address: IPAddress, timeout: float) -> httpx.Request:
+    """A GET for `url` that connects to `address` (the one that was checked) instead of resolving again.
+
+    The URL's host is replaced by the address; the Host header keeps the original name (and port), and for
+    https the `sni_hostname` extension makes httpcore send the original name as SNI and verify the
+    certificate against it. `timeout` applies to the connect and to each read and write.
+    """
+    headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*", "Accept-Encoding": "identity",
+               "User-Agent": "epd-proxy"}
+    extensions: dict[str, Any] = {"timeout": httpx.Timeout(timeout).as_dict()}
+    if url.scheme == "https" and not _is_ip_literal(url.raw_host.decode("ascii")):
+        extensions["sni_hostname"] = url.raw_host.decode("ascii")
+    return httpx.Request("GET", url.copy_with(host=str(address)), headers=headers, extensions=extensions)
+
+
+def fetch_once(url: httpx.URL, addresses: list[IPAddress], cfg: ProxyConfig, deadline: float) -> bytes | httpx.URL:
+    """One hop: the image bytes, or the (not yet checked) URL a redirect points to.
+
+    Tries the checked addresses in turn while they refuse the connection (a name with an AAAA record on an
+    IPv4-only network); never any address that was not checked.
+    """
+    try:
+        for address in addresses[:-1]:
+            try:
+                return fetch_from(url, address, cfg, deadline)
+            except httpx.ConnectError:
+                continue
+        return fetch_from(url, addresses[-1], cfg, deadline)
+    except httpx.TimeoutException as exc:
+        raise MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}") from exc
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise MediaError("image_fetch_failed", f"could not fetch image from {_host(url)!r}") from exc
+
+
+def fetch_from(url: httpx.URL, address: IPAddress, cfg: ProxyConfig, deadline: float) -> bytes | httpx.URL:
+    """GET `url` from `address` through a bare transport of its own.
+
+    A bare transport, not an httpx.Client: no redirect handling of its own (the client would parse the
+    Location, against the pinned URL, before we see it), no proxy from the environment (a proxy would resolve
+    the name again itself), no cookies; and a fresh one per hop, so no pooled connection is ever reused for
+    another host name.
+    """
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}")
+    request = pinned_request(url, address, min(cfg.media_fetch_timeout, remaining))
+    with httpx.HTTPTransport(verify=tls_context(), retries=0) as transport:
+        response = transport.handle_request(request)
+        try:
+            return _read_response(url, response, cfg.max_image_bytes, deadline)
+        finally:
+            response.close()
+
+
+def tls_context() -> ssl.SSLContext:
+    """The context that verifies https image hosts: httpx's default CA bundle (certifi), or SSL_CERT_FILE /
+    SSL_CERT_DIR when set. Built once per CA setting, not per fetch: loading the bundle takes ~50 ms of CPU."""
+    return _tls_context_for(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.lru_cache(maxsize=4)
+def _tls_context_for(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    """Keyed by the CA settings create_ssl_context reads from the environment."""
+    return httpx.create_ssl_context()
+
+
+def _read_response(url: httpx.URL, response: httpx.Response, max_bytes: int, deadline: float) -> bytes | httpx.URL:
+    if response.status_code in _REDIRECTS:
+        return redirect_target(url, response)
+    if response.status_code != 200:
+        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} answered HTTP {response.status_code}")
+    check_content_type(url, response)
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise MediaError("image_too_large", f"image is larger than {max_bytes} bytes")
+    return read_capped(url, response, max_bytes, deadline)
+
+
+def redirect_target(url: httpx.URL, response: httpx.Response) -> httpx.URL:
+    """Where a redirect points, resolved against the original (not the pinned) URL; only http(s) targets."""
+    location = response.headers.get("location")
+    if not location:
+        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} sent a redirect without a Location")
+    scheme = urlsplit(location).scheme.lower()
+    if scheme not in ("", "http", "https"):
+        raise MediaError("image_url_forbidden", f"image host {_host(url)!r} redirected to a non-http(s) URL")
+    try:
+        target = url.join(location)
+    except httpx.InvalidURL as exc:
+        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} redirected to an invalid URL") from exc
+    if target.scheme not in ("http", "https"):
+        raise MediaError("image_url_forbidden", f"image host {_host(url)!r} redirected to a non-http(s) URL")
+    if not _valid_host(target.raw_host.decode("ascii")):
+        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} redirected to an invalid URL")
+    return target
+
+
+def check_content_type(url: httpx.URL, response: httpx.Response) -> None:
+    """image/* is accepted; so are application/octet-stream and a missing type, because the bytes must then
+    be a recognised image anyway (open_image identifies them by content). Anything else (text/html, JSON
+    error pages, ...) is refused before the body is read."""
+    content_type = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if not (content_type.startswith("image/") or content_type in _GENERIC_CONTENT_TYPES):
+        raise MediaError("invalid_image", f"image URL on {_host(url)!r} returned {content_type!r}, not an image")
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # we asked for identity; decoding could expand far past the cap
+        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} sent a {encoding!r}-encoded body")
+
+
+def read_capped(url: httpx.URL, response: httpx.Response, max_bytes: int, deadline: float) -> bytes:
+    """The body as it arrives, abandoned as soon as it passes max_bytes or the overall deadline."""
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in response.iter_raw():
+        size += len(chunk)
+        if size > max_bytes:
+            raise MediaError("image_too_large", f"image is larger than {max_bytes} bytes")
+        if time.monotonic() > deadline:
+            raise MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _host(url: httpx.URL) -> str:
+    return url.host
+
+
+def _host_names(url: httpx.URL) -> set[str]:
+    """The host as written and in its IDNA (ASCII) form, lower case, without a trailing dot."""
+    return {_normalise_host(url.host), _normalise_host(url.raw_host.decode("ascii"))}
+
+
+def _allowed_hosts(cfg: ProxyConfig) -> set[str]:
+    return {_normalise_host(h) for h in cfg.allowed_media_domains if h.strip()}
+
+
+def _normalise_host(host: str) -> str:
+    return host.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
+
+
+def _valid_host(host: str) -> bool:
+    """A DNS name (IDNA-encoded already) or an IP literal; httpx lets through hosts like 'exa mple.com'."""
+    return bool(_HOSTNAME.fullmatch(host)) or _is_ip_literal(host)
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
