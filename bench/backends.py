@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,33 +94,45 @@ def _chat_body(inp: RequestInput) -> dict[str, Any]:
     return {**body, **inp.extra_body}
 
 
-async def openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
+async def _post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], inp: RequestInput,
+                       read: Callable[[AsyncIterator[str], _Timer], Awaitable[None]]) -> RequestOutput:
+    """POST `body` and hand the streamed lines to `read`; a non-200 answer or a transport error becomes out.error.
+
+    The clock starts before the request is sent, so TTFT includes connecting and the server's queueing."""
     out = RequestOutput()
-    timer, usage = _Timer(out), None
+    timer = _Timer(out)
     try:
-        async with client.stream("POST", f"{inp.url}/v1/chat/completions", json=_chat_body(inp),
-                                 headers=_headers(inp)) as resp:
+        async with client.stream("POST", url, json=body, headers=_headers(inp)) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
                 return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    out.error = str(obj["error"].get("message", obj["error"]))
-                    return out
-                for choice in obj.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    timer.text((delta.get("content") or "") + (delta.get("reasoning_content") or ""))
-                usage = obj.get("usage") or usage
-        timer.done(usage)
+            await read(resp.aiter_lines(), timer)
     except (httpx.HTTPError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     return out
+
+
+async def _read_sse(lines: AsyncIterator[str], timer: _Timer) -> None:
+    out, usage = timer.out, None
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, SSE comments
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        obj = json.loads(data)
+        if "error" in obj:
+            out.error = str(obj["error"].get("message", obj["error"]))
+            return
+        for choice in obj.get("choices") or []:
+            delta = choice.get("delta") or {}
+            timer.text((delta.get("content") or "") + (delta.get("reasoning_content") or ""))
+        usage = obj.get("usage") or usage
+    timer.done(usage)
+
+
+async def openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
+    return await _post_stream(client, f"{inp.url}/v1/chat/completions", _chat_body(inp), inp, _read_sse)
 
 
 def _decoder_body(inp: RequestInput) -> dict[str, Any]:
@@ -135,31 +147,25 @@ def _decoder_body(inp: RequestInput) -> dict[str, Any]:
             **inp.extra_body}
 
 
+async def _read_ndjson(lines: AsyncIterator[str], timer: _Timer) -> None:
+    out = timer.out
+    async for line in lines:
+        if not line:
+            continue
+        event = json.loads(line)
+        if event["type"] == "delta":
+            timer.text(event.get("text", ""))
+        elif event["type"] == "done":
+            timer.done(event.get("usage"))
+            return
+        else:
+            out.error = str(event.get("message", "generation failed"))
+            return
+    out.error = "stream ended without done"
+
+
 async def epd_decoder(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
-    out = RequestOutput()
-    timer = _Timer(out)
-    try:
-        async with client.stream("POST", f"{inp.url}/generate", json=_decoder_body(inp),
-                                 headers=_headers(inp)) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
-                return out
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                event = json.loads(line)
-                if event["type"] == "delta":
-                    timer.text(event.get("text", ""))
-                elif event["type"] == "done":
-                    timer.done(event.get("usage"))
-                    return out
-                else:
-                    out.error = str(event.get("message", "generation failed"))
-                    return out
-        out.error = "stream ended without done"
-    except (httpx.HTTPError, ValueError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    return out
+    return await _post_stream(client, f"{inp.url}/generate", _decoder_body(inp), inp, _read_ndjson)
 
 
 RequestFunc = Callable[[httpx.AsyncClient, RequestInput], Any]
