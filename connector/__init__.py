@@ -5,7 +5,7 @@ from __future__ import annotations
 from connector.cache import EmbeddingCache
 from connector.consumer import ECConsumer
 from connector.producer import ECProducer
-from connector.types import EncoderOutput, MissingEmbeddings
+from connector.types import EncoderOutput, InvalidEmbeddings, MissingEmbeddings
 from connector.wire import MAGIC_VERSION, WireError, decode_message, encode_message, tensor_from_frame
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "ECProducer",
     "EmbeddingCache",
     "EncoderOutput",
+    "InvalidEmbeddings",
     "MissingEmbeddings",
     "WireError",
     "decode_message",

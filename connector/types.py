@@ -60,3 +60,15 @@ class MissingEmbeddings(Exception):
 
     def __str__(self) -> str:
         return f"missing embeddings for {len(self.missing)} item(s): {', '.join(self.missing)}"
+
+
+class InvalidEmbeddings(Exception):
+    """Raised when received embeddings fail the consumer's check against its own model (dtype, width, token count);
+    they were not cached."""
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        self.reasons = dict(reasons)  # mm_hash -> why it was refused
+        super().__init__(self.reasons)
+
+    def __str__(self) -> str:
+        return "embeddings refused: " + "; ".join(f"{h}: {why}" for h, why in self.reasons.items())
