@@ -142,9 +142,9 @@ def _decoder_body(inp: RequestInput) -> dict[str, Any]:
         images.append({"mm_hash": hashlib.sha256(b64.encode()).hexdigest(), "data": b64})
     content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
     content.append({"type": "text", "text": inp.sample.prompt})
-    return {"messages": [{"role": "user", "content": content}], "images": images,
-            "max_tokens": inp.sample.output_len, "temperature": inp.temperature, "ignore_eos": inp.ignore_eos,
-            **inp.extra_body}
+    sampling = {"max_tokens": inp.sample.output_len, "temperature": inp.temperature, "ignore_eos": inp.ignore_eos,
+                **inp.extra_body}  # the decoder's sampling contract (contracts.sampling)
+    return {"messages": [{"role": "user", "content": content}], "images": images, "sampling": sampling}
 
 
 async def _read_ndjson(lines: AsyncIterator[str], timer: _Timer) -> None:

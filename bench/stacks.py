@@ -132,7 +132,9 @@ class Running:
         log_dir.mkdir(parents=True, exist_ok=True)
         for p in spec.procs:
             cmd = p.command() if shutil.which("taskset") or p.cpus is None else [*p.argv]
-            env = {**os.environ, **dict(p.env), **({"OMP_NUM_THREADS": str(p.threads)} if p.threads else {})}
+            # EPD_INSECURE: benchmark workers run on loopback without keys (they are secure by default)
+            env = {**os.environ, "EPD_INSECURE": "1", **dict(p.env),
+                   **({"OMP_NUM_THREADS": str(p.threads)} if p.threads else {})}
             with (log_dir / f"{spec.name}-{p.name}.log").open("wb") as log:
                 self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
 

@@ -8,7 +8,13 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from connector.security import CurveConfig, load_curve_config
+from connector.security import (
+    ENV_ALLOWED_CLIENTS,
+    ENV_SECRET_KEY,
+    ENV_SERVER_KEY,
+    CurveConfig,
+    load_curve_config,
+)
 
 T = TypeVar("T")
 
@@ -38,9 +44,62 @@ def worker_parser(prog: str, description: str, defaults: Any) -> argparse.Argume
     p.add_argument("--port", type=int, default=defaults.port)
     p.add_argument("--log-level", default=defaults.log_level)
     p.add_argument("--internal-key", default=os.environ.get("EPD_INTERNAL_KEY"),
-                   help="callers (the proxy) must send `Authorization: Bearer <key>` on the work endpoints "
-                        "(default: env EPD_INTERNAL_KEY; unset: open)")
+                   help="callers (the proxy) must send `Authorization: Bearer <key>` on the work endpoints; "
+                        "prefer env EPD_INTERNAL_KEY (argv is visible to other local users). Required unless --insecure")
+    p.add_argument("--insecure", action="store_true", default=_env_flag("EPD_INSECURE"),
+                   help="start without the internal key and/or CURVE keys (work endpoints and ZeroMQ open to anyone "
+                        "who can reach them; logs a WARNING). Env EPD_INSECURE=1. Only for a trusted single-user host")
+    add_http_flags(p, defaults)
     return p
+
+
+def add_http_flags(p: argparse.ArgumentParser, defaults: Any) -> None:
+    """The HTTP server's limits (common/http.py HttpLimits), with the defaults of the service's config class
+    (or instance: its class's field defaults, so a default resolved by mode, 0, stays 0 here)."""
+    d = {f.name: f.default for f in dataclasses.fields(defaults)}
+    g = p.add_argument_group("HTTP server limits")
+    g.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"],
+                   help="request body bytes, counted as received (chunked or not); 413 above"
+                        + (" (0: by mode)" if d["max_body_bytes"] == 0 else ""))
+    g.add_argument("--body-read-timeout", type=float, default=d["body_read_timeout"],
+                   help="seconds to receive a whole request body; 408 after")
+    g.add_argument("--header-timeout", type=float, default=d["header_timeout"],
+                   help="seconds to receive a request's headers (from connect, or the first byte on a kept-alive "
+                        "connection); the connection is closed after (slow-header clients)")
+    g.add_argument("--limit-concurrency", type=int, default=d["limit_concurrency"],
+                   help="open connections + requests in progress; beyond it requests get 503 (0: no limit)")
+    g.add_argument("--timeout-keep-alive", type=int, default=d["timeout_keep_alive"],
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--max-header-bytes", type=int, default=d["max_header_bytes"],
+                   help="request line + headers; larger gets a 431 (400 when sent in pieces) and the "
+                        "connection closed")
+    g.add_argument("--backlog", type=int, default=d["backlog"], help="connections queued before accept")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_INTERNAL_KEY = ("an internal key (env EPD_INTERNAL_KEY or --internal-key)",
+                 "its work endpoint accepts calls from anyone who can reach its HTTP port")
+_CURVE_NEEDS = {  # CurveConfig field -> (what is missing, what is open without it)
+    "secret_key": (f"a CURVE secret key (--ec-curve-key FILE or env {ENV_SECRET_KEY})",
+                   "its ZeroMQ links are unauthenticated and unencrypted"),
+    "allowed_clients": (f"the CURVE client keys allowed in (--ec-curve-allowed-clients DIR or env {ENV_ALLOWED_CLIENTS})",
+                        "anyone who can reach its ZeroMQ sockets can get every embedding and use has, snapshot and "
+                        "the cache events"),
+    "server_key": (f"the encoders' CURVE public key (--ec-curve-server-key FILE or env {ENV_SERVER_KEY})",
+                   "embeddings it gathers can be read or forged on the way"),
+}
+
+
+def security_gaps(cfg: Any) -> list[tuple[str, str]]:
+    """(what is missing, what is open) for a worker config: the internal key, and the CURVE keys its role needs
+    (`cfg.curve_needs`: the CurveConfig fields it must have)."""
+    gaps = [] if getattr(cfg, "internal_key", None) else [_INTERNAL_KEY]
+    curve = getattr(cfg, "curve", None)
+    gaps += [_CURVE_NEEDS[n] for n in getattr(cfg, "curve_needs", ()) if curve is None or getattr(curve, n) is None]
+    return gaps
 
 
 def add_curve_flags(p: argparse.ArgumentParser) -> None:
@@ -69,7 +128,12 @@ def parse_config(p: argparse.ArgumentParser, argv: list[str] | None, config_cls:
     add_curve_flags(p)
     args = p.parse_args(argv)
     curve = pop_curve(p, args)
-    return config_cls(**vars(args), curve=curve)
+    cfg = config_cls(**vars(args), curve=curve)
+    gaps = security_gaps(cfg)
+    if gaps and not getattr(cfg, "insecure", False):
+        p.error("refusing to start without " + "; ".join(g[0] for g in gaps) + ". Make keys with `epd-ec-keygen env DIR` "
+                "and see docs/SECURITY.md, or pass --insecure (env EPD_INSECURE=1) to run open on a trusted host")
+    return cfg
 
 
 def describe(cfg: Any) -> dict[str, Any]:
@@ -85,9 +149,14 @@ def describe(cfg: Any) -> dict[str, Any]:
 
 def run_worker(role: str, cfg: Any, create_app: Callable[[Any], Any]) -> None:
     """Log setup, the (key-free) config, then serve the worker's app until SIGINT/SIGTERM."""
-    from common.http import serve  # NOTE: local import keeps argument parsing free of the web stack
+    from common.http import HttpLimits, serve  # NOTE: local import keeps argument parsing free of the web stack
     from common.logs import setup_logging
 
     setup_logging(role, cfg.log_level)
-    logging.getLogger(f"epd.{role}").info("config: %s", describe(cfg))
-    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level)
+    log = logging.getLogger(f"epd.{role}")
+    log.info("config: %s", describe(cfg))
+    gaps = security_gaps(cfg)
+    if gaps:
+        log.warning("INSECURE %s (--insecure): started without %s. Open: %s", role, "; ".join(g[0] for g in gaps),
+                    "; ".join(g[1] for g in gaps))
+    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg))

@@ -11,6 +11,7 @@ from connector.types import EncoderOutput
 from connector.wire import WireError, frame_tensor
 
 MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
+MAX_HASH_LEN = 256  # characters of one mm_hash on the wire (real ones are 64)
 EVENT_KINDS = frozenset({"stored", "evicted", "heartbeat"})
 
 
@@ -66,24 +67,35 @@ def error_reply(req_id: int, message: str) -> dict[str, Any]:
     return {"op": "error", "req_id": req_id, "message": message}
 
 
-def parse_hashes(header: dict[str, Any]) -> list[str]:
-    """Return a request's `hashes`, checking their types."""
+def parse_hashes(header: dict[str, Any], max_items: int | None = None) -> list[str]:
+    """Return a request's `hashes`, checking their types, lengths and (with max_items) count."""
     hashes = header.get("hashes")
-    if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
-        raise WireError(f"{header['op']} needs `hashes` as a list of str")
+    if not isinstance(hashes, list) or not all(isinstance(h, str) and len(h) <= MAX_HASH_LEN for h in hashes):
+        raise WireError(f"{header['op']} needs `hashes` as a list of str of at most {MAX_HASH_LEN} characters")
+    if max_items is not None and len(hashes) > max_items:
+        raise WireError(f"{header['op']} asks for {len(hashes)} hashes, over the {max_items}-item limit")
     return hashes
 
 
 def get_reply(req_id: int, hashes: list[str], found: dict[str, EncoderOutput],
-              failed: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[memoryview]]:
-    """Header and tensor frames answering a `get`: one item per requested hash (`failed`: encoding failed)."""
+              failed: frozenset[str] = frozenset(), max_bytes: int | None = None) -> tuple[dict[str, Any], list[memoryview]]:
+    """Header and tensor frames answering a `get`: one item per requested hash (`failed`: encoding failed).
+
+    With `max_bytes`, found items past that many tensor bytes are left out with `more: true` (ask again);
+    the first found item always goes (each is bounded by the frame limit).
+    """
     items: list[dict[str, Any]] = []
     frames: list[memoryview] = []
+    total = 0
     for mm_hash in hashes:
         out = found.get(mm_hash)
         if out is None:
             items.append({"mm_hash": mm_hash, "found": False, "failed": mm_hash in failed})
             continue
+        if max_bytes is not None and frames and total + out.nbytes > max_bytes:
+            items.append({"mm_hash": mm_hash, "found": False, "more": True})
+            continue
+        total += out.nbytes
         items.append({"mm_hash": mm_hash, "found": True, **out.wire_spec, "frame": len(frames)})
         frames.append(out.wire_buffer)
     return {"op": "get_reply", "req_id": req_id, "items": items}, frames
@@ -103,6 +115,12 @@ def parse_get_reply(header: dict[str, Any], buffers: list[memoryview]) -> dict[s
         embeds = frame_tensor(buffers[item["frame"]], item["dtype"], item["shape"])  # decode_message checked them
         found[mm_hash] = _output(mm_hash, embeds, item)
     return found
+
+
+def more_of(header: dict[str, Any]) -> list[str]:
+    """Hashes a `get_reply` left out for its byte limit (held, but to be asked for again)."""
+    return [i["mm_hash"] for i in header.get("items", [])
+            if isinstance(i.get("mm_hash"), str) and i.get("found") is not True and i.get("more") is True]
 
 
 def parse_has_reply(header: dict[str, Any], num_hashes: int) -> list[bool]:

@@ -17,7 +17,7 @@ from connector import messages
 from connector.cache import EmbeddingCache
 from connector.security import CurveConfig, secure_server, start_authenticator
 from connector.types import EncoderOutput
-from connector.waiters import FailedSet, ParkedGet, WaitList
+from connector.waiters import MAX_PARKED, MAX_PARKED_HASHES, FailedSet, ParkedGet, WaitList
 from connector.waker import Waker
 from connector.wire import MAX_TENSOR_BYTES, WireError, apply_socket_limits, decode_message, encode_message, peek_req_id
 
@@ -26,6 +26,9 @@ logger = logging.getLogger("epd.connector")
 _START_TIMEOUT_S = 10.0
 HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
 MAX_REQUEST_BYTES = 1 << 20  # requests carry hashes only
+MAX_ITEMS_PER_GET = 256  # hashes one get or has may ask for; more get an error reply
+MAX_REPLY_BYTES = 256 << 20  # tensor bytes of one get reply (besides its first item); the rest are sent as `more`
+__all__ = ["MAX_ITEMS_PER_GET", "MAX_PARKED", "MAX_PARKED_HASHES", "MAX_REPLY_BYTES", "ECProducer"]
 _MORE = int(zmq.SNDMORE)
 _BATCH = 64  # requests served per wake-up before timers are checked again
 
@@ -55,8 +58,11 @@ class ECProducer:
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", cache_bytes: int = 1 << 30,
                  max_message_bytes: int = MAX_TENSOR_BYTES, events_bind: str | None = None,
-                 curve: CurveConfig | None = None, advertise_host: str | None = None) -> None:
+                 curve: CurveConfig | None = None, advertise_host: str | None = None,
+                 max_items_per_get: int = MAX_ITEMS_PER_GET, max_reply_bytes: int = MAX_REPLY_BYTES,
+                 max_parked_gets: int = MAX_PARKED, max_parked_hashes: int = MAX_PARKED_HASHES) -> None:
         self.bind, self.events_bind = bind, events_bind or events_endpoint(bind)
+        self.max_items_per_get, self.max_reply_bytes = max_items_per_get, max_reply_bytes
         self.advertise_host = advertise_host  # None: advertise the bound address
         self.max_message_bytes, self.curve = max_message_bytes, curve
         self.epoch = secrets.token_hex(8)  # a restarted producer is a new epoch: subscribers drop what they knew
@@ -73,7 +79,7 @@ class ECProducer:
         self._failed_inbox: collections.deque[str] = collections.deque()
         # Serving-thread state.
         self._router: zmq.Socket[Any] | None = None
-        self._waits = WaitList()
+        self._waits = WaitList(max_parked_gets, max_parked_hashes)
         self._failed = FailedSet()
         self._published_seq = 0
         self._num_gets_served = 0
@@ -143,6 +149,7 @@ class ECProducer:
             "gets_served": self._num_gets_served,
             "gets_waited": self._num_gets_waited,
             "gets_waiting": len(self._waits),
+            "hashes_waiting": self._waits.num_hashes,
             "bytes_sent": self._bytes_sent,
             "bad_messages": self._num_bad_messages,
             "events_published": self._num_events,
@@ -261,7 +268,8 @@ class ECProducer:
         if op == "ping":
             return {"op": "pong", "req_id": req_id}, []
         if op == "has":
-            return {"op": "has_reply", "req_id": req_id, "has": [h in self._cache for h in messages.parse_hashes(header)]}, []
+            hashes = messages.parse_hashes(header, self.max_items_per_get)
+            return {"op": "has_reply", "req_id": req_id, "has": [h in self._cache for h in hashes]}, []
         if op == "snapshot":
             seq, held = self._cache.snapshot()
             return messages.snapshot_reply(req_id, self.epoch, seq, held), []
@@ -272,13 +280,13 @@ class ECProducer:
 
     def _get(self, identity: bytes, req_id: int, header: dict[str, Any]) -> None:
         """Answer now, or park the get when it may wait for items still being encoded."""
-        hashes = messages.parse_hashes(header)
+        hashes = messages.parse_hashes(header, self.max_items_per_get)
         wait, wait_ms = messages.parse_wait(header, hashes)
         keys = list(dict.fromkeys(hashes))
         found = self._cache.pin(keys)
         try:
             missing = {h for h in keys if h not in found and h not in self._failed}
-            if not (missing and missing <= wait and wait_ms > 0 and not self._waits.is_full):
+            if not (missing and missing <= wait and wait_ms > 0 and self._waits.can_park(len(hashes))):
                 self._send_get_reply(identity, req_id, hashes, found)
                 return
         finally:
@@ -294,7 +302,7 @@ class ECProducer:
     def _send_get_reply(self, identity: bytes, req_id: int, hashes: list[str], found: dict[str, EncoderOutput]) -> None:
         """Send a get's reply; the caller keeps the items pinned until ZeroMQ has taken the frames."""
         assert self._router is not None
-        header, frames = messages.get_reply(req_id, hashes, found, self._failed.frozen(hashes))
+        header, frames = messages.get_reply(req_id, hashes, found, self._failed.frozen(hashes), self.max_reply_bytes)
         self._num_gets_served += 1  # before the send: a consumer may read stats() the moment it has the reply
         self._bytes_sent += sum(buf.nbytes for buf in frames)
         router, (head, *tensors) = self._router, encode_message(header, frames)

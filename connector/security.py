@@ -6,6 +6,7 @@ import argparse
 import datetime
 import logging
 import os
+import secrets
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -191,16 +192,69 @@ def generate_keypair(directory: Path, name: str) -> tuple[Path, Path]:
     return public_path, secret_path
 
 
+ENV_FILES = ("encoder.env", "client.env", "k8s-curve.env", "k8s-keys.env")
+
+
+def write_env_files(directory: Path) -> list[Path]:
+    """Make one fleet's keys and write them as env files (0600, never overwritten) into directory:
+
+    - encoder.env: what every encoder reads (compose `env_file`): the internal key, the encoders' CURVE secret key,
+      the clients' public key as the only allowed client;
+    - client.env: what every decoder and proxy reads: the internal key, the clients' secret key, the encoders'
+      public key;
+    - k8s-curve.env, k8s-keys.env: the same keys under the Secret key names the manifests use
+      (`kubectl create secret generic epd-curve --from-env-file=...`; epd-keys also gets a fresh api-key).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / name for name in ENV_FILES]
+    if any(p.exists() for p in paths):
+        raise FileExistsError(f"refusing to overwrite existing key files in {directory}")
+    (enc_pub, enc_sec), (cli_pub, cli_sec) = zmq.curve_keypair(), zmq.curve_keypair()
+    internal = secrets.token_urlsafe(32)
+    # NOTE: compose reads single-quoted values literally (Z85 keys may hold `$` and `#`); kubectl takes raw values
+    contents = [
+        {"EPD_INTERNAL_KEY": internal, ENV_SECRET_KEY: enc_sec.decode(), ENV_ALLOWED_CLIENTS: cli_pub.decode()},
+        {"EPD_INTERNAL_KEY": internal, ENV_SECRET_KEY: cli_sec.decode(), ENV_SERVER_KEY: enc_pub.decode()},
+        {"encoders-secret-key": enc_sec.decode(), "encoders-public-key": enc_pub.decode(),
+         "clients-secret-key": cli_sec.decode(), "clients-public-key": cli_pub.decode()},
+        {"internal-key": internal, "api-key": secrets.token_urlsafe(32)},
+    ]
+    for path, values in zip(paths, contents, strict=True):
+        quote = "'" if path.name in ENV_FILES[:2] else ""
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write("".join(f"{k}={quote}{v}{quote}\n" for k, v in values.items()))
+    return paths
+
+
+_KEYGEN_HELP = """\
+Keys for EPD's internal links. The launcher (disagg-epd-proxy without worker URLs) makes its own keys on every
+start and needs none of this. Attach mode, docker compose and Kubernetes are secure by default: workers refuse
+to start without an internal key and CURVE keys (or --insecure).
+
+  epd-ec-keygen env deploy/secrets     # encoder.env + client.env for compose (env_file), k8s-*.env for Secrets
+  epd-ec-keygen generate keys --name encoders   # one certificate pair (keys/encoders.key, .key_secret)
+
+See docs/DEPLOY.md and docs/SECURITY.md."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point: `python -m connector.security generate DIR [--name NAME]`."""
-    parser = argparse.ArgumentParser(prog="python -m connector.security", description="EC connector CURVE keys")
+    """CLI entry point (`epd-ec-keygen`): `generate DIR [--name NAME]` or `env DIR`."""
+    parser = argparse.ArgumentParser(prog="epd-ec-keygen", description=_KEYGEN_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="write a CURVE keypair NAME.key / NAME.key_secret into DIR")
+    gen = sub.add_parser("generate", help="write a CURVE keypair NAME.key / NAME.key_secret into DIR "
+                                          "(for the --ec-curve-* file flags)")
     gen.add_argument("directory", type=Path)
     gen.add_argument("--name", default="ec", help="file name stem (default: ec)")
+    env = sub.add_parser("env", help="write a fleet's internal key and CURVE keys as env files into DIR: "
+                                     "encoder.env and client.env (compose env_file), k8s-curve.env and "
+                                     "k8s-keys.env (kubectl create secret generic --from-env-file)")
+    env.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     try:
-        paths = generate_keypair(args.directory, args.name)
+        paths = generate_keypair(args.directory, args.name) if args.command == "generate" else \
+            write_env_files(args.directory)
     except FileExistsError as e:
         parser.exit(1, f"error: {e}\n")
     print(*paths, sep="\n")

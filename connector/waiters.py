@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 MAX_PARKED = 4096  # gets waiting at once; more are answered at once with what is there
+MAX_PARKED_HASHES = 1 << 16  # hashes all parked gets hold together (each at most MAX_HASH_LEN characters)
 MAX_FAILED = 4096  # recently failed hashes remembered, so a get arriving late still fails fast
 
 
@@ -25,21 +26,32 @@ class ParkedGet:
 class WaitList:
     """Parked gets, indexed by the hashes they wait for and by deadline; used by one thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_parked: int = MAX_PARKED, max_hashes: int = MAX_PARKED_HASHES) -> None:
+        self.max_parked, self.max_hashes = max_parked, max_hashes
         self._by_hash: dict[str, list[ParkedGet]] = {}
         self._deadlines: list[tuple[float, int, ParkedGet]] = []  # heap
         self._order = itertools.count()
         self._num_parked = 0
+        self._num_hashes = 0  # hashes the parked gets hold (their `hashes` lists)
 
     def __len__(self) -> int:
         return self._num_parked
 
     @property
+    def num_hashes(self) -> int:
+        return self._num_hashes
+
+    @property
     def is_full(self) -> bool:
-        return self._num_parked >= MAX_PARKED
+        return self._num_parked >= self.max_parked
+
+    def can_park(self, num_hashes: int) -> bool:
+        """Whether a get holding `num_hashes` hashes fits under both caps."""
+        return self._num_parked < self.max_parked and self._num_hashes + num_hashes <= self.max_hashes
 
     def park(self, get: ParkedGet) -> None:
-        assert get.wait and not self.is_full, "park only a get that waits for something, under MAX_PARKED"
+        assert get.wait and self.can_park(len(get.hashes)), "park only a get that waits for something, under the caps"
+        self._num_hashes += len(get.hashes)
         for mm_hash in get.wait:
             self._by_hash.setdefault(mm_hash, []).append(get)
         heapq.heappush(self._deadlines, (get.deadline, next(self._order), get))
@@ -73,6 +85,7 @@ class WaitList:
     def _finish(self, get: ParkedGet) -> ParkedGet:
         get.done = True
         self._num_parked -= 1
+        self._num_hashes -= len(get.hashes)
         for mm_hash in get.wait:
             waiting = self._by_hash.get(mm_hash)
             if waiting is not None and get in waiting:

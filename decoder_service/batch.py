@@ -1,6 +1,13 @@
-"""Prefill in chunks into free slots and decode every running sequence in one batched forward."""
+"""Prefill in chunks into free slots and decode every running sequence in one batched forward.
+
+Fault isolation: a row whose prefill chunk raises, or whose forward fails when run alone, is reported in
+`failed` (when the caller passes one) and the other rows carry on. A batched decode that raises cannot say
+which row broke it, so every row is then decoded alone once (same K/V columns, written again), and only
+the rows that fail alone are reported.
+"""
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -9,6 +16,9 @@ import torch
 from decoder_service.prompt import Prompt
 from decoder_service.slots import Plan, SlotCache
 from models.halves import LanguageHalf
+
+logger = logging.getLogger("epd.decoder")
+Failed = dict[Hashable, Exception]  # row key -> what broke it
 
 
 @dataclass
@@ -48,38 +58,80 @@ class BatchRunner:
         assert not self.is_full, "no free slot"
         assert prompt.num_tokens < self.cache.max_len, "prompt does not fit the cache"
         positions, delta = self.lm.position_ids(prompt.input_ids, prompt.images)
-        self.rows.append(Row(key, prompt, self.lm.embed(prompt.input_ids, prompt.images), positions, delta))
+        embeds = self.lm.embed(prompt.input_ids, prompt.images)
+        self.cache.clear(len(self.rows))  # what an earlier occupant left there (possibly non-finite) is gone
+        self.rows.append(Row(key, prompt, embeds, positions, delta))
 
     @torch.inference_mode()
-    def prefill(self, budget: int) -> dict[Hashable, torch.Tensor]:
-        """Prefill up to `budget` prompt tokens, chunk by chunk; returns last logits of prompts now complete."""
+    def prefill(self, budget: int, failed: Failed | None = None) -> dict[Hashable, torch.Tensor]:
+        """Prefill up to `budget` prompt tokens, chunk by chunk; returns last logits of prompts now complete.
+
+        With `failed`, a row whose chunk raises is recorded there (and left as it is) instead of raising.
+        """
         done: dict[Hashable, torch.Tensor] = {}
         for slot, row in enumerate(self.rows):
-            while not row.prefilled and budget > 0:
-                n = min(self.chunk, budget, row.prompt.num_tokens - row.length)
-                start, end = row.length, row.length + n
-                mask = self.cache.set_plan(Plan(slice(slot, slot + 1), [start], n))
-                logits = self.lm.forward_rows(row.embeds[:, start:end], row.positions[..., start:end], self.cache, mask)
-                row.length, budget = end, budget - n
-                if row.prefilled:
-                    done[row.key] = logits[0]
+            try:
+                while not row.prefilled and budget > 0:
+                    n, logits = self._prefill_chunk(slot, row, budget)
+                    budget -= n
+                    if row.prefilled:
+                        done[row.key] = logits
+            except Exception as exc:
+                if failed is None:
+                    raise
+                failed[row.key] = exc
         return done
 
+    def _prefill_chunk(self, slot: int, row: Row, budget: int) -> tuple[int, torch.Tensor]:
+        """Prefill the row's next chunk; returns (tokens prefilled, logits of the chunk's last position)."""
+        n = min(self.chunk, budget, row.prompt.num_tokens - row.length)
+        start, end = row.length, row.length + n
+        mask = self.cache.set_plan(Plan(slice(slot, slot + 1), [start], n))
+        logits = self.lm.forward_rows(row.embeds[:, start:end], row.positions[..., start:end], self.cache, mask)
+        row.length = end
+        return n, logits[0]
+
     @torch.inference_mode()
-    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, torch.Tensor]:
-        """Feed one token to every prefilled row (all of them must be given one); returns next logits."""
+    def decode(self, tokens: dict[Hashable, int], failed: Failed | None = None) -> dict[Hashable, torch.Tensor]:
+        """Feed one token to every prefilled row (all of them must be given one); returns next logits.
+
+        With `failed`, a failed batched forward is retried row by row; rows that fail alone are recorded
+        there (their length unchanged) and the others' logits are returned.
+        """
         rows = [r for r in self.rows if r.prefilled]
         assert rows == self.rows[: len(rows)] and set(tokens) == {r.key for r in rows}, "decode every prefilled row"
         if not rows:
             return {}
-        ids = torch.tensor([[tokens[r.key]] for r in rows])  # host tensors; embed / to_device move them
-        positions = torch.cat([self.lm.adapter.decode_position_ids(r.length, r.rope_delta) for r in rows], dim=-2)
-        positions = self.lm.to_device(positions)
-        mask = self.cache.set_plan(Plan(slice(0, len(rows)), [r.length for r in rows], 1))
-        logits = self.lm.forward_rows(self.lm.embed(ids, []), positions, self.cache, mask)
+        try:
+            logits = self._decode_rows(0, rows, tokens)
+        except Exception as exc:
+            if failed is None:
+                raise
+            logger.warning("batched decode of %d rows failed (%s: %s); decoding each row alone", len(rows),
+                           type(exc).__name__, exc)
+            return self._decode_each(rows, tokens, failed)
         for r in rows:
             r.length += 1
         return {r.key: logits[i] for i, r in enumerate(rows)}
+
+    def _decode_rows(self, first_slot: int, rows: list[Row], tokens: dict[Hashable, int]) -> torch.Tensor:
+        """One forward of `rows`, which sit in slots first_slot, first_slot + 1, ...; their lengths are not advanced."""
+        ids = torch.tensor([[tokens[r.key]] for r in rows])  # host tensors; embed / to_device move them
+        positions = torch.cat([self.lm.adapter.decode_position_ids(r.length, r.rope_delta) for r in rows], dim=-2)
+        positions = self.lm.to_device(positions)
+        mask = self.cache.set_plan(Plan(slice(first_slot, first_slot + len(rows)), [r.length for r in rows], 1))
+        return self.lm.forward_rows(self.lm.embed(ids, []), positions, self.cache, mask)
+
+    def _decode_each(self, rows: list[Row], tokens: dict[Hashable, int], failed: Failed) -> dict[Hashable, torch.Tensor]:
+        out: dict[Hashable, torch.Tensor] = {}
+        for slot, r in enumerate(rows):
+            try:
+                out[r.key] = self._decode_rows(slot, [r], tokens)[0]
+            except Exception as exc:
+                failed[r.key] = exc
+                continue
+            r.length += 1
+        return out
 
     def remove(self, key: Hashable) -> None:
         """Free a sequence's slot, keeping rows packed as [prefilled..., still prefilling...]."""

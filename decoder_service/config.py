@@ -19,14 +19,38 @@ class DecoderConfig:
     max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings
+    ec_max_reply_bytes: int = 1 << 30  # tensor bytes of one ZeroMQ reply (at least one whole item); more: refused
+    ec_max_message_bytes: int = 1 << 30  # bytes of one tensor frame; a producer sending more is disconnected
+    ec_max_items_per_get: int = 256  # hashes asked of one producer per get (at most the encoders' limit)
     aggregated: bool = False  # also load the vision half and encode images sent inline (no encoders)
     max_image_pixels: int = 40_000_000  # aggregated mode: larger images get a 400
+    engine_stall_timeout: float = 120.0  # seconds the engine loop may go without an iteration; then 503 + exit
     log_level: str = "info"
     internal_key: str | None = field(default=None, repr=False)  # Bearer key /generate requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
+    insecure: bool = False  # start without the internal key / CURVE keys (logs a WARNING)
+    # HTTP server limits (common/http.py HttpLimits). /generate carries the messages of a proxy request (its
+    # body is capped at 64 MiB) and, aggregated, its images inline: 0 picks 80 MiB, or 16 images of 20 MiB in
+    # base64 plus 1 MiB when aggregated
+    max_body_bytes: int = 0
+    body_read_timeout: float = 60.0
+    header_timeout: float = 10.0
+    limit_concurrency: int = 2048
+    timeout_keep_alive: int = 5
+    max_header_bytes: int = 16 << 10
+    backlog: int = 2048
+
+    @property
+    def curve_needs(self) -> tuple[str, ...]:
+        """CURVE keys this worker needs to start secure (common.cli.security_gaps); aggregated: no ZeroMQ peers."""
+        return () if self.aggregated else ("secret_key", "server_key")
 
     def __post_init__(self) -> None:
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_model_len >= 0, "max_model_len must be >= 0"
         assert self.gather_timeout > 0, "gather_timeout must be > 0"
         assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"
+        assert self.engine_stall_timeout > 0, "engine_stall_timeout must be > 0"
+        if self.max_body_bytes == 0:  # frozen: the resolved default is set once, here
+            auto = 16 * (20 << 20) * 4 // 3 + (1 << 20) if self.aggregated else 80 << 20
+            object.__setattr__(self, "max_body_bytes", auto)

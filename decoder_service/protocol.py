@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from contracts.limits import MAX_MESSAGES, MAX_TOTAL_PARTS, parts_error
+from contracts.sampling import SamplingParams
 
 
 class ImageRef(BaseModel):
@@ -14,17 +17,23 @@ class ImageRef(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    messages: list[dict[str, Any]]  # chat messages; image parts are {"type": "image"}, in order of `images`
-    images: list[ImageRef] = []
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
-    stop: list[str] = Field(default=[], max_length=4)
-    ignore_eos: bool = False
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    """POST /generate; an unknown field is a 400, so a proxy and a decoder that disagree find out at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # chat messages; image parts are {"type": "image"}, in order of `images`
+    messages: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_MESSAGES)
+    images: list[ImageRef] = Field(default=[], max_length=MAX_TOTAL_PARTS)
+    sampling: SamplingParams = SamplingParams()  # the contract the proxy built (contracts.sampling)
+
+    @field_validator("messages")
+    @classmethod
+    def _parts(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The proxy's caps on content parts, held again here (a caller may reach /generate directly)."""
+        error = parts_error([len(c) if isinstance(c := m.get("content"), list) else 0 for m in messages])
+        if error:
+            raise ValueError(error)
+        return messages
 
 
 class Usage(BaseModel):

@@ -1,42 +1,18 @@
-"""Sampling parameters and the next-token choice (penalties, greedy, temperature, top-k, top-p, seed)."""
-from __future__ import annotations
+"""The next-token choice for one sequence (penalties, greedy, temperature, top-k, top-p, seed).
 
-from dataclasses import dataclass
+The parameters are the contract the proxy validated (contracts.sampling.SamplingParams, re-exported here);
+for every value it admits and any logits row (NaN, +-inf, all equal, huge magnitudes) `choose` returns a
+token and never raises, so one request's parameters cannot fail the batched step of the others.
+"""
+from __future__ import annotations
 
 import torch
 
+from contracts.sampling import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    frequency_penalty: float = 0.0  # OpenAI: minus this times how often a token was already generated
-    presence_penalty: float = 0.0  # OpenAI: minus this once a token has been generated at all
+__all__ = ["Sampler", "SamplingParams"]
 
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not (-2 <= self.frequency_penalty <= 2 and -2 <= self.presence_penalty <= 2):
-            raise ValueError("frequency_penalty and presence_penalty must be in [-2, 2]")
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+_NEG_INF = float("-inf")
 
 
 class Sampler:
@@ -52,7 +28,7 @@ class Sampler:
         self.counts: dict[int, int] = {}  # token id -> times chosen so far
         self.generator = torch.Generator(device=device)
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(params.seed)  # the contract admits exactly manual_seed's range
         else:
             self.generator.seed()
 
@@ -78,17 +54,30 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
-        if p.greedy:
+        if p.greedy:  # argmax never raises (a NaN row is the model's fault; it still yields a token)
             return torch.argmax(logits)
-        logits = logits.float() / p.temperature
+        scores = _scaled(logits, p.temperature)
         if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+            kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, _NEG_INF)
+        probs = torch.softmax(scores, dim=-1)
         if p.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            # keep the smallest prefix whose mass reaches top_p, and always the most likely token
             drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            drop[0] = False
             sorted_probs = sorted_probs.masked_fill(drop, 0)  # not boolean indexing: that waits for the device
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(logits - max) / temperature in float32: at most 0, and 0 somewhere, so softmax is always defined.
+
+    NaN counts as impossible; +inf tokens share all the mass (the limit of softmax); a row with no finite
+    maximum (all -inf or NaN) is uniform. Shifting first means a huge logit over a small temperature
+    cannot overflow to +inf. All without a host sync (`torch.where`, not `if`).
+    """
+    x = torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
+    top = x.max()
+    return torch.where(torch.isinf(top), torch.where(x == top, 0.0, _NEG_INF), (x - top) / temperature)

@@ -15,7 +15,7 @@ from decoder_service.protocol import Event, Usage
 from decoder_service.sampling import Sampler, SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: identity, not field equality (comparing prompts' tensors raises)
 class Job:
     prompt: Prompt
     params: SamplingParams
@@ -57,7 +57,7 @@ class Sequence:
             self.job.emit(Event(type="delta", text=text))
         if self.detok.stopped:
             return "stop"
-        if self.num_generated >= self.job.params.max_tokens:
+        if self.job.params.max_tokens is not None and self.num_generated >= self.job.params.max_tokens:
             return "length"
         self.pending = token
         return None

@@ -4,25 +4,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from common.cli import parse_config, run_worker, worker_parser
 from common.errors import APIError, install_error_handlers
-from common.http import freeze_startup_heap, install_api_key, install_metrics, install_request_id
+from common.http import freeze_startup_heap, install_api_key, install_body_limit, install_metrics, install_request_id
 from common.logs import request_id_var
 from connector import ECConsumer
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
+from decoder_service.embedding_check import EmbeddingCheck
 from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.protocol import GenerateRequest
 from decoder_service.sequence import Job
+from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
 from models.halves import LanguageHalf, VisionHalf, loaded_summary
+from models.identity import model_identity
 from models.resolve import resolve_model
 
 logger = logging.getLogger("epd.decoder")
@@ -40,28 +44,46 @@ async def _stream(job: Job, request_id: str) -> AsyncIterator[bytes]:
         job.cancelled.set()
 
 
-def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
-    """The decoder app; loads its LM at startup unless one is given (tests)."""
+async def _set_on_disconnect(request: Request, cancelled: threading.Event) -> None:
+    """Set `cancelled` when the client goes away (the body is read: only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancelled.set()
+
+
+def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: FatalHandler | None = None) -> FastAPI:
+    """The decoder app; loads its LM at startup unless one is given (tests).
+
+    `on_fatal(code, reason)` is called once if the engine dies or stalls (default: exit the process non-zero).
+    """
     state: dict[str, Engine] = {}
+    identity: dict[str, object] = {}
+    checks: list[EmbeddingCheck] = []  # set once the LM is loaded; gathers only run after that
     registry = CollectorRegistry()
-    consumer = ECConsumer(cache_bytes=cfg.ec_cache_bytes, curve=cfg.curve)
+    consumer = ECConsumer(cache_bytes=cfg.ec_cache_bytes, curve=cfg.curve, check=lambda out: checks[0](out),
+                          max_message_bytes=cfg.ec_max_message_bytes, max_reply_bytes=cfg.ec_max_reply_bytes,
+                          max_items_per_get=cfg.ec_max_items_per_get)
     metrics = DecoderMetrics(registry, lambda: consumer.stats())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         half = lm if lm is not None else await asyncio.to_thread(
             LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device)
+        checks.append(EmbeddingCheck(half))
+        identity.update(model_identity(half.model_dir))
         inline = None
         if cfg.aggregated:  # the vision half runs on the LM's device
             vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)
-            inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels)
+            inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, checks[0])
         state["engine"] = Engine(half, consumer, cfg, metrics, inline)
+        watchdog = Watchdog(state["engine"], on_fatal or exit_process(), cfg.engine_stall_timeout)
         freeze_startup_heap()
         engine = state["engine"]
         logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, KV slots %d x %d positions = "
                     "%.1f MiB", cfg.model, half.device, str(half.dtype).removeprefix("torch."), engine.max_model_len,
                     cfg.max_num_seqs, engine.max_model_len, engine.runner.cache.nbytes / 2**20)
         yield
+        watchdog.stop()
         await asyncio.to_thread(state["engine"].close)
         consumer.close()
 
@@ -70,21 +92,28 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
     install_error_handlers(app)
     install_request_id(app)
     install_metrics(app, registry)
+    install_body_limit(app, cfg.max_body_bytes, cfg.body_read_timeout)  # bytes received, chunked or not
     install_api_key(app, cfg.internal_key, ("/generate",), "internal key")
 
     @app.post("/generate")
-    async def generate(req: GenerateRequest) -> StreamingResponse:
+    async def generate(req: GenerateRequest, request: Request) -> Response:
         engine = state["engine"]
+        if (problem := engine.problem()) is not None:
+            raise APIError(503, problem[1], code=problem[0])
         if engine.num_waiting >= cfg.max_queued:
             raise APIError(503, "decoder queue is full", code="overloaded")
         metrics.waiting.inc()
+        cancelled = threading.Event()  # the client went away while its embeddings were gathered
+        watcher = asyncio.create_task(_set_on_disconnect(request, cancelled))
         try:
             prompt, params = await asyncio.to_thread(engine.prepare, req)
-        except APIError as exc:
-            metrics.requests.labels(str(exc.status)).inc()
+            job = engine.submit(prompt, params, cancelled)
+        except Exception as exc:  # an APIError is this request's answer; anything else its 500 (error handlers)
+            metrics.requests.labels(str(exc.status) if isinstance(exc, APIError) else "500").inc()
             metrics.waiting.dec()
             raise
-        job = engine.submit(prompt, params)
+        finally:
+            watcher.cancel()
         metrics.requests.labels("200").inc()
 
         async def body() -> AsyncIterator[bytes]:
@@ -101,14 +130,17 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None) -> FastAPI:
         if "engine" not in state:
             raise APIError(503, "decoder is loading", code="not_ready")
         engine = state["engine"]
+        if (problem := engine.problem()) is not None:  # cheap: a few attribute reads
+            raise APIError(503, problem[1], code=problem[0])
         loaded = loaded_summary(engine.lm.module)
         if engine.inline is not None:  # aggregated mode holds both halves
             vision = loaded_summary(engine.inline.vision.module)
             loaded = {"modules": sorted([*loaded["modules"], *vision["modules"]]),  # type: ignore[misc]
                       "num_parameters": loaded["num_parameters"] + vision["num_parameters"],  # type: ignore[operator]
                       "num_encoded": engine.inline.num_encoded}
-        return {"status": "ok", "role": "decoder", "model": cfg.model, "aggregated": cfg.aggregated,
-                "waiting": engine.num_waiting, "running": engine.num_running, "pid": os.getpid(), "loaded": loaded}
+        return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": identity,
+                "aggregated": cfg.aggregated, "waiting": engine.num_waiting, "running": engine.num_running,
+                "pid": os.getpid(), "loaded": loaded}
 
     return app
 
@@ -126,8 +158,18 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--aggregated", action="store_true",
                    help="also load the vision tower and encode images sent inline (one process, no encoders)")
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, help="aggregated mode")
+    p.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout,
+                   help="seconds the engine loop may make no progress; then /health answers 503 and the process "
+                        "exits with status 70")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of gathered embeddings this decoder keeps (LRU)")
+    g = p.add_argument_group("connector limits (ZeroMQ consumer)")
+    g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
+                   help="tensor bytes of one reply from an encoder; a larger reply is refused before it is decoded")
+    g.add_argument("--ec-max-message-bytes", type=int, default=d.ec_max_message_bytes,
+                   help="bytes of one tensor frame; an encoder sending a larger one is disconnected")
+    g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
+                   help="hashes asked of one encoder per get (keep at most the encoders' --ec-max-items-per-get)")
     return parse_config(p, argv, DecoderConfig)
 
 

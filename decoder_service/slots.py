@@ -4,6 +4,11 @@ Why this layout (measured in ../shared/notes/continuous-batching-on-cpu.md on th
 slots scale to 4.7x output tokens/s at 16 sequences and 6.7x at 64 on a small model, where stacking
 per-sequence DynamicCaches every step stops scaling past 16 (3.5x / 3.3x). Running sequences stay
 packed in slots 0..n-1, so a decode step reads K/V as views and gathers nothing.
+
+NOTE: a row's masked-out columns are still read by the attention matmul (weight 0), and 0 * NaN is NaN:
+a slot must never hand one sequence's leftovers (possibly non-finite, e.g. from a request that failed)
+to the next. So each slot's written columns are tracked (`dirty`), a slot is zeroed before a new
+sequence takes it, and a move zeroes the destination's columns past the moved row's length.
 """
 from __future__ import annotations
 
@@ -87,6 +92,7 @@ class SlotCache(Cache):
         super().__init__(layers=list(layers))
         self.slot_layers = layers
         self.max_slots, self.max_len = max_slots, max_len
+        self.dirty = [0] * max_slots  # slot -> columns 0..n-1 may hold data (written or moved there)
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +103,9 @@ class SlotCache(Cache):
     def set_plan(self, plan: Plan) -> torch.Tensor:
         """Plan the next forward; returns its boolean attention mask (rows, 1, num_new, kv_len)."""
         assert plan.kv_len <= self.max_len, f"{plan.kv_len} positions exceed the cache's {self.max_len}"
+        for i, start in enumerate(plan.starts):  # marked before the forward: a failed one may have written
+            slot = plan.rows.start + i
+            self.dirty[slot] = max(self.dirty[slot], start + plan.num_new)
         dev = self.device
         starts = torch.tensor(plan.starts).to(dev, non_blocking=True)  # one small host->device copy per forward
         plan.index = (torch.arange(len(plan.starts), device=dev), starts)
@@ -111,3 +120,17 @@ class SlotCache(Cache):
             assert layer.keys is not None and layer.values is not None
             layer.keys[dst, :, :length] = layer.keys[src, :, :length]
             layer.values[dst, :, :length] = layer.values[src, :, :length]
+        self._zero(dst, length, self.dirty[dst])
+        self.dirty[dst] = length
+
+    def clear(self, slot: int) -> None:
+        """Zero whatever a slot's earlier occupants wrote (before a new sequence takes it)."""
+        self._zero(slot, 0, self.dirty[slot])
+        self.dirty[slot] = 0
+
+    def _zero(self, slot: int, start: int, end: int) -> None:
+        if end > start:
+            for layer in self.slot_layers:
+                assert layer.keys is not None and layer.values is not None
+                layer.keys[slot, :, start:end] = 0
+                layer.values[slot, :, start:end] = 0

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from connector.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
 from connector.security import CurveConfig
+from connector.waiters import MAX_PARKED
+
+MAX_ITEMS_PER_REQUEST = 64  # the proxy sends at most its --max-images-per-request (16) per call
+MAX_ENCODE_BYTES = 320 << 20  # decoded image bytes per /encode: 16 images at the proxy's 20 MiB cap
+MAX_ITEMS_PER_GET = 256
 
 
 @dataclass(frozen=True)
@@ -19,11 +25,36 @@ class EncoderConfig:
     ec_advertise_host: str | None = None  # host decoders and proxies reach the ZeroMQ endpoints at (0.0.0.0 binds)
     max_batch_size: int = 16  # images per vision forward
     max_image_pixels: int = 40_000_000
+    max_items_per_request: int = MAX_ITEMS_PER_REQUEST  # items per /encode; more get a 400
+    max_encode_bytes: int = MAX_ENCODE_BYTES  # decoded image bytes per /encode; more get a 413
+    ec_max_items_per_get: int = MAX_ITEMS_PER_GET  # hashes one ZeroMQ get may ask for; more get an error reply
+    ec_max_reply_bytes: int = MAX_REPLY_BYTES  # tensor bytes of one get reply; items past it are answered not found
+    ec_max_parked_gets: int = MAX_PARKED  # gets waiting for items still encoding; more are answered at once
+    ec_max_parked_hashes: int = MAX_PARKED_HASHES  # hashes those parked gets hold in all
     log_level: str = "info"
     internal_key: str | None = field(default=None, repr=False)  # Bearer key /encode requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
+    # HTTP server limits (common/http.py HttpLimits): /encode carries base64 images, so the body cap fits the
+    # proxy's defaults: 16 images of 20 MiB, base64 (4/3), plus 1 MiB of JSON
+    max_body_bytes: int = 16 * (20 << 20) * 4 // 3 + (1 << 20)
+    body_read_timeout: float = 60.0
+    header_timeout: float = 10.0
+    limit_concurrency: int = 2048
+    timeout_keep_alive: int = 5
+    max_header_bytes: int = 16 << 10
+    backlog: int = 2048
+    insecure: bool = False  # start without the internal key / CURVE keys (logs a WARNING)
+
+    @property
+    def curve_needs(self) -> tuple[str, ...]:
+        """CURVE keys this worker needs to start secure (see common.cli.security_gaps)."""
+        return ("secret_key", "allowed_clients")
 
     def __post_init__(self) -> None:
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_batch_size >= 1, "max_batch_size must be >= 1"
         assert self.ec_cache_bytes > 0, "ec_cache_bytes must be > 0"
+        assert self.max_items_per_request >= 1 and self.max_encode_bytes >= 1, \
+            "max_items_per_request and max_encode_bytes must be >= 1"
+        assert min(self.ec_max_items_per_get, self.ec_max_reply_bytes, self.ec_max_parked_gets,
+                   self.ec_max_parked_hashes) >= 1, "ec_max_* limits must be >= 1"

@@ -5,16 +5,19 @@ from pydantic import BaseModel, Field
 
 
 class EncodeItem(BaseModel):
-    mm_hash: str = Field(min_length=1, max_length=256)
+    # The encoder computes each item's mm_hash from its bytes (contracts.hashing) and stores it under that hash
+    # only. The field is optional; when given (the proxy always sends it, so a hashing bug is caught) it must
+    # equal the computed hash, or the call gets a 400 `hash_mismatch`.
+    mm_hash: str | None = Field(default=None, min_length=1, max_length=256)
     data: str  # base64 of the image file's bytes
 
 
 class EncodeRequest(BaseModel):
-    items: list[EncodeItem]
+    items: list[EncodeItem]  # at most --max-items-per-request (400 beyond)
 
 
 class EncodedItem(BaseModel):
-    mm_hash: str
+    mm_hash: str  # the hash the encoder computed from the bytes (what the embeddings are stored under)
     num_tokens: int
     grid_thw: tuple[int, int, int] | None = None
     cached: bool = False  # True: already held, not encoded again

@@ -17,33 +17,54 @@ from prometheus_client import CollectorRegistry
 
 from common.cli import parse_config, run_worker, worker_parser
 from common.errors import APIError, bad_request, install_error_handlers
-from common.http import freeze_startup_heap, install_api_key, install_metrics, install_request_id
+from common.http import freeze_startup_heap, install_api_key, install_body_limit, install_metrics, install_request_id
 from connector import ECProducer
+from contracts.hashing import mm_hash
 from encoder_service.config import EncoderConfig
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.protocol import EncodeRequest, EncodeResponse
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from models.halves import VisionHalf, loaded_summary
+from models.identity import model_identity
 from models.images import ImageError
 from models.resolve import resolve_model
 
 logger = logging.getLogger("epd.encoder")
 
 
+def _check_caps(req: EncodeRequest, cfg: EncoderConfig) -> None:
+    """Item count (400) and decoded bytes (413, judged from the base64 lengths before anything is decoded)."""
+    if len(req.items) > cfg.max_items_per_request:
+        raise bad_request(f"{len(req.items)} items in one /encode, over the limit of {cfg.max_items_per_request}",
+                          param="items", code="too_many_items")
+    decoded = sum(len(item.data) for item in req.items) * 3 // 4
+    if decoded > cfg.max_encode_bytes + 2 * len(req.items):  # base64 padding: up to 2 bytes per item
+        raise APIError(413, f"the images of one /encode decode to about {decoded} bytes, over the limit of "
+                            f"{cfg.max_encode_bytes}", param="items", code="request_too_large")
+
+
 def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
+    """Decode each item and hash its bytes here: a caller never chooses the hash an embedding is stored under."""
     out = []
     for i, item in enumerate(req.items):
         try:
-            out.append(ScheduledEncoderInput(item.mm_hash, base64.b64decode(item.data, validate=True)))
+            data = base64.b64decode(item.data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise bad_request(f"items[{i}].data is not valid base64: {exc}", param=f"items.{i}.data") from exc
+        computed = mm_hash(data)
+        if item.mm_hash is not None and item.mm_hash != computed:
+            raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (contracts.hashing)",
+                              param=f"items.{i}.mm_hash", code="hash_mismatch")
+        out.append(ScheduledEncoderInput(computed, data))
     return out
 
 
 def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     vision = VisionHalf(resolve_model(cfg.model), cfg.dtype, cfg.device)
     producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
-                          curve=cfg.curve, advertise_host=cfg.ec_advertise_host).start()
+                          curve=cfg.curve, advertise_host=cfg.ec_advertise_host,
+                          max_items_per_get=cfg.ec_max_items_per_get, max_reply_bytes=cfg.ec_max_reply_bytes,
+                          max_parked_gets=cfg.ec_max_parked_gets, max_parked_hashes=cfg.ec_max_parked_hashes).start()
     return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels)
 
 
@@ -58,6 +79,7 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         state["worker"] = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
         freeze_startup_heap()
         app.state.metrics = EncoderMetrics(registry, state["worker"].producer.stats)
+        app.state.model_identity = model_identity(state["worker"].vision.model_dir)
         vision = state["worker"].vision
         logger.info("encoder ready: model=%s device=%s dtype=%s ec_address=%s", cfg.model, vision.device,
                     str(vision.dtype).removeprefix("torch."), state["worker"].producer.address)
@@ -69,12 +91,18 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
     install_error_handlers(app)
     install_request_id(app)
     install_metrics(app, registry)
+    install_body_limit(app, cfg.max_body_bytes, cfg.body_read_timeout)  # bytes received, chunked or not
     install_api_key(app, cfg.internal_key, ("/encode",), "internal key")
 
     @app.post("/encode", response_model=EncodeResponse)
     async def encode(req: EncodeRequest) -> EncodeResponse:
         w, m = state["worker"], app.state.metrics
-        items = _decode_items(req)
+        try:
+            _check_caps(req, cfg)
+            items = await asyncio.to_thread(_decode_items, req)  # base64 and sha256 of up to max_encode_bytes
+        except APIError as exc:
+            m.requests.labels(str(exc.status)).inc()
+            raise
         m.queue_depth.inc()
         start = time.perf_counter()
         try:
@@ -83,6 +111,10 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         except ImageError as exc:
             m.requests.labels("400").inc()
             raise bad_request(str(exc), param="image", code="invalid_image") from exc
+        except Exception as exc:  # noqa: BLE001 - one call's failure is that call's own error; the executor goes on
+            logger.exception("encode failed")
+            m.requests.labels("500").inc()
+            raise APIError(500, f"encoding failed: {type(exc).__name__}", code="encode_failed") from exc
         finally:
             m.queue_depth.dec()
         m.encode_seconds.observe(time.perf_counter() - start)
@@ -97,7 +129,8 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         if "worker" not in state:
             raise APIError(503, "encoder is loading", code="not_ready")
         w = state["worker"]
-        return {"status": "ok", "role": "encoder", "model": cfg.model, "ec_address": w.producer.address,
+        return {"status": "ok", "role": "encoder", "model": cfg.model, "model_identity": app.state.model_identity,
+                "ec_address": w.producer.address,
                 "ec_events_address": w.producer.events_address, "ec_epoch": w.producer.epoch,
                 "num_encoded": w.num_encoded, "pid": os.getpid(), "loaded": loaded_summary(w.vision.module)}
 
@@ -117,6 +150,19 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="bytes of embeddings this encoder keeps (LRU; in-flight items are never evicted)")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
+    p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request,
+                   help="items one /encode may carry; more get a 400 too_many_items")
+    p.add_argument("--max-encode-bytes", type=int, default=d.max_encode_bytes,
+                   help="decoded image bytes one /encode may carry; more get a 413 request_too_large")
+    g = p.add_argument_group("connector limits (ZeroMQ producer)")
+    g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
+                   help="hashes one get or has may ask for; more get an error reply")
+    g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
+                   help="tensor bytes of one get reply beyond its first item; the rest are sent on the next get")
+    g.add_argument("--ec-max-parked-gets", type=int, default=d.ec_max_parked_gets,
+                   help="gets held for items still encoding; more are answered at once with what is held")
+    g.add_argument("--ec-max-parked-hashes", type=int, default=d.ec_max_parked_hashes,
+                   help="hashes all held gets may name together (bounds their memory)")
     return parse_config(p, argv, EncoderConfig)
 
 

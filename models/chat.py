@@ -5,6 +5,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models.tokenizer_facts import TokenizerFacts, tokenizer_facts
+from models.user_text import count_added, defang, mark, tokenize_isolated
+
 
 def chat_template(tokenizer: Any, model_dir: str | Path) -> str:
     """The tokenizer's template, else the processor's (LLaVA checkpoints keep it there)."""
@@ -28,10 +31,48 @@ class PromptTooLong(Exception):
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_tokens: int | None = None) -> list[int]:
-    """Apply the chat template (one placeholder per image) and tokenize.
+    """Apply the chat template (one placeholder per image) and tokenize; user text never becomes an added token.
 
-    With `max_tokens`, a prompt that cannot fit raises PromptTooLong before it is tokenized in full.
+    Text from the request (contents, text parts, names) tokenizes exactly as the whole prompt did before, unless it
+    contains (or forms, with its neighbours) an added token's string: then that string becomes ordinary tokens.
+    The template's own special tokens and image markers are kept. See models/user_text.py.
+
+    With `max_tokens`, a prompt that cannot fit raises PromptTooLong before it is tokenized: the rendered text is
+    refused when longer than max_tokens x the most characters one token can cover (models/tokenizer_facts.py).
+    Worst case: a refusal costs the render (a few copies of the text, O(n) time); a prompt that passes that bound
+    is at most max_tokens x max_chars_per_token characters (demo and tiny models: 4096 x 33 = 135k), which is the
+    largest prompt that can fit, so a too-long prompt never costs more than serving the longest one that fits.
     """
-    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
-    # NOTE: like apply_chat_template(tokenize=True): the template owns BOS and other specials
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    facts = tokenizer_facts(tokenizer)
+    marked = mark(messages, facts)
+    sentinel_render = _apply(tokenizer, marked.messages, template)
+    text, spans = marked.fill(sentinel_render)
+    if max_tokens is not None:
+        at_least = facts.min_tokens(text)
+        if at_least > max_tokens:
+            raise PromptTooLong(at_least, max_tokens)
+    if getattr(tokenizer, "is_fast", False) and _apply(tokenizer, messages, template) == text:
+        ids = tokenize_isolated(tokenizer, text, spans, facts)
+    else:  # the template changes user text (e.g. trims it) or no offsets: spans are unknown
+        ids = _tokenize_defanged(tokenizer, messages, sentinel_render, template, facts)
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise PromptTooLong(len(ids), max_tokens)
+    return ids
+
+
+def _apply(tokenizer: Any, messages: list[dict[str, Any]], template: str) -> str:
+    # NOTE: like apply_chat_template(tokenize=True), the template owns BOS and other specials
+    return str(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True))
+
+
+def _tokenize_defanged(tokenizer: Any, messages: list[dict[str, Any]], sentinel_render: str, template: str,
+                       facts: TokenizerFacts) -> list[int]:
+    """Reserved strings in user text are broken up before rendering; the result must hold exactly the added
+    tokens the template makes by itself (counted on the sentinel render), else the request is refused."""
+    own = count_added(tokenizer(sentinel_render, add_special_tokens=False)["input_ids"], facts)
+    rendered = _apply(tokenizer, defang(messages, facts), template)
+    ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    if count_added(ids, facts) != own:
+        raise ValueError("the text contains a reserved token sequence that this chat template cannot keep apart")
+    return ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -12,19 +12,22 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import APIError, install_error_handlers
-from common.http import has_bearer, install_api_key, install_metrics, install_request_id
+from common.http import BodyLimit, has_bearer, install_api_key, install_metrics, install_request_id, until_disconnected
 from common.logs import request_id_var
 from proxy.config import ProxyConfig
+from proxy.fetch_slots import FetchSlots
 from proxy.fleet import Fleet
 from proxy.generation import Generation
+from proxy.media import has_remote_images
 from proxy.metrics import ProxyMetrics
 from proxy.openai_format import Completion, openai_finish_reason, openai_usage, sse
-from proxy.prepare import prepare_chat
+from proxy.prepare import PreparedChat, prepare_chat
 from proxy.protocol import ChatCompletionRequest, InstanceRequest
+from proxy.signals import Interrupted, unless_signalled
+from proxy.workers import ModelMismatch
 
 logger = logging.getLogger("epd.proxy")
 
@@ -35,7 +38,7 @@ async def _sse(gen: Generation, completion: Completion, include_usage: bool, met
     last, finished, failure = start, False, "generation ended without finishing"
     try:
         yield sse(completion.chunk({"role": "assistant", "content": ""}))
-        async for ev in gen.events():
+        async for ev in _events_apart(gen):
             if ev["type"] == "delta":
                 now = time.perf_counter()
                 (metrics.itl if last > start else metrics.ttft).observe(now - last)
@@ -55,8 +58,10 @@ async def _sse(gen: Generation, completion: Completion, include_usage: bool, met
             yield sse(APIError(502, failure, code="stream_interrupted").body())
         yield sse("[DONE]")
         metrics.e2e.observe(time.perf_counter() - start)
-    finally:
-        await gen.close()
+    except BaseException:  # cut off (the client left): closed from a plain task, see _events_apart
+        _detach(gen.close())
+        raise
+    await gen.close()
 
 
 async def _collect(gen: Generation, completion: Completion, metrics: ProxyMetrics, start: float) -> dict[str, Any]:
@@ -78,25 +83,49 @@ async def _collect(gen: Generation, completion: Completion, metrics: ProxyMetric
         await gen.close()
 
 
-class _LimitsAndCounts:
-    """Pure ASGI: a 413 for a declared body over the limit (before it is read); chat completions counted
-    by status."""
+_DETACHED: set[asyncio.Future[Any]] = set()  # clean-ups that outlive the request's task
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, requests: Counter) -> None:
-        self.app, self.max_body_bytes, self.requests = app, max_body_bytes, requests
+
+def _detach(work: Awaitable[Any]) -> None:
+    task = asyncio.ensure_future(work)
+    _DETACHED.add(task)
+    task.add_done_callback(_DETACHED.discard)
+
+
+async def _events_apart(gen: Generation) -> AsyncIterator[dict[str, Any]]:
+    """gen.events(), each read from the decoder in a task of its own.
+
+    NOTE: Starlette stops a stream whose client left by cancelling an anyio scope, which cancels every await
+    of the streaming task again and again, shields included; httpx's clean-up of a read cut off that way is
+    itself cancelled and leaves the decoder connection open, so the sequence ran on to max_tokens (measured).
+    A read in its own task is cancelled once, and closes the connection, which cancels the sequence; the
+    stream's own close must then also run outside the cancelled task (_sse).
+    """
+    events = gen.events()
+    step: asyncio.Future[dict[str, Any]] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(events))
+            try:
+                ev = await asyncio.shield(step)
+            except StopAsyncIteration:
+                return
+            yield ev
+    finally:
+        if step is not None and not step.done():
+            step.cancel()
+            _detach(asyncio.gather(step, return_exceptions=True))  # keep it referenced until it has closed
+
+
+class _LimitsAndCounts:
+    """Pure ASGI: the body limits (common/http.py BodyLimit: 413 past the bytes received, chunked or not,
+    408 past the read deadline); chat completions counted by status, those refusals included."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_read_timeout: float, requests: Counter) -> None:
+        self.app, self.requests = BodyLimit(app, max_body_bytes, body_read_timeout), requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        counted = scope["path"] == "/v1/chat/completions"
-        size = Headers(scope=scope).get("content-length")
-        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
-            if counted:
-                self.requests.labels("413").inc()
-            response = APIError(413, f"request body is larger than {self.max_body_bytes} bytes",
-                                code="body_too_large").response()
-            return await response(scope, receive, send)
-        if not counted:
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
             return await self.app(scope, receive, send)
 
         async def count(message: Message) -> None:
@@ -121,7 +150,16 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         async with httpx.AsyncClient(limits=limits, timeout=cfg.worker_timeout) as client:
             fleet = Fleet(cfg, client, metrics)
-            await fleet.start()
+            try:
+                await unless_signalled(fleet.start())  # SIGTERM / Ctrl-C while waiting for workers: stop
+            except Interrupted as exc:
+                logger.warning("%s while waiting for workers: stopping", exc)
+                await fleet.close()
+                yield  # uvicorn saw the signal too: it stops without serving
+                return
+            except BaseException:
+                await fleet.close()
+                raise
             state["fleet"] = fleet
             logger.info("proxy ready: %d encoder(s), %d decoder(s)", len(cfg.encode_urls), len(cfg.decode_urls))
             if on_ready is not None:
@@ -135,17 +173,37 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
 
     install_api_key(app, cfg.api_key)  # inside the counting middleware: 401s are counted too
 
-    app.add_middleware(_LimitsAndCounts, max_body_bytes=cfg.max_body_bytes, requests=metrics.requests)
+    app.add_middleware(_LimitsAndCounts, max_body_bytes=cfg.max_body_bytes, body_read_timeout=cfg.body_read_timeout,
+                       requests=metrics.requests)
+    fetch_slots = FetchSlots(cfg.max_concurrent_fetches)  # image downloads at once, all requests together
 
     install_request_id(app)  # outermost: the id is set before anything else runs
 
+    async def prepare(req: ChatCompletionRequest) -> PreparedChat:
+        """Text alone is cheap: no thread hop. Images are loaded within --media-fetch-deadline: downloads on a
+        fetch slot (threads of their own, a cap shared by all requests), data and file images on asyncio's pool."""
+        if not req.num_images():
+            return prepare_chat(req, cfg)
+        deadline = time.monotonic() + cfg.media_fetch_deadline
+        if has_remote_images(req):
+            return await fetch_slots.run(deadline, prepare_chat, req, cfg, deadline)
+        return await asyncio.to_thread(prepare_chat, req, cfg, deadline)
+
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        # a client that leaves before its answer is out (prepare, encode, a non-streaming generation) stops it:
+        # no generation is opened, or the one opened is closed, which cancels it on the decoder
+        answer = await until_disconnected(request.receive, answer_chat(req))
+        if answer is None:
+            logger.info("client went away before its answer: stopped")
+            return Response(status_code=499)  # nobody reads it; counted in epd_proxy_requests
+        return answer
+
+    async def answer_chat(req: ChatCompletionRequest) -> Response:
         start = time.perf_counter()
         rid = request_id_var.get()
         fleet = state["fleet"]
-        # images may be downloaded or decoded: off the event loop; text alone is cheap: no thread hop
-        chat = await asyncio.to_thread(prepare_chat, req, cfg) if req.num_images() else prepare_chat(req, cfg)
+        chat = await prepare(req)
         gen = Generation(fleet, chat, rid)
         try:
             if cfg.pipeline_encode and not cfg.aggregated:
@@ -169,9 +227,19 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        """Liveness: 200 while the process serves, whatever its workers do (readiness is /ready)."""
         if "fleet" not in state:
             raise APIError(503, "proxy is starting", code="not_ready")
         return {"status": "ok", "role": "proxy", **_instances(state["fleet"])}
+
+    @app.get("/ready")
+    async def ready() -> dict[str, Any]:
+        """Readiness: 503 while no healthy decoder (or, unless aggregated, no healthy encoder) can take work."""
+        why = "proxy is starting" if "fleet" not in state else \
+            state["fleet"].workers.not_ready(need_encoder=not cfg.aggregated)
+        if why is not None:
+            raise APIError(503, f"not ready: {why}", code="not_ready")
+        return {"status": "ready", "role": "proxy"}
 
     def require_internal_key(request: Request) -> Fleet:
         """/instances needs the internal key (not the public API key); without one configured it is off."""
@@ -196,6 +264,8 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
             raise APIError(400, "an aggregated proxy has no encoders", param="role", code="invalid_value")
         try:
             worker = await fleet.register(body.role, body.url)
+        except ModelMismatch as exc:
+            raise APIError(409, str(exc), param="url", code="model_mismatch") from exc
         except ValueError as exc:
             raise APIError(409, str(exc), param="url", code="conflict") from exc
         return {"role": worker.role, **worker.describe()}

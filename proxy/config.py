@@ -15,12 +15,21 @@ class ProxyConfig:
     port: int = 8000
     max_images_per_request: int = 16
     max_image_bytes: int = 20 << 20  # one decoded image file
-    max_body_bytes: int = 64 << 20  # the whole HTTP request
+    max_body_bytes: int = 64 << 20  # the whole HTTP request body, counted as received
+    # the HTTP server's other limits (common/http.py HttpLimits)
+    body_read_timeout: float = 60.0  # seconds to receive a whole request body (408 after)
+    header_timeout: float = 10.0  # seconds to receive a request's headers (the connection is closed after)
+    limit_concurrency: int = 2048  # open connections + requests in progress (503 beyond; 0: no limit)
+    timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open
+    max_header_bytes: int = 16 << 10  # request line + headers (400 above)
+    backlog: int = 2048  # connections queued before accept
     max_image_pixels: int = 40_000_000
     # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
     allowed_local_media_path: str | None = None  # file:// URLs only under this directory
     allowed_media_domains: tuple[str, ...] = ()  # hosts (names or IPs) fetched even if they resolve privately
     media_fetch_timeout: float = 10.0  # seconds: connect, and each read, of one image download
+    media_fetch_deadline: float = 30.0  # seconds to load all of one request's images (slot wait included)
+    max_concurrent_fetches: int = 16  # http(s) image downloads at once, all requests together
     worker_timeout: float = 300.0  # seconds for one encode call or one generation
     startup_timeout: float = 300.0  # seconds to wait for workers at start
     log_level: str = "info"
@@ -45,3 +54,5 @@ class ProxyConfig:
             raise ValueError("the proxy needs at least one decoder URL and, unless aggregated, one encoder URL")
         assert self.health_interval > 0 and self.health_timeout > 0 and self.health_failures >= 1
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
+        assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
+            "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"

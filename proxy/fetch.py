@@ -6,6 +6,16 @@ or otherwise non-global); the connection goes to the address that was checked, s
 rebind it to an internal one. Hosts named in ``ProxyConfig.allowed_media_domains`` skip the address check
 (but are still pinned). Redirects are followed by hand, at most ``MAX_REDIRECTS``, and each target is checked
 by the same rules before it is contacted. The body is capped at ``max_image_bytes`` while it is read.
+
+Time is bounded twice: each download by ``TOTAL_TIMEOUT_FACTOR`` x ``media_fetch_timeout`` (400), and all of a
+request's images by the request's deadline (``media_fetch_deadline``, 408), both enforced inside the reading
+thread (per-read timeouts shortened to what is left, the clock checked after every chunk), so a download stops
+when its time is up instead of reading on in the background. ``proxy/fetch_slots.py`` caps the downloads
+running at once over all requests, on threads of their own, so slow hosts cannot take the threads others need.
+NOTE: what no clock in the thread reaches: name resolution (getaddrinfo) has no timeout of its own, and a
+read already waiting when the deadline passes ends by its own timeout (at most min(media_fetch_timeout, the
+time left when the hop began) after the last byte). The thread holds its fetch slot until then; the request
+itself gets its 408 from the event loop one second after its deadline (``proxy/fetch_slots.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +26,7 @@ import re
 import socket
 import ssl
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,16 +55,42 @@ _HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
 
 
 class MediaError(Exception):
-    """An image reference we refuse; load_image_bytes turns it into a 400 naming the request field."""
+    """An image reference we refuse; load_image_bytes turns it into an error (400 unless `status` says
+    otherwise) naming the request field."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, status: int = 400):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.status = code, message, status
 
 
-def fetch_http_image(url: str, cfg: ProxyConfig) -> bytes:
+@dataclass(frozen=True)
+class Deadline:
+    """When a download must be over (time.monotonic()), and whose limit that is."""
+
+    at: float
+    of_request: bool  # the request's media deadline (a 408), not the download's own time limit (a 400)
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def error(self, url: httpx.URL) -> MediaError:
+        if self.of_request:
+            return MediaError("image_fetch_timeout", "the request's images were not loaded within the media fetch "
+                                                     f"deadline (still fetching from {_host(url)!r})", status=408)
+        return MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}")
+
+
+def download_deadline(cfg: ProxyConfig, request_deadline: float | None) -> Deadline:
+    """The earlier of the download's own limit and the request's deadline (if any)."""
+    own = time.monotonic() + TOTAL_TIMEOUT_FACTOR * cfg.media_fetch_timeout
+    if request_deadline is not None and request_deadline <= own:
+        return Deadline(request_deadline, of_request=True)
+    return Deadline(own, of_request=False)
+
+
+def fetch_http_image(url: str, cfg: ProxyConfig, request_deadline: float | None = None) -> bytes:
     """GET an image, following redirects by hand so each hop is checked before any connection is made."""
-    deadline = time.monotonic() + TOTAL_TIMEOUT_FACTOR * cfg.media_fetch_timeout
+    deadline = download_deadline(cfg, request_deadline)
     target = parse_http_url(url)
     for _ in range(MAX_REDIRECTS + 1):
         addresses = check_fetch_target(target, cfg)
@@ -148,7 +185,7 @@ def pinned_request(url: httpx.URL, address: IPAddress, timeout: float) -> httpx.
     return httpx.Request("GET", url.copy_with(host=str(address)), headers=headers, extensions=extensions)
 
 
-def fetch_once(url: httpx.URL, addresses: list[IPAddress], cfg: ProxyConfig, deadline: float) -> bytes | httpx.URL:
+def fetch_once(url: httpx.URL, addresses: list[IPAddress], cfg: ProxyConfig, deadline: Deadline) -> bytes | httpx.URL:
     """One hop: the image bytes, or the (not yet checked) URL a redirect points to.
 
     Tries the checked addresses in turn while they refuse the connection (a name with an AAAA record on an
@@ -162,12 +199,14 @@ def fetch_once(url: httpx.URL, addresses: list[IPAddress], cfg: ProxyConfig, dea
                 continue
         return fetch_from(url, addresses[-1], cfg, deadline)
     except httpx.TimeoutException as exc:
+        if deadline.remaining() <= 0.05:  # the read timeout was cut to the deadline: that is what ran out
+            raise deadline.error(url) from exc
         raise MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}") from exc
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise MediaError("image_fetch_failed", f"could not fetch image from {_host(url)!r}") from exc
 
 
-def fetch_from(url: httpx.URL, address: IPAddress, cfg: ProxyConfig, deadline: float) -> bytes | httpx.URL:
+def fetch_from(url: httpx.URL, address: IPAddress, cfg: ProxyConfig, deadline: Deadline) -> bytes | httpx.URL:
     """GET `url` from `address` through a bare transport of its own.
 
     A bare transport, not an httpx.Client: no redirect handling of its own (the client would parse the
@@ -175,9 +214,9 @@ def fetch_from(url: httpx.URL, address: IPAddress, cfg: ProxyConfig, deadline: f
     the name again itself), no cookies; and a fresh one per hop, so no pooled connection is ever reused for
     another host name.
     """
-    remaining = deadline - time.monotonic()
+    remaining = deadline.remaining()
     if remaining <= 0:
-        raise MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}")
+        raise deadline.error(url)
     request = pinned_request(url, address, min(cfg.media_fetch_timeout, remaining))
     with httpx.HTTPTransport(verify=tls_context(), retries=0) as transport:
         response = transport.handle_request(request)
@@ -199,7 +238,8 @@ def _tls_context_for(cert_file: str | None, cert_dir: str | None) -> ssl.SSLCont
     return httpx.create_ssl_context()
 
 
-def _read_response(url: httpx.URL, response: httpx.Response, max_bytes: int, deadline: float) -> bytes | httpx.URL:
+def _read_response(url: httpx.URL, response: httpx.Response, max_bytes: int,
+                   deadline: Deadline) -> bytes | httpx.URL:
     if response.status_code in _REDIRECTS:
         return redirect_target(url, response)
     if response.status_code != 200:
@@ -242,7 +282,7 @@ def check_content_type(url: httpx.URL, response: httpx.Response) -> None:
         raise MediaError("image_fetch_failed", f"image host {_host(url)!r} sent a {encoding!r}-encoded body")
 
 
-def read_capped(url: httpx.URL, response: httpx.Response, max_bytes: int, deadline: float) -> bytes:
+def read_capped(url: httpx.URL, response: httpx.Response, max_bytes: int, deadline: Deadline) -> bytes:
     """The body as it arrives, abandoned as soon as it passes max_bytes or the overall deadline."""
     chunks: list[bytes] = []
     size = 0
@@ -250,8 +290,8 @@ def read_capped(url: httpx.URL, response: httpx.Response, max_bytes: int, deadli
         size += len(chunk)
         if size > max_bytes:
             raise MediaError("image_too_large", f"image is larger than {max_bytes} bytes")
-        if time.monotonic() > deadline:
-            raise MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}")
+        if deadline.remaining() <= 0:
+            raise deadline.error(url)
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -17,7 +17,7 @@ from common.http import REQUEST_ID_HEADER
 from connector import ECConsumer
 from proxy.config import ProxyConfig
 from proxy.metrics import ProxyMetrics
-from proxy.workers import Worker, WorkerDown, Workers, until_down
+from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, describe_failure, until_down
 from scheduler.cache_index import FleetCacheIndex
 from scheduler.scheduler import EncoderSlot, MMItem, NoEncoderAvailable, Scheduler, SchedulerOutput
 
@@ -36,7 +36,14 @@ def upstream_error(resp: httpx.Response, body: bytes, who: str) -> APIError:
 
 
 class WorkerFailed(Exception):
-    """A worker could not do the call (unreachable, died, 5xx): the work may be retried elsewhere."""
+    """A worker could not do the call: the work may be retried elsewhere. `answer` is set when the worker
+    answered (a 5xx about this request): it stays in service, the work is retried once on another worker,
+    and if that fails too the request ends with this error, so one poison request cannot take the fleet
+    out. Without `answer` it was a transport failure (refused, reset, timeout) and the worker is marked down."""
+
+    def __init__(self, reason: str, answer: APIError | None = None):
+        super().__init__(reason)
+        self.answer = answer
 
 
 @dataclass
@@ -98,6 +105,10 @@ class Fleet:
         """Add a worker at run time (POST /instances); it gets work once its first probe succeeds."""
         worker = self.workers.add(role, url)
         await self.workers.probe(worker)
+        if worker.reason.startswith("model_mismatch"):
+            reason = worker.reason
+            self.workers.remove(url)
+            raise ModelMismatch(f"{role} {url} refused: {reason}")
         return worker
 
     def deregister(self, url: str) -> Worker | None:
@@ -106,7 +117,10 @@ class Fleet:
     def _on_up(self, worker: Worker) -> None:
         if worker.role != "encoder":
             return
-        address, events = worker.info["ec_address"], worker.info["ec_events_address"]
+        address, events = worker.info.get("ec_address"), worker.info.get("ec_events_address")
+        if not isinstance(address, str) or not isinstance(events, str):
+            self.workers.mark_down(worker, "its /health names no ec_address / ec_events_address")
+            return
         slot = self.scheduler.encoders.get(worker.url)
         if slot is None or slot.ec_address != address:  # new, or restarted on another address
             if slot is not None:
@@ -191,15 +205,19 @@ class Fleet:
             address = await self._post_encode(name, items, request_id)
             return dict.fromkeys(hashes, address)
         except WorkerFailed as exc:
+            if exc.answer is not None and exclude:  # answered 5xx on the retry: the request's own error
+                raise exc.answer from exc
             self.metrics.failovers.labels("encoder").inc()
             logger.warning("encoder %s failed (%s); rescheduling %d item(s)", name, exc, len(items))
             failed = exc
         finally:
             self.scheduler.update_from_output(name, hashes)
-        retry = self.plan(items, skip_cached=True, exclude=exclude | {name})  # APIError 503 if nowhere is left
         try:
+            retry = self.plan(items, skip_cached=True, exclude=exclude | {name})  # APIError 503 if nowhere is left
             return await self.execute(retry, request_id, exclude | {name})
         except APIError as err:
+            if failed.answer is not None:  # it answered: the request ends with an answer, its own or the retry's
+                raise (failed.answer if err.code == "encoder_unavailable" else err) from err
             raise APIError(err.status, f"{err.message} (after encoder {name} failed: {failed})",
                            param=err.param, code=err.code) from err
 
@@ -215,10 +233,10 @@ class Fleet:
         except WorkerDown as exc:
             raise WorkerFailed(f"marked down: {worker.reason}") from exc
         except httpx.HTTPError as exc:
-            self.workers.mark_down(worker, f"encode call failed: {type(exc).__name__}")
+            self.workers.mark_down(worker, f"encode call failed: {describe_failure(exc)}")
             raise WorkerFailed(type(exc).__name__) from exc
         if resp.status_code >= 500:
-            raise WorkerFailed(f"answered {resp.status_code}")
+            raise WorkerFailed(f"answered {resp.status_code}", upstream_error(resp, resp.content, f"encoder {name}"))
         if resp.status_code != 200:
             raise upstream_error(resp, resp.content, f"encoder {name}")
         encoded = resp.json()
@@ -254,13 +272,13 @@ class Fleet:
         except WorkerDown as exc:
             raise WorkerFailed(f"marked down: {worker.reason}") from exc
         except httpx.HTTPError as exc:
-            self.workers.mark_down(worker, f"generate call failed: {type(exc).__name__}")
+            self.workers.mark_down(worker, f"generate call failed: {describe_failure(exc)}")
             raise WorkerFailed(type(exc).__name__) from exc
         if resp.status_code != 200:
             body = await resp.aread()
             await resp.aclose()
             if resp.status_code >= 500:
-                raise WorkerFailed(f"answered {resp.status_code}")
+                raise WorkerFailed(f"answered {resp.status_code}", upstream_error(resp, body, f"decoder {worker.url}"))
             raise upstream_error(resp, body, f"decoder {worker.url}")
         return resp
 

@@ -27,6 +27,7 @@ class Generation:
         self.fleet, self.chat, self.request_id = fleet, chat, request_id
         self.decoder: Worker | None = None
         self.tried: set[str] = set()  # decoders that failed this request
+        self.answered: APIError | None = None  # a decoder's 5xx answer to this request (it stays in service)
         self.resp: httpx.Response | None = None
         self.sources: dict[str, str] = {}
 
@@ -37,7 +38,12 @@ class Generation:
         """
         self.sources = sources
         while True:
-            decoder = self.decoder = self.fleet.acquire_decoder(self.tried)  # APIError 503 once all failed
+            try:
+                decoder = self.decoder = self.fleet.acquire_decoder(self.tried)  # APIError 503 once all failed
+            except APIError:
+                if self.answered is not None:  # no other decoder: the answer is the request's own error
+                    raise self.answered from None
+                raise
             try:
                 await self._open_on_decoder(pending)
                 return
@@ -46,6 +52,10 @@ class Generation:
                 self.fleet.decoder_failed(decoder, str(exc), mark_down=False)
                 self.tried.add(decoder.url)
                 self._release()
+                if exc.answer is not None:  # a 5xx answer: retried once elsewhere, then the request fails with it
+                    if self.answered is not None:
+                        raise exc.answer from exc
+                    self.answered = exc.answer
             except BaseException:
                 self._release()
                 raise
@@ -56,7 +66,7 @@ class Generation:
         assert self.decoder is not None
         for attempt in (0, 1):
             images = [self._image(it, pending) for it in self.chat.items]
-            payload = {"messages": self.chat.messages, **self.chat.sampling, "images": images}
+            payload = {"messages": self.chat.messages, "sampling": self.chat.sampling.model_dump(), "images": images}
             try:
                 self.resp = await self.fleet.open_generation(self.decoder, payload, self.request_id)
                 return

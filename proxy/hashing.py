@@ -1,12 +1,6 @@
-"""mm_hash: computed by the proxy over the image bytes and the model identity, never taken from a client."""
+"""Re-export of the shared hash definition (contracts/hashing.py); kept for existing imports."""
 from __future__ import annotations
 
-import hashlib
+from contracts.hashing import mm_hash
 
-
-def mm_hash(model_identity: str, data: bytes) -> str:
-    h = hashlib.sha256()
-    h.update(model_identity.encode())
-    h.update(b"\0")  # NOTE: separator, so (model, bytes) pairs cannot collide by shifting bytes
-    h.update(data)
-    return h.hexdigest()
+__all__ = ["mm_hash"]

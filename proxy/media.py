@@ -20,25 +20,27 @@ import re
 import stat
 from urllib.parse import unquote, urlsplit
 
-from common.errors import bad_request
+from common.errors import APIError, bad_request
 from models.images import ImageError, ImageTooLargeError, open_image
 from proxy.config import ProxyConfig
 from proxy.fetch import MediaError, fetch_http_image
+from proxy.protocol import ChatCompletionRequest, ImagePart
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
 
 
-def load_image_bytes(url: str, param: str, cfg: ProxyConfig) -> bytes:
+def load_image_bytes(url: str, param: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
     """An image_url's bytes, fetched under cfg's media rules and checked to be an image we accept.
 
-    Raises APIError 400 with `param` and one of the codes: invalid_image_url, image_url_forbidden,
-    image_fetch_failed, image_too_large, invalid_image.
+    `deadline` (time.monotonic()) is when all of the request's images must be loaded. Raises APIError 400 with
+    `param` and one of the codes: invalid_image_url, image_url_forbidden, image_fetch_failed, image_too_large,
+    invalid_image; or 408 image_fetch_timeout when the deadline passes during a download.
     """
     try:
-        data = read_image_source(url, cfg)
+        data = read_image_source(url, cfg, deadline)
         open_image(data, cfg.max_image_pixels)
     except MediaError as exc:
-        raise bad_request(exc.message, param, code=exc.code) from exc
+        raise APIError(exc.status, exc.message, param=param, code=exc.code) from exc
     except ImageTooLargeError as exc:
         raise bad_request(str(exc), param, code="image_too_large") from exc
     except ImageError as exc:
@@ -46,13 +48,19 @@ def load_image_bytes(url: str, param: str, cfg: ProxyConfig) -> bytes:
     return data
 
 
-def read_image_source(url: str, cfg: ProxyConfig) -> bytes:
+def has_remote_images(req: ChatCompletionRequest) -> bool:
+    """Whether any image of the request is an http(s) URL (a download: it needs a fetch slot)."""
+    return any(isinstance(p, ImagePart) and p.image_url.url[:8].lower().startswith(("http://", "https://"))
+               for m in req.messages if isinstance(m.content, list) for p in m.content)
+
+
+def read_image_source(url: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
     """Dispatch on the URL scheme; anything but data:, http(s): and file: is refused."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         return decode_data_url(url, cfg.max_image_bytes)
     if scheme in ("http", "https"):
-        return fetch_http_image(url, cfg)
+        return fetch_http_image(url, cfg, deadline)
     if scheme == "file":
         return read_file_image(url, cfg)
     raise MediaError("invalid_image_url", "image_url.url must be a data:, http(s):// or file:// URL")

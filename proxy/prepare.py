@@ -5,8 +5,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import APIError, bad_request
+from contracts.hashing import mm_hash
+from contracts.sampling import SamplingParams
 from proxy.config import ProxyConfig
-from proxy.hashing import mm_hash
 from proxy.media import load_image_bytes
 from proxy.protocol import ChatCompletionRequest, ImagePart
 from scheduler.scheduler import MMItem
@@ -16,7 +17,7 @@ from scheduler.scheduler import MMItem
 class PreparedChat:
     messages: list[dict[str, Any]]  # image parts replaced by {"type": "image"}
     items: list[MMItem]  # images in order of appearance (may repeat)
-    sampling: dict[str, Any]
+    sampling: SamplingParams  # the decoder's sampling contract
 
 
 def _check_supported(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
@@ -57,24 +58,25 @@ def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], 
     return messages, images
 
 
-def _load_images(images: list[tuple[str, str]], cfg: ProxyConfig) -> list[MMItem]:
+def _load_images(images: list[tuple[str, str]], cfg: ProxyConfig, deadline: float | None) -> list[MMItem]:
     """Fetch and check each image (a URL repeated in the request is fetched once), hashed server-side."""
     loaded: dict[str, MMItem] = {}
     items: list[MMItem] = []
     for param, url in images:
         if url not in loaded:
-            data = load_image_bytes(url, param, cfg)
-            loaded[url] = MMItem(mm_hash=mm_hash(cfg.served_model_name, data), data=data)
+            data = load_image_bytes(url, param, cfg, deadline)
+            loaded[url] = MMItem(mm_hash=mm_hash(data), data=data)
         items.append(loaded[url])
     return items
 
 
-def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig) -> PreparedChat:
+def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None) -> PreparedChat:
     """Check the request and load its images; raises APIError (4xx) naming the bad part.
 
     Blocking (images may be downloaded under cfg's media rules, see proxy.media): run it in a worker thread.
     """
     _check_supported(req, cfg)
+    sampling = req.sampling()  # refuses unsupported fields before any image is fetched
     _check_image_count(req, cfg)
     messages, images = _render_messages(req)
-    return PreparedChat(messages=messages, items=_load_images(images, cfg), sampling=req.sampling())
+    return PreparedChat(messages=messages, items=_load_images(images, cfg, deadline), sampling=sampling)

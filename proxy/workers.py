@@ -7,6 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -17,8 +18,57 @@ T = TypeVar("T")
 ROLES = ("encoder", "decoder")
 
 
+_UNREACHABLE_LOG_S = 10.0  # while waiting at start, an unreachable worker is logged at most this often
+
+
 class WorkerDown(Exception):
     """The worker was marked down while a call to it was in flight."""
+
+
+class ModelMismatch(Exception):
+    """The worker serves another model than the fleet (its /health `model_identity` differs)."""
+
+
+def check_worker_url(url: str) -> str:
+    """`url` without a trailing slash if it is a worker base URL (http(s)://host[:port]); ValueError naming
+    what is wrong otherwise (no scheme, bad port, a path, a query)."""
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or "://" not in url:
+        raise ValueError(f"worker URL {url!r} needs a scheme: http://HOST:PORT")
+    try:
+        parts.port  # noqa: B018 (raises ValueError for a port that is not a number in 0..65535)
+    except ValueError as exc:
+        raise ValueError(f"worker URL {url!r} has a bad port: {exc}") from exc
+    if not parts.hostname:
+        raise ValueError(f"worker URL {url!r} names no host")
+    if parts.path or parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"worker URL {url!r} must be a base URL (http://HOST:PORT), without path, query or user")
+    return url
+
+
+def describe_failure(exc: BaseException) -> str:
+    """Why a call could not reach a worker, for the log: refused, DNS, timeout, ... with the error text."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        kind = "timeout"
+    elif "Name or service not known" in text or "nodename nor servname" in text or "Temporary failure in name" in text:
+        kind = "DNS lookup failed"
+    elif "refused" in text.lower() or isinstance(exc, httpx.ConnectError):
+        kind = "cannot connect (refused or unreachable)"
+    else:
+        kind = type(exc).__name__
+    return f"{kind} ({text})" if kind not in text else text
+
+
+def identity_of(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The `model_identity` a worker's /health reports, or None (unknown: an older or foreign worker)."""
+    ident = info.get("model_identity")
+    return ident if isinstance(ident, dict) and ident.get("fingerprint") else None
+
+
+def _show(ident: dict[str, Any]) -> str:
+    return f"{ident.get('family')}/{ident.get('fingerprint')} (hidden_size {ident.get('hidden_size')})"
 
 
 @dataclass
@@ -31,6 +81,7 @@ class Worker:
     load: int = 0  # decoders: generations in flight
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when marked down: in-flight calls give up
     reason: str = "not probed yet"
+    logged_at: float = float("-inf")  # monotonic time its unreachability was last logged (rate limit)
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "load": self.load,
@@ -59,13 +110,20 @@ async def until_down(call: Awaitable[T], worker: Worker) -> T:
 class Workers:
     """Every worker the proxy knows, by URL. Probes run every `interval` s; `failures_to_down` failed probes
     in a row take a worker out, one good probe brings it back. A failed call (connection refused, reset,
-    timed out) takes it out at once: that is stronger evidence than a probe."""
+    timed out) takes it out at once: that is stronger evidence than a probe. A worker that answers, even
+    with an error about one request's content, stays in.
+
+    Pairing: the first healthy worker that reports a `model_identity` fixes the fleet's; a worker whose
+    identity differs is never taken into service (logged with both). A worker that reports none is
+    unknown: taken, with a warning (older workers and test fakes report none)."""
 
     def __init__(self, client: httpx.AsyncClient, interval: float, timeout: float, failures_to_down: int,
                  on_up: Callable[[Worker], None], on_down: Callable[[Worker], None]):
         self.client, self.interval, self.timeout, self.failures_to_down = client, interval, timeout, failures_to_down
         self.on_up, self.on_down = on_up, on_down
         self.by_url: dict[str, Worker] = {}
+        self.identity: dict[str, Any] | None = None  # the fleet's model, fixed by its first healthy worker
+        self._unknown: set[str] = set()  # URLs already warned about for reporting no identity
         self._task: asyncio.Task[None] | None = None
 
     def of(self, role: str) -> list[Worker]:
@@ -95,11 +153,19 @@ class Workers:
         return worker
 
     async def wait_healthy(self, urls: list[str], deadline: float) -> None:
-        """Probe until each of `urls` answers /health (start-up of static workers)."""
+        """Probe until each of `urls` answers /health (start-up of static workers); each one still
+        unreachable is logged with its URL and why, at most every few seconds. A worker of another model
+        fails the start at once (ModelMismatch): the configuration is wrong."""
         async def one(url: str) -> None:
-            while not await self.probe(self.by_url[url]):
+            worker = self.by_url[url]
+            while not await self.probe(worker):
+                if worker.reason.startswith("model_mismatch"):
+                    raise ModelMismatch(f"{worker.role} {url}: {worker.reason}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"worker {url} not healthy: {self.by_url[url].reason}")
+                    raise RuntimeError(f"worker {url} not healthy: {worker.reason}")
+                if time.monotonic() - worker.logged_at >= _UNREACHABLE_LOG_S:
+                    worker.logged_at = time.monotonic()
+                    logger.warning("waiting for %s %s: %s", worker.role, url, worker.reason)
                 await asyncio.sleep(0.2)
         await asyncio.gather(*(one(u) for u in urls))
 
@@ -117,9 +183,15 @@ class Workers:
             resp = await self.client.get(f"{worker.url}/health", timeout=self.timeout)
             ok, info = resp.status_code == 200, (resp.json() if resp.status_code == 200 else {})
             reason = f"/health answered {resp.status_code}"
-        except (httpx.HTTPError, ValueError) as exc:
-            ok, info, reason = False, {}, f"/health failed: {type(exc).__name__}"
+            if ok and not isinstance(info, dict):
+                ok, info, reason = False, {}, "/health answered no JSON object"
+        except httpx.HTTPError as exc:
+            ok, info, reason = False, {}, f"/health failed: {describe_failure(exc)}"
+        except ValueError:
+            ok, info, reason = False, {}, "/health answered no JSON"
         if worker.url not in self.by_url:  # deregistered while probing
+            return False
+        if ok and not self._same_model(worker, info):
             return False
         if ok:
             worker.failures, worker.info = 0, dict(info)
@@ -133,10 +205,39 @@ class Workers:
             self.mark_down(worker, f"{worker.failures} failed probe(s): {reason}")
         return False
 
+    def _same_model(self, worker: Worker, info: dict[str, Any]) -> bool:
+        """Whether the worker may serve with the fleet; the first identity seen becomes the fleet's."""
+        ident = identity_of(info)
+        if ident is None:
+            if worker.url not in self._unknown:
+                self._unknown.add(worker.url)
+                logger.warning("%s %s reports no model_identity: cannot check that it serves the fleet's model",
+                               worker.role, worker.url)
+            return True
+        if self.identity is None:
+            self.identity = dict(ident)
+            logger.info("fleet model: %s (from %s %s)", _show(ident), worker.role, worker.url)
+        if ident.get("fingerprint") == self.identity.get("fingerprint"):
+            return True
+        reason = f"model_mismatch: it serves {_show(ident)}, the fleet serves {_show(self.identity)}"
+        if worker.reason != reason:
+            logger.error("%s %s refused: %s", worker.role, worker.url, reason)
+        worker.info = {}
+        self.mark_down(worker, reason)
+        return False
+
     def mark_down(self, worker: Worker, reason: str) -> None:
         if worker.healthy:
             logger.warning("%s %s marked down: %s", worker.role, worker.url, reason)
         self._set_down(worker, reason)
+
+    def not_ready(self, need_encoder: bool) -> str | None:
+        """Why no request could be served now (no healthy decoder; no healthy encoder unless aggregated)."""
+        for role in ("decoder", "encoder") if need_encoder else ("decoder",):
+            if not self.healthy(role):
+                reasons = "; ".join(f"{w.url}: {w.reason}" for w in self.of(role)) or "none registered"
+                return f"no healthy {role} ({reasons})"
+        return None
 
     def acquire_decoder(self, exclude: set[str]) -> Worker:
         """The healthy decoder with the fewest generations in flight, not in `exclude`; its load goes up by one."""
@@ -157,4 +258,9 @@ class Workers:
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            await asyncio.gather(*(self.probe(w) for w in list(self.by_url.values())))
+            workers = list(self.by_url.values())
+            results = await asyncio.gather(*(self.probe(w) for w in workers), return_exceptions=True)
+            for w, res in zip(workers, results, strict=True):
+                if isinstance(res, Exception):  # never let one odd worker stop every probe
+                    logger.error("probe of %s %s failed: %r", w.role, w.url, res)
+                    self.mark_down(w, f"probe failed: {type(res).__name__}")

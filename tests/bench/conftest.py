@@ -85,7 +85,7 @@ def _app(fake: FakeServer) -> FastAPI:
     async def generate(request: Request) -> StreamingResponse:
         body = await request.json()
         fake.bodies.append(body)
-        n = int(body["max_tokens"])
+        n = int(body["sampling"]["max_tokens"])
 
         async def ndjson() -> AsyncIterator[bytes]:
             async for text in tokens(n):

@@ -118,7 +118,7 @@ def test_epd_decoder_backend_talks_ndjson(fake_server: FakeServer) -> None:
              "--random-output-len", "3", "--images-per-request", "1", "--image-size", "16", "--ignore-eos"])
     assert r["completed"] == 2 and r["output_lens"] == [3, 3] and r["model_id"] is None
     body = fake_server.bodies[0]
-    assert body["ignore_eos"] is True and body["max_tokens"] == 3
+    assert body["sampling"]["ignore_eos"] is True and body["sampling"]["max_tokens"] == 3
     assert body["messages"][0]["content"][0] == {"type": "image"}
     (image,) = body["images"]
     assert len(image["mm_hash"]) == 64 and image["data"]  # inline, for an aggregated decoder

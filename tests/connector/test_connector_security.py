@@ -308,3 +308,32 @@ def test_cli_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert exit_info.value.code == 1
     assert "refusing to overwrite" in capsys.readouterr().err
     assert (tmp_path / "node.key_secret").read_bytes() == before
+
+
+def _env_lines(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
+def test_cli_env_writes_a_fleets_keys_as_env_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env", str(tmp_path / "s")]) == 0
+    paths = [Path(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p.name for p in paths] == ["encoder.env", "client.env", "k8s-curve.env", "k8s-keys.env"]
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths)
+    encoder, client, curve, keys = ({k: v.strip("'") for k, v in _env_lines(p).items()} for p in paths)
+    enc_cfg, cli_cfg = load_curve_config(None, env=encoder), load_curve_config(None, env=client)
+    assert enc_cfg is not None and cli_cfg is not None
+    assert enc_cfg.allowed_clients == frozenset({cli_cfg.public_key}) and cli_cfg.server_key == enc_cfg.public_key
+    assert encoder["EPD_INTERNAL_KEY"] == client["EPD_INTERNAL_KEY"] == keys["internal-key"]
+    assert curve == {"encoders-secret-key": encoder[ENV_SECRET_KEY], "encoders-public-key": client[ENV_SERVER_KEY],
+                     "clients-secret-key": client[ENV_SECRET_KEY], "clients-public-key": encoder[ENV_ALLOWED_CLIENTS]}
+    before = paths[0].read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["env", str(tmp_path / "s")])
+    assert exit_info.value.code == 1 and paths[0].read_bytes() == before
+
+
+def test_cli_help_says_when_keys_are_needed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "launcher" in out and "compose" in out and "Kubernetes" in out and "epd-ec-keygen env" in out

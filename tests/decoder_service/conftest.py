@@ -4,7 +4,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -16,18 +18,26 @@ from models.halves import LanguageHalf
 from proxy.launcher import free_port
 
 
-@pytest.fixture
-def decoder(tiny_model_dirs: dict[str, Path]) -> Iterator[tuple[str, dict[str, Engine]]]:
-    port = free_port()
-    # a large prefill budget admits requests quickly, so 32 slots fill up under load
-    cfg = DecoderConfig(port=port, max_num_seqs=32, max_prefill_tokens=1024)
-    app = create_app(cfg, lm=LanguageHalf(tiny_model_dirs["llava"]))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+@contextmanager
+def served(cfg: DecoderConfig, lm: LanguageHalf, **app_kw: Any) -> Iterator[tuple[str, dict[str, Engine]]]:
+    """create_app(cfg, lm, **app_kw) served by uvicorn in a thread on cfg.port; yields (url, engine ref)."""
+    app = create_app(cfg, lm=lm, **app_kw)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", app.state.engine_ref
-    server.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield f"http://127.0.0.1:{cfg.port}", app.state.engine_ref
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture
+def decoder(tiny_model_dirs: dict[str, Path]) -> Iterator[tuple[str, dict[str, Engine]]]:
+    # a large prefill budget admits requests quickly, so 32 slots fill up under load
+    cfg = DecoderConfig(port=free_port(), max_num_seqs=32, max_prefill_tokens=1024)
+    with served(cfg, LanguageHalf(tiny_model_dirs["llava"])) as out:
+        yield out

@@ -1,4 +1,5 @@
-"""The aggregated decoder's InlineEncoder: two requests with the same new image encode it once."""
+"""The aggregated decoder's InlineEncoder: two requests with the same new image encode it once; it keys images by
+the hash of their bytes, and one request's failure is that request's error only."""
 from __future__ import annotations
 
 import base64
@@ -6,9 +7,12 @@ import io
 import threading
 from typing import Any
 
+import pytest
 import torch
 
+from common.errors import APIError
 from connector import EncoderOutput
+from contracts.hashing import mm_hash
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.protocol import ImageRef
 from models.base import ImageFeatures
@@ -44,10 +48,18 @@ class SignallingCache:
         self.cache.put(out)
 
 
-def test_concurrent_requests_with_the_same_new_image_encode_it_once() -> None:
+def png(color: str = "red") -> bytes:
     buf = io.BytesIO()
-    make_image(32, 32).save(buf, format="PNG")
-    ref = ImageRef(mm_hash="h", data=base64.b64encode(buf.getvalue()).decode())
+    make_image(32, 32, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_ref(data: bytes, claimed: str | None = None) -> ImageRef:
+    return ImageRef(mm_hash=claimed or mm_hash(data), data=base64.b64encode(data).decode())
+
+
+def test_concurrent_requests_with_the_same_new_image_encode_it_once() -> None:
+    ref = image_ref(png())
     second_missed = threading.Event()
     vision = FakeVision(second_missed)
     encoder = InlineEncoder(vision, cache_bytes=1 << 20, max_image_pixels=1 << 20)  # type: ignore[arg-type]
@@ -66,3 +78,55 @@ def test_concurrent_requests_with_the_same_new_image_encode_it_once() -> None:
         t.join(timeout=60)
     assert vision.calls == 1 and encoder.num_encoded == 1
     assert torch.equal(results["first"][0].embeds, results["second"][0].embeds)
+
+
+class ScriptedVision:
+    """Encodes 4 x 8 ones, or raises what it is told to for the next call."""
+
+    def __init__(self) -> None:
+        self.fail_with: Exception | None = None
+        self.calls = 0
+
+    def encode(self, images: list[Any]) -> list[ImageFeatures]:
+        self.calls += 1
+        if self.fail_with is not None:
+            raise self.fail_with
+        return [ImageFeatures(embeds=torch.ones(4, 8)) for _ in images]
+
+
+def inline(check: Any = None) -> tuple[InlineEncoder, ScriptedVision]:
+    vision = ScriptedVision()
+    return InlineEncoder(vision, cache_bytes=1 << 20, max_image_pixels=1 << 20, check=check), vision  # type: ignore[arg-type]
+
+
+def test_a_claimed_hash_that_is_not_the_bytes_hash_is_a_400_and_never_a_cache_key() -> None:
+    encoder, vision = inline()
+    red, blue = png("red"), png("blue")
+    encoder.features([image_ref(red)])
+    with pytest.raises(APIError) as err:  # poisoning attempt: blue's bytes under red's hash
+        encoder.features([image_ref(blue, claimed=mm_hash(red))])
+    assert err.value.status == 400 and err.value.code == "hash_mismatch" and err.value.param == "images.0.mm_hash"
+    assert vision.calls == 1 and mm_hash(blue) not in encoder.cache
+
+
+@pytest.mark.parametrize(("error", "status", "code"), [
+    (RuntimeError("CUDA out of memory"), 500, "encode_failed"),
+    (ValueError("height:1 must be larger than factor:28"), 400, "invalid_image"),
+])
+def test_a_vision_failure_is_that_requests_error_and_the_next_request_encodes(
+        error: Exception, status: int, code: str) -> None:
+    encoder, vision = inline()
+    vision.fail_with = error
+    with pytest.raises(APIError) as err:
+        encoder.features([image_ref(png("red"))])
+    assert err.value.status == status and err.value.code == code
+    vision.fail_with = None
+    assert encoder.features([image_ref(png("red"))])[0].num_tokens == 4 and encoder.num_encoded == 1
+
+
+def test_features_that_do_not_fit_the_lm_are_refused_and_not_cached() -> None:
+    encoder, _ = inline(check=lambda out: "width 8 != this model's embedding width 64")
+    with pytest.raises(APIError) as err:
+        encoder.features([image_ref(png())])
+    assert err.value.status == 500 and err.value.code == "invalid_embeddings" and "width 8" in err.value.message
+    assert mm_hash(png()) not in encoder.cache and encoder.num_encoded == 0

@@ -16,7 +16,7 @@ def body(i: int) -> dict:
     text = " ".join(["describe the image"] * (1 + i % NUM_PROMPTS))  # 20 prompts of different lengths
     sampling = {"temperature": 1.0, "seed": i % 5} if i % 5 == 0 else {"temperature": 0}  # some seeded sampling
     return {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
-            "max_tokens": 4 + i % 7, "ignore_eos": True, **sampling}
+            "sampling": {"max_tokens": 4 + i % 7, "ignore_eos": True, **sampling}}
 
 
 async def stream(client: httpx.AsyncClient, url: str, payload: dict) -> tuple[str, dict]:

@@ -4,16 +4,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
 from common.errors import APIError
 from connector import ECConsumer
+from contracts.sampling import SamplingParams
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.protocol import GenerateRequest, ImageRef
 from models.halves import LanguageHalf
+from models.identity import model_identity
 
 USER = [{"role": "user", "content": [{"type": "text", "text": "What color is the shape?"}]}]
 
@@ -30,7 +33,7 @@ def engine(tiny_model_dirs: dict[str, Path]) -> Iterator[Engine]:
 
 def test_prompt_plus_max_tokens_over_model_length_is_400(engine: Engine) -> None:
     with pytest.raises(APIError) as err:
-        engine.prepare(GenerateRequest(messages=USER, max_tokens=1000))
+        engine.prepare(GenerateRequest(messages=USER, sampling=SamplingParams(max_tokens=1000)))
     assert err.value.status == 400 and err.value.code == "context_length_exceeded"
 
 
@@ -52,3 +55,22 @@ def test_image_marker_count_must_match_images(engine: Engine) -> None:
     with pytest.raises(APIError) as err:
         engine.prepare(GenerateRequest(messages=msgs))
     assert err.value.status == 400 and "placeholder" in err.value.message
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_before_the_gather(engine: Engine,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_gather(req: GenerateRequest) -> list[object]:
+        raise AssertionError("gathered for a prompt that cannot fit")
+
+    monkeypatch.setattr(engine, "_gather", no_gather)
+    long = [{"role": "user", "content": [{"type": "text", "text": "describe the picture " * 400}]}]
+    with pytest.raises(APIError) as err:
+        engine.prepare(GenerateRequest(messages=long))
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded" and err.value.param == "messages"
+
+
+def test_health_reports_the_model_identity(decoder: tuple[str, dict[str, Engine]]) -> None:
+    url, ref = decoder
+    body = httpx.get(f"{url}/health").json()
+    assert body["model_identity"] == model_identity(ref["engine"].lm.model_dir)
+    assert body["model_identity"]["hidden_size"] == 64 and body["model_identity"]["family"] == "llava"

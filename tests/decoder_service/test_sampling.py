@@ -31,10 +31,17 @@ def test_top_p_keeps_smallest_prefix_reaching_mass() -> None:
     assert set(draws(SamplingParams(top_p=0.1, seed=1))) == {1}
 
 
-@pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -1}])
+@pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": -0.1}, {"top_k": -2}])
 def test_invalid_params_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1e-38}, {"temperature": 0}, {"top_p": 0.0}, {"top_p": 1e-300},
+                                    {"top_k": 1}])
+def test_numerically_zero_temperature_or_top_p_is_greedy(params: dict[str, float]) -> None:
+    assert SamplingParams(**params).greedy  # type: ignore[arg-type]
+    assert set(draws(SamplingParams(**params, seed=3), 50)) == {1}  # type: ignore[arg-type]
 
 
 def test_presence_penalty_applies_once_per_generated_token() -> None:

@@ -193,3 +193,38 @@ def deploy_files() -> Iterator[Path]:
     for path in sorted(DEPLOY.rglob("*")):
         if path.is_file() and path.name != ".env" and "__pycache__" not in path.parts:
             yield path
+
+
+# --- keys, as `epd-ec-keygen env` makes them and compose / Kubernetes hand them over ---
+
+KEY_FILES = {"encoder": "secrets/encoder.env", "decoder": "secrets/client.env", "proxy": "secrets/client.env"}
+K8S_SECRET_FILES = {"epd-curve": "k8s-curve.env", "epd-keys": "k8s-keys.env"}
+
+
+def generated_keys(directory: Path) -> dict[str, dict[str, str]]:
+    """file name -> its variables, for a fresh `epd-ec-keygen env DIR` (compose strips the single quotes)."""
+    from connector.security import write_env_files
+
+    return {p.name: {k: v.strip("'") for k, v in env_file(p).items()} for p in write_env_files(directory)}
+
+
+def compose_key_env(service: dict[str, Any], keys: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The variables a compose service gets from its env_file entries (paths relative to deploy/)."""
+    env: dict[str, str] = {}
+    for path in service.get("env_file", []):
+        assert path.startswith("secrets/"), f"env_file {path} is not a generated key file"
+        env.update(keys[path.removeprefix("secrets/")])
+    return env
+
+
+def k8s_secret_env(container: dict[str, Any], keys: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The variables a container gets from the Secrets made with `kubectl create secret --from-env-file`."""
+    env: dict[str, str] = {}
+    for var, entry in k8s_env(container).items():
+        ref = entry.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None and ref["name"] in K8S_SECRET_FILES:
+            values = keys[K8S_SECRET_FILES[ref["name"]]]
+            assert ref["key"] in values or ref.get("optional"), f"{var}: Secret {ref['name']} has no {ref['key']}"
+            if ref["key"] in values:
+                env[var] = values[ref["key"]]
+    return env

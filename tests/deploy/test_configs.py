@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -17,9 +18,11 @@ from tests.deploy.manifests import (
     DEPLOY,
     ENV_EXAMPLE,
     K8S,
+    KEY_FILES,
     ROOT,
     by_kind,
     compose,
+    compose_key_env,
     compose_vars,
     config_map,
     containers,
@@ -27,10 +30,12 @@ from tests.deploy.manifests import (
     deployment_of,
     env_file,
     flag,
+    generated_keys,
     help_text,
     host_port,
     k8s_env,
     k8s_objects,
+    k8s_secret_env,
     main_container,
     one,
     parsers,
@@ -47,15 +52,24 @@ WORKERS = ("encoder", "decoder")
 def no_epd_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The parsers read EPD_* defaults (keys, CURVE) from the environment; test them as a fresh shell would."""
     for name in ("EPD_API_KEY", "EPD_INTERNAL_KEY", "EPD_PROXY_URL", "EPD_EC_CURVE_SECRET_KEY",
-                 "EPD_EC_CURVE_SERVER_KEY", "EPD_EC_CURVE_ALLOWED_CLIENTS"):
+                 "EPD_EC_CURVE_SERVER_KEY", "EPD_EC_CURVE_ALLOWED_CLIENTS", "EPD_INSECURE"):
         monkeypatch.delenv(name, raising=False)
 
 
-def accepted(program: str, argv: list[str], where: str, capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        parsers()[program](argv)
-    except SystemExit as exc:
-        pytest.fail(f"{where}: `{program}` refuses {argv}: {capsys.readouterr().err.strip()} (exit {exc.code})")
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:  # `epd-ec-keygen env`, parsed
+    return generated_keys(tmp_path_factory.mktemp("keys") / "secrets")
+
+
+def accepted(program: str, argv: list[str], where: str, capsys: pytest.CaptureFixture[str],
+             env: dict[str, str] | None = None) -> object:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (env or {}).items():
+            mp.setenv(name, value)
+        try:
+            return parsers()[program](argv)
+        except SystemExit as exc:
+            pytest.fail(f"{where}: `{program}` refuses {argv}: {capsys.readouterr().err.strip()} (exit {exc.code})")
 
 
 # --- docker compose ---
@@ -128,13 +142,38 @@ def test_env_example_defines_exactly_what_the_gpu_compose_reads() -> None:
     assert used - set(example) == set(), "compose reads variables .env.example does not define"
     assert set(example) - used == set(), ".env.example defines variables compose never reads"
     required = {name for name, op, _ in compose_vars(COMPOSE_GPU) if op in (":?", "?")}
-    assert {"EPD_API_KEY", "EPD_INTERNAL_KEY"} <= required  # refuse to start an open GPU server
+    assert {"EPD_API_KEY"} <= required  # refuse to start an open GPU server (the internal key: secrets/*.env)
+    assert "EPD_INTERNAL_KEY" not in example and "EPD_INSECURE" not in COMPOSE_GPU.read_text()
 
 
 @COMPOSE_FILES
-def test_compose_commands_are_accepted_by_the_real_parsers(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compose_commands_are_accepted_by_the_real_parsers(path: Path, capsys: pytest.CaptureFixture[str],
+                                                           keys: dict[str, dict[str, str]]) -> None:
     for name, s in compose(path).items():
-        accepted(s["command"][0], s["command"][1:], f"{path.name}:{name}", capsys)
+        accepted(s["command"][0], s["command"][1:], f"{path.name}:{name}", capsys, compose_key_env(s, keys))
+
+
+@COMPOSE_FILES
+def test_compose_workers_are_secure_by_default_with_the_generated_keys(path: Path,
+                                                                       keys: dict[str, dict[str, str]]) -> None:
+    internal = keys["encoder.env"]["EPD_INTERNAL_KEY"]
+    for name, s in compose(path).items():
+        r = role(s)
+        assert r is not None and s["env_file"] == [KEY_FILES[r]], f"{name} reads no key file"
+        assert "EPD_INSECURE" not in s.get("environment", {}) and "--insecure" not in s["command"]
+        if r == "proxy":
+            continue
+        with pytest.raises(SystemExit):  # without the key file: refuses to start
+            parsers()[s["command"][0]](s["command"][1:])
+        with pytest.MonkeyPatch.context() as mp:
+            for var, value in compose_key_env(s, keys).items():
+                mp.setenv(var, value)
+            cfg: Any = parsers()[s["command"][0]](s["command"][1:])
+        assert not cfg.insecure and cfg.internal_key == internal and cfg.curve is not None, name
+        if r == "encoder":  # only the clients' key gets in
+            assert cfg.curve.allowed_clients == {zmq.curve_public(keys["client.env"]["EPD_EC_CURVE_SECRET_KEY"].encode())}
+        else:
+            assert cfg.curve.server_key == zmq.curve_public(keys["encoder.env"]["EPD_EC_CURVE_SECRET_KEY"].encode())
 
 
 @COMPOSE_FILES
@@ -172,7 +211,9 @@ def test_k8s_probes_hit_health_on_the_port_each_role_serves() -> None:
         assert one(resolve_k8s_vars(c), "--host") == "0.0.0.0"
         for probe in ("readinessProbe", "livenessProbe"):
             get = c[probe]["httpGet"]
-            assert get["path"] == "/health" and port_number(c, get["port"]) == port, f"{component} {probe}"
+            # the proxy's readiness is /ready (503 while no decoder can take work); liveness stays /health
+            path = "/ready" if (component, probe) == ("proxy", "readinessProbe") else "/health"
+            assert get["path"] == path and port_number(c, get["port"]) == port, f"{component} {probe}"
         if "startupProbe" in c:
             assert c["startupProbe"]["httpGet"]["path"] == "/health"
 
@@ -224,11 +265,15 @@ def test_k8s_workers_each_get_one_gpu_and_the_shared_model_volume() -> None:
     assert "nvidia.com/gpu" not in main_container(deployment_of("proxy"))["resources"].get("limits", {})
 
 
-def test_k8s_commands_are_accepted_by_the_real_parsers(capsys: pytest.CaptureFixture[str]) -> None:
+def test_k8s_commands_are_accepted_by_the_real_parsers(capsys: pytest.CaptureFixture[str],
+                                                       keys: dict[str, dict[str, str]]) -> None:
     for d in by_kind("Deployment").values():
         for name, c in containers(d).items():
             argv = resolve_k8s_vars(c)
-            accepted(argv[0], argv[1:], f"{d['metadata']['name']}/{name}", capsys)
+            cfg: Any = accepted(argv[0], argv[1:], f"{d['metadata']['name']}/{name}", capsys, k8s_secret_env(c, keys))
+            if role({"command": argv}) in WORKERS:  # secure: the Secrets give each worker what it needs
+                assert not cfg.insecure and cfg.internal_key and cfg.curve is not None, name
+                assert "EPD_INSECURE" not in k8s_env(c)
 
 
 def test_k8s_sets_only_epd_variables_its_programs_read(capsys: pytest.CaptureFixture[str]) -> None:

@@ -49,7 +49,8 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: fl
 
 
 def start(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # EPD_INSECURE: these tests exercise other things; workers are secure by default (tests/hostile/test_trust.py)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "EPD_INSECURE": "1"}
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
                                 cwd=ROOT, env=env)

@@ -53,6 +53,12 @@ class OneDevice(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@pytest.fixture(autouse=True)
+def insecure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These parse device flags only: workers refuse to start without keys unless EPD_INSECURE=1."""
+    monkeypatch.setenv("EPD_INSECURE", "1")
+
+
 def test_config_defaults_are_auto() -> None:
     for cfg in (DecoderConfig(), EncoderConfig()):
         assert (cfg.device, cfg.dtype) == ("auto", "auto")

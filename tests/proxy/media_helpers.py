@@ -95,7 +95,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.server.seen.append((self.path, self.headers.get("Host", "")))
-        route = self.server.routes.get(self.path)
+        route = self.server.routes.get(self.path) or self.server.routes.get(self.path.split("?", 1)[0])
         try:
             if route is None:
                 self.send_error(404)
@@ -162,3 +162,56 @@ def connections_made(srv: CountingServer) -> int:
         assert client.get(srv.url("/__sync__")).status_code == 200
     assert srv.seen[-1][0] == "/__sync__"
     return srv.accepted - 1
+
+
+class Trickle:
+    """A route that declares a 1 MiB image, sends its first bytes, then one byte per `pause` s until released
+    (then it hangs up) or until the client hangs up; counts downloads in progress and those the client left."""
+
+    def __init__(self, pause: float = 0.05) -> None:
+        self.pause, self.release = pause, threading.Event()
+        self.active = self.abandoned = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, h: BaseHTTPRequestHandler) -> None:
+        with self._lock:
+            self.active += 1
+        try:
+            h.send_response(200)
+            h.send_header("Content-Type", "image/png")
+            h.send_header("Content-Length", str(1 << 20))
+            h.end_headers()
+            h.wfile.write(PNG[:16])
+            while not self.release.wait(self.pause):  # a slow host, not a wait in the test
+                h.wfile.write(b"\0")
+                h.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            with self._lock:
+                self.abandoned += 1
+            raise
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
+class ThreadingCountingServer(CountingServer):
+    """A CountingServer that serves each connection on its own thread (several slow downloads at once)."""
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        threading.Thread(target=self._serve_one, args=(request, client_address), daemon=True).start()
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        finally:
+            self.shutdown_request(request)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll `predicate` until it holds or `timeout` passes (a deadline, not a guess at how long things take)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

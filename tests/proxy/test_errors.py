@@ -30,7 +30,7 @@ def user(content: object) -> dict[str, object]:
     (user([{"type": "image_url", "image_url": {}}]), "messages.0.content.0.image_url.url", "Field required"),
     ({"model": "demo", "messages": []}, "messages", "at least 1 item"),
     ({**user("hi"), "temperature": 5}, "temperature", "less than or equal to 2"),
-    ({**user("hi"), "n": 2}, "n", "less than or equal to 1"),
+    ({**user("hi"), "n": 129}, "n", "less than or equal to 128"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "model", "Field required"),
 ])
 def test_invalid_request_names_the_parameter(body: dict[str, object], param: str, words: str) -> None:

@@ -17,6 +17,7 @@ from connector import ECProducer
 from proxy.config import ProxyConfig
 from proxy.fleet import Fleet
 from proxy.metrics import ProxyMetrics
+from proxy.workers import ModelMismatch
 from scheduler.scheduler import MMItem
 from tests.e2e.stack import metric
 
@@ -228,3 +229,120 @@ def test_an_encoder_that_hangs_is_abandoned_when_probes_mark_it_down() -> None:
 
     sources = asyncio.run(main())
     assert set(sources.values()) == {address("http://127.0.0.1:9101")} and sorted(sources) == ["a", "b"]
+
+
+POISON = {"error": {"message": "cannot encode this image", "type": "server_error", "code": "encode_failed"}}
+
+
+async def poison_fails(url: str, hashes: list[str]) -> httpx.Response:
+    """Every encoder answers 500 for the poison item (and encodes anything else)."""
+    await asyncio.sleep(0)
+    return httpx.Response(500, json=POISON) if "poison" in hashes else encoded(url, hashes)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_poison_item_fails_its_own_request_after_one_retry_and_marks_no_encoder_down(n: int) -> None:
+    encoders = Encoders(poison_fails)
+
+    async def main() -> tuple[APIError, list[bool], dict[str, str]]:
+        async with fleet_of(encoders, n) as fleet:
+            errors = []
+            for _ in range(3):  # the same hostile request, again and again
+                with pytest.raises(APIError) as err:
+                    await fleet.encode(items("poison"), "rid")
+                errors.append(err.value)
+            healthy = [w.healthy for w in fleet.workers.of("encoder")]
+            return errors[-1], healthy, await fleet.encode(items("fine"), "rid2")
+
+    err, healthy, sources = asyncio.run(main())
+    assert (err.status, err.code) == (500, "encode_failed") and err.message == POISON["error"]["message"]
+    assert healthy == [True] * n and list(sources) == ["fine"]
+    assert len([c for c in encoders.calls if c[1] == ["poison"]]) == 3 * n  # asked once, retried once elsewhere
+
+
+def test_a_5xx_answer_is_retried_on_another_encoder_without_marking_the_first_down() -> None:
+    async def first_overloaded(url: str, hashes: list[str]) -> httpx.Response:
+        await asyncio.sleep(0)
+        if url.endswith("9100"):
+            return httpx.Response(503, json={"error": {"message": "busy", "code": "overloaded"}})
+        return encoded(url, hashes)
+
+    async def main() -> tuple[dict[str, str], bool]:
+        async with fleet_of(Encoders(first_overloaded)) as fleet:
+            sources = await fleet.encode(items("a", "b"), "rid")
+            return sources, fleet.workers.by_url["http://127.0.0.1:9100"].healthy
+
+    sources, first_healthy = asyncio.run(main())
+    assert set(sources.values()) == {address("http://127.0.0.1:9101")} and first_healthy
+
+
+def test_an_encoder_whose_health_names_no_zeromq_address_is_not_taken() -> None:
+    async def main() -> tuple[bool, str]:
+        cfg = ProxyConfig(encode_urls=(), decode_urls=(), dynamic_registration=True, internal_key="k")
+        transport = httpx.MockTransport(lambda req: httpx.Response(200, json={"status": "ok"}))
+        async with httpx.AsyncClient(transport=transport) as client:
+            fleet = Fleet(cfg, client, ProxyMetrics(CollectorRegistry()))
+            try:
+                worker = await fleet.register("encoder", "http://127.0.0.1:9100")
+                return worker.healthy, worker.reason
+            finally:
+                await fleet.close()
+
+    healthy, reason = asyncio.run(main())
+    assert not healthy and "ec_address" in reason
+
+
+def test_registering_a_worker_of_another_model_is_refused_and_forgotten() -> None:
+    fingerprints = {"9100": "f00d", "9101": "beef"}
+
+    def health(req: httpx.Request) -> httpx.Response:
+        producer = PRODUCERS[int(str(req.url.port)) - 9100]
+        ident = {"family": "llava", "fingerprint": fingerprints[str(req.url.port)], "hidden_size": 64}
+        return httpx.Response(200, json={"ec_address": producer.address, "ec_events_address": producer.events_address,
+                                         "model_identity": ident})
+
+    async def main() -> list[str]:
+        cfg = ProxyConfig(encode_urls=(), decode_urls=(), dynamic_registration=True, internal_key="k")
+        async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as client:
+            fleet = Fleet(cfg, client, ProxyMetrics(CollectorRegistry()))
+            try:
+                assert (await fleet.register("encoder", "http://127.0.0.1:9100")).healthy
+                with pytest.raises(ModelMismatch, match="beef"):
+                    await fleet.register("encoder", "http://127.0.0.1:9101")
+                return list(fleet.workers.by_url)
+            finally:
+                await fleet.close()
+
+    assert asyncio.run(main()) == ["http://127.0.0.1:9100"]
+
+
+def test_a_decoder_5xx_answer_is_retried_once_then_the_request_fails_alone_and_no_decoder_is_marked_down() -> None:
+    from contracts.sampling import SamplingParams
+    from proxy.generation import Generation
+    from proxy.prepare import PreparedChat
+
+    generates: list[str] = []
+
+    def decoders(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        generates.append(str(req.url.host))
+        return httpx.Response(500, json={"error": {"message": "engine failed this request", "code": "engine_error"}})
+
+    async def main() -> tuple[APIError, list[bool]]:
+        cfg = ProxyConfig(encode_urls=(), decode_urls=(), dynamic_registration=True, internal_key="k")
+        async with httpx.AsyncClient(transport=httpx.MockTransport(decoders)) as client:
+            fleet = Fleet(cfg, client, ProxyMetrics(CollectorRegistry()))
+            try:
+                for host in ("d0", "d1", "d2"):
+                    await fleet.register("decoder", f"http://{host}:1")
+                gen = Generation(fleet, PreparedChat(messages=[], items=[], sampling=SamplingParams()), "rid")
+                with pytest.raises(APIError) as err:
+                    await gen.open({})
+                await gen.close()
+                return err.value, [w.healthy and w.load == 0 for w in fleet.workers.of("decoder")]
+            finally:
+                await fleet.close()
+
+    err, fine = asyncio.run(main())
+    assert (err.status, err.code) == (500, "engine_error") and len(generates) == 2 and fine == [True] * 3

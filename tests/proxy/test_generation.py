@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from common.errors import APIError
+from contracts.sampling import SamplingParams
 from proxy.fleet import WorkerFailed
 from proxy.generation import Generation
 from proxy.prepare import PreparedChat
@@ -73,7 +74,7 @@ class FakeFleet:
         return outcome
 
 
-CHAT = PreparedChat(messages=[], items=[MMItem("a", b"1"), MMItem("b", b"2")], sampling={})
+CHAT = PreparedChat(messages=[], items=[MMItem("a", b"1"), MMItem("b", b"2")], sampling=SamplingParams())
 SOURCES = {"a": "tcp://e0", "b": "tcp://e1"}
 MISSING_B = APIError(409, "missing", code="missing_embeddings", extra={"missing": ["b"]})
 

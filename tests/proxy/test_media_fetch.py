@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from contracts.hashing import mm_hash
 from proxy import fetch
-from proxy.hashing import mm_hash
 from proxy.prepare import prepare_chat
 from tests.proxy.media_helpers import (
     PARAM,
@@ -52,7 +52,7 @@ def test_loopback_is_refused_before_any_connection(server: CountingServer, host:
 def test_allowed_host_is_fetched_and_hashed_server_side(server: CountingServer) -> None:
     server.routes["/x.png"] = serve(PNG)
     chat = prepare_chat(request(server.url("/x.png")), config(allowed_media_domains=("127.0.0.1",)))
-    assert chat.items[0].data == PNG and chat.items[0].mm_hash == mm_hash("demo", PNG)
+    assert chat.items[0].data == PNG and chat.items[0].mm_hash == mm_hash(PNG)
     assert server.seen == [("/x.png", f"127.0.0.1:{server.port}")]
 
 

@@ -7,8 +7,8 @@ import io
 import pytest
 
 from common.errors import APIError
+from contracts.hashing import mm_hash
 from proxy.config import ProxyConfig
-from proxy.hashing import mm_hash
 from proxy.prepare import prepare_chat
 from proxy.protocol import ChatCompletionRequest
 from tests.factories import make_image
@@ -40,11 +40,14 @@ def test_images_become_markers_in_order_with_server_side_hashes() -> None:
     chat = prepare_chat(request(a, b, a), CFG)
     assert chat.messages[0]["content"][:3] == [{"type": "image"}] * 3
     assert [i.mm_hash for i in chat.items][0] == chat.items[2].mm_hash != chat.items[1].mm_hash
-    assert chat.items[0].mm_hash == mm_hash("demo", base64.b64decode(a.split(",", 1)[1]))
+    assert chat.items[0].mm_hash == mm_hash(base64.b64decode(a.split(",", 1)[1]))
 
 
-def test_hash_depends_on_model_identity() -> None:
-    assert mm_hash("model-a", b"x") != mm_hash("model-b", b"x")
+def test_hash_is_the_shared_tagged_definition() -> None:
+    import hashlib
+
+    assert mm_hash(b"x") != mm_hash(b"y") and len(mm_hash(b"x")) == 64
+    assert mm_hash(b"x") != hashlib.sha256(b"x").hexdigest()  # domain/version tag is part of it
 
 
 @pytest.mark.parametrize("url,code", [
@@ -91,5 +94,5 @@ def test_unknown_model_is_404() -> None:
 
 def test_penalties_are_passed_to_the_decoder() -> None:
     chat = prepare_chat(request(frequency_penalty=0.5, presence_penalty=-1.0), CFG)
-    assert (chat.sampling["frequency_penalty"], chat.sampling["presence_penalty"]) == (0.5, -1.0)
-    assert prepare_chat(request(), CFG).sampling["frequency_penalty"] == 0.0
+    assert (chat.sampling.frequency_penalty, chat.sampling.presence_penalty) == (0.5, -1.0)
+    assert prepare_chat(request(), CFG).sampling.frequency_penalty == 0.0

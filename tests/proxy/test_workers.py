@@ -3,12 +3,14 @@ chosen by load among the healthy ones."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import httpx
 import pytest
 
 from common.errors import APIError
-from proxy.workers import Worker, WorkerDown, Workers, until_down
+from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, until_down
 
 
 class Probed:
@@ -85,3 +87,123 @@ def test_a_call_in_flight_gives_up_when_its_worker_is_marked_down() -> None:
         assert await until_down(asyncio.sleep(0, result=7), Worker("encoder", "http://f", healthy=True)) == 7
 
     asyncio.run(main())
+
+
+def identity(fingerprint: str, family: str = "llava") -> dict[str, object]:
+    return {"family": family, "fingerprint": fingerprint, "hidden_size": 64}
+
+
+def health_of(bodies: dict[str, dict[str, object]]) -> httpx.MockTransport:
+    """Workers whose /health answers the given body (by host)."""
+    return httpx.MockTransport(lambda req: httpx.Response(200, json=bodies[req.url.host]))
+
+
+def test_a_worker_of_another_model_is_never_taken_into_service(caplog: pytest.LogCaptureFixture) -> None:
+    bodies = {"a": {"model_identity": identity("f00d")}, "b": {"model_identity": identity("beef", "qwen2_5_vl")},
+              "c": {"status": "ok"}}
+
+    async def main() -> tuple[list[bool], list[str]]:
+        async with httpx.AsyncClient(transport=health_of(bodies)) as client:
+            workers = Workers(client, 1.0, 1.0, 3, on_up=lambda w: None, on_down=lambda w: None)
+            a, b, c = workers.add("decoder", "http://a"), workers.add("encoder", "http://b"), workers.add("encoder", "http://c")
+            ups = [await workers.probe(a), await workers.probe(b), await workers.probe(b), await workers.probe(c)]
+            return ups, [a.reason, b.reason] if not b.healthy else []
+
+    ups, reasons = asyncio.run(main())
+    assert ups == [True, False, False, True]  # c reports no identity: unknown, taken (with a warning)
+    assert reasons[1].startswith("model_mismatch") and "beef" in reasons[1] and "f00d" in reasons[1]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and all(s in errors[0] for s in ("beef", "f00d", "llava", "qwen2_5_vl", "http://b"))
+    assert any("no model_identity" in r.getMessage() and "http://c" in r.getMessage() for r in caplog.records)
+
+
+def test_a_healthy_worker_restarted_with_another_model_is_taken_out() -> None:
+    bodies = {"a": {"model_identity": identity("f00d")}, "b": {"model_identity": identity("f00d")}}
+    downs: list[str] = []
+
+    async def main() -> bool:
+        async with httpx.AsyncClient(transport=health_of(bodies)) as client:
+            workers = Workers(client, 1.0, 1.0, 3, on_up=lambda w: None, on_down=lambda w: downs.append(w.url))
+            a, b = workers.add("decoder", "http://a"), workers.add("decoder", "http://b")
+            assert await workers.probe(a) and await workers.probe(b)
+            bodies["b"] = {"model_identity": identity("cafe")}
+            return await workers.probe(b)
+
+    assert not asyncio.run(main()) and downs == ["http://b"]
+
+
+def test_readiness_names_the_missing_role() -> None:
+    workers = Workers(None, 1.0, 1.0, 3, on_up=lambda w: None, on_down=lambda w: None)  # type: ignore[arg-type]
+    assert "no healthy decoder (none registered)" in str(workers.not_ready(need_encoder=True))
+    d = workers.add("decoder", "http://d")
+    d.reason = "1 failed probe(s): refused"
+    assert "http://d: 1 failed probe(s): refused" in str(workers.not_ready(need_encoder=False))
+    d.healthy = True
+    assert workers.not_ready(need_encoder=False) is None
+    assert "no healthy encoder" in str(workers.not_ready(need_encoder=True))
+    workers.add("encoder", "http://e").healthy = True
+    assert workers.not_ready(need_encoder=True) is None
+
+
+def test_waiting_for_workers_logs_each_unreachable_one_with_url_and_reason_rate_limited(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def unreachable(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "dns":
+            raise httpx.ConnectError("[Errno -2] Name or service not known")
+        if request.url.host == "slow":
+            raise httpx.ConnectTimeout("timed out")
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(unreachable)) as client:
+            workers = Workers(client, 1.0, 1.0, 3, on_up=lambda w: None, on_down=lambda w: None)
+            urls = ["http://dns:1", "http://slow:2", "http://refused:3"]
+            for u in urls:
+                workers.add("decoder", u)
+            await workers.wait_healthy(urls, time.monotonic() + 0.5)  # ~3 probes each
+
+    with pytest.raises(RuntimeError, match="not healthy"):
+        asyncio.run(main())
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for")]
+    assert len(waits) == 3  # one line per worker (then at most one per 10 s), not one per probe
+    assert any("http://dns:1" in m and "DNS" in m for m in waits)
+    assert any("http://slow:2" in m and "timeout" in m for m in waits)
+    assert any("http://refused:3" in m and "refused" in m for m in waits)
+
+
+def test_a_worker_of_another_model_fails_a_static_start_at_once() -> None:
+    bodies = {"a": {"model_identity": identity("f00d")}, "b": {"model_identity": identity("beef")}}
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=health_of(bodies)) as client:
+            workers = Workers(client, 1.0, 1.0, 3, on_up=lambda w: None, on_down=lambda w: None)
+            a = workers.add("decoder", "http://a")
+            await workers.probe(a)
+            workers.add("encoder", "http://b")
+            await workers.wait_healthy(["http://b"], time.monotonic() + 60)
+
+    with pytest.raises(ModelMismatch, match="beef"):
+        asyncio.run(main())
+
+
+def test_one_odd_worker_does_not_stop_the_probes_of_the_others() -> None:
+    async def main() -> tuple[bool, bool]:
+        workers = Workers(None, 0.01, 1.0, 3, on_up=lambda w: None, on_down=lambda w: None)  # type: ignore[arg-type]
+        odd, fine = workers.add("encoder", "http://odd"), workers.add("decoder", "http://fine")
+        odd.healthy = True
+        probed: list[str] = []
+
+        async def probe(w: Worker) -> bool:
+            probed.append(w.url)
+            if w is odd:
+                raise KeyError("ec_address")
+            return True
+
+        workers.probe = probe  # type: ignore[method-assign]
+        workers.start()
+        while probed.count("http://fine") < 3:
+            await asyncio.sleep(0.01)
+        await workers.stop()
+        return odd.healthy, fine.url in probed
+
+    assert asyncio.run(main()) == (False, True)

@@ -1,0 +1,23 @@
+"""The one definition of `mm_hash`: the key an image's embeddings are stored and gathered under.
+
+Torch-free. Computed over the image FILE bytes (as received from the client, before decoding),
+with a domain/version tag so a future change of definition cannot collide with today's hashes.
+The model name is not part of the hash: a fleet serves one model (the proxy refuses to pair
+workers of different models, and decoders check every embedding's shape against their model).
+
+Every process that stores or trusts an embedding computes the hash itself from the bytes with this
+function; a hash supplied by a caller is only ever compared against it, never trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+
+MM_HASH_TAG = b"epd-mm-hash/v2\0"
+MM_HASH_HEX_LEN = 64
+
+
+def mm_hash(data: bytes) -> str:
+    """sha256(tag || data) as lowercase hex (64 characters)."""
+    h = hashlib.sha256(MM_HASH_TAG)
+    h.update(data)
+    return h.hexdigest()

@@ -1,0 +1,165 @@
+"""One request's failure on the engine thread ends that request alone.
+
+For each way one request can fail on the decoder's engine thread (admission and seeding, embedding merge,
+prefill, a batched decode forward, sampling, the sampler's read-back, detokenization, a slot left full of
+NaN), the failing request is submitted together with two victims (one greedy, one seeded sampling), and:
+- the failing request gets its own `error` event;
+- both victims finish with exactly the text and token count they produce alone;
+- its slot is freed, the engine reports no problem, and an ordinary request right after gets its solo answer;
+- the process's RSS stays within MEMORY_BOUND of what it was before the case.
+Faults are injected by bypassing validation (SamplingParams.model_construct) or by patching one component
+so that it fails for the culprit only (marked by its seed).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import decoder_service.sequence as sequence_module
+from decoder_service.detokenizer import IncrementalDetokenizer
+from decoder_service.engine import Engine
+from decoder_service.prompt import Prompt
+from decoder_service.sampling import Sampler, SamplingParams
+from models.base import ImageFeatures
+from tests.decoder_service.engine_run import Result, greedy, make_engine, run, text_prompt
+from tests.hostile.memory import rss_bytes
+
+CULPRIT_SEED = 4242  # marks the request the injected fault hits
+MEMORY_BOUND = 64 << 20  # RSS growth allowed per case (measured: under 2 MiB)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs: dict[str, Path]) -> Iterator[Engine]:
+    eng = make_engine(tiny_model_dirs["llava"])
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def victims(engine: Engine) -> list[tuple[Prompt, SamplingParams]]:
+    # the culprit takes slot 0; when it leaves, the last victim (the shorter prompt) moves into its slot and
+    # decodes beside a longer row, so it reads (masked) columns past its own length there
+    return [(text_prompt(engine, 9), SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)),
+            (text_prompt(engine, 3), greedy(16))]
+
+
+@pytest.fixture(scope="module")
+def solo(engine: Engine, victims: list[tuple[Prompt, SamplingParams]]) -> list[Result]:
+    out = [run(engine, [spec])[0] for spec in victims]
+    assert all(r.ok for r in out) and out[0].text != out[1].text
+    return out
+
+
+def culprit_params(**kw: Any) -> SamplingParams:
+    return greedy(16, seed=CULPRIT_SEED, **kw)
+
+
+def is_culprit(engine: Engine, slot: int) -> bool:
+    row = engine.runner.rows[slot]
+    seq = engine.seqs.get(row.key)  # type: ignore[call-overload]
+    return seq is not None and seq.job.params.seed == CULPRIT_SEED
+
+
+def fail_forward_of_culprit(engine: Engine, monkeypatch: pytest.MonkeyPatch, decode: bool) -> None:
+    """The LM forward raises whenever the culprit's row is in it (decode: from its 3rd token; else: prefill)."""
+    forward = engine.lm.forward_rows
+
+    def faulty(*args: Any) -> torch.Tensor:
+        plan = engine.runner.cache.plan[0]
+        for slot in range(plan.rows.start, plan.rows.stop):
+            if is_culprit(engine, slot) and (plan.num_new == 1) == decode:
+                if not decode or engine.runner.rows[slot].length > engine.runner.rows[slot].prompt.num_tokens + 2:
+                    raise RuntimeError("injected forward failure")
+        return forward(*args)
+
+    monkeypatch.setattr(engine.lm, "forward_rows", faulty)
+
+
+class FaultySampler(Sampler):
+    """The culprit's sampler breaks after 3 tokens: it raises, or returns something that is not a token."""
+
+    mode = "raise"
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.params.seed == CULPRIT_SEED and sum(self.counts.values()) >= 3:
+            if self.mode == "raise":
+                raise RuntimeError("injected sampling failure")
+            if self.mode == "float":  # would promote every row's token to float in a stacked read-back
+                return torch.tensor(1.5)
+            return torch.tensor([1, 2])  # not 0-d: would break the stack of every row
+        return super().choose(logits)
+
+
+class FaultyDetokenizer(IncrementalDetokenizer):
+    def add(self, token_id: int) -> str:
+        if "culprit" in self.stop and len(self.token_ids) >= 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return super().add(token_id)
+
+
+def poison_slot_then_fail(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K/V the culprit wrote turn NaN (as an overflowing forward would leave them), then it fails: whatever
+    sequence moves into or takes that slot next must not read them, even masked (0 * NaN is NaN)."""
+
+    class Poisoner(Sampler):
+        def choose(self, logits: torch.Tensor) -> torch.Tensor:
+            if self.params.seed == CULPRIT_SEED and sum(self.counts.values()) >= 3:
+                slot = next(i for i in range(len(engine.runner.rows)) if is_culprit(engine, i))
+                written = engine.runner.rows[slot].length  # the culprit's prompt is longer than the last victim's
+                for layer in engine.runner.cache.slot_layers:
+                    assert layer.keys is not None and layer.values is not None
+                    layer.keys[slot, :, :written] = float("nan")
+                    layer.values[slot, :, :written] = float("nan")
+                raise RuntimeError("injected failure after poisoning the slot")
+            return super().choose(logits)
+
+    monkeypatch.setattr(sequence_module, "Sampler", Poisoner)
+
+
+def sampler_mode(mode: str) -> Callable[[Engine, pytest.MonkeyPatch], None]:
+    def install(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(FaultySampler, "mode", mode)
+        monkeypatch.setattr(sequence_module, "Sampler", FaultySampler)
+    return install
+
+
+# name -> (install the fault, the culprit's prompt (None: a short text one), its params)
+CASES: dict[str, tuple[Callable[[Engine, pytest.MonkeyPatch], None], Callable[[Engine], Prompt] | None,
+                       Callable[[], SamplingParams]]] = {
+    "seed_out_of_range": (lambda e, m: None, None,
+                          lambda: SamplingParams.model_construct(**{**culprit_params().model_dump(), "seed": 2**64})),
+    "embeddings_of_another_width": (lambda e, m: None,
+                                    lambda e: text_prompt(e, 2, [ImageFeatures(embeds=torch.ones(5, 32))]),
+                                    culprit_params),
+    "prefill_forward_fails": (lambda e, m: fail_forward_of_culprit(e, m, decode=False), None, culprit_params),
+    "batched_decode_fails": (lambda e, m: fail_forward_of_culprit(e, m, decode=True), None, culprit_params),
+    "sampler_raises": (sampler_mode("raise"), None, culprit_params),
+    "sampler_returns_a_float": (sampler_mode("float"), None, culprit_params),
+    "sampler_returns_a_vector": (sampler_mode("vector"), None, culprit_params),
+    "detokenizer_raises": (lambda e, m: m.setattr(sequence_module, "IncrementalDetokenizer", FaultyDetokenizer),
+                           None, lambda: culprit_params(stop=("culprit",))),
+    "slot_left_full_of_nan": (poison_slot_then_fail, None, culprit_params),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failing_request_ends_alone(engine: Engine, victims: list[tuple[Prompt, SamplingParams]],
+                                      solo: list[Result], monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    install, make_prompt, make_params = CASES[case]
+    before = rss_bytes()
+    errors_before = engine.finished["error"]
+    install(engine, monkeypatch)
+    culprit = (make_prompt(engine) if make_prompt else text_prompt(engine, 5), make_params())
+    bad, *others = run(engine, [culprit, *victims])
+    monkeypatch.undo()
+    assert bad.last.type == "error" and bad.last.message and "generation failed" in bad.last.message
+    assert [r.answer() for r in others] == [r.answer() for r in solo]
+    assert engine.finished["error"] == errors_before + 1
+    assert engine.num_running == 0 and engine.runner.rows == [] and engine.problem() is None
+    # an ordinary request right after (into the slot the culprit left) gets its solo answer
+    assert run(engine, [victims[0]])[0].answer() == solo[0].answer()
+    assert rss_bytes() - before < MEMORY_BOUND

@@ -1,0 +1,160 @@
+"""The HTTP limits every service shares (common/http.py), in process: body bytes counted as received, a body
+deadline, a header deadline (slowloris), header size, connection count, and cancellation on disconnect."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from common.errors import install_error_handlers
+from common.http import HttpLimits, install_body_limit, until_disconnected
+from tests.hostile.http_client import (
+    closed_by_server,
+    connect,
+    flood_chunked,
+    head,
+    read_reply,
+    served,
+    trickle_body,
+)
+from tests.hostile.memory import rss_bytes
+
+LIMITS = HttpLimits(max_body_bytes=1 << 20, body_read_timeout=1.0, header_timeout=1.0, max_header_bytes=4096)
+RSS_BOUND = 48 << 20  # a 1 MiB cap: the server holds at most the cap plus uvicorn's 64 KiB read-ahead
+
+
+def echo_app(limits: HttpLimits, seen: list[int]) -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+    install_body_limit(app, limits.max_body_bytes, limits.body_read_timeout)
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, Any]:
+        body = await request.body()
+        seen.append(len(body))
+        return {"num_bytes": len(body)}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[int, list[int]]]:
+    seen: list[int] = []
+    with served(echo_app(LIMITS, seen), LIMITS) as port:
+        yield port, seen
+
+
+def ordinary(port: int) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/echo", content=b"[1, 2, 3]", timeout=30)
+
+
+def test_a_chunked_flood_is_refused_once_it_passes_the_cap(server: tuple[int, list[int]]) -> None:
+    port, seen = server
+    before = rss_bytes()
+    reply, sent = flood_chunked(port, "/echo", total=200 << 20)
+    assert reply.status == 413 and reply.body is not None and reply.body["error"]["code"] == "body_too_large"
+    assert reply.headers["connection"] == "close"
+    assert sent < 200 << 20  # refused mid-body, not after it all arrived
+    assert rss_bytes() - before < RSS_BOUND
+    assert ordinary(port).json() == {"num_bytes": 9} and seen[-1] == 9  # the app never got the flood
+
+
+def test_a_declared_length_over_the_cap_is_refused_before_the_body(server: tuple[int, list[int]]) -> None:
+    port, _ = server
+    with connect(port) as sock:
+        sock.sendall(head("/echo", port, chunked=False, length=(1 << 20) + 1))  # headers only, no body
+        reply = read_reply(sock)
+    assert reply.status == 413 and reply.body is not None and reply.body["error"]["code"] == "body_too_large"
+
+
+def test_a_slow_body_gets_408_and_is_dropped_while_others_are_served(server: tuple[int, list[int]]) -> None:
+    port, _ = server
+    results: list[Any] = []
+
+    async def both() -> None:
+        slow = asyncio.to_thread(trickle_body, port, "/echo", b'{"a": "' + b"x" * 64 + b'"}', 0.2)
+        others = [asyncio.to_thread(ordinary, port) for _ in range(3)]
+        results.extend(await asyncio.gather(slow, *others))
+
+    asyncio.run(both())
+    slow, *others = results
+    assert slow.status == 408 and slow.body["error"]["code"] == "body_read_timeout"
+    assert [r.json() for r in others] == [{"num_bytes": 9}] * 3
+
+
+def test_headers_sent_byte_by_byte_are_cut_off(server: tuple[int, list[int]]) -> None:
+    port, _ = server
+    with connect(port) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        for _ in range(100):  # a slowloris: one header byte at a time, never the blank line
+            if closed_by_server(sock, within=0.1):
+                closed = True
+                break
+            try:
+                sock.sendall(b"X")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        assert closed  # before 100 x 0.1 s: the 1 s header deadline, not the client, ended it
+    assert ordinary(port).status_code == 200
+
+
+def test_a_silent_connection_is_closed(server: tuple[int, list[int]]) -> None:
+    port, _ = server
+    with connect(port) as sock:
+        assert closed_by_server(sock, within=20)
+
+
+def test_headers_over_the_size_cap_are_refused_whole_or_in_pieces(server: tuple[int, list[int]]) -> None:
+    port, _ = server
+    resp = httpx.post(f"http://127.0.0.1:{port}/echo", content=b"[]", headers={"X-Big": "a" * 8192}, timeout=30)
+    assert resp.status_code == 431 and resp.json()["error"]["code"] == "headers_too_large"
+    with connect(port) as sock:  # in pieces: h11 refuses once its buffer of an unfinished request passes the cap
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(8):
+            try:
+                sock.sendall(b"X-Big: " + b"a" * 1024 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        assert read_reply(sock).status == 400
+    assert ordinary(port).status_code == 200
+
+
+def test_connections_beyond_the_concurrency_limit_get_503() -> None:
+    limits = HttpLimits(limit_concurrency=2)
+    with served(echo_app(limits, []), limits) as port, connect(port) as idle1, connect(port) as idle2:
+        assert idle1 and idle2  # two open connections fill the limit
+        assert ordinary(port).status_code == 503
+    with served(echo_app(limits, []), limits) as port:
+        assert ordinary(port).status_code == 200
+
+
+def test_until_disconnected_cancels_the_work_and_runs_its_cleanup() -> None:
+    cleaned: list[str] = []
+
+    async def work() -> str:
+        try:
+            await asyncio.Event().wait()  # a generation that would run to max_tokens
+            return "done"
+        finally:
+            cleaned.append("closed upstream")
+
+    async def scenario() -> tuple[str | None, str | None]:
+        gone = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        asyncio.get_running_loop().call_soon(gone.set)
+        left = await until_disconnected(receive, work())
+        finished = await until_disconnected(asyncio.Event().wait, asyncio.sleep(0, "answer"))  # type: ignore[arg-type]
+        return left, finished
+
+    assert asyncio.run(scenario()) == (None, "answer")
+    assert cleaned == ["closed upstream"]
