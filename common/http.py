@@ -27,9 +27,12 @@ T = TypeVar("T")
 logger = logging.getLogger("epd.http")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HttpLimits:
-    """What one HTTP server lets a client hold: body bytes and time, header bytes and time, connections."""
+    """What one HTTP server lets a client hold: body bytes and time, header bytes and time, connections.
+
+    Every service's config inherits these fields (one declaration; `common.cli.add_http_flags` makes the flags)
+    and calls `super().__post_init__()` last."""
 
     max_body_bytes: int = 64 << 20  # request body, counted as received (chunked or not); 413 above
     body_read_timeout: float = 60.0  # seconds to receive a whole request body; 408 after

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.http import HttpLimits
 from connector.security import CurveConfig
 
 
 @dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(HttpLimits):
     model: str = "demo"
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
@@ -29,16 +30,10 @@ class DecoderConfig:
     internal_key: str | None = field(default=None, repr=False)  # Bearer key /generate requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
     insecure: bool = False  # start without the internal key / CURVE keys (logs a WARNING)
-    # HTTP server limits (common/http.py HttpLimits). /generate carries the messages of a proxy request (its
+    # the HTTP server's limits are inherited (HttpLimits). /generate carries the messages of a proxy request (its
     # body is capped at 64 MiB) and, aggregated, its images inline: 0 picks 80 MiB, or 16 images of 20 MiB in
     # base64 plus 1 MiB when aggregated
     max_body_bytes: int = 0
-    body_read_timeout: float = 60.0
-    header_timeout: float = 10.0
-    limit_concurrency: int = 2048
-    timeout_keep_alive: int = 5
-    max_header_bytes: int = 16 << 10
-    backlog: int = 2048
 
     @property
     def curve_needs(self) -> tuple[str, ...]:
@@ -54,3 +49,4 @@ class DecoderConfig:
         if self.max_body_bytes == 0:  # frozen: the resolved default is set once, here
             auto = 16 * (20 << 20) * 4 // 3 + (1 << 20) if self.aggregated else 80 << 20
             object.__setattr__(self, "max_body_bytes", auto)
+        super().__post_init__()

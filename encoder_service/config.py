@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.http import HttpLimits
 from connector.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
 from connector.security import CurveConfig
 from connector.waiters import MAX_PARKED
@@ -13,7 +14,7 @@ MAX_ITEMS_PER_GET = 256
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
+class EncoderConfig(HttpLimits):
     model: str = "demo"
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
@@ -34,15 +35,9 @@ class EncoderConfig:
     log_level: str = "info"
     internal_key: str | None = field(default=None, repr=False)  # Bearer key /encode requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
-    # HTTP server limits (common/http.py HttpLimits): /encode carries base64 images, so the body cap fits the
+    # the HTTP server's limits are inherited (HttpLimits); /encode carries base64 images, so the body cap fits the
     # proxy's defaults: 16 images of 20 MiB, base64 (4/3), plus 1 MiB of JSON
     max_body_bytes: int = 16 * (20 << 20) * 4 // 3 + (1 << 20)
-    body_read_timeout: float = 60.0
-    header_timeout: float = 10.0
-    limit_concurrency: int = 2048
-    timeout_keep_alive: int = 5
-    max_header_bytes: int = 16 << 10
-    backlog: int = 2048
     insecure: bool = False  # start without the internal key / CURVE keys (logs a WARNING)
 
     @property
@@ -58,3 +53,4 @@ class EncoderConfig:
             "max_items_per_request and max_encode_bytes must be >= 1"
         assert min(self.ec_max_items_per_get, self.ec_max_reply_bytes, self.ec_max_parked_gets,
                    self.ec_max_parked_hashes) >= 1, "ec_max_* limits must be >= 1"
+        super().__post_init__()

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.http import HttpLimits
 from connector.security import CurveConfig
 
 
 @dataclass(frozen=True)
-class ProxyConfig:
+class ProxyConfig(HttpLimits):
     encode_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     served_model_name: str = "demo"
@@ -15,14 +16,7 @@ class ProxyConfig:
     port: int = 8000
     max_images_per_request: int = 16
     max_image_bytes: int = 20 << 20  # one decoded image file
-    max_body_bytes: int = 64 << 20  # the whole HTTP request body, counted as received
-    # the HTTP server's other limits (common/http.py HttpLimits)
-    body_read_timeout: float = 60.0  # seconds to receive a whole request body (408 after)
-    header_timeout: float = 10.0  # seconds to receive a request's headers (the connection is closed after)
-    limit_concurrency: int = 2048  # open connections + requests in progress (503 beyond; 0: no limit)
-    timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open
-    max_header_bytes: int = 16 << 10  # request line + headers (400 above)
-    backlog: int = 2048  # connections queued before accept
+    # the HTTP server's limits (max_body_bytes, timeouts, connections) are inherited from HttpLimits
     max_image_pixels: int = 40_000_000
     # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
     allowed_local_media_path: str | None = None  # file:// URLs only under this directory
@@ -56,3 +50,4 @@ class ProxyConfig:
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
         assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
             "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"
+        super().__post_init__()
