@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +162,17 @@ def assert_memory_bounded(stack: HostileStack, peak_before: dict[str, int]) -> N
     assert all(g <= PEAK_RSS_GROWTH_BOUND for g in growth.values()), f"peak RSS growth (bytes): {growth}"
 
 
+def run_beside_victims(stack: HostileStack, findings: Findings, peak_before: dict[str, int],
+                       fuzz: Callable[[], None]) -> None:
+    """Run the fuzz while ordinary users stream again and again; then: no finding, every process alive and
+    right, the users' streams unchanged, memory within its bound."""
+    with victims_throughout(stack.base_url) as victims:
+        fuzz()
+    findings.assert_clean_and_healthy()
+    victims.assert_undisturbed()
+    assert_memory_bounded(stack, peak_before)
+
+
 @pytest.fixture(scope="module")
 def client(stack: HostileStack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=stack.base_url, timeout=REQUEST_TIMEOUT) as c:
@@ -198,11 +209,7 @@ def test_requests_generated_from_the_openapi_schema_never_get_a_5xx(
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         send_chat(findings, client, mode.value, raw, case.media_type or "application/json")
 
-    with victims_throughout(stack.base_url) as victims:
-        fuzz()
-    findings.assert_clean_and_healthy()
-    victims.assert_undisturbed()
-    assert_memory_bounded(stack, peak_before)
+    run_beside_victims(stack, findings, peak_before, fuzz)
 
 
 @pytest.mark.e2e
@@ -215,11 +222,7 @@ def test_hostile_variants_get_their_own_4xx_and_hurt_no_one(stack: HostileStack,
         kind, raw = request
         send_chat(findings, client, kind, raw)
 
-    with victims_throughout(stack.base_url) as victims:
-        fuzz()
-    findings.assert_clean_and_healthy()
-    victims.assert_undisturbed()
-    assert_memory_bounded(stack, peak_before)
+    run_beside_victims(stack, findings, peak_before, fuzz)
 
 
 @pytest.mark.e2e
