@@ -74,6 +74,9 @@ def add_http_flags(p: argparse.ArgumentParser, defaults: Any) -> None:
                    help="request line + headers; larger gets a 431 (400 when sent in pieces) and the "
                         "connection closed")
     g.add_argument("--backlog", type=int, default=d["backlog"], help="connections queued before accept")
+    g.add_argument("--send-timeout", type=float, default=d["send_timeout"],
+                   help="seconds a response may wait on a client that reads nothing (its window full); then the "
+                        "connection is dropped and its generation stopped")
 
 
 def _env_flag(name: str) -> bool:

@@ -41,10 +41,12 @@ class HttpLimits:
     timeout_keep_alive: int = 5  # seconds an idle keep-alive connection is kept
     max_header_bytes: int = 16 << 10  # request line + headers: 431 above (400 when they arrive in pieces)
     backlog: int = 2048  # connections the kernel queues before accept
+    send_timeout: float = 60.0  # seconds a response may wait on a client that reads nothing; then it is dropped
 
     def __post_init__(self) -> None:
         assert self.max_body_bytes > 0 and self.max_header_bytes > 0 and self.backlog > 0, "limits must be > 0"
         assert self.body_read_timeout > 0 and self.header_timeout > 0 and self.timeout_keep_alive > 0
+        assert self.send_timeout > 0, "send_timeout must be > 0"
         assert self.limit_concurrency >= 0, "limit_concurrency must be >= 0 (0: no limit)"
 
     @classmethod
@@ -234,19 +236,26 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-class _HeaderDeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol plus a deadline for a request's headers.
+class _DeadlinesH11(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline for a request's headers, and one for a client that reads nothing.
 
     uvicorn (0.54) has no such timer: its keep-alive timer runs only after a response and is cancelled by
     the first byte received, so a client that opens a connection and sends nothing, or sends its headers one
     byte every few seconds (slowloris), holds the connection forever. Here the clock starts when the
     connection opens, or at the first byte of the next request on a kept-alive one, and stops when the
     request's headers are complete; at `header_timeout` the connection is closed.
+
+    A client that stops reading (its receive window full) pauses our writes; a response then waits in
+    `drain()` forever, holding its generation (the proxy) or its stream (a worker). If writing stays paused
+    for `send_timeout`, the connection is aborted (not closed: close() would wait to flush to a client that
+    never reads): the app sees a disconnect, which stops the generation like any client that went away.
     """
 
     header_timeout = 10.0
     max_header_bytes = 16 << 10
+    send_timeout = 60.0
     _header_timer: asyncio.TimerHandle | None = None
+    _send_timer: asyncio.TimerHandle | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -265,7 +274,28 @@ class _HeaderDeadlineH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._disarm_send_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout, self._send_timeout_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_send_timer()
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timeout_expired(self) -> None:
+        self._send_timer = None
+        if not self.transport.is_closing():
+            logger.warning("dropping a connection from %s: it read nothing for %g s", self.client, self.send_timeout)
+            self.transport.abort()
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -303,10 +333,11 @@ class _HeaderCap:
         await self.app(scope, receive, send)
 
 
-def http_protocol(header_timeout: float, max_header_bytes: int) -> type[H11Protocol]:
-    """The h11 protocol class with this header deadline and cap (uvicorn takes a class, not an instance)."""
-    return type("HeaderDeadlineH11", (_HeaderDeadlineH11,),
-                {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes})
+def http_protocol(limits: HttpLimits) -> type[H11Protocol]:
+    """The h11 protocol class with these deadlines and header cap (uvicorn takes a class, not an instance)."""
+    return type("DeadlinesH11", (_DeadlinesH11,), {"header_timeout": limits.header_timeout,
+                                                   "max_header_bytes": limits.max_header_bytes,
+                                                   "send_timeout": limits.send_timeout})
 
 
 def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "info",
@@ -314,7 +345,7 @@ def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "info",
     """uvicorn's config with the server-side limits (connections, keep-alive, header size and time, backlog)."""
     lim = limits or HttpLimits()
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
-                          access_log=False, http=http_protocol(lim.header_timeout, lim.max_header_bytes),
+                          access_log=False, http=http_protocol(lim),
                           limit_concurrency=lim.limit_concurrency or None, timeout_keep_alive=lim.timeout_keep_alive,
                           h11_max_incomplete_event_size=lim.max_header_bytes, backlog=lim.backlog)
 

@@ -166,6 +166,7 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
                 on_ready()
             yield
             await fleet.close()
+            fetch_slots.close()  # downloads still running are not waited for
 
     app = FastAPI(title="EPD proxy", lifespan=lifespan)
     install_error_handlers(app)

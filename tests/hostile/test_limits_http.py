@@ -3,12 +3,15 @@ deadline, a header deadline (slowloris), header size, connection count, and canc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from common.errors import install_error_handlers
 from common.http import HttpLimits, install_body_limit, until_disconnected
@@ -23,11 +26,12 @@ from tests.hostile.http_client import (
 )
 from tests.hostile.memory import rss_bytes
 
-LIMITS = HttpLimits(max_body_bytes=1 << 20, body_read_timeout=1.0, header_timeout=1.0, max_header_bytes=4096)
+LIMITS = HttpLimits(max_body_bytes=1 << 20, body_read_timeout=1.0, header_timeout=1.0, max_header_bytes=4096,
+                    send_timeout=1.0)
 RSS_BOUND = 48 << 20  # a 1 MiB cap: the server holds at most the cap plus uvicorn's 64 KiB read-ahead
 
 
-def echo_app(limits: HttpLimits, seen: list[int]) -> FastAPI:
+def echo_app(limits: HttpLimits, seen: list[int], streams: list[str] | None = None) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     install_body_limit(app, limits.max_body_bytes, limits.body_read_timeout)
@@ -37,6 +41,19 @@ def echo_app(limits: HttpLimits, seen: list[int]) -> FastAPI:
         body = await request.body()
         seen.append(len(body))
         return {"num_bytes": len(body)}
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def forever() -> AsyncIterator[bytes]:  # a generation that would run on as long as it is read
+            try:
+                while True:
+                    await asyncio.sleep(0)  # as a generation awaits its next token
+                    yield b"x" * (64 << 10)
+            finally:
+                if streams is not None:
+                    streams.append("stopped")
+
+        return StreamingResponse(forever())
 
     return app
 
@@ -131,6 +148,22 @@ def test_connections_beyond_the_concurrency_limit_get_503() -> None:
         assert idle1 and idle2  # two open connections fill the limit
         assert ordinary(port).status_code == 503
     with served(echo_app(limits, []), limits) as port:
+        assert ordinary(port).status_code == 200
+
+
+def test_a_client_that_reads_nothing_is_dropped_and_its_stream_stopped() -> None:
+    streams: list[str] = []
+    with served(echo_app(LIMITS, [], streams), LIMITS) as port:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once: the server's writes pause
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", port))
+        with sock:
+            sock.sendall(f"GET /stream HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            deadline = time.monotonic() + 30  # the send deadline is 1 s; this only bounds a failing test
+            while not streams and time.monotonic() < deadline:
+                assert ordinary(port).status_code == 200  # everyone else is served meanwhile
+            assert streams == ["stopped"]  # the response was cut off, its generator closed
         assert ordinary(port).status_code == 200
 
 
