@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,12 @@ def chat_template(tokenizer: Any, model_dir: str | Path) -> str:
             text = path.read_text()
             return str(json.loads(text)["chat_template"]) if name.endswith(".json") else text
     raise ValueError(f"model at {model_dir} has no chat template")
+
+
+# NOTE: a fast tokenizer keeps `split_special_tokens` as state on its shared Rust object, set by every call:
+# encodes from two threads at once (the decoder prepares requests on a pool) could tokenize a benign prompt with
+# a hostile prompt's setting. Every encode of a prompt happens under this lock (tests/models/test_chat_threads.py).
+_ENCODING = threading.Lock()
 
 
 class PromptTooLong(Exception):
@@ -51,10 +58,12 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_to
         at_least = facts.min_tokens(text)
         if at_least > max_tokens:
             raise PromptTooLong(at_least, max_tokens)
-    if getattr(tokenizer, "is_fast", False) and _apply(tokenizer, messages, template) == text:
-        ids = tokenize_isolated(tokenizer, text, spans, facts)
-    else:  # the template changes user text (e.g. trims it) or no offsets: spans are unknown
-        ids = _tokenize_defanged(tokenizer, messages, sentinel_render, template, facts)
+    spans_known = getattr(tokenizer, "is_fast", False) and _apply(tokenizer, messages, template) == text
+    with _ENCODING:
+        if spans_known:
+            ids = tokenize_isolated(tokenizer, text, spans, facts)
+        else:  # the template changes user text (e.g. trims it) or no offsets: spans are unknown
+            ids = _tokenize_defanged(tokenizer, messages, sentinel_render, template, facts)
     if max_tokens is not None and len(ids) > max_tokens:
         raise PromptTooLong(len(ids), max_tokens)
     return ids
