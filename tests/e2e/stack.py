@@ -48,9 +48,13 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: fl
     raise TimeoutError(f"{url} not healthy after {timeout}s:\n{log.read_text()[-3000:]}")
 
 
-def start(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    # EPD_INSECURE: these tests exercise other things; workers are secure by default (tests/hostile/test_trust.py)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "EPD_INSECURE": "1"}
+def start(module: str, args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`python -m module args` from the repo root, output to `log`; `env` replaces this process's environment.
+
+    EPD_INSECURE by default: these tests exercise other things; workers are secure by default
+    (tests/hostile/test_trust.py)."""
+    base = {**os.environ, "EPD_INSECURE": "1"} if env is None else env
+    env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
                                 cwd=ROOT, env=env)

@@ -7,7 +7,6 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 
 from proxy.launcher import free_port
-from tests.e2e.stack import ROOT, ask_colour, demo_png, pid_alive, stop, wait_healthy
+from tests.e2e.stack import ask_colour, demo_png, pid_alive, start, stop, wait_healthy
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
 
 ROLES = ("encoder", "decoder", "proxy")
@@ -68,13 +67,6 @@ def stack_env(internal_key: str) -> dict[str, str]:
     """Workers and proxy share one internal key; CURVE is explicitly off (EPD_INSECURE=1) on loopback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
     return {**env, "EPD_INSECURE": "1", "EPD_INTERNAL_KEY": internal_key}
-
-
-def start(module: str, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    env = {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=ROOT, env=env)
 
 
 @contextmanager
