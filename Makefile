@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 demo-model: install
-	$(BIN)/python -c "from models.demo import ensure_demo_model; print(ensure_demo_model())"
+	$(BIN)/python -c "from epd_models.demo import ensure_demo_model; print(ensure_demo_model())"
 
 run: install
 	$(BIN)/disagg-epd-proxy --model demo --num-encoders $(NUM_ENCODERS) --num-decoders $(NUM_DECODERS) \
@@ -47,7 +47,7 @@ $(TSERVE_VENV)/.installed:
 	   touch $@ ) > runs/tserve-install.log 2>&1 || echo "transformers serve not installed (runs/tserve-install.log)"
 
 bench: install $(TSERVE_VENV)/.installed
-	$(BIN)/python -m bench.compare $(BENCH_ARGS)
+	$(BIN)/python -m epd_bench.compare $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

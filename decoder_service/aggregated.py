@@ -2,7 +2,7 @@
 
 This is the one-process baseline the benchmarks compare EPD against, and the simplest deployment.
 
-Trust: the cache key of an image is computed here from its bytes (`contracts.hashing.mm_hash`); a caller's
+Trust: the cache key of an image is computed here from its bytes (`epd_contracts.hashing.mm_hash`); a caller's
 `mm_hash` that differs is refused with 400 `hash_mismatch`, so no caller can choose what an image is cached
 under. Faults: an image that cannot be preprocessed is that request's 400; a vision forward that fails is that
 request's 500 (`encode_failed`); features that do not fit this decoder's LM (`check`) are its 500
@@ -18,14 +18,14 @@ from collections.abc import Callable
 
 from PIL import Image
 
-from common.errors import APIError, bad_request
 from connector import EncoderOutput
 from connector.cache import EmbeddingCache
-from contracts.hashing import mm_hash
 from decoder_service.protocol import ImageRef
-from models.base import ImageFeatures
-from models.halves import VisionHalf
-from models.images import ImageError, load_image
+from epd_common.errors import APIError, bad_request
+from epd_contracts.hashing import mm_hash
+from epd_models.base import ImageFeatures
+from epd_models.halves import VisionHalf
+from epd_models.images import ImageError, load_image
 
 logger = logging.getLogger("epd.decoder")
 Check = Callable[[EncoderOutput], "str | None"]  # a reason to refuse an embedding, or None

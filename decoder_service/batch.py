@@ -15,7 +15,7 @@ import torch
 
 from decoder_service.prompt import Prompt
 from decoder_service.slots import Plan, SlotCache
-from models.halves import LanguageHalf
+from epd_models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
 Failed = dict[Hashable, Exception]  # row key -> what broke it

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from connector.types import EncoderOutput
-from models.halves import LanguageHalf
+from epd_models.halves import LanguageHalf
 
 
 class EmbeddingCheck:

@@ -27,8 +27,6 @@ from collections.abc import Hashable
 import torch
 from jinja2 import TemplateError
 
-from common.errors import APIError, bad_request
-from common.logs import request_id_var
 from connector import ECConsumer, InvalidEmbeddings, MissingEmbeddings
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.batch import BatchRunner
@@ -39,9 +37,11 @@ from decoder_service.prompt import Prompt, build_prompt
 from decoder_service.protocol import Event, GenerateRequest
 from decoder_service.sampling import SamplingParams
 from decoder_service.sequence import Job, Sequence
-from models.base import ImageFeatures
-from models.chat import PromptTooLong, chat_template, render
-from models.halves import LanguageHalf
+from epd_common.errors import APIError, bad_request
+from epd_common.logs import request_id_var
+from epd_models.base import ImageFeatures
+from epd_models.chat import PromptTooLong, chat_template, render
+from epd_models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
 _IDLE_PREFILL_FACTOR = 8  # with no stream decoding there is no latency to protect

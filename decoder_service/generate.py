@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from decoder_service.prompt import Prompt
-from models.halves import LanguageHalf
+from epd_models.halves import LanguageHalf
 
 
 @torch.inference_mode()

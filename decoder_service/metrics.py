@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import CONSUMER_KEYS, LATENCY_BUCKETS, cache_gauges
+from epd_common.metrics import CONSUMER_KEYS, LATENCY_BUCKETS, cache_gauges
 
 
 class DecoderMetrics:

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.base import ImageFeatures, expand_placeholders
-from models.halves import LanguageHalf
+from epd_models.base import ImageFeatures, expand_placeholders
+from epd_models.halves import LanguageHalf
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from contracts.limits import MAX_MESSAGES, MAX_TOTAL_PARTS, parts_error
-from contracts.sampling import SamplingParams
+from epd_contracts.limits import MAX_MESSAGES, MAX_TOTAL_PARTS, parts_error
+from epd_contracts.sampling import SamplingParams
 
 
 class ImageRef(BaseModel):
@@ -24,7 +24,7 @@ class GenerateRequest(BaseModel):
     # chat messages; image parts are {"type": "image"}, in order of `images`
     messages: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_MESSAGES)
     images: list[ImageRef] = Field(default=[], max_length=MAX_TOTAL_PARTS)
-    sampling: SamplingParams = SamplingParams()  # the contract the proxy built (contracts.sampling)
+    sampling: SamplingParams = SamplingParams()  # the contract the proxy built (epd_contracts.sampling)
 
     @field_validator("messages")
     @classmethod

@@ -12,10 +12,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from common.cli import parse_config, run_worker, worker_parser
-from common.errors import APIError, install_error_handlers
-from common.http import freeze_startup_heap, install_api_key, install_body_limit, install_metrics, install_request_id
-from common.logs import request_id_var
 from connector import ECConsumer
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
@@ -25,9 +21,19 @@ from decoder_service.metrics import DecoderMetrics
 from decoder_service.protocol import GenerateRequest
 from decoder_service.sequence import Job
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
-from models.halves import LanguageHalf, VisionHalf, loaded_summary
-from models.identity import model_identity
-from models.resolve import resolve_model
+from epd_common.cli import parse_config, run_worker, worker_parser
+from epd_common.errors import APIError, install_error_handlers
+from epd_common.http import (
+    freeze_startup_heap,
+    install_api_key,
+    install_body_limit,
+    install_metrics,
+    install_request_id,
+)
+from epd_common.logs import request_id_var
+from epd_models.halves import LanguageHalf, VisionHalf, loaded_summary
+from epd_models.identity import model_identity
+from epd_models.resolve import resolve_model
 
 logger = logging.getLogger("epd.decoder")
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.http import HttpLimits
 from connector.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
 from connector.security import CurveConfig
 from connector.waiters import MAX_PARKED
+from epd_common.http import HttpLimits
 
 MAX_ITEMS_PER_REQUEST = 64  # the proxy sends at most its --max-images-per-request (16) per call
 MAX_ENCODE_BYTES = 320 << 20  # decoded image bytes per /encode: 16 images at the proxy's 20 MiB cap
@@ -42,7 +42,7 @@ class EncoderConfig(HttpLimits):
 
     @property
     def curve_needs(self) -> tuple[str, ...]:
-        """CURVE keys this worker needs to start secure (see common.cli.security_gaps)."""
+        """CURVE keys this worker needs to start secure (see epd_common.cli.security_gaps)."""
         return ("secret_key", "allowed_clients")
 
     def __post_init__(self) -> None:

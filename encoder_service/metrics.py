@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import PRODUCER_KEYS, cache_gauges
+from epd_common.metrics import PRODUCER_KEYS, cache_gauges
 
 
 class EncoderMetrics:

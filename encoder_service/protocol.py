@@ -5,7 +5,7 @@ from pydantic import BaseModel, Field
 
 
 class EncodeItem(BaseModel):
-    # The encoder computes each item's mm_hash from its bytes (contracts.hashing) and stores it under that hash
+    # The encoder computes each item's mm_hash from its bytes (epd_contracts.hashing) and stores it under that hash
     # only. The field is optional; when given (the proxy always sends it, so a hashing bug is caught) it must
     # equal the computed hash, or the call gets a 400 `hash_mismatch`.
     mm_hash: str | None = Field(default=None, min_length=1, max_length=256)

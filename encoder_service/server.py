@@ -15,19 +15,25 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from common.cli import parse_config, run_worker, worker_parser
-from common.errors import APIError, bad_request, install_error_handlers
-from common.http import freeze_startup_heap, install_api_key, install_body_limit, install_metrics, install_request_id
 from connector import ECProducer
-from contracts.hashing import mm_hash
 from encoder_service.config import EncoderConfig
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.protocol import EncodeRequest, EncodeResponse
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
-from models.halves import VisionHalf, loaded_summary
-from models.identity import model_identity
-from models.images import ImageError
-from models.resolve import resolve_model
+from epd_common.cli import parse_config, run_worker, worker_parser
+from epd_common.errors import APIError, bad_request, install_error_handlers
+from epd_common.http import (
+    freeze_startup_heap,
+    install_api_key,
+    install_body_limit,
+    install_metrics,
+    install_request_id,
+)
+from epd_contracts.hashing import mm_hash
+from epd_models.halves import VisionHalf, loaded_summary
+from epd_models.identity import model_identity
+from epd_models.images import ImageError
+from epd_models.resolve import resolve_model
 
 logger = logging.getLogger("epd.encoder")
 
@@ -53,7 +59,7 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
             raise bad_request(f"items[{i}].data is not valid base64: {exc}", param=f"items.{i}.data") from exc
         computed = mm_hash(data)
         if item.mm_hash is not None and item.mm_hash != computed:
-            raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (contracts.hashing)",
+            raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (epd_contracts.hashing)",
                               param=f"items.{i}.mm_hash", code="hash_mismatch")
         out.append(ScheduledEncoderInput(computed, data))
     return out

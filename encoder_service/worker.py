@@ -9,8 +9,8 @@ from PIL import Image
 
 from connector import ECProducer, EncoderOutput
 from encoder_service.protocol import EncodedItem
-from models.halves import VisionHalf
-from models.images import load_image
+from epd_models.halves import VisionHalf
+from epd_models.images import load_image
 
 logger = logging.getLogger("epd.encoder")
 

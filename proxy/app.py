@@ -14,9 +14,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.errors import APIError, install_error_handlers
-from common.http import BodyLimit, has_bearer, install_api_key, install_metrics, install_request_id, until_disconnected
-from common.logs import request_id_var
+from epd_common.errors import APIError, install_error_handlers
+from epd_common.http import (
+    BodyLimit,
+    has_bearer,
+    install_api_key,
+    install_metrics,
+    install_request_id,
+    until_disconnected,
+)
+from epd_common.logs import request_id_var
 from proxy.config import ProxyConfig
 from proxy.fetch_slots import FetchSlots
 from proxy.fleet import Fleet
@@ -129,7 +136,7 @@ async def _events_apart(gen: Generation) -> AsyncIterator[dict[str, Any]]:
 
 
 class _LimitsAndCounts:
-    """Pure ASGI: the body limits (common/http.py BodyLimit: 413 past the bytes received, chunked or not,
+    """Pure ASGI: the body limits (epd_common/http.py BodyLimit: 413 past the bytes received, chunked or not,
     408 past the read deadline); chat completions counted by status, those refusals included."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, body_read_timeout: float, requests: Counter) -> None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.http import HttpLimits
 from connector.security import CurveConfig
+from epd_common.http import HttpLimits
 
 
 @dataclass(frozen=True)

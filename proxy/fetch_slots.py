@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from common.errors import APIError
+from epd_common.errors import APIError
 
 T = TypeVar("T")
 GRACE_S = 1.0  # past the deadline, the thread's own error (which names the image) normally comes first

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
-from common.errors import APIError
-from common.http import REQUEST_ID_HEADER
 from connector import ECConsumer
+from epd_common.errors import APIError
+from epd_common.http import REQUEST_ID_HEADER
 from proxy.config import ProxyConfig
 from proxy.metrics import ProxyMetrics
 from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, describe_failure, until_down

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from common.errors import APIError
+from epd_common.errors import APIError
 from proxy.fleet import Fleet, WorkerFailed
 from proxy.prepare import PreparedChat
 from proxy.workers import Worker, WorkerDown, until_down

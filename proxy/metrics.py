@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import LATENCY_BUCKETS
+from epd_common.metrics import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
     from proxy.fleet import Fleet

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.errors import APIError, bad_request
-from contracts.hashing import mm_hash
-from contracts.sampling import SamplingParams
+from epd_common.errors import APIError, bad_request
+from epd_contracts.hashing import mm_hash
+from epd_contracts.sampling import SamplingParams
 from proxy.config import ProxyConfig
 from proxy.media import load_image_bytes
 from proxy.protocol import ChatCompletionRequest, ImagePart

@@ -1,6 +1,6 @@
 """The OpenAI chat-completions request, as far as the proxy reads it (pydantic at the edge only).
 
-Sampling fields use the contract's types (contracts.sampling), so the proxy refuses exactly what the decoder's
+Sampling fields use the contract's types (epd_contracts.sampling), so the proxy refuses exactly what the decoder's
 engine cannot run; `sampling()` turns the request into that contract, refusing OpenAI features not implemented.
 """
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.errors import APIError
-from contracts.limits import MAX_MESSAGES, MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PARTS_PER_MESSAGE, parts_error
-from contracts.sampling import MaxTokens, Penalty, SamplingParams, Seed, StopList, Temperature, TopK, TopP
+from epd_common.errors import APIError
+from epd_contracts.limits import MAX_MESSAGES, MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PARTS_PER_MESSAGE, parts_error
+from epd_contracts.sampling import MaxTokens, Penalty, SamplingParams, Seed, StopList, Temperature, TopK, TopP
 from proxy.unsupported import unsupported_message_field, unsupported_parameter
 
 

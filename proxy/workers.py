@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from common.errors import APIError
+from epd_common.errors import APIError
 
 logger = logging.getLogger("epd.proxy")
 T = TypeVar("T")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from models.processors import register_processors
-from models.tiny import FAMILIES, TinySpec, build_tiny
+from epd_builders.tiny import FAMILIES, TinySpec, build_tiny
+from epd_models.processors import register_processors
 
 register_processors()
 

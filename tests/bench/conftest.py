@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
 
 
 @dataclass

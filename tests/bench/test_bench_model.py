@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModel
 
-import models.bench as bench_model
-from models.bench import BENCH_SPEC, bench_configs, build_bench, ensure_bench_model, invisible_token_ids
-from models.halves import LanguageHalf, VisionHalf
-from models.llava import LlavaAdapter
-from models.resolve import resolve_model
-from models.tokenizer import train_tokenizer
+import epd_builders.bench_model as bench_model
+from epd_builders.bench_model import BENCH_SPEC, bench_configs, build_bench, ensure_bench_model, invisible_token_ids
+from epd_builders.tokenizer import train_tokenizer
+from epd_models.halves import LanguageHalf, VisionHalf
+from epd_models.llava import LlavaAdapter
+from epd_models.resolve import resolve_model
 from tests.factories import make_image
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from bench import report
-from bench.compare import OVERHEAD, WORKLOADS, epd_bench_cmd, num_prompts
-from bench.stacks import aggregated, core_layout, epd, transformers_serve
+from epd_bench import report
+from epd_bench.compare import OVERHEAD, WORKLOADS, epd_bench_cmd, num_prompts
+from epd_bench.stacks import aggregated, core_layout, epd, transformers_serve
 
 MODEL = Path("/models/bench")
 
@@ -139,7 +139,7 @@ def test_docs_section_goes_after_the_intro_and_is_replaced_in_place(tmp_path: Pa
 
 
 def test_rounds_merge_into_one_result() -> None:
-    from bench.results import merge_results
+    from epd_bench.results import merge_results
 
     def part(ttfts: list[float], duration: float) -> dict[str, Any]:
         n = len(ttfts)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from PIL import Image
 
-from bench.dataset import DatasetSpec, build_dataset, repeat_share
+from epd_bench.dataset import DatasetSpec, build_dataset, repeat_share
 
 SPEC = DatasetSpec(num_prompts=200, input_len=10, output_len=8, images_per_request=2, image_width=16,
                    image_height=8, repeat_ratio=0.5, seed=3)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.backends import RequestOutput
-from bench.metrics import calculate_metrics, format_report, is_good, parse_goodput, percentile_key, tpot
-from bench.serve import arrival_offsets
+from epd_bench.backends import RequestOutput
+from epd_bench.metrics import calculate_metrics, format_report, is_good, parse_goodput, percentile_key, tpot
+from epd_bench.serve import arrival_offsets
 
 
 def out(ttft: float, latency: float, tokens: int, itl: list[float] | None = None, prompt: int = 10) -> RequestOutput:

@@ -1,9 +1,9 @@
-"""bench.proxy_events times the proxy's event hand-over beside a plain `async for` over the same events."""
+"""epd_bench.proxy_events times the proxy's event hand-over beside a plain `async for` over the same events."""
 from __future__ import annotations
 
 import asyncio
 
-from bench.proxy_events import _Events, measure
+from epd_bench.proxy_events import _Events, measure
 from proxy.app import _events_apart
 
 

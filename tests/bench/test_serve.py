@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve import run
+from epd_bench.serve import run
 from tests.bench.conftest import FakeBehaviour, FakeServer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -76,7 +76,7 @@ def test_request_rate_inf_sends_everything_at_once(fake_server: FakeServer) -> N
 
 
 def test_poisson_send_times_follow_the_seeded_schedule(fake_server: FakeServer) -> None:
-    from bench.serve import arrival_offsets
+    from epd_bench.serve import arrival_offsets
 
     r = bench(fake_server, "--num-prompts", "5", "--random-output-len", "1", "--images-per-request", "0",
               "--request-rate", "50", "--seed", "7")

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from contracts.sampling import (
+from decoder_service.sampling import Sampler
+from epd_contracts.sampling import (
     GREEDY_BELOW,
     MAX_SEED,
     MAX_STOP_CHARS,
@@ -24,7 +25,6 @@ from contracts.sampling import (
     MIN_SEED,
     SamplingParams,
 )
-from decoder_service.sampling import Sampler
 
 ROOT = Path(__file__).resolve().parents[2]
 PROPERTY = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -127,7 +127,7 @@ def test_contract_round_trips_through_json() -> None:
 
 
 def test_the_contract_and_the_proxy_request_import_no_torch() -> None:
-    code = "import sys, contracts.sampling, proxy.protocol; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, epd_contracts.sampling, proxy.protocol; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 

@@ -14,8 +14,8 @@ import uvicorn
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.server import create_app
-from models.halves import LanguageHalf
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
+from epd_models.halves import LanguageHalf
 
 
 @contextmanager

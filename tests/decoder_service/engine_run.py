@@ -18,9 +18,9 @@ from decoder_service.prompt import Prompt, build_prompt
 from decoder_service.protocol import Event
 from decoder_service.sampling import SamplingParams
 from decoder_service.sequence import Job
-from models.base import ImageFeatures
-from models.chat import chat_template, render
-from models.halves import LanguageHalf
+from epd_models.base import ImageFeatures
+from epd_models.chat import chat_template, render
+from epd_models.halves import LanguageHalf
 
 
 def make_engine(model_dir: Path, lm: LanguageHalf | None = None, **cfg: Any) -> Engine:

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from common.errors import APIError
 from connector import EncoderOutput
-from contracts.hashing import mm_hash
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.protocol import ImageRef
-from models.base import ImageFeatures
+from epd_common.errors import APIError
+from epd_contracts.hashing import mm_hash
+from epd_models.base import ImageFeatures
 from tests.factories import make_image
 
 

@@ -10,8 +10,8 @@ import torch
 from decoder_service.batch import BatchRunner
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
-from models.chat import chat_template, render
-from models.halves import LanguageHalf, VisionHalf
+from epd_models.chat import chat_template, render
+from epd_models.halves import LanguageHalf, VisionHalf
 from tests.factories import make_image
 
 NUM_NEW = 12

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from connector import ECProducer, EncoderOutput
-from contracts.hashing import mm_hash
 from decoder_service.embedding_check import EmbeddingCheck
 from decoder_service.engine import Engine
-from models.halves import LanguageHalf, VisionHalf
-from models.tiny import TinySpec, build_tiny
+from epd_builders.tiny import TinySpec, build_tiny
+from epd_contracts.hashing import mm_hash
+from epd_models.halves import LanguageHalf, VisionHalf
 from tests.factories import make_image
 
 LLAVA_TOKENS, WIDTH = 256, 64  # the tiny LLaVA: (224 / 14) ** 2 patches, CLS dropped; its LM's hidden size

@@ -8,15 +8,15 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from common.errors import APIError
 from connector import ECConsumer
-from contracts.sampling import SamplingParams
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.protocol import GenerateRequest, ImageRef
-from models.halves import LanguageHalf
-from models.identity import model_identity
+from epd_common.errors import APIError
+from epd_contracts.sampling import SamplingParams
+from epd_models.halves import LanguageHalf
+from epd_models.identity import model_identity
 
 USER = [{"role": "user", "content": [{"type": "text", "text": "What color is the shape?"}]}]
 

@@ -17,8 +17,8 @@ import pytest
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.watchdog import EXIT_ENGINE_FAILED
-from models.halves import LanguageHalf
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
+from epd_models.halves import LanguageHalf
 from tests.decoder_service.conftest import served
 from tests.decoder_service.engine_run import wait_until
 

@@ -175,7 +175,7 @@ def parsers() -> dict[str, Callable[[list[str]], object]]:
     """program -> a function that parses its argv exactly as the program does (SystemExit on a bad flag)."""
     from decoder_service.server import parse_args as decoder_args
     from encoder_service.server import parse_args as encoder_args
-    from proxy.cli import build_parser
+    from epd_launcher.cli import build_parser
 
     return {"epd-encoder": encoder_args, "epd-decoder": decoder_args,
             "disagg-epd-proxy": lambda argv: build_parser().parse_args(argv),

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from models.shapes import draw_shape
-from proxy.launcher import free_port
+from epd_builders.shapes import draw_shape
+from epd_launcher.group import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +74,7 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
 def launched(tmp: Path, *args: str) -> Iterator[Stack]:
     port = free_port()
     log = tmp / f"launcher-{port}.log"
-    proc = start("proxy.cli", ["--port", str(port), *args], log)
+    proc = start("epd_launcher.cli", ["--port", str(port), *args], log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log)

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
 from tests.e2e.stack import ask_colour, demo_png, health, metric, start, stop, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -31,8 +31,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
              start("decoder_service.server", ["--port", str(dec_port)], tmp / "dec.log")]
     urls = ["--encode-servers-urls", f"http://127.0.0.1:{enc_port}", "--decode-servers-urls",
             f"http://127.0.0.1:{dec_port}"]
-    procs.append(start("proxy.cli", ["--port", str(p1), *urls], tmp / "p1.log"))
-    procs.append(start("proxy.cli", ["--port", str(p2), "--pipeline-encode", *urls], tmp / "p2.log"))
+    procs.append(start("epd_launcher.cli", ["--port", str(p1), *urls], tmp / "p1.log"))
+    procs.append(start("epd_launcher.cli", ["--port", str(p2), "--pipeline-encode", *urls], tmp / "p2.log"))
     try:
         for port, log in ((p1, "p1.log"), (p2, "p2.log")):
             wait_healthy(f"http://127.0.0.1:{port}", procs[2 if log == "p1.log" else 3], tmp / log)

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models.tokenizer import COLORS
-from proxy.launcher import free_port
+from epd_builders.tokenizer import COLORS
+from epd_launcher.group import free_port
 from tests.e2e.stack import ROOT, demo_png, health, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -194,7 +194,7 @@ def test_requests_cross_hosts_over_tcp_and_survive_losing_an_encoder(net: Net, p
     port = free_port()
     proxy = f"http://127.0.0.1:{port}"
     # probes every 0.5 s (1 s timeout): a host that drops off is taken out within seconds
-    proxy_proc = procs.spawn(None, "proxy.cli", ["--host", "127.0.0.1", "--port", str(port), "--startup-timeout", "90",
+    proxy_proc = procs.spawn(None, "epd_launcher.cli", ["--host", "127.0.0.1", "--port", str(port), "--startup-timeout", "90",
                                                  "--health-interval", "0.5", "--health-timeout", "1",
                                                  "--encode-servers-urls", *encoders, "--decode-servers-urls", decoder],
                              "proxy")

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
 from tests.e2e.stack import ask_colour, demo_png, metric, start, stop, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -21,7 +21,7 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     procs = [start("encoder_service.server", ["--port", str(enc_port), "--ec-cache-bytes", str(ONE_EMBEDDING)],
                    tmp / "enc.log"),
              start("decoder_service.server", ["--port", str(dec_port)], tmp / "dec.log")]
-    procs.append(start("proxy.cli", ["--port", str(port), "--encode-servers-urls", f"http://127.0.0.1:{enc_port}",
+    procs.append(start("epd_launcher.cli", ["--port", str(port), "--encode-servers-urls", f"http://127.0.0.1:{enc_port}",
                                      "--decode-servers-urls", f"http://127.0.0.1:{dec_port}"], tmp / "p.log"))
     try:
         wait_healthy(f"http://127.0.0.1:{port}", procs[-1], tmp / "p.log")

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
 from tests.e2e.stack import ask_colour, demo_png, metric, start, stop, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,7 @@ class Cluster:
     def proxy(self, *args: str) -> str:
         port = free_port()
         log = self.tmp / f"proxy-{port}.log"
-        proc = start("proxy.cli", ["--port", str(port), "--internal-key", KEY, "--health-interval", "30", *args], log)
+        proc = start("epd_launcher.cli", ["--port", str(port), "--internal-key", KEY, "--health-interval", "30", *args], log)
         self.procs.append(proc)
         wait_healthy(f"http://127.0.0.1:{port}", proc, log)
         return f"http://127.0.0.1:{port}"

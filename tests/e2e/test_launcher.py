@@ -14,8 +14,8 @@ import pytest
 from openai import BadRequestError, OpenAI
 from safetensors import safe_open
 
-from models.demo import ensure_demo_model
-from models.shapes import draw_shape
+from epd_builders.shapes import draw_shape
+from epd_models.demo import ensure_demo_model
 from tests.e2e.stack import Stack, health, launched, metric, urls_of
 from tests.openai_schema import assert_valid
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
 from tests.e2e.stack import demo_png, health, launched, pid_alive, start, stop, wait_healthy
 from tests.factories import make_image
 
@@ -48,7 +48,7 @@ def test_attach_mode_serves_workers_started_elsewhere(tiny_model_dirs: dict[str,
     ]
     try:
         enc, dec = f"http://127.0.0.1:{enc_port}", f"http://127.0.0.1:{dec_port}"
-        proxy = start("proxy.cli", ["--port", str(proxy_port), "--served-model-name", "tiny-llava",
+        proxy = start("epd_launcher.cli", ["--port", str(proxy_port), "--served-model-name", "tiny-llava",
                                     "--encode-servers-urls", enc, "--decode-servers-urls", dec], tmp_path / "p.log")
         procs.append(proxy)
         wait_healthy(f"http://127.0.0.1:{proxy_port}", proxy, tmp_path / "p.log")

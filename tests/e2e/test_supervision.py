@@ -13,7 +13,7 @@ import pytest
 
 from connector import ECConsumer
 from connector.security import load_curve_config
-from contracts.hashing import mm_hash
+from epd_contracts.hashing import mm_hash
 from tests.e2e.stack import Stack, ask_colour, demo_png, health, launched, pid_alive, urls_of
 
 pytestmark = pytest.mark.e2e

@@ -11,12 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from connector import ECProducer
-from contracts.hashing import mm_hash
 from encoder_service.config import EncoderConfig
 from encoder_service.server import create_app, parse_args
 from encoder_service.worker import EncoderWorker
-from models.halves import VisionHalf
-from models.identity import model_identity
+from epd_contracts.hashing import mm_hash
+from epd_models.halves import VisionHalf
+from epd_models.identity import model_identity
 from tests.factories import make_image
 
 

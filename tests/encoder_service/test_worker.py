@@ -10,7 +10,7 @@ import torch
 
 from connector import ECConsumer, ECProducer
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
-from models.halves import VisionHalf
+from epd_models.halves import VisionHalf
 from scheduler.scheduler import EncoderSlot, MMItem, Scheduler
 from tests.factories import make_image
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import uvicorn
 
-from common.http import HttpLimits, uvicorn_config
-from proxy.launcher import free_port
+from epd_common.http import HttpLimits, uvicorn_config
+from epd_launcher.group import free_port
 
 
 @dataclass

@@ -17,12 +17,12 @@ from typing import Any
 
 import httpx
 
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
 from tests.e2e.stack import ask_colour, demo_png, pid_alive, start, stop, wait_healthy
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
 
 ROLES = ("encoder", "decoder", "proxy")
-_MODULES = {"encoder": "encoder_service.server", "decoder": "decoder_service.server", "proxy": "proxy.cli"}
+_MODULES = {"encoder": "encoder_service.server", "decoder": "decoder_service.server", "proxy": "epd_launcher.cli"}
 VICTIM_COLOURS = ("red", "green", "blue", "yellow")
 
 

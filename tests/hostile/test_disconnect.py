@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from common.http import HttpLimits
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.server import create_app as decoder_app
-from models.halves import LanguageHalf
+from epd_common.http import HttpLimits
+from epd_models.halves import LanguageHalf
 from proxy.app import create_app as proxy_app
 from proxy.config import ProxyConfig
 from tests.e2e.stack import metric

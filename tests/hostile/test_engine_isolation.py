@@ -24,7 +24,7 @@ from decoder_service.detokenizer import IncrementalDetokenizer
 from decoder_service.engine import Engine
 from decoder_service.prompt import Prompt
 from decoder_service.sampling import Sampler, SamplingParams
-from models.base import ImageFeatures
+from epd_models.base import ImageFeatures
 from tests.decoder_service.engine_run import Result, greedy, make_engine, run, text_prompt
 from tests.hostile.memory import rss_bytes
 

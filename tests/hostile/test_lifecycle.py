@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
 from tests.e2e.stack import start, stop
 from tests.hostile.memory import peak_rss_bytes
 
@@ -91,7 +91,7 @@ def fake(workers: list[FakeWorker], health: dict[str, Any] | None, **kw: Any) ->
 def proxy(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
     log = tmp_path / f"proxy-{port}.log"
-    return start("proxy.cli", ["--port", str(port), "--health-interval", "0.2", *args], log), \
+    return start("epd_launcher.cli", ["--port", str(port), "--health-interval", "0.2", *args], log), \
         f"http://127.0.0.1:{port}", log
 
 
@@ -173,7 +173,7 @@ def test_a_port_in_use_fails_before_any_worker_is_spawned(tmp_path: Path) -> Non
         busy.listen()
         port = busy.getsockname()[1]
         log = tmp_path / "launcher.log"
-        proc = start("proxy.cli", ["--model", "demo", "--port", str(port)], log)
+        proc = start("epd_launcher.cli", ["--model", "demo", "--port", str(port)], log)
         assert exit_code(proc, within=START_WITHIN_S) != 0
     text = log.read_text()
     assert f"cannot listen on 127.0.0.1:{port}" in text and "started encoder" not in text

@@ -19,9 +19,9 @@ from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.protocol import GenerateRequest
 from decoder_service.server import create_app
-from models.demo import DEMO_DIR
-from models.halves import LanguageHalf
-from proxy.launcher import free_port
+from epd_launcher.group import free_port
+from epd_models.demo import DEMO_DIR
+from epd_models.halves import LanguageHalf
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
 
 MIB = 2**20

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from connector import ECConsumer
-from contracts.hashing import mm_hash
+from epd_contracts.hashing import mm_hash
 from tests.e2e.stack import ROOT, ask_colour, demo_png
 from tests.hostile.stack import HostileStack, hostile_stack, run_victims
 
@@ -64,7 +64,7 @@ def test_forged_hash_cannot_poison_another_picture(stack: HostileStack) -> None:
     assert "blue" in answer(stack, blue)  # the real hash of the picture gets the right embeddings
     held = httpx.get(f"{stack.urls['encoder']}/health", timeout=10).json()
     consumer = ECConsumer(cache_bytes=0)
-    try:  # proxy and encoder use one hash definition: blue is held under contracts.hashing's hash of its bytes
+    try:  # proxy and encoder use one hash definition: blue is held under epd_contracts.hashing's hash of its bytes
         assert consumer.query(held["ec_address"], [mm_hash(blue)]) == [True]
     finally:
         consumer.close()

@@ -21,15 +21,21 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from contracts.limits import MAX_MESSAGES, MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PARTS_PER_MESSAGE, MAX_TOTAL_PARTS
-from contracts.sampling import MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_TOP_K, MIN_SEED
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.server import create_app as decoder_app
-from models.halves import LanguageHalf
+from epd_contracts.limits import (
+    MAX_MESSAGES,
+    MAX_MODEL_NAME_CHARS,
+    MAX_NAME_CHARS,
+    MAX_PARTS_PER_MESSAGE,
+    MAX_TOTAL_PARTS,
+)
+from epd_contracts.sampling import MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_TOP_K, MIN_SEED
+from epd_launcher.group import free_port
+from epd_models.halves import LanguageHalf
 from proxy.app import create_app as proxy_app
 from proxy.config import ProxyConfig
-from proxy.launcher import free_port
 from tests.hostile.memory import rss_bytes
 from tests.hostile.stack import StreamResult, stream_chat
 

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import normalizers, pre_tokenizers
 
-from models.chat import PromptTooLong, render
-from models.demo import DEMO_DIR
-from models.tokenizer_facts import tokenizer_facts
+from epd_models.chat import PromptTooLong, render
+from epd_models.demo import DEMO_DIR
+from epd_models.tokenizer_facts import tokenizer_facts
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
 from tests.models.test_chat_factories import all_tokenizers, load, today, user
 

@@ -9,10 +9,10 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from models.chat import chat_template
-from models.demo import DEMO_DIR
-from models.tokenizer import SPECIAL_TOKENS, corpus
-from models.tokenizer import chat_template as image_template
+from epd_builders.tokenizer import SPECIAL_TOKENS, corpus
+from epd_builders.tokenizer import chat_template as image_template
+from epd_models.chat import chat_template
+from epd_models.demo import DEMO_DIR
 
 
 def load(model_dir: Path) -> tuple[Any, str]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.chat import render
+from epd_models.chat import render
 from tests.models.test_chat_factories import added_ids, all_tokenizers, load, today, user
 
 NAMES = ("llava", "qwen2_vl", "qwen2_5_vl", "demo", "metaspace")

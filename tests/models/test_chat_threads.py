@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from models.chat import render
+from epd_models.chat import render
 from tests.models.test_chat_factories import load, user
 
 ROUNDS = 300

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from models.demo import DEMO_DIR, answer, ensure_demo_model, has_model, train
-from models.halves import LanguageHalf, VisionHalf
-from models.shapes import draw_shape
-from models.tokenizer import QUESTIONS
+from epd_builders import demo_train
+from epd_builders.demo_train import answer, train
+from epd_builders.shapes import draw_shape
+from epd_builders.tokenizer import QUESTIONS
+from epd_models.demo import DEMO_DIR, ensure_demo_model, has_model
+from epd_models.halves import LanguageHalf, VisionHalf
 
 
 def _answer(color: str, shape: str, seed: int) -> str:
@@ -26,7 +28,7 @@ def test_ensure_demo_model_returns_committed_dir_without_training(monkeypatch: p
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("ensure_demo_model trained although the weights are committed")
 
-    monkeypatch.setattr("models.demo.train", fail)
+    monkeypatch.setattr(demo_train, "train", fail)
     assert has_model(DEMO_DIR)
     assert ensure_demo_model() == DEMO_DIR
 

@@ -27,8 +27,8 @@ from decoder_service.server import parse_args as decoder_args
 from decoder_service.slots import Plan, SlotCache
 from encoder_service.config import EncoderConfig
 from encoder_service.server import parse_args as encoder_args
-from models.chat import chat_template, render
-from models.halves import LanguageHalf, VisionHalf, resolve_device
+from epd_models.chat import chat_template, render
+from epd_models.halves import LanguageHalf, VisionHalf, resolve_device
 from tests.factories import make_image
 
 META = torch.device("meta")

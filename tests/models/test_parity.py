@@ -10,10 +10,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationC
 from connector import ECConsumer, ECProducer, EncoderOutput
 from decoder_service.generate import generate
 from decoder_service.prompt import build_prompt
-from models.base import ImageFeatures
-from models.chat import chat_template, render
-from models.halves import LanguageHalf, VisionHalf
-from models.tiny import FAMILIES
+from epd_builders.tiny import FAMILIES
+from epd_models.base import ImageFeatures
+from epd_models.chat import chat_template, render
+from epd_models.halves import LanguageHalf, VisionHalf
 from tests.factories import make_image
 
 NUM_NEW = 16

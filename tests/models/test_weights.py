@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText
 
-from models.halves import LanguageHalf, VisionHalf
-from models.tiny import FAMILIES
+from epd_builders.tiny import FAMILIES
+from epd_models.halves import LanguageHalf, VisionHalf
 from tests.factories import make_image
 
 
@@ -43,7 +43,7 @@ def record_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             reads.append(key)
             return self.inner.get_tensor(key)
 
-    monkeypatch.setattr("models.weights.safe_open", Recording)
+    monkeypatch.setattr("epd_models.weights.safe_open", Recording)
     return reads
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from common.errors import APIError
+from epd_common.errors import APIError
 from proxy.config import ProxyConfig
 from proxy.prepare import prepare_chat
 from proxy.protocol import ChatCompletionRequest

@@ -4,8 +4,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from common.errors import install_error_handlers
-from common.http import install_api_key
+from epd_common.errors import install_error_handlers
+from epd_common.http import install_api_key
 from tests.openai_schema import assert_valid
 
 

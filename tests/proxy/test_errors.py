@@ -5,7 +5,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from common.errors import install_error_handlers
+from epd_common.errors import install_error_handlers
 from proxy.protocol import ChatCompletionRequest
 from tests.openai_schema import assert_valid
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from common.errors import APIError
 from connector import ECProducer
+from epd_common.errors import APIError
 from proxy.config import ProxyConfig
 from proxy.fleet import Fleet
 from proxy.metrics import ProxyMetrics
@@ -317,7 +317,7 @@ def test_registering_a_worker_of_another_model_is_refused_and_forgotten() -> Non
 
 
 def test_a_decoder_5xx_answer_is_retried_once_then_the_request_fails_alone_and_no_decoder_is_marked_down() -> None:
-    from contracts.sampling import SamplingParams
+    from epd_contracts.sampling import SamplingParams
     from proxy.generation import Generation
     from proxy.prepare import PreparedChat
 

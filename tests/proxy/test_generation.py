@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from common.errors import APIError
-from contracts.sampling import SamplingParams
+from epd_common.errors import APIError
+from epd_contracts.sampling import SamplingParams
 from proxy.fleet import WorkerFailed
 from proxy.generation import Generation
 from proxy.prepare import PreparedChat

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.errors import APIError
+from epd_common.errors import APIError
 from proxy.fetch_slots import FetchSlots
 from proxy.prepare import prepare_chat
 from tests.proxy.media_helpers import (

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from contracts.hashing import mm_hash
+from epd_contracts.hashing import mm_hash
 from proxy import fetch
 from proxy.prepare import prepare_chat
 from tests.proxy.media_helpers import (

@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from common.errors import APIError
-from contracts.hashing import mm_hash
+from epd_common.errors import APIError
+from epd_contracts.hashing import mm_hash
 from proxy.config import ProxyConfig
 from proxy.prepare import prepare_chat
 from proxy.protocol import ChatCompletionRequest

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from common.errors import APIError
+from epd_common.errors import APIError
 from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, until_down
 
 

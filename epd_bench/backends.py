@@ -1,0 +1,172 @@
+"""epd-bench's request functions: one streaming request, timed token by token.
+
+- `openai-chat`: POST {base}/v1/chat/completions with `stream: true` (any OpenAI-compatible server);
+  SSE `data:` lines, `[DONE]` optional (transformers serve just ends the body).
+- `epd-decoder`: POST {base}/generate straight to an EPD decoder (NDJSON events, its internal API), so
+  the proxy's own cost can be measured as the difference. Images go inline (`data`), which only an
+  `--aggregated` decoder accepts; text-only requests work with any decoder.
+
+TTFT is the time to the first chunk carrying generated text: the proxy sends an empty role chunk
+before generation starts, and counting that (as vLLM's client does) would time nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from epd_bench.dataset import SampleRequest
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    url: str
+    model: str
+    sample: SampleRequest
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    api_key: str | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    success: bool = False
+    generated_text: str = ""
+    prompt_tokens: int = 0  # from the server's usage; 0 when it reports none
+    output_tokens: int = 0  # usage.completion_tokens, else the number of text chunks
+    ttft: float = 0.0  # seconds
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive text chunks
+    latency: float = 0.0  # seconds, request sent -> last byte
+    start_time: float = 0.0  # seconds since the benchmark started (set by the runner)
+    error: str = ""
+
+
+class _Timer:
+    """Turns text chunks into TTFT and ITL as they arrive."""
+
+    def __init__(self, out: RequestOutput):
+        self.out, self.start = out, time.perf_counter()
+        self.last = self.start
+        self.chunks = 0
+
+    def text(self, piece: str) -> None:
+        if not piece:
+            return
+        now = time.perf_counter()
+        if self.chunks == 0:
+            self.out.ttft = now - self.start
+        else:
+            self.out.itl.append(now - self.last)
+        self.last, self.chunks = now, self.chunks + 1
+        self.out.generated_text += piece
+
+    def done(self, usage: dict[str, Any] | None) -> None:
+        self.out.latency = time.perf_counter() - self.start
+        self.out.prompt_tokens = int((usage or {}).get("prompt_tokens", 0))
+        self.out.output_tokens = int((usage or {}).get("completion_tokens", 0)) or self.chunks
+        self.out.success = self.out.output_tokens > 0
+        if self.chunks == 0:  # tokens but no visible text (e.g. all special): the answer came at the end
+            self.out.ttft = self.out.latency
+        if not self.out.success:
+            self.out.error = "no output tokens"
+
+
+def _headers(inp: RequestInput) -> dict[str, str]:
+    return {"Authorization": f"Bearer {inp.api_key}"} if inp.api_key else {}
+
+
+def _chat_body(inp: RequestInput) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in inp.sample.images]
+    content.append({"type": "text", "text": inp.sample.prompt})
+    body: dict[str, Any] = {
+        "model": inp.model, "messages": [{"role": "user", "content": content}], "stream": True,
+        "stream_options": {"include_usage": True}, "max_tokens": inp.sample.output_len,
+        "temperature": inp.temperature,
+    }
+    if inp.ignore_eos:
+        body["ignore_eos"] = True
+    return {**body, **inp.extra_body}
+
+
+async def _post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], inp: RequestInput,
+                       read: Callable[[AsyncIterator[str], _Timer], Awaitable[None]]) -> RequestOutput:
+    """POST `body` and hand the streamed lines to `read`; a non-200 answer or a transport error becomes out.error.
+
+    The clock starts before the request is sent, so TTFT includes connecting and the server's queueing."""
+    out = RequestOutput()
+    timer = _Timer(out)
+    try:
+        async with client.stream("POST", url, json=body, headers=_headers(inp)) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return out
+            await read(resp.aiter_lines(), timer)
+    except (httpx.HTTPError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def _read_sse(lines: AsyncIterator[str], timer: _Timer) -> None:
+    out, usage = timer.out, None
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, SSE comments
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        obj = json.loads(data)
+        if "error" in obj:
+            out.error = str(obj["error"].get("message", obj["error"]))
+            return
+        for choice in obj.get("choices") or []:
+            delta = choice.get("delta") or {}
+            timer.text((delta.get("content") or "") + (delta.get("reasoning_content") or ""))
+        usage = obj.get("usage") or usage
+    timer.done(usage)
+
+
+async def openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
+    return await _post_stream(client, f"{inp.url}/v1/chat/completions", _chat_body(inp), inp, _read_sse)
+
+
+def _decoder_body(inp: RequestInput) -> dict[str, Any]:
+    images = []
+    for url in inp.sample.images:
+        b64 = url.split(",", 1)[1]
+        images.append({"mm_hash": hashlib.sha256(b64.encode()).hexdigest(), "data": b64})
+    content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
+    content.append({"type": "text", "text": inp.sample.prompt})
+    sampling = {"max_tokens": inp.sample.output_len, "temperature": inp.temperature, "ignore_eos": inp.ignore_eos,
+                **inp.extra_body}  # the decoder's sampling contract (epd_contracts.sampling)
+    return {"messages": [{"role": "user", "content": content}], "images": images, "sampling": sampling}
+
+
+async def _read_ndjson(lines: AsyncIterator[str], timer: _Timer) -> None:
+    out = timer.out
+    async for line in lines:
+        if not line:
+            continue
+        event = json.loads(line)
+        if event["type"] == "delta":
+            timer.text(event.get("text", ""))
+        elif event["type"] == "done":
+            timer.done(event.get("usage"))
+            return
+        else:
+            out.error = str(event.get("message", "generation failed"))
+            return
+    out.error = "stream ended without done"
+
+
+async def epd_decoder(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
+    return await _post_stream(client, f"{inp.url}/generate", _decoder_body(inp), inp, _read_ndjson)
+
+
+RequestFunc = Callable[[httpx.AsyncClient, RequestInput], Any]
+BACKENDS: dict[str, RequestFunc] = {"openai-chat": openai_chat, "epd-decoder": epd_decoder}

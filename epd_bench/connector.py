@@ -1,0 +1,319 @@
+"""EC connector micro-benchmark: ECConsumer.gather vs raw pyzmq vs memcpy vs a safetensors file round trip.
+
+    python -m epd_bench.connector [--transport tcp|ipc] [--sizes 64K,1M,4.5M,64M] [--iters N] [--json]
+
+The producer side (a real ECProducer, or a bare ROUTER for raw zmq) runs in child processes started with
+`--serve connector|raw`; the client runs here, and connector and raw iterations alternate so noise hits both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+import zmq
+
+from connector import ECConsumer, ECProducer, EncoderOutput
+
+DEFAULT_SIZES = "64K,1M,4.5M,64M"  # 4.5M = bf16 576x4096, one LLaVA-1.5 image
+RSS_BYTES = 64 << 20
+WARMUP_BYTES = 64 << 10
+HIDDEN = 4096
+ITER_BYTES = 3 << 30  # iterations per payload ~ ITER_BYTES / payload, clamped below
+MIN_ITERS, MAX_ITERS = 30, 1500
+BASIS = "throughput_gbps = payload bytes / p50 (median) round-trip time; GB = 1e9 bytes"
+METHODS = {
+    "connector": "ECConsumer(cache_bytes=0).gather of one bf16 item from a real ECProducer in a child process",
+    "raw_zmq": "DEALER request -> ROUTER child replies with the payload frame (send/recv_multipart copy=False)",
+    "memcpy": "numpy.copyto between preallocated uint8 arrays (one thread)",
+    "safetensors_file": "safetensors.torch.save_file + load_file of the tensor in a temp dir",
+}
+TARGETS = {"ratio_vs_raw_zmq_min": 0.8, "ratio_applies_to_payloads_min_bytes": 1 << 20, "rss_ratio_max": 1.5}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_size(text: str) -> int:
+    """Parse '64K', '4.5M', '1G' or a plain byte count."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def label(nbytes: int) -> str:
+    """Human label of a byte count: 64KiB, 4.5MiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g}{unit}"
+    return f"{nbytes}B"
+
+
+def payload_tensor(nbytes: int) -> torch.Tensor:
+    """A bf16 tensor of exactly `nbytes` bytes, (tokens, 4096) when it divides evenly."""
+    numel = nbytes // 2
+    shape = (numel // HIDDEN, HIDDEN) if numel % HIDDEN == 0 else (numel,)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(nbytes)).to(torch.bfloat16)
+
+
+def item_hash(nbytes: int) -> str:
+    """The mm_hash under which the producer child holds the payload of `nbytes`."""
+    return f"bench-{nbytes}"
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A flat uint8 buffer over a contiguous CPU tensor."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def serve_connector(bind: str, sizes: list[int]) -> None:
+    """Child: print the address of an ECProducer holding one tensor per size; serve until stdin closes."""
+    producer = ECProducer(bind=bind, cache_bytes=sum(sizes) + (1 << 20)).start()
+    for n in sizes:
+        producer.save_caches(item_hash(n), EncoderOutput(item_hash(n), payload_tensor(n)))
+    print(producer.address, flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        producer.close()
+
+
+def serve_raw(bind: str, sizes: list[int]) -> None:
+    """Child: like serve_connector, but a bare ROUTER replies to a size with that payload frame (copy=False)."""
+    payloads = {n: byte_view(payload_tensor(n)) for n in sizes}
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(bind)
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+    print(router.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    while True:
+        ident, req = router.recv_multipart(copy=False)
+        router.send_multipart([ident, payloads[int(req.bytes)]], copy=False)
+
+
+@contextmanager
+def child(args: list[str], timeout: float = 60.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Start `python -m epd_bench.connector ARGS`, yield it with its first stdout line, and always stop it."""
+    proc = subprocess.Popen([sys.executable, "-m", "epd_bench.connector", *args], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        if not select.select([proc.stdout], [], [], timeout)[0]:
+            raise TimeoutError(f"child {args} printed nothing in {timeout}s")
+        line = proc.stdout.readline().strip()
+        if not line:
+            raise RuntimeError(f"child {args} exited with {proc.wait()}")
+        yield proc, line
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise unless `ok` (an assert that survives python -O)."""
+    if not ok:
+        raise RuntimeError(message)
+
+
+def vm_hwm() -> int:
+    """Peak resident set size of this process in bytes (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def rss_probe(address: str) -> None:
+    """Child: gather the 64 MiB item once and print the peak-RSS increase it caused."""
+    consumer = ECConsumer(cache_bytes=0)
+    small, big = item_hash(WARMUP_BYTES), item_hash(RSS_BYTES)
+    consumer.gather([small], {small: address}, timeout=30)
+    before = vm_hwm()
+    out = consumer.gather([big], {big: address}, timeout=60)[big]
+    after = vm_hwm()
+    print(json.dumps({"before": before, "after": after, "nbytes": out.nbytes}), flush=True)
+    consumer.close()
+
+
+def timed(fns: dict[str, Callable[[], None]], iters: int, warmup: int) -> dict[str, list[float]]:
+    """Run the functions interleaved (order flipped every round) and return seconds per call."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(iters):
+        for name in names if i % 2 == 0 else reversed(names):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summary(seconds: list[float], nbytes: int) -> dict[str, Any]:
+    """p50/p99/mean in ms and p50-based throughput."""
+    arr = np.asarray(seconds)
+    p50 = float(np.median(arr))
+    p99 = float(np.percentile(arr, 99))
+    return {"iters": len(seconds), "p50_ms": round(p50 * 1e3, 4), "p99_ms": round(p99 * 1e3, 4),
+            "mean_ms": round(float(arr.mean()) * 1e3, 4), "throughput_gbps": round(nbytes / p50 / 1e9, 3)}
+
+
+def machine_info(load_start: float) -> dict[str, Any]:
+    """Versions, CPU count and load of this machine."""
+    return {"cpu_count": os.cpu_count(), "loadavg_1m_start_end": [load_start, round(os.getloadavg()[0], 2)],
+            "python": platform.python_version(), "torch": torch.__version__, "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(), "numpy": np.__version__, "safetensors": safetensors.__version__,
+            "platform": platform.platform()}
+
+
+def fstype(path: str) -> str:
+    """Filesystem type of the mount holding `path`, from /proc/self/mounts."""
+    best, kind = "", "unknown"
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mnt, fs = line.split()[:3]
+        if path.startswith(mnt) and len(mnt) > len(best):
+            best, kind = mnt, fs
+    return kind
+
+
+def bench_size(nbytes: int, iters: int, conn_addr: str, raw_addr: str, tmp: str) -> dict[str, Any]:
+    """All four methods for one payload size."""
+    consumer, h = ECConsumer(cache_bytes=0), item_hash(nbytes)
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(raw_addr)
+    request = str(nbytes).encode()
+
+    def gather() -> None:
+        check(consumer.gather([h], {h: conn_addr}, timeout=60)[h].nbytes == nbytes, "connector: wrong size")
+
+    def raw() -> None:
+        dealer.send_multipart([request])
+        check(len(dealer.recv_multipart(copy=False)[-1]) == nbytes, "raw_zmq: wrong size")
+
+    try:
+        times = timed({"connector": gather, "raw_zmq": raw}, iters, warmup=max(3, iters // 20))
+        stats = consumer.stats()
+    finally:
+        consumer.close()
+        dealer.close()
+    check(stats["num_items"] == 0 and stats["remote_fetches"] == stats["gathers"], f"consumer cached: {stats}")
+    src = payload_tensor(nbytes)
+    src_bytes = np.frombuffer(byte_view(src), dtype=np.uint8)
+    dst = np.empty_like(src_bytes)
+
+    def memcpy() -> None:
+        np.copyto(dst, src_bytes)  # single-threaded memcpy; torch's threaded copy_ stalls on a busy 2-core box
+
+    times.update(timed({"memcpy": memcpy}, iters, warmup=3))
+    path = os.path.join(tmp, f"{nbytes}.safetensors")
+
+    def file_round_trip() -> None:
+        safetensors.torch.save_file({"embeds": src}, path)
+        check(safetensors.torch.load_file(path)["embeds"].nbytes == nbytes, "safetensors: wrong size")
+
+    times.update(timed({"safetensors_file": file_round_trip}, max(10, iters // 4), warmup=2))
+    result: dict[str, Any] = {"bytes": nbytes, **{name: summary(ts, nbytes) for name, ts in times.items()}}
+    result["connector"]["remote_fetches"] = stats["remote_fetches"]  # == gathers: none served from a local cache
+    result["ratio_vs_raw_zmq"] = round(float(np.median(times["raw_zmq"]) / np.median(times["connector"])), 3)
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start both servers, benchmark every size, then probe the consumer's peak RSS."""
+    start, sizes = time.perf_counter(), [parse_size(s) for s in args.sizes.split(",")]
+    load_start = round(os.getloadavg()[0], 2)
+    served = ",".join(str(n) for n in sorted({*sizes, WARMUP_BYTES, RSS_BYTES}))
+    tmp = tempfile.mkdtemp(prefix="epd-bench-")
+    ipc = args.transport == "ipc"
+    binds = {k: f"ipc://{tmp}/{k}.sock" if ipc else "tcp://127.0.0.1:0" for k in ("connector", "raw")}
+    payloads: dict[str, Any] = {}
+    try:
+        with child(["--serve", "connector", "--bind", binds["connector"], "--sizes", served]) as (_, conn_addr), \
+                child(["--serve", "raw", "--bind", binds["raw"], "--sizes", served]) as (_, raw_addr):
+            for n in sizes:
+                iters = args.iters or max(MIN_ITERS, min(MAX_ITERS, ITER_BYTES // n))
+                payloads[label(n)] = bench_size(n, iters, conn_addr, raw_addr, tmp)
+            with child(["--rss-probe", conn_addr], timeout=120) as (_, line):
+                rss = json.loads(line)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rss_increase = rss["after"] - rss["before"]
+    rss_ratio = round(rss_increase / RSS_BYTES, 3)
+    meets = {f"ratio_vs_raw_zmq[{k}]": v["ratio_vs_raw_zmq"] >= TARGETS["ratio_vs_raw_zmq_min"]
+             for k, v in payloads.items() if v["bytes"] >= TARGETS["ratio_applies_to_payloads_min_bytes"]}
+    meets["consumer_peak_rss_increase_ratio"] = rss_ratio <= TARGETS["rss_ratio_max"]
+    return {
+        "benchmark": "epd_bench.connector", "transport": args.transport, "throughput_basis": BASIS,
+        "latency": "one gather (or request/reply) round trip of one item, client in this process, server in a child",
+        "methods": METHODS,
+        "machine": machine_info(load_start),
+        "safetensors_dir": {"path": tempfile.gettempdir(), "fstype": fstype(tmp), "tmpfs": fstype(tmp) == "tmpfs",
+                            "note": "read right after write, so load_file hits the page cache, not the disk"},
+        "payloads": payloads,
+        "consumer_peak_rss_increase_bytes": rss_increase, "consumer_peak_rss_increase_ratio": rss_ratio,
+        "consumer_rss_detail": {**rss, "payload_bytes": RSS_BYTES},
+        "targets": TARGETS, "meets_targets": meets, "all_targets_met": all(meets.values()),
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """A readable table of a report."""
+    lines = [f"transport={report['transport']}  ({report['throughput_basis']})", "",
+             "| payload | method | p50 ms | p99 ms | GB/s | vs raw_zmq |", "|---|---|---:|---:|---:|---:|"]
+    for name, res in report["payloads"].items():
+        for method in ("connector", "raw_zmq", "memcpy", "safetensors_file"):
+            s = res[method]
+            ratio = f"{res['ratio_vs_raw_zmq']:.3f}" if method == "connector" else ""
+            cells = [name, method, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['throughput_gbps']:.2f}", ratio]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"consumer peak RSS increase for 64MiB: {report['consumer_peak_rss_increase_bytes']} B "
+              f"(x{report['consumer_peak_rss_increase_ratio']})", f"meets targets: {report['meets_targets']}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point (benchmark, or one of the child roles)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated payload sizes, e.g. 64K,1M")
+    p.add_argument("--iters", type=int, default=0, help="timed iterations per payload (default: scaled by size)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--serve", choices=("connector", "raw"), help=argparse.SUPPRESS)
+    p.add_argument("--bind", help=argparse.SUPPRESS)
+    p.add_argument("--rss-probe", metavar="ADDRESS", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        (serve_connector if args.serve == "connector" else serve_raw)(args.bind, sizes)
+    elif args.rss_probe:
+        rss_probe(args.rss_probe)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks that stop the children
+        report = run(args)
+        print(json.dumps(report, indent=2) if args.json else markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""epd-bench: load-test any OpenAI-compatible server with a random multimodal workload.
+
+    epd-bench --base-url http://127.0.0.1:8000 --model bench --num-prompts 50 \\
+              --images-per-request 2 --repeat-ratio 0.5 --request-rate 2 --save-result --plot plots/
+
+Flags follow `vllm bench serve` where the same thing exists. Requests are sent at Poisson times
+(`--request-rate`, gamma-distributed gaps with `--burstiness` != 1; `inf`: all at once), optionally
+capped at `--max-concurrency` in flight. Reports request and output-token throughput, goodput under
+`--goodput` SLOs, and TTFT / TPOT / ITL / end-to-end latency statistics; `--save-result` writes them
+with every request's timings as JSON, `--plot DIR` draws them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from epd_bench.backends import BACKENDS, RequestInput, RequestOutput
+from epd_bench.dataset import DatasetSpec, SampleRequest, build_dataset, repeat_share
+from epd_bench.metrics import (
+    LATENCY_METRICS,
+    BenchmarkMetrics,
+    calculate_metrics,
+    format_report,
+    parse_goodput,
+    tpot,
+)
+
+
+def arrival_offsets(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times in seconds from the start: the first at 0, then gamma gaps with mean 1/rate.
+
+    burstiness 1 gives a Poisson process; lower is burstier, higher more regular. rate inf: all at 0.
+    """
+    if num <= 0:
+        return []
+    if math.isinf(rate):
+        return [0.0] * num
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def _base_url(args: argparse.Namespace) -> str:
+    url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url  # accept the OpenAI SDK's base_url too
+
+
+async def _served_model(client: httpx.AsyncClient, url: str, api_key: str | None) -> str:
+    """The first model the server lists (as vLLM's client does when --model is not given)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = await client.get(f"{url}/v1/models", headers=headers)
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
+
+
+async def _send_all(client: httpx.AsyncClient, inputs: list[RequestInput], offsets: list[float],
+                    args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
+    """Send each request at its offset (waiting for a slot under --max-concurrency); returns outputs, duration."""
+    func = BACKENDS[args.backend]
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = tqdm(total=len(inputs), disable=args.disable_tqdm, file=sys.stderr, desc="requests")
+    start = time.perf_counter()
+
+    async def one(inp: RequestInput, offset: float) -> RequestOutput:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        if limit is not None:
+            await limit.acquire()
+        try:
+            sent = time.perf_counter() - start
+            out: RequestOutput = await func(client, inp)
+            out.start_time = sent
+        finally:
+            if limit is not None:
+                limit.release()
+        bar.update(1)
+        return out
+
+    try:
+        outputs = await asyncio.gather(*(one(inp, off) for inp, off in zip(inputs, offsets, strict=True)))
+    finally:
+        bar.close()
+    return list(outputs), time.perf_counter() - start
+
+
+async def _warm_up(client: httpx.AsyncClient, inputs: list[RequestInput], backend: str) -> None:
+    for inp in inputs:
+        out: RequestOutput = await BACKENDS[backend](client, inp)
+        if not out.success:
+            raise RuntimeError(f"warm-up request failed: {out.error}")
+
+
+async def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], BenchmarkMetrics]:
+    """Run the whole benchmark described by parsed flags; returns the result JSON and its metrics."""
+    spec = dataset_spec(args)
+    warm, samples = build_dataset(spec, args.num_warmups)
+    url = _base_url(args)
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        model = args.model
+        if model is None and args.backend == "openai-chat":
+            model = await _served_model(client, url, args.api_key)
+
+        def inputs(batch: list[SampleRequest]) -> list[RequestInput]:
+            return [RequestInput(url=url, model=model or "", sample=s, ignore_eos=args.ignore_eos,
+                                 temperature=args.temperature, api_key=args.api_key, extra_body=args.extra_body)
+                    for s in batch]
+
+        await _warm_up(client, inputs(warm), args.backend)
+        offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)
+        outputs, duration = await _send_all(client, inputs(samples), offsets, args)
+    metrics = calculate_metrics(outputs, duration, args.metric_percentiles, args.goodput, args.percentile_metrics)
+    return _result(args, url, model, spec, samples, outputs, metrics.to_json()), metrics
+
+
+def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+    width, height = args.image_size
+    return DatasetSpec(num_prompts=args.num_prompts, input_len=args.random_input_len,
+                       output_len=args.random_output_len, range_ratio=args.random_range_ratio,
+                       images_per_request=args.images_per_request, image_width=width, image_height=height,
+                       repeat_ratio=args.repeat_ratio, image_format=args.image_format, seed=args.seed)
+
+
+def _result(args: argparse.Namespace, url: str, model: str | None, spec: DatasetSpec, samples: list[SampleRequest],
+            outputs: list[RequestOutput], metrics: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "base_url": url,
+        "model_id": model, "label": args.label, "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
+        "dataset": spec.__dict__, "repeat_share": repeat_share(samples), "goodput_slos_ms": args.goodput,
+        **metrics,
+        "input_lens": [o.prompt_tokens for o in outputs], "output_lens": [o.output_tokens for o in outputs],
+        "ttfts": [o.ttft for o in outputs], "tpots": [tpot(o) for o in outputs], "itls": [o.itl for o in outputs],
+        "e2els": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
+        "successes": [o.success for o in outputs], "errors": [o.error for o in outputs],
+    }
+    if args.save_detailed:
+        result["generated_texts"] = [o.generated_text for o in outputs]
+    return result
+
+
+def save_result(result: dict[str, Any], args: argparse.Namespace) -> Path:
+    name = args.result_filename
+    if not name:
+        rate = result["request_rate"]
+        model = os.path.basename(str(result["model_id"] or "decoder").rstrip("/"))
+        name = f"{args.label + '-' if args.label else ''}{args.backend}-{rate}qps-{model}-{result['date']}.json"
+    path = Path(args.result_dir or ".") / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def write_plots(result: dict[str, Any], out_dir: Path, label: str) -> list[Path]:
+    from epd_bench.plot import plot_latency_cdfs, plot_ttft_over_time  # NOTE: matplotlib only when asked
+
+    runs = {label: result}
+    return [plot_latency_cdfs(runs, out_dir / "latency_cdf.png"), plot_ttft_over_time(runs, out_dir / "ttft_over_time.png")]
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    w, _, h = text.lower().partition("x")
+    size = (int(w), int(h or w))
+    if min(size) < 1:
+        raise argparse.ArgumentTypeError(f"image size must be positive: {text!r}")
+    return size
+
+
+def _rate(text: str) -> float:
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 (or inf): {text!r}")
+    return rate
+
+
+def _csv(kind: type) -> Any:
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("epd-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = p.add_argument_group("target")
+    t.add_argument("--backend", choices=sorted(BACKENDS), default="openai-chat",
+                   help="openai-chat: /v1/chat/completions; epd-decoder: an EPD decoder's own POST /generate")
+    t.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is ok)")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=8000)
+    t.add_argument("--model", default=None, help="the `model` to send (default: the first of GET /v1/models)")
+    t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (env OPENAI_API_KEY)")
+    t.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for a response or a chunk")
+    d = p.add_argument_group("random multimodal dataset")
+    d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument("--random-input-len", type=int, default=32, help="words of text per prompt (~1 token each)")
+    d.add_argument("--random-output-len", type=int, default=64, help="max_tokens per request")
+    d.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
+    d.add_argument("--images-per-request", type=int, default=1)
+    d.add_argument("--image-size", type=_image_size, default=(224, 224), help="N or WxH pixels")
+    d.add_argument("--image-format", choices=["jpeg", "png"], default="jpeg")
+    d.add_argument("--repeat-ratio", type=float, default=0.0,
+                   help="share of images that repeat one an earlier request sent (0..1)")
+    d.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
+    d.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/EPD extension) so every "
+                   "answer has --random-output-len tokens")
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (Poisson); inf: all at once")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
+    load.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    load.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one first, not measured")
+    load.add_argument("--disable-tqdm", action="store_true")
+    r = p.add_argument_group("results")
+    r.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput: ttft:MS tpot:MS e2el:MS (a request counts when it meets all given)")
+    r.add_argument("--percentile-metrics", type=_csv(str), default=list(LATENCY_METRICS),
+                   help="comma-separated subset of ttft,tpot,itl,e2el")
+    r.add_argument("--metric-percentiles", type=_csv(float), default=[50.0, 90.0, 99.0], help="e.g. 50,90,99")
+    r.add_argument("--save-result", action="store_true", help="write the result JSON")
+    r.add_argument("--save-detailed", action="store_true", help="also save every generated text")
+    r.add_argument("--result-dir", default=None)
+    r.add_argument("--result-filename", default=None)
+    r.add_argument("--label", default=None, help="names this run in file names and plots")
+    r.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write latency_cdf.png and "
+                   "ttft_over_time.png here")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        args.goodput = parse_goodput(args.goodput)
+    except ValueError as exc:
+        p.error(str(exc))
+    if unknown := set(args.percentile_metrics) - set(LATENCY_METRICS):
+        p.error(f"--percentile-metrics: unknown {sorted(unknown)}; choose from {','.join(LATENCY_METRICS)}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    if not 0.0 <= args.repeat_ratio <= 1.0:
+        p.error("--repeat-ratio must be in [0, 1]")
+    args.percentile_metrics = tuple(args.percentile_metrics)
+    return args
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse, benchmark, print the report, save and plot as asked; returns the result JSON."""
+    args = parse_args(argv)
+    result, metrics = asyncio.run(benchmark(args))
+    print(format_report(metrics))
+    if args.save_result:
+        print(f"saved {save_result(result, args)}")
+    if args.plot is not None:
+        for path in write_plots(result, args.plot, args.label or result["backend"]):
+            print(f"plot {path}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(argv)
+
+
+if __name__ == "__main__":
+    main()

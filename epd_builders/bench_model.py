@@ -1,0 +1,146 @@
+"""The "bench" model: a random LLaVA whose vision tower costs what a real one does, with a small LM.
+
+The vision tower is ViT-B/16 at 224x224 (CLIP hidden 768, 12 layers, 12 heads, MLP 3072: about 86M
+parameters, 196 image tokens per image); the LM is a 4-layer Llama with hidden 256, so on a CPU the
+encoder dominates time to first token the way it does for a real VLM, and decode stays cheap. The
+weights are random (no download, nothing to train): the benchmarks need the cost, not the answers.
+Built once into a cache directory (`$EPD_CACHE_DIR`, else `$XDG_CACHE_HOME/epd`, else `~/.cache/epd`)
+and reused; the directory name carries a digest of the spec, so a changed spec builds afresh.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForImageTextToText, LlavaConfig
+from transformers.utils import logging as hf_logging
+
+from epd_builders.tiny import llava_config, llava_processor
+from epd_builders.tokenizer import train_tokenizer
+
+hf_logging.disable_progress_bar()
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    # vision tower: ViT-B/16
+    vision_hidden: int = 768
+    vision_intermediate: int = 3072
+    vision_layers: int = 12
+    vision_heads: int = 12
+    image_size: int = 224
+    patch: int = 16
+    # language model: small, so decode is cheap next to the vision tower
+    text_hidden: int = 256
+    text_intermediate: int = 1024
+    text_layers: int = 4
+    text_heads: int = 4
+    text_kv_heads: int = 2
+    max_position_embeddings: int = 2048  # 8 images (1568 tokens) + text; KV slots are preallocated to this
+    # NOTE: a random LM often picks byte tokens that are half a UTF-8 character, which the detokenizer holds
+    # back, so the first *visible* text can come many tokens after the first token. Muting (zero LM-head rows)
+    # every token that decodes to no text on its own makes greedy decoding emit text at every step: TTFT
+    # and ITL then time tokens, not the detokenizer. EOS is muted too: answers run to max_tokens.
+    visible_tokens_only: bool = True
+    seed: int = 0
+
+    @property
+    def num_image_tokens(self) -> int:
+        return (self.image_size // self.patch) ** 2  # CLS dropped ("default" feature strategy)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+BENCH_SPEC = BenchSpec()
+
+
+def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
+    """The LlavaConfig for spec (cheap: no weights), given the tokenizer for vocab and special ids."""
+    vision: dict[str, Any] = dict(hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
+                  num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
+                  image_size=spec.image_size, patch_size=spec.patch)
+    text: dict[str, Any] = dict(hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+                num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
+                num_key_value_heads=spec.text_kv_heads, max_position_embeddings=spec.max_position_embeddings)
+    return llava_config(tok, vision, text)
+
+
+def build_bench(spec: BenchSpec, out_dir: str | Path) -> Path:
+    """Build the random model for spec and save model + tokenizer + processor to out_dir."""
+    out = Path(out_dir)
+    torch.manual_seed(spec.seed)
+    tok = train_tokenizer("<image>", "<image>")
+    model = AutoModelForImageTextToText.from_config(bench_configs(spec, tok)).eval()
+    gc = model.generation_config
+    gc.bos_token_id, gc.eos_token_id, gc.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    if spec.visible_tokens_only:
+        with torch.no_grad():
+            model.lm_head.weight[invisible_token_ids(tok)] = 0.0
+    model.save_pretrained(out)
+    llava_processor(tok, spec.image_size, spec.patch).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def invisible_token_ids(tok: Any) -> list[int]:
+    """Tokens that decode to no text on their own: special tokens and partial UTF-8 bytes."""
+    return [i for i in range(len(tok)) if (text := tok.decode([i], skip_special_tokens=True)) in ("", "\ufffd")
+            or "\ufffd" in text]
+
+
+def cache_root() -> Path:
+    if env := os.environ.get("EPD_CACHE_DIR"):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "epd"
+
+
+def bench_model_dir(spec: BenchSpec = BENCH_SPEC) -> Path:
+    return cache_root() / "models" / f"bench-{spec.digest}"
+
+
+def ensure_bench_model(spec: BenchSpec = BENCH_SPEC) -> Path:
+    """The cached build of spec, building it first (a few seconds) if absent.
+
+    NOTE: built in a temp dir beside the target and renamed into place, so a process that finds the
+    directory always finds a whole model, even when two processes build at once.
+    """
+    target = bench_model_dir(spec)
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build_bench(spec, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race: its build is identical
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m epd_builders.bench_model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="build here instead of the cache directory")
+    args = p.parse_args(argv)
+    path = build_bench(BENCH_SPEC, args.out) if args.out else ensure_bench_model()
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Launcher mode: spawn N encoders and M decoders on this machine, wait for health, restart any that exits
+(with backoff, capped per window), stop them all on exit."""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import zmq
+
+from connector.security import ENV_ALLOWED_CLIENTS, ENV_SECRET_KEY, ENV_SERVER_KEY, CurveConfig
+
+logger = logging.getLogger("epd.launcher")
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.2  # how often the supervisor looks at its children
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Child side: get SIGTERM if the launcher dies, even by SIGKILL (Linux), so nothing is orphaned.
+    NOTE: the signal follows the *thread* that spawned the child: spawn only from long-lived threads."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """Per-start credentials: the internal HTTP key and two CURVE pairs (the encoders' server pair, and a
+    client pair for decoders and the proxy; the encoders admit only that client key). They reach workers
+    through their environment, never argv, and are never logged."""
+
+    internal_key: str = field(repr=False)
+    server: tuple[bytes, bytes] = field(repr=False)  # (public, secret) of the encoders
+    client: tuple[bytes, bytes] = field(repr=False)  # (public, secret) of decoders and the proxy
+
+    @classmethod
+    def generate(cls, internal_key: str | None = None) -> Secrets:
+        return cls(internal_key or secrets.token_urlsafe(32), zmq.curve_keypair(), zmq.curve_keypair())
+
+    def env(self, role: str) -> dict[str, str]:
+        """The environment variables that give a worker of `role` its keys."""
+        (server_pub, server_sec), (client_pub, client_sec) = self.server, self.client
+        if role == "encoder":
+            curve = {ENV_SECRET_KEY: server_sec.decode(), ENV_ALLOWED_CLIENTS: client_pub.decode()}
+        else:
+            curve = {ENV_SECRET_KEY: client_sec.decode(), ENV_SERVER_KEY: server_pub.decode()}
+        return {"EPD_INTERNAL_KEY": self.internal_key, **curve}
+
+    def proxy_curve(self) -> CurveConfig:
+        (server_pub, _), (client_pub, client_sec) = self.server, self.client
+        return CurveConfig(secret_key=client_sec, public_key=client_pub, server_key=server_pub)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """A worker that exits is restarted after `backoff` s, doubling per restart in the window up to
+    `backoff_max`; past `max_restarts` restarts within `window` s it is left down."""
+
+    max_restarts: int = 5
+    window: float = 600.0
+    backoff: float = 1.0
+    backoff_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        assert self.max_restarts >= 0 and self.window > 0 and 0 <= self.backoff <= self.backoff_max
+
+
+@dataclass
+class Worker:
+    role: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    restarts: collections.deque[float] = field(default_factory=collections.deque)  # monotonic restart times
+    restart_at: float | None = None  # when an exited worker is due to be started again
+    given_up: bool = False
+
+
+@dataclass
+class WorkerGroup:
+    """The spawned workers; stop() is safe to call more than once."""
+
+    workers: list[Worker] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # extra environment for every worker
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str],
+              env: dict[str, str] | None = None) -> Worker:
+        port = free_port(host)
+        module = {"encoder": "encoder_service.server", "decoder": "decoder_service.server", "proxy": "epd_launcher.cli"}[role]
+        cmd = [sys.executable, "-m", module, "--model", model, "--host", host, "--port", str(port), *extra]
+        full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
+                    **self.env, **(env or {})}
+        worker = Worker(role=role, url=f"http://{host}:{port}", proc=_popen(cmd, full_env), cmd=cmd, env=full_env)
+        self.workers.append(worker)
+        logger.info("started %s pid=%d at %s", role, worker.proc.pid, worker.url)
+        return worker
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for w in self.workers:
+            while not _healthy(w.url):
+                if w.proc.poll() is not None:
+                    raise RuntimeError(f"{w.role} at {w.url} exited with code {w.proc.returncode} during startup")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{w.role} at {w.url} not healthy after {timeout}s")
+                time.sleep(0.2)
+
+    def supervise(self) -> None:
+        """Watch the workers from a thread of its own (it also spawns the restarts: see _die_with_parent)."""
+        self._thread = threading.Thread(target=self._supervise, name="epd-supervisor", daemon=True)
+        self._thread.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(_POLL_S):
+            for w in self.workers:
+                self.check(w, time.monotonic())
+
+    def check(self, w: Worker, now: float) -> None:
+        """One look at one worker: note an exit, and restart it when its backoff is over."""
+        if w.given_up or w.proc.poll() is None or self._stopping.is_set():
+            return
+        if w.restart_at is None:
+            self._schedule_restart(w, now)
+        elif now >= w.restart_at:
+            w.restart_at = None
+            w.restarts.append(now)
+            w.proc = _popen(w.cmd, w.env)
+            logger.warning("restarted %s at %s: pid=%d (restart %d in the last %.0f s)", w.role, w.url,
+                           w.proc.pid, len(w.restarts), self.policy.window)
+
+    def _schedule_restart(self, w: Worker, now: float) -> None:
+        while w.restarts and now - w.restarts[0] > self.policy.window:
+            w.restarts.popleft()
+        code = w.proc.returncode
+        if len(w.restarts) >= self.policy.max_restarts:
+            w.given_up = True
+            logger.error("%s at %s exited with code %s; not restarting it: %d restarts in the last %.0f s "
+                         "(--max-restarts); the proxy serves with the other workers", w.role, w.url, code,
+                         len(w.restarts), self.policy.window)
+            return
+        delay = min(self.policy.backoff_max, self.policy.backoff * 2 ** len(w.restarts))
+        w.restart_at = now + delay
+        logger.warning("%s at %s exited with code %s; restarting it in %.1f s", w.role, w.url, code, delay)
+
+    def stop(self, grace: float = 15.0) -> None:
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.terminate()
+        deadline = time.monotonic() + grace
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+        self.workers.clear()
+
+
+def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,87 @@
+"""A checkpoint's chat template, and chat messages -> token ids (one placeholder per image)."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from epd_models.tokenizer_facts import TokenizerFacts, tokenizer_facts
+from epd_models.user_text import count_added, defang, mark, tokenize_isolated
+
+
+def chat_template(tokenizer: Any, model_dir: str | Path) -> str:
+    """The tokenizer's template, else the processor's (LLaVA checkpoints keep it there)."""
+    if tokenizer.chat_template:
+        return str(tokenizer.chat_template)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            text = path.read_text()
+            return str(json.loads(text)["chat_template"]) if name.endswith(".json") else text
+    raise ValueError(f"model at {model_dir} has no chat template")
+
+
+# NOTE: a fast tokenizer keeps `split_special_tokens` as state on its shared Rust object, set by every call:
+# encodes from two threads at once (the decoder prepares requests on a pool) could tokenize a benign prompt with
+# a hostile prompt's setting. Every encode of a prompt happens under this lock (tests/models/test_chat_threads.py).
+_ENCODING = threading.Lock()
+
+
+class PromptTooLong(Exception):
+    """The prompt cannot fit `max_tokens`; raised before it is tokenized in full. Not a ValueError on purpose:
+    callers answer it with context_length_exceeded, not with "cannot build the prompt"."""
+
+    def __init__(self, num_tokens_at_least: int, max_tokens: int) -> None:
+        self.num_tokens_at_least, self.max_tokens = num_tokens_at_least, max_tokens
+        super().__init__(f"the prompt has at least {num_tokens_at_least} tokens; at most {max_tokens} fit")
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_tokens: int | None = None) -> list[int]:
+    """Apply the chat template (one placeholder per image) and tokenize; user text never becomes an added token.
+
+    Text from the request (contents, text parts, names) tokenizes exactly as the whole prompt did before, unless it
+    contains (or forms, with its neighbours) an added token's string: then that string becomes ordinary tokens.
+    The template's own special tokens and image markers are kept. See epd_models/user_text.py.
+
+    With `max_tokens`, a prompt that cannot fit raises PromptTooLong before it is tokenized: the rendered text is
+    refused when longer than max_tokens x the most characters one token can cover (epd_models/tokenizer_facts.py).
+    Worst case: a refusal costs the render (a few copies of the text, O(n) time); a prompt that passes that bound
+    is at most max_tokens x max_chars_per_token characters (demo and tiny models: 4096 x 33 = 135k), which is the
+    largest prompt that can fit, so a too-long prompt never costs more than serving the longest one that fits.
+    """
+    facts = tokenizer_facts(tokenizer)
+    marked = mark(messages, facts)
+    sentinel_render = _apply(tokenizer, marked.messages, template)
+    text, spans = marked.fill(sentinel_render)
+    if max_tokens is not None:
+        at_least = facts.min_tokens(text)
+        if at_least > max_tokens:
+            raise PromptTooLong(at_least, max_tokens)
+    spans_known = getattr(tokenizer, "is_fast", False) and _apply(tokenizer, messages, template) == text
+    with _ENCODING:
+        if spans_known:
+            ids = tokenize_isolated(tokenizer, text, spans, facts)
+        else:  # the template changes user text (e.g. trims it) or no offsets: spans are unknown
+            ids = _tokenize_defanged(tokenizer, messages, sentinel_render, template, facts)
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise PromptTooLong(len(ids), max_tokens)
+    return ids
+
+
+def _apply(tokenizer: Any, messages: list[dict[str, Any]], template: str) -> str:
+    # NOTE: like apply_chat_template(tokenize=True), the template owns BOS and other specials
+    return str(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True))
+
+
+def _tokenize_defanged(tokenizer: Any, messages: list[dict[str, Any]], sentinel_render: str, template: str,
+                       facts: TokenizerFacts) -> list[int]:
+    """Reserved strings in user text are broken up before rendering; the result must hold exactly the added
+    tokens the template makes by itself (counted on the sentinel render), else the request is refused."""
+    own = count_added(tokenizer(sentinel_render, add_special_tokens=False)["input_ids"], facts)
+    rendered = _apply(tokenizer, defang(messages, facts), template)
+    ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    if count_added(ids, facts) != own:
+        raise ValueError("the text contains a reserved token sequence that this chat template cannot keep apart")
+    return ids

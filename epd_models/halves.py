@@ -1,0 +1,173 @@
+"""The two halves of a VLM, each loaded from the same checkpoint without the other's weights."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, GenerationConfig
+from transformers.utils import logging as hf_logging
+
+from epd_models.base import FamilyAdapter, ImageFeatures, merge_image_embeds
+from epd_models.registry import adapter_for
+from epd_models.weights import load_filtered
+
+if TYPE_CHECKING:
+    from PIL import Image
+    from transformers import Cache
+
+hf_logging.disable_progress_bar()
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'; ValueError for what cannot be used here."""
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"invalid device {str(device)!r}: expected auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} requested but CUDA is not available (torch {torch.__version__})")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ValueError(f"unsupported device {str(device)!r}: expected auto, cpu, cuda or cuda:N")
+    return torch.device("cpu")
+
+
+def _dtype(cfg: object, dtype: torch.dtype | str | None) -> torch.dtype:
+    """An explicit dtype (or its name) wins; None / 'auto' is the checkpoint's own dtype, else float32."""
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}: expected auto or one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found)
+    return found if isinstance(found, torch.dtype) else torch.float32
+
+
+class VisionHalf:
+    """Vision tower + projector only; the LM tensors are never read from disk.
+
+    The module lives on `device`; `encode` takes PIL images and returns CPU features (what the connector
+    sends and caches), whatever the device.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype | str | None = None,
+                 device: str | torch.device = "cpu"):
+        self.model_dir = Path(model_dir)
+        self.config = AutoConfig.from_pretrained(self.model_dir)
+        self.adapter = adapter_for(self.config)
+        self.device = resolve_device(device)
+        self.dtype = _dtype(self.config, dtype)
+        self.module = self.adapter.build_vision(self.config).to(self.dtype).eval()
+        missing = load_half(self.module, self.model_dir, self.adapter, vision=True)
+        if missing:
+            raise ValueError(f"checkpoint {self.model_dir} lacks vision weights: {missing[:5]}")
+        self.module.to(self.device)
+        self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> list[ImageFeatures]:
+        if not images:
+            return []
+        inputs = self.adapter.preprocess(self.image_processor, images)
+        return _to_cpu(self.adapter.encode(self.module, self.config, inputs))
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        return self.adapter.num_image_tokens(self.image_processor, self.config, width, height)
+
+
+class LanguageHalf:
+    """The LM (embeddings, decoder layers, lm_head) only; vision tensors are never read from disk."""
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype | str | None = None,
+                 device: str | torch.device = "cpu"):
+        self.model_dir = Path(model_dir)
+        self.config = AutoConfig.from_pretrained(self.model_dir)
+        self.adapter = adapter_for(self.config)
+        self.device = resolve_device(device)  # every tensor the decoder makes for the LM is made here
+        self.dtype = _dtype(self.config, dtype)
+        self.module = self.adapter.build_language(self.config)
+        self.module.to(self.dtype).eval()
+        missing = load_half(self.module, self.model_dir, self.adapter, vision=False)
+        if missing == ["lm_head.weight"] and self.config.get_text_config().tie_word_embeddings:
+            self.module.lm_head.weight = self.module.language_model.embed_tokens.weight
+            missing = []
+        if missing:
+            raise ValueError(f"checkpoint {self.model_dir} lacks LM weights: {missing[:5]}")
+        self.module.to(self.device)  # after tying: the tied weight moves once and stays shared
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.generation_config = _generation_config(self.model_dir)
+        self.image_token_id = self.adapter.image_token_id(self.config)
+
+    def embed(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> torch.Tensor:
+        """(1, L) ids (any device) and CPU image features -> (1, L, H) embeddings on self.device."""
+        embeds = self.module.language_model.embed_tokens(self.to_device(input_ids))
+        return merge_image_embeds(embeds, input_ids, self.image_token_id, images)
+
+    def position_ids(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> tuple[torch.Tensor, int]:
+        """Prefill positions on self.device (computed on the CPU from CPU ids) and the decode rope delta."""
+        positions, delta = self.adapter.position_ids(self.config, input_ids.cpu(), images)
+        return self.to_device(positions), delta
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor onto the LM's device without waiting for the GPU (a no-op on the CPU)."""
+        return t.to(self.device, non_blocking=True)
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """Run the LM over new positions; return the last position's logits (vocab,)."""
+        out = self.module.language_model(
+            inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache, use_cache=True
+        )
+        return self.module.lm_head(out.last_hidden_state[0, -1]).float()
+
+    def forward_rows(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache,
+                     attention_mask: torch.Tensor) -> torch.Tensor:
+        """Run a batch of rows over new positions with an explicit 4D mask; return each row's last logits."""
+        out = self.module.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache,
+                                         attention_mask=attention_mask, use_cache=True)
+        return self.module.lm_head(out.last_hidden_state[:, -1]).float()
+
+
+def _to_cpu(features: list[ImageFeatures]) -> list[ImageFeatures]:
+    """Device features -> CPU in one transfer (one sync), split back per image; CPU features are returned as is.
+
+    Blocking on purpose: the connector hands these bytes to ZeroMQ as soon as they are stored.
+    """
+    if not features or all(f.embeds.device.type == "cpu" for f in features):
+        return features
+    flat = torch.cat([f.embeds for f in features]).cpu()
+    parts = torch.split(flat, [f.num_tokens for f in features])
+    return [ImageFeatures(embeds=e, grid_thw=f.grid_thw) for e, f in zip(parts, features, strict=True)]
+
+
+def loaded_summary(module: torch.nn.Module) -> dict[str, object]:
+    """What a process really holds: its top-level modules and parameter count (for /health)."""
+    return {"modules": sorted(name for name, _ in module.named_children()),
+            "num_parameters": sum(p.numel() for p in module.parameters())}
+
+
+def load_half(module: torch.nn.Module, model_dir: Path, adapter: FamilyAdapter, vision: bool) -> list[str]:
+    """Load one half's tensors; returns the module keys the checkpoint did not supply."""
+    prefixes = adapter.vision_prefixes
+    return load_filtered(
+        module, model_dir, rename=adapter.normalize_key, keep=lambda name: name.startswith(prefixes) == vision
+    )
+
+
+def _generation_config(model_dir: Path) -> GenerationConfig:
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # checkpoint without generation_config.json
+        return GenerationConfig()

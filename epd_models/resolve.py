@@ -1,0 +1,26 @@
+"""Turn a --model argument into a local checkpoint directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def resolve_model(name: str) -> Path:
+    """'demo' -> the bundled demo model; 'bench' -> the cached benchmark model (built on first use);
+    a directory -> itself; else a hub id (needs a network)."""
+    if name == "demo":
+        from epd_models.demo import ensure_demo_model
+
+        return ensure_demo_model()
+    if name == "bench":
+        from epd_builders.bench_model import ensure_bench_model
+
+        return ensure_bench_model()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+    except Exception as exc:  # offline, unknown repo, ...
+        raise FileNotFoundError(f"model {name!r} is neither 'demo', 'bench', a local directory, nor a reachable hub id: {exc}") from exc

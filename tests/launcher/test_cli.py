@@ -1,0 +1,206 @@
+"""disagg-epd-proxy argument handling."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from connector.security import load_curve_config
+from epd_launcher import cli
+from epd_launcher.cli import _config, _urls, build_parser, main
+from epd_launcher.group import RestartPolicy, Secrets, Worker, WorkerGroup, free_port
+from proxy.config import ProxyConfig
+
+
+@pytest.fixture(autouse=True)
+def keep_root_logging() -> Iterator[None]:
+    """main() installs the service's log handler on the root logger; put pytest's back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_worker_urls_accept_spaces_and_commas() -> None:
+    assert _urls(["http://a:1,http://b:2/", "http://c:3"]) == ("http://a:1", "http://b:2", "http://c:3")
+
+
+def test_attach_mode_needs_both_kinds_of_worker() -> None:
+    with pytest.raises(SystemExit, match="needs both"):
+        main(["--encode-servers-urls", "http://e:1"])
+
+
+def test_flags_map_to_the_proxy_config() -> None:
+    args = build_parser().parse_args(["--model", "/models/Qwen2-VL-2B/", "--max-images-per-request", "3",
+                                      "--max-image-pixels", "1000", "--port", "9000"])
+    cfg = _config(args, ("http://e",), ("http://d",), None)
+    assert (cfg.served_model_name, cfg.max_images_per_request, cfg.max_image_pixels, cfg.port) == (
+        "Qwen2-VL-2B", 3, 1000, 9000)
+
+
+def test_curve_keys_load_from_files_into_the_config(tmp_path: Path) -> None:
+    from connector.security import generate_keypair
+    from epd_common.cli import pop_curve
+
+    enc_public, _ = generate_keypair(tmp_path, "encoders")
+    _, proxy_secret = generate_keypair(tmp_path, "proxy")
+    flags = ["--ec-curve-key", str(proxy_secret), "--ec-curve-server-key", str(enc_public)]
+    parser = build_parser()
+    args = parser.parse_args(["--pipeline-encode", *flags])
+    cfg = _config(args, ("http://e",), ("http://d",), pop_curve(parser, args))
+    assert cfg.pipeline_encode and cfg.curve is not None and cfg.curve.server_key is not None
+
+
+def test_a_missing_key_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--ec-curve-key", "/nonexistent/key_secret", "--encode-servers-urls", "http://e", "--decode-servers-urls",
+              "http://d"])
+    assert "/nonexistent/key_secret" in capsys.readouterr().err
+
+
+ATTACH = ["--encode-servers-urls", "http://127.0.0.1:1", "--decode-servers-urls", "http://127.0.0.1:2"]
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[ProxyConfig]:
+    """main() builds the app but serves nothing: the configs it would have served are collected."""
+    configs: list[ProxyConfig] = []
+    monkeypatch.setattr(cli, "create_app", lambda cfg, **_: cfg)
+    monkeypatch.setattr(cli, "serve", lambda cfg, *a, **k: configs.append(cfg))
+    monkeypatch.delenv("EPD_INTERNAL_KEY", raising=False)
+    monkeypatch.delenv("EPD_INSECURE", raising=False)
+    return configs
+
+
+@pytest.mark.parametrize("url,why", [
+    ("127.0.0.1:8001", "needs a scheme"), ("localhost", "needs a scheme"), ("http://h:99999", "bad port"),
+    ("http://h:port", "bad port"), ("http://h:1/v1", "base URL"), ("ftp://h:1", "needs a scheme"),
+    ("http://:1", "no host"),
+])
+def test_a_malformed_worker_url_is_a_usage_error_at_once(url: str, why: str, served: list[ProxyConfig],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--insecure", "--encode-servers-urls", url, "--decode-servers-urls", "http://127.0.0.1:2"])
+    assert exc.value.code == 2 and why in capsys.readouterr().err and not served
+
+
+def test_attach_mode_refuses_to_start_open_and_names_what_is_missing(served: list[ProxyConfig],
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(ATTACH)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--internal-key" in err and "CURVE" in err and "--insecure" in err
+    assert not served
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_insecure_attach_mode_starts_and_warns_what_is_open(how: str, served: list[ProxyConfig],
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    if how == "env":
+        monkeypatch.setenv("EPD_INSECURE", "1")
+    main([*ATTACH, *(["--insecure"] if how == "flag" else []), "--port", str(free_port())])
+    assert len(served) == 1 and served[0].internal_key is None
+    warning = capsys.readouterr().err  # main() logs to stderr through the service's own handler
+    assert "WARNING" in warning and "INSECURE" in warning and "--internal-key" in warning and "CURVE" in warning
+
+
+def test_attach_mode_with_both_credentials_needs_no_waiver(served: list[ProxyConfig], tmp_path: Path) -> None:
+    from connector.security import generate_keypair
+
+    enc_public, _ = generate_keypair(tmp_path, "encoders")
+    _, proxy_secret = generate_keypair(tmp_path, "proxy")
+    main([*ATTACH, "--internal-key", "k", "--ec-curve-key", str(proxy_secret), "--ec-curve-server-key",
+          str(enc_public), "--port", str(free_port())])
+    assert served[0].internal_key == "k" and served[0].curve is not None
+
+
+@pytest.mark.parametrize("mode", ["attach", "launcher"])
+def test_a_port_in_use_fails_before_any_worker_is_spawned_or_waited_for(
+        mode: str, served: list[ProxyConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_launch(*args: object) -> None:
+        raise AssertionError("workers were spawned")
+
+    monkeypatch.setattr(cli, "_launch", no_launch)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        with pytest.raises(SystemExit) as exc:
+            main([*(ATTACH if mode == "attach" else []), "--insecure", "--port", port])
+    assert exc.value.code != 0 and f"cannot listen on 127.0.0.1:{port}" in str(exc.value.code) and not served
+
+
+def test_launcher_keys_go_to_each_role_through_the_environment() -> None:
+    keys = Secrets.generate()
+    enc, dec, curve = keys.env("encoder"), keys.env("decoder"), keys.proxy_curve()
+    assert enc["EPD_INTERNAL_KEY"] == dec["EPD_INTERNAL_KEY"] == keys.internal_key and len(keys.internal_key) >= 32
+    encoder = load_curve_config(None, env=enc)
+    decoder = load_curve_config(None, env=dec)
+    assert encoder is not None and decoder is not None
+    assert encoder.allowed_clients == frozenset({decoder.public_key}) == frozenset({curve.public_key})
+    assert decoder.server_key == curve.server_key == encoder.public_key and decoder.secret_key != encoder.secret_key
+    assert keys.internal_key not in repr(keys) and encoder.secret_key.decode() not in repr(keys)
+    assert Secrets.generate().internal_key != keys.internal_key  # per start
+
+
+def exits(code: int) -> list[str]:
+    return [sys.executable, "-c", f"raise SystemExit({code})"]
+
+
+def exited_worker(code: int = 3) -> Worker:
+    proc = subprocess.Popen(exits(code))
+    proc.wait()
+    return Worker("decoder", "http://127.0.0.1:1", proc, cmd=exits(code), env=dict(os.environ))
+
+
+def test_an_exited_worker_is_restarted_with_doubling_backoff_then_left_down_past_the_cap(
+        caplog: pytest.LogCaptureFixture) -> None:
+    group = WorkerGroup(policy=RestartPolicy(max_restarts=3, window=100.0, backoff=1.0, backoff_max=3.0))
+    w = exited_worker()
+    now, delays = 0.0, []
+    while not w.given_up:
+        group.check(w, now)  # notices the exit: schedules a restart
+        if w.given_up:
+            break
+        assert w.restart_at is not None
+        delays.append(w.restart_at - now)
+        group.check(w, w.restart_at - 0.01)
+        assert w.restart_at is not None  # not yet
+        now = w.restart_at
+        first = w.proc
+        group.check(w, now)
+        assert w.proc is not first and w.restart_at is None  # restarted: same command, new process
+        w.proc.wait()
+    assert delays == [1.0, 2.0, 3.0] and len(w.restarts) == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("exited with code 3" in m for m in messages) == 4
+    assert any("not restarting" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+
+
+def test_restarts_older_than_the_window_no_longer_count() -> None:
+    group = WorkerGroup(policy=RestartPolicy(max_restarts=1, window=10.0, backoff=1.0, backoff_max=1.0))
+    w = exited_worker()
+    w.restarts.append(0.0)
+    group.check(w, 5.0)
+    assert w.given_up  # one restart 5 s ago: the cap is reached
+    w = exited_worker()
+    w.restarts.append(0.0)
+    group.check(w, 11.0)
+    assert not w.given_up and w.restart_at == 12.0 and not w.restarts
+
+
+def test_a_stopped_group_restarts_nothing() -> None:
+    group = WorkerGroup()
+    w = exited_worker()
+    group.workers.append(w)
+    group.stop()
+    group.check(w, 0.0)
+    assert w.restart_at is None and w.proc.returncode == 3
