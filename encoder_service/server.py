@@ -20,7 +20,6 @@ from encoder_service.config import EncoderConfig
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.protocol import EncodeRequest, EncodeResponse
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
-from epd_common.cli import parse_config, run_worker, worker_parser
 from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import (
     freeze_startup_heap,
@@ -141,40 +140,3 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
                 "num_encoded": w.num_encoded, "pid": os.getpid(), "loaded": loaded_summary(w.vision.module)}
 
     return app
-
-
-def parse_args(argv: list[str] | None = None) -> EncoderConfig:
-    d = EncoderConfig()
-    p = worker_parser("epd-encoder", "EPD encoder worker (vision tower + projector only)", d)
-    p.add_argument("--ec-bind", default=d.ec_bind, help="ZeroMQ endpoint for embeddings (tcp://HOST:PORT or ipc://)")
-    p.add_argument("--ec-events-bind", default=d.ec_events_bind,
-                   help="ZeroMQ PUB endpoint for cache events (default: beside --ec-bind, port + 1 or random)")
-    p.add_argument("--ec-advertise-host", default=d.ec_advertise_host,
-                   help="host other machines reach this encoder's ZeroMQ endpoints at (needed when --ec-bind is "
-                        "tcp://0.0.0.0:PORT); default: the bound address")
-    p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
-                   help="bytes of embeddings this encoder keeps (LRU; in-flight items are never evicted)")
-    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
-    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
-    p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request,
-                   help="items one /encode may carry; more get a 400 too_many_items")
-    p.add_argument("--max-encode-bytes", type=int, default=d.max_encode_bytes,
-                   help="decoded image bytes one /encode may carry; more get a 413 request_too_large")
-    g = p.add_argument_group("connector limits (ZeroMQ producer)")
-    g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
-                   help="hashes one get or has may ask for; more get an error reply")
-    g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
-                   help="tensor bytes of one get reply beyond its first item; the rest are sent on the next get")
-    g.add_argument("--ec-max-parked-gets", type=int, default=d.ec_max_parked_gets,
-                   help="gets held for items still encoding; more are answered at once with what is held")
-    g.add_argument("--ec-max-parked-hashes", type=int, default=d.ec_max_parked_hashes,
-                   help="hashes all held gets may name together (bounds their memory)")
-    return parse_config(p, argv, EncoderConfig)
-
-
-def main(argv: list[str] | None = None) -> None:
-    run_worker("encoder", parse_args(argv), create_app)
-
-
-if __name__ == "__main__":
-    main()

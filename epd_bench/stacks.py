@@ -88,7 +88,7 @@ def _proxy(model_name: str, flags: tuple[str, ...]) -> ProcSpec:
 
 def aggregated(model_dir: Path, cores: int, pin: bool) -> SystemSpec:
     port = free_port()
-    dec = _proc("decoder", _py("decoder_service.server", "--model", str(model_dir), "--host", HOST, "--port",
+    dec = _proc("decoder", _py("decoder_service.cli", "--model", str(model_dir), "--host", HOST, "--port",
                                str(port), "--aggregated", "--log-level", "warning"),
                 port, tuple(range(cores)) if pin else None, cores)
     return SystemSpec("aggregated", (dec, _proxy("bench", ("--aggregated", "--decode-servers-urls", dec.url))),
@@ -103,11 +103,11 @@ def epd(model_dir: Path, num_encoders: int, cores: int, pin: bool, decoder_all_c
     encs = []
     for i, cpus in enumerate(enc_cores):
         port = free_port()
-        argv = _py("encoder_service.server", "--model", str(model_dir), "--host", HOST, "--port", str(port),
+        argv = _py("encoder_service.cli", "--model", str(model_dir), "--host", HOST, "--port", str(port),
                    "--ec-bind", f"tcp://{HOST}:0", "--log-level", "warning")
         encs.append(_proc(f"encoder{i}", argv, port, cpus if pin else None, len(cpus) if pin else threads_none))
     port = free_port()
-    dec = _proc("decoder", _py("decoder_service.server", "--model", str(model_dir), "--host", HOST, "--port",
+    dec = _proc("decoder", _py("decoder_service.cli", "--model", str(model_dir), "--host", HOST, "--port",
                                str(port), "--log-level", "warning"),
                 port, dec_cores if pin else None, len(dec_cores) if pin else threads_none)
     proxy = _proxy("bench", ("--encode-servers-urls", *(e.url for e in encs), "--decode-servers-urls", dec.url))

@@ -107,7 +107,7 @@ class WorkerGroup:
     def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str],
               env: dict[str, str] | None = None) -> Worker:
         port = free_port(host)
-        module = {"encoder": "encoder_service.server", "decoder": "decoder_service.server", "proxy": "epd_launcher.cli"}[role]
+        module = {"encoder": "encoder_service.cli", "decoder": "decoder_service.cli", "proxy": "epd_launcher.cli"}[role]
         cmd = [sys.executable, "-m", module, "--model", model, "--host", host, "--port", str(port), *extra]
         full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
                     **self.env, **(env or {})}

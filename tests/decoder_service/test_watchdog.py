@@ -106,13 +106,13 @@ def test_a_step_that_blocks_is_503_engine_stalled_after_the_timeout(
 
 SCRIPT = """
 import sys
-from decoder_service import engine, server
+from decoder_service import cli, engine
 
 def broken(self, block):
     raise SystemError("injected engine fault")
 
 engine.Engine._take_new_jobs = broken  # the engine thread dies at once, outside any request
-server.main(sys.argv[1:])
+cli.main(sys.argv[1:])
 """
 
 

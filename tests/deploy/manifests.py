@@ -173,8 +173,8 @@ def register_module() -> ModuleType:
 
 def parsers() -> dict[str, Callable[[list[str]], object]]:
     """program -> a function that parses its argv exactly as the program does (SystemExit on a bad flag)."""
-    from decoder_service.server import parse_args as decoder_args
-    from encoder_service.server import parse_args as encoder_args
+    from decoder_service.cli import parse_args as decoder_args
+    from encoder_service.cli import parse_args as encoder_args
     from epd_launcher.cli import build_parser
 
     return {"epd-encoder": encoder_args, "epd-decoder": decoder_args,

@@ -27,8 +27,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("paths")
     enc_port, dec_port, p1, p2 = free_port(), free_port(), free_port(), free_port()
     ipc = f"ipc://{tmp}/encoder.sock"
-    procs = [start("encoder_service.server", ["--port", str(enc_port), "--ec-bind", ipc], tmp / "enc.log"),
-             start("decoder_service.server", ["--port", str(dec_port)], tmp / "dec.log")]
+    procs = [start("encoder_service.cli", ["--port", str(enc_port), "--ec-bind", ipc], tmp / "enc.log"),
+             start("decoder_service.cli", ["--port", str(dec_port)], tmp / "dec.log")]
     urls = ["--encode-servers-urls", f"http://127.0.0.1:{enc_port}", "--decode-servers-urls",
             f"http://127.0.0.1:{dec_port}"]
     procs.append(start("epd_launcher.cli", ["--port", str(p1), *urls], tmp / "p1.log"))

@@ -184,12 +184,12 @@ def test_requests_cross_hosts_over_tcp_and_survive_losing_an_encoder(net: Net, p
     enc_hosts, dec_host = net.hosts[:2], net.hosts[2]
     encoders = {}
     for i, h in enumerate(enc_hosts):
-        proc = procs.spawn(h.ns, "encoder_service.server",
+        proc = procs.spawn(h.ns, "encoder_service.cli",
                            ["--model", "demo", "--host", h.addr, "--port", str(ENC_HTTP),
                             "--ec-bind", f"tcp://{h.addr}:{ENC_EC}"], f"encoder-{i}")
         encoders[f"http://{h.addr}:{ENC_HTTP}"] = proc
     decoder = f"http://{dec_host.addr}:{DEC_HTTP}"
-    dec_proc = procs.spawn(dec_host.ns, "decoder_service.server",
+    dec_proc = procs.spawn(dec_host.ns, "decoder_service.cli",
                            ["--model", "demo", "--host", dec_host.addr, "--port", str(DEC_HTTP)], "decoder")
     port = free_port()
     proxy = f"http://127.0.0.1:{port}"

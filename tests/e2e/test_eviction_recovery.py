@@ -18,9 +18,9 @@ ONE_EMBEDDING = 40_000  # bytes: the demo's 64 x 128 float32 embedding (32 KiB) 
 def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("evict")
     enc_port, dec_port, port = free_port(), free_port(), free_port()
-    procs = [start("encoder_service.server", ["--port", str(enc_port), "--ec-cache-bytes", str(ONE_EMBEDDING)],
+    procs = [start("encoder_service.cli", ["--port", str(enc_port), "--ec-cache-bytes", str(ONE_EMBEDDING)],
                    tmp / "enc.log"),
-             start("decoder_service.server", ["--port", str(dec_port)], tmp / "dec.log")]
+             start("decoder_service.cli", ["--port", str(dec_port)], tmp / "dec.log")]
     procs.append(start("epd_launcher.cli", ["--port", str(port), "--encode-servers-urls", f"http://127.0.0.1:{enc_port}",
                                      "--decode-servers-urls", f"http://127.0.0.1:{dec_port}"], tmp / "p.log"))
     try:

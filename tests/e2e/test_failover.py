@@ -50,8 +50,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp_path = tmp_path_factory.mktemp("failover")
     c = Cluster(tmp_path)
     try:
-        for role, module, extra in (("enc", "encoder_service.server", ["--ec-bind", "tcp://127.0.0.1:0"]),
-                                    ("dec", "decoder_service.server", ["--gather-timeout", "3"])):
+        for role, module, extra in (("enc", "encoder_service.cli", ["--ec-bind", "tcp://127.0.0.1:0"]),
+                                    ("dec", "decoder_service.cli", ["--gather-timeout", "3"])):
             for i in range(2):
                 port = free_port()
                 log = tmp_path / f"{role}{i}.log"

@@ -43,8 +43,8 @@ def test_attach_mode_serves_workers_started_elsewhere(tiny_model_dirs: dict[str,
     model = str(tiny_model_dirs["llava"])
     enc_port, dec_port, proxy_port = free_port(), free_port(), free_port()
     procs = [
-        start("encoder_service.server", ["--model", model, "--port", str(enc_port)], tmp_path / "enc.log"),
-        start("decoder_service.server", ["--model", model, "--port", str(dec_port)], tmp_path / "dec.log"),
+        start("encoder_service.cli", ["--model", model, "--port", str(enc_port)], tmp_path / "enc.log"),
+        start("decoder_service.cli", ["--model", model, "--port", str(dec_port)], tmp_path / "dec.log"),
     ]
     try:
         enc, dec = f"http://127.0.0.1:{enc_port}", f"http://127.0.0.1:{dec_port}"

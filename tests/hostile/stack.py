@@ -22,7 +22,7 @@ from tests.e2e.stack import ask_colour, demo_png, pid_alive, start, stop, wait_h
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
 
 ROLES = ("encoder", "decoder", "proxy")
-_MODULES = {"encoder": "encoder_service.server", "decoder": "decoder_service.server", "proxy": "epd_launcher.cli"}
+_MODULES = {"encoder": "encoder_service.cli", "decoder": "decoder_service.cli", "proxy": "epd_launcher.cli"}
 VICTIM_COLOURS = ("red", "green", "blue", "yellow")
 
 

@@ -103,7 +103,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def test_encoder_process_refuses_to_start_open() -> None:
-    proc = subprocess.run([sys.executable, "-m", "encoder_service.server", "--model", "demo"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "encoder_service.cli", "--model", "demo"], capture_output=True,
                           text=True, env=clean_env(), cwd=ROOT, timeout=EXIT_TIMEOUT_S)
     assert proc.returncode == 2, proc.stderr
     assert "refusing to start without an internal key" in proc.stderr and "--insecure" in proc.stderr
@@ -111,7 +111,7 @@ def test_encoder_process_refuses_to_start_open() -> None:
 
 
 def test_decoder_refuses_to_start_open(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from decoder_service.server import parse_args
+    from decoder_service.cli import parse_args
 
     for var in [v for v in os.environ if v.startswith("EPD_")]:
         monkeypatch.delenv(var)
@@ -123,7 +123,7 @@ def test_decoder_refuses_to_start_open(monkeypatch: pytest.MonkeyPatch, capsys: 
 
 
 def test_aggregated_decoder_needs_only_the_internal_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from decoder_service.server import parse_args
+    from decoder_service.cli import parse_args
 
     for var in [v for v in os.environ if v.startswith("EPD_")]:
         monkeypatch.delenv(var)

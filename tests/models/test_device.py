@@ -20,13 +20,13 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from decoder_service.batch import BatchRunner
+from decoder_service.cli import parse_args as decoder_args
 from decoder_service.config import DecoderConfig
 from decoder_service.prompt import build_prompt
 from decoder_service.sampling import Sampler, SamplingParams
-from decoder_service.server import parse_args as decoder_args
 from decoder_service.slots import Plan, SlotCache
+from encoder_service.cli import parse_args as encoder_args
 from encoder_service.config import EncoderConfig
-from encoder_service.server import parse_args as encoder_args
 from epd_models.chat import chat_template, render
 from epd_models.halves import LanguageHalf, VisionHalf, resolve_device
 from tests.factories import make_image
