@@ -11,8 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from connector import ECProducer
+from encoder_service.cli import parse_args
 from encoder_service.config import EncoderConfig
-from encoder_service.server import create_app, parse_args
+from encoder_service.server import create_app
 from encoder_service.worker import EncoderWorker
 from epd_contracts.hashing import mm_hash
 from epd_models.halves import VisionHalf
