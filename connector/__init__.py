@@ -1,23 +1,11 @@
-"""ZeroMQ encoder-cache connector: encoders save embeddings, decoders gather them by mm_hash."""
+"""ZeroMQ encoder-cache (EC) connector: encoders save embeddings, decoders gather them by mm_hash.
 
-from __future__ import annotations
+Two planes, split so that a process without torch (the proxy, the scheduler) can follow the fleet's caches:
 
-from connector.cache import EmbeddingCache
-from connector.consumer import ECConsumer
-from connector.producer import ECProducer
-from connector.types import EncoderOutput, InvalidEmbeddings, MissingEmbeddings
-from connector.wire import MAGIC_VERSION, WireError, decode_message, encode_message, tensor_from_frame
+- `connector.control` (torch-free): wire framing, CURVE keys and security, the producer request client
+  (`ProducerClient`: has/ping/snapshot), and the fleet cache index that subscribes to cache events.
+- `connector.tensors` (imports torch): the byte-bounded embedding cache, the producer (serves tensors and
+  publishes events), the consumer (gathers tensors), and tensor framing.
 
-__all__ = [
-    "MAGIC_VERSION",
-    "ECConsumer",
-    "ECProducer",
-    "EmbeddingCache",
-    "EncoderOutput",
-    "InvalidEmbeddings",
-    "MissingEmbeddings",
-    "WireError",
-    "decode_message",
-    "encode_message",
-    "tensor_from_frame",
-]
+Headers are the msgspec Structs of `epd_contracts.ec`. This file imports nothing: import the module you need.
+"""

@@ -1,5 +1,7 @@
 """Prefill in chunks into free slots and decode every running sequence in one batched forward.
 
+`run(scheduled)` is one engine step's forwards: decode every prefilled row, then prefill within the budget.
+
 Fault isolation: a row whose prefill chunk raises, or whose forward fails when run alone, is reported in
 `failed` (when the caller passes one) and the other rows carry on. A batched decode that raises cannot say
 which row broke it, so every row is then decoded alone once (same K/V columns, written again), and only
@@ -14,11 +16,18 @@ from dataclasses import dataclass
 import torch
 
 from decoder_service.prompt import Prompt
+from decoder_service.scheduler import SchedulerOutput
 from decoder_service.slots import Plan, SlotCache
 from epd_models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
 Failed = dict[Hashable, Exception]  # row key -> what broke it
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    logits: dict[Hashable, torch.Tensor]  # next-token logits of every row decoded, or whose prompt is now complete
+    failed: dict[Hashable, tuple[str, Exception]]  # row key -> (stage, what broke it); left in its slot
 
 
 @dataclass
@@ -52,6 +61,16 @@ class BatchRunner:
     def num_prefill_tokens_left(self) -> int:
         """Prompt tokens admitted but not prefilled yet."""
         return sum(r.prompt.num_tokens - r.length for r in self.rows if not r.prefilled)
+
+    def run(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """One step's forwards: decode the rows fed a token, then prefill; a row's failure is reported, not raised."""
+        decode_failed: Failed = {}
+        prefill_failed: Failed = {}
+        logits = self.decode(scheduled.decode, decode_failed)
+        logits.update(self.prefill(scheduled.prefill_budget, prefill_failed))
+        failed = {k: ("decode", exc) for k, exc in decode_failed.items()}
+        failed.update((k, ("prefill", exc)) for k, exc in prefill_failed.items())
+        return RunnerOutput(logits, failed)
 
     @torch.inference_mode()
     def add(self, key: Hashable, prompt: Prompt) -> None:

@@ -1,24 +1,30 @@
 """The `epd-decoder` command line: flags -> config -> the worker's HTTP server."""
 from __future__ import annotations
 
+from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
 from decoder_service.config import DecoderConfig
 from decoder_service.server import create_app
-from epd_common.cli import parse_config, run_worker, worker_parser
+from epd_common.cli import Gap, key_gaps, refuse_open, run_worker, worker_parser
+from epd_models.device_flags import add_device_flags
 
 
 def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     d = DecoderConfig()
     p = worker_parser("epd-decoder", "EPD decoder worker (language model only)", d)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    add_device_flags(p, d)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="positions of one sequence, prompt included (0: the model's max_position_embeddings)")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="requests waiting for a slot; more get 503")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="sequences decoded together; a KV slot of --max-model-len is preallocated for each")
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                    help="prompt tokens prefilled per engine step while streams decode (8x when none do)")
-    p.add_argument("--gather-timeout", type=float, default=d.gather_timeout)
+    p.add_argument("--gather-timeout", type=float, default=d.gather_timeout,
+                   help="seconds to gather a request's embeddings from the encoders")
     p.add_argument("--aggregated", action="store_true",
                    help="also load the vision tower and encode images sent inline (one process, no encoders)")
-    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, help="aggregated mode")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="aggregated mode: width x height above this is refused before decoding")
     p.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout,
                    help="seconds the engine loop may make no progress; then /health answers 503 and the process "
                         "exits with status 70")
@@ -31,11 +37,21 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
                    help="bytes of one tensor frame; an encoder sending a larger one is disconnected")
     g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
                    help="hashes asked of one encoder per get (keep at most the encoders' --ec-max-items-per-get)")
-    return parse_config(p, argv, DecoderConfig)
+    add_curve_flags(p.add_argument_group(GROUP), allowed_clients=False)
+    args = p.parse_args(argv)
+    curve = pop_curve(p, args)
+    cfg = DecoderConfig(**vars(args), curve=curve)
+    refuse_open(p, cfg, security_gaps(cfg))
+    return cfg
+
+
+def security_gaps(cfg: DecoderConfig) -> list[Gap]:
+    return key_gaps(cfg) + curve_gaps(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_worker("decoder", parse_args(argv), create_app)
+    cfg = parse_args(argv)
+    run_worker("decoder", cfg, create_app, security_gaps(cfg))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from connector.security import CurveConfig
+from connector.control.security import CurveConfig
 from epd_common.http import HttpLimits
 
 
@@ -37,7 +37,7 @@ class DecoderConfig(HttpLimits):
 
     @property
     def curve_needs(self) -> tuple[str, ...]:
-        """CURVE keys this worker needs to start secure (epd_common.cli.security_gaps); aggregated: no ZeroMQ peers."""
+        """CURVE keys this worker needs to start secure (curve_flags.curve_gaps); aggregated: no ZeroMQ peers."""
         return () if self.aggregated else ("secret_key", "server_key")
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from connector.types import EncoderOutput
+from epd_contracts.embeddings import ImageFeatures
 from epd_models.halves import LanguageHalf
 
 
@@ -31,7 +31,7 @@ class EmbeddingCheck:
         self.merge: int | None = getattr(getattr(cfg, "vision_config", None), "spatial_merge_size", None)
         self.fixed = _fixed_count(lm) if self.merge is None else None
 
-    def __call__(self, out: EncoderOutput) -> str | None:
+    def __call__(self, out: ImageFeatures) -> str | None:
         e = out.embeds
         if not (e.is_floating_point() and e.dim() == 2):
             return f"expected a 2-D floating tensor, got {e.dtype} of shape {tuple(e.shape)}"
@@ -46,7 +46,7 @@ class EmbeddingCheck:
             return "non-finite values (NaN or inf)"
         return None
 
-    def _expected_tokens(self, out: EncoderOutput) -> int | str | None:
+    def _expected_tokens(self, out: ImageFeatures) -> int | str | None:
         """The token count this model expects for the item, a reason its grid is unusable, or None (unknown)."""
         if self.merge is None:
             return self.fixed

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from epd_models.base import ImageFeatures, expand_placeholders
+from epd_contracts.embeddings import ImageFeatures
+from epd_models.base import expand_placeholders
 from epd_models.halves import LanguageHalf
 
 

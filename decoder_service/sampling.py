@@ -1,6 +1,6 @@
 """The next-token choice for one sequence (penalties, greedy, temperature, top-k, top-p, seed).
 
-The parameters are the contract the proxy validated (epd_contracts.sampling.SamplingParams, re-exported here);
+The parameters are the contract the proxy validated (epd_contracts.sampling.SamplingParams);
 for every value it admits and any logits row (NaN, +-inf, all equal, huge magnitudes) `choose` returns a
 token and never raises, so one request's parameters cannot fail the batched step of the others.
 """
@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 
 from epd_contracts.sampling import SamplingParams
-
-__all__ = ["Sampler", "SamplingParams"]
 
 _NEG_INF = float("-inf")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -11,8 +12,11 @@ import torch
 from decoder_service.detokenizer import IncrementalDetokenizer
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
-from decoder_service.protocol import Event, Usage
-from decoder_service.sampling import Sampler, SamplingParams
+from decoder_service.sampling import Sampler
+from epd_contracts.generate import Event, Usage
+from epd_contracts.sampling import SamplingParams
+
+logger = logging.getLogger("epd.decoder")
 
 
 @dataclass(eq=False)  # NOTE: identity, not field equality (comparing prompts' tensors raises)
@@ -28,6 +32,18 @@ class Job:
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def fail(self, exc: Exception, stage: str) -> None:
+        """This request failed on the engine thread: log why, tell its client where to look."""
+        logger.error("request %s failed in %s: %s: %s", self.request_id, stage, type(exc).__name__, exc, exc_info=exc)
+        self.emit_error(f"generation failed ({stage}: {type(exc).__name__}); see the decoder log for request "
+                        f"{self.request_id}")
+
+    def emit_error(self, message: str) -> None:
+        try:
+            self.emit(Event(type="error", message=message))
+        except Exception:  # noqa: BLE001 - its event loop is gone: nobody is left to tell
+            logger.warning("request %s: could not deliver its error event", self.request_id)
 
 
 class Sequence:

@@ -7,21 +7,22 @@ import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request, Response
+import msgspec
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from connector import ECConsumer
+from connector.tensors.consumer import ECConsumer
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.embedding_check import EmbeddingCheck
 from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
-from decoder_service.protocol import GenerateRequest
 from decoder_service.sequence import Job
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
-from epd_common.errors import APIError, install_error_handlers
+from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import (
     freeze_startup_heap,
     install_api_key,
@@ -30,19 +31,61 @@ from epd_common.http import (
     install_request_id,
 )
 from epd_common.logs import request_id_var
+from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.generate import GenerateRequest
+from epd_contracts.validation import ContractError, decode_json
 from epd_models.halves import LanguageHalf, VisionHalf, loaded_summary
 from epd_models.identity import model_identity
 from epd_models.resolve import resolve_model
 
 logger = logging.getLogger("epd.decoder")
+router = APIRouter()
+
+
+@dataclass
+class DecoderState:
+    """Everything the routes share (`app.state.decoder`); the engine exists once the LM is loaded."""
+
+    cfg: DecoderConfig
+    consumer: ECConsumer
+    metrics: DecoderMetrics
+    engine: Engine | None = None
+    embedding_check: EmbeddingCheck | None = None
+    identity: dict[str, object] = field(default_factory=dict)
+
+    def check_embedding(self, out: ImageFeatures) -> str | None:
+        """The consumer's check of every gathered embedding (gathers only run once the LM is loaded)."""
+        assert self.embedding_check is not None, "the LM is not loaded yet"
+        return self.embedding_check(out)
+
+    def ready_engine(self) -> Engine:
+        """The engine, or a 503 while it loads or once it cannot make progress."""
+        if self.engine is None:
+            raise APIError(503, "decoder is loading", code="not_ready")
+        if (problem := self.engine.problem()) is not None:  # cheap: a few attribute reads
+            raise APIError(503, problem[1], code=problem[0])
+        return self.engine
+
+
+def _state(request: Request) -> DecoderState:
+    state: DecoderState = request.app.state.decoder
+    return state
+
+
+async def _read(request: Request) -> GenerateRequest:
+    try:
+        return decode_json(await request.body(), GenerateRequest)
+    except ContractError as exc:
+        raise bad_request(exc.message, exc.param, code="invalid_request") from None
 
 
 async def _stream(job: Job, request_id: str) -> AsyncIterator[bytes]:
     request_id_var.set(request_id)
+    encoder = msgspec.json.Encoder()
     try:
         while True:
             event = await job.events.get()
-            yield (event.model_dump_json(exclude_none=True) + "\n").encode()
+            yield encoder.encode(event) + b"\n"
             if event.type != "delta":
                 return
     finally:  # client gone (or done): stop the sequence at its next step
@@ -56,95 +99,98 @@ async def _set_on_disconnect(request: Request, cancelled: threading.Event) -> No
     cancelled.set()
 
 
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    state = _state(request)
+    req = await _read(request)
+    engine, metrics = state.ready_engine(), state.metrics
+    if engine.num_waiting >= state.cfg.max_queued:
+        raise APIError(503, "decoder queue is full", code="overloaded")
+    metrics.waiting.inc()
+    cancelled = threading.Event()  # the client went away while its embeddings were gathered
+    watcher = asyncio.create_task(_set_on_disconnect(request, cancelled))
+    try:
+        prompt, params = await asyncio.to_thread(engine.prepare, req)
+        job = engine.submit(prompt, params, cancelled)
+    except Exception as exc:  # an APIError is this request's answer; anything else its 500 (error handlers)
+        metrics.requests.labels(str(exc.status) if isinstance(exc, APIError) else "500").inc()
+        metrics.waiting.dec()
+        raise
+    finally:
+        watcher.cancel()
+    metrics.requests.labels("200").inc()
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in _stream(job, request_id_var.get()):
+                yield chunk
+        finally:
+            metrics.waiting.dec()
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, object]:
+    state = _state(request)
+    engine = state.ready_engine()
+    loaded = loaded_summary(engine.lm.module)
+    if engine.inline is not None:  # aggregated mode holds both halves
+        vision = loaded_summary(engine.inline.vision.module)
+        loaded = {"modules": sorted([*loaded["modules"], *vision["modules"]]),  # type: ignore[misc]
+                  "num_parameters": loaded["num_parameters"] + vision["num_parameters"],  # type: ignore[operator]
+                  "num_encoded": engine.inline.num_encoded}
+    cfg = state.cfg
+    return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": state.identity,
+            "aggregated": cfg.aggregated, "waiting": engine.num_waiting, "running": engine.num_running,
+            "pid": os.getpid(), "loaded": loaded}
+
+
+async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: FatalHandler) -> Watchdog:
+    """Load the LM (unless given) and, aggregated, the vision half on its device; start the engine."""
+    cfg = state.cfg
+    half = lm if lm is not None else await asyncio.to_thread(
+        LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device)
+    check = state.embedding_check = EmbeddingCheck(half)
+    state.identity.update(model_identity(half.model_dir))
+    inline = None
+    if cfg.aggregated:
+        vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)
+        inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, check)
+    engine = state.engine = Engine(half, state.consumer, cfg, state.metrics, inline)
+    logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, KV slots %d x %d positions = "
+                "%.1f MiB", cfg.model, half.device, str(half.dtype).removeprefix("torch."), engine.max_model_len,
+                cfg.max_num_seqs, engine.max_model_len, engine.runner.cache.nbytes / 2**20)
+    return Watchdog(engine, on_fatal, cfg.engine_stall_timeout)
+
+
 def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: FatalHandler | None = None) -> FastAPI:
     """The decoder app; loads its LM at startup unless one is given (tests).
 
     `on_fatal(code, reason)` is called once if the engine dies or stalls (default: exit the process non-zero).
     """
-    state: dict[str, Engine] = {}
-    identity: dict[str, object] = {}
-    checks: list[EmbeddingCheck] = []  # set once the LM is loaded; gathers only run after that
     registry = CollectorRegistry()
-    consumer = ECConsumer(cache_bytes=cfg.ec_cache_bytes, curve=cfg.curve, check=lambda out: checks[0](out),
+    consumer = ECConsumer(cache_bytes=cfg.ec_cache_bytes, curve=cfg.curve, check=lambda out: state.check_embedding(out),
                           max_message_bytes=cfg.ec_max_message_bytes, max_reply_bytes=cfg.ec_max_reply_bytes,
                           max_items_per_get=cfg.ec_max_items_per_get)
-    metrics = DecoderMetrics(registry, lambda: consumer.stats())
+    state = DecoderState(cfg, consumer, DecoderMetrics(registry, consumer.stats))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        half = lm if lm is not None else await asyncio.to_thread(
-            LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device)
-        checks.append(EmbeddingCheck(half))
-        identity.update(model_identity(half.model_dir))
-        inline = None
-        if cfg.aggregated:  # the vision half runs on the LM's device
-            vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)
-            inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, checks[0])
-        state["engine"] = Engine(half, consumer, cfg, metrics, inline)
-        watchdog = Watchdog(state["engine"], on_fatal or exit_process(), cfg.engine_stall_timeout)
+        watchdog = await _start_engine(state, lm, on_fatal or exit_process())
         freeze_startup_heap()
-        engine = state["engine"]
-        logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, KV slots %d x %d positions = "
-                    "%.1f MiB", cfg.model, half.device, str(half.dtype).removeprefix("torch."), engine.max_model_len,
-                    cfg.max_num_seqs, engine.max_model_len, engine.runner.cache.nbytes / 2**20)
         yield
         watchdog.stop()
-        await asyncio.to_thread(state["engine"].close)
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.close)
         consumer.close()
 
     app = FastAPI(title="EPD decoder", lifespan=lifespan)
-    app.state.engine_ref = state  # "engine" -> Engine once started (tests inspect it)
+    app.state.decoder = state
     install_error_handlers(app)
     install_request_id(app)
     install_metrics(app, registry)
     install_body_limit(app, cfg.max_body_bytes, cfg.body_read_timeout)  # bytes received, chunked or not
     install_api_key(app, cfg.internal_key, ("/generate",), "internal key")
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest, request: Request) -> Response:
-        engine = state["engine"]
-        if (problem := engine.problem()) is not None:
-            raise APIError(503, problem[1], code=problem[0])
-        if engine.num_waiting >= cfg.max_queued:
-            raise APIError(503, "decoder queue is full", code="overloaded")
-        metrics.waiting.inc()
-        cancelled = threading.Event()  # the client went away while its embeddings were gathered
-        watcher = asyncio.create_task(_set_on_disconnect(request, cancelled))
-        try:
-            prompt, params = await asyncio.to_thread(engine.prepare, req)
-            job = engine.submit(prompt, params, cancelled)
-        except Exception as exc:  # an APIError is this request's answer; anything else its 500 (error handlers)
-            metrics.requests.labels(str(exc.status) if isinstance(exc, APIError) else "500").inc()
-            metrics.waiting.dec()
-            raise
-        finally:
-            watcher.cancel()
-        metrics.requests.labels("200").inc()
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in _stream(job, request_id_var.get()):
-                    yield chunk
-            finally:
-                metrics.waiting.dec()
-
-        return StreamingResponse(body(), media_type="application/x-ndjson")
-
-    @app.get("/health")
-    async def health() -> dict[str, object]:
-        if "engine" not in state:
-            raise APIError(503, "decoder is loading", code="not_ready")
-        engine = state["engine"]
-        if (problem := engine.problem()) is not None:  # cheap: a few attribute reads
-            raise APIError(503, problem[1], code=problem[0])
-        loaded = loaded_summary(engine.lm.module)
-        if engine.inline is not None:  # aggregated mode holds both halves
-            vision = loaded_summary(engine.inline.vision.module)
-            loaded = {"modules": sorted([*loaded["modules"], *vision["modules"]]),  # type: ignore[misc]
-                      "num_parameters": loaded["num_parameters"] + vision["num_parameters"],  # type: ignore[operator]
-                      "num_encoded": engine.inline.num_encoded}
-        return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": identity,
-                "aggregated": cfg.aggregated, "waiting": engine.num_waiting, "running": engine.num_running,
-                "pid": os.getpid(), "loaded": loaded}
-
+    app.include_router(router)
     return app

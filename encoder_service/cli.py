@@ -1,24 +1,28 @@
 """The `epd-encoder` command line: flags -> config -> the worker's HTTP server."""
 from __future__ import annotations
 
+from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
 from encoder_service.config import EncoderConfig
 from encoder_service.server import create_app
-from epd_common.cli import parse_config, run_worker, worker_parser
+from epd_common.cli import Gap, key_gaps, refuse_open, run_worker, worker_parser
+from epd_models.device_flags import add_device_flags
 
 
 def parse_args(argv: list[str] | None = None) -> EncoderConfig:
     d = EncoderConfig()
     p = worker_parser("epd-encoder", "EPD encoder worker (vision tower + projector only)", d)
+    add_device_flags(p, d)
     p.add_argument("--ec-bind", default=d.ec_bind, help="ZeroMQ endpoint for embeddings (tcp://HOST:PORT or ipc://)")
     p.add_argument("--ec-events-bind", default=d.ec_events_bind,
                    help="ZeroMQ PUB endpoint for cache events (default: beside --ec-bind, port + 1 or random)")
     p.add_argument("--ec-advertise-host", default=d.ec_advertise_host,
                    help="host other machines reach this encoder's ZeroMQ endpoints at (needed when --ec-bind is "
-                        "tcp://0.0.0.0:PORT); default: the bound address")
+                        "tcp://0.0.0.0:PORT) (default: the bound address)")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of embeddings this encoder keeps (LRU; in-flight items are never evicted)")
-    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
-    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
+    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="images per vision forward")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="width x height above this is refused before decoding")
     p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request,
                    help="items one /encode may carry; more get a 400 too_many_items")
     p.add_argument("--max-encode-bytes", type=int, default=d.max_encode_bytes,
@@ -32,11 +36,21 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="gets held for items still encoding; more are answered at once with what is held")
     g.add_argument("--ec-max-parked-hashes", type=int, default=d.ec_max_parked_hashes,
                    help="hashes all held gets may name together (bounds their memory)")
-    return parse_config(p, argv, EncoderConfig)
+    add_curve_flags(p.add_argument_group(GROUP), allowed_clients=True)
+    args = p.parse_args(argv)
+    curve = pop_curve(p, args)
+    cfg = EncoderConfig(**vars(args), curve=curve)
+    refuse_open(p, cfg, security_gaps(cfg))
+    return cfg
+
+
+def security_gaps(cfg: EncoderConfig) -> list[Gap]:
+    return key_gaps(cfg) + curve_gaps(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_worker("encoder", parse_args(argv), create_app)
+    cfg = parse_args(argv)
+    run_worker("encoder", cfg, create_app, security_gaps(cfg))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from connector.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
-from connector.security import CurveConfig
-from connector.waiters import MAX_PARKED
+from connector.control.security import CurveConfig
+from connector.tensors.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
+from connector.tensors.waiters import MAX_PARKED
 from epd_common.http import HttpLimits
 
 MAX_ITEMS_PER_REQUEST = 64  # the proxy sends at most its --max-images-per-request (16) per call
@@ -42,7 +42,7 @@ class EncoderConfig(HttpLimits):
 
     @property
     def curve_needs(self) -> tuple[str, ...]:
-        """CURVE keys this worker needs to start secure (see epd_common.cli.security_gaps)."""
+        """CURVE keys this worker needs to start secure (see connector.control.curve_flags.curve_gaps)."""
         return ("secret_key", "allowed_clients")
 
     def __post_init__(self) -> None:

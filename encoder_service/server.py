@@ -11,14 +11,15 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
-from fastapi import FastAPI
+import msgspec
+from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 
-from connector import ECProducer
+from connector.tensors.producer import ECProducer
 from encoder_service.config import EncoderConfig
 from encoder_service.metrics import EncoderMetrics
-from encoder_service.protocol import EncodeRequest, EncodeResponse
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import (
@@ -28,13 +29,40 @@ from epd_common.http import (
     install_metrics,
     install_request_id,
 )
+from epd_common.images import ImageError
+from epd_contracts.encode import EncodeRequest, EncodeResponse
 from epd_contracts.hashing import mm_hash
+from epd_contracts.validation import ContractError, decode_json
 from epd_models.halves import VisionHalf, loaded_summary
 from epd_models.identity import model_identity
-from epd_models.images import ImageError
 from epd_models.resolve import resolve_model
 
 logger = logging.getLogger("epd.encoder")
+router = APIRouter()
+
+
+@dataclass
+class EncoderState:
+    """Everything the routes share (`app.state.encoder`); the worker and its metrics exist once it is built."""
+
+    cfg: EncoderConfig
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-encode"))
+    worker: EncoderWorker | None = None
+    metrics: EncoderMetrics | None = None
+    identity: dict[str, object] = field(default_factory=dict)
+
+    def ready(self) -> tuple[EncoderWorker, EncoderMetrics]:
+        """The worker and its metrics, or a 503 while it is built."""
+        if self.worker is None or self.metrics is None:
+            raise APIError(503, "encoder is loading", code="not_ready")
+        return self.worker, self.metrics
+
+
+def _state(request: Request) -> EncoderState:
+    state: EncoderState = request.app.state.encoder
+    return state
 
 
 def _check_caps(req: EncodeRequest, cfg: EncoderConfig) -> None:
@@ -73,70 +101,79 @@ def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels)
 
 
+async def _read(request: Request) -> EncodeRequest:
+    try:
+        return decode_json(await request.body(), EncodeRequest)
+    except ContractError as exc:
+        raise bad_request(exc.message, exc.param, code="invalid_request") from None
+
+
+@router.post("/encode")
+async def encode(request: Request) -> Response:
+    state = _state(request)
+    req = await _read(request)
+    w, m = state.ready()
+    try:
+        _check_caps(req, state.cfg)
+        items = await asyncio.to_thread(_decode_items, req)  # base64 and sha256 of up to max_encode_bytes
+    except APIError as exc:
+        m.requests.labels(str(exc.status)).inc()
+        raise
+    m.queue_depth.inc()
+    start = time.perf_counter()
+    try:
+        ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
+        done = await asyncio.get_running_loop().run_in_executor(state.executor, ctx.run, w.execute_mm_encoder, items)
+    except ImageError as exc:
+        m.requests.labels("400").inc()
+        raise bad_request(str(exc), param="image", code="invalid_image") from exc
+    except Exception as exc:  # noqa: BLE001 - one call's failure is that call's own error; the executor goes on
+        logger.exception("encode failed")
+        m.requests.labels("500").inc()
+        raise APIError(500, f"encoding failed: {type(exc).__name__}", code="encode_failed") from exc
+    finally:
+        m.queue_depth.dec()
+    m.encode_seconds.observe(time.perf_counter() - start)
+    m.requests.labels("200").inc()
+    m.items_encoded.inc(sum(not d.cached for d in done))
+    m.items_already_cached.inc(sum(d.cached for d in done))
+    epoch, seq = w.producer.position()
+    reply = EncodeResponse(items=done, ec_address=w.producer.address, ec_epoch=epoch, ec_seq=seq)
+    return Response(msgspec.json.encode(reply), media_type="application/json")
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, object]:
+    state = _state(request)
+    w, _ = state.ready()
+    return {"status": "ok", "role": "encoder", "model": state.cfg.model, "model_identity": state.identity,
+            "ec_address": w.producer.address,
+            "ec_events_address": w.producer.events_address, "ec_epoch": w.producer.epoch,
+            "num_encoded": w.num_encoded, "pid": os.getpid(), "loaded": loaded_summary(w.vision.module)}
+
+
 def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastAPI:
     """The encoder app; builds its worker at startup unless one is given (tests)."""
-    state: dict[str, EncoderWorker] = {}
-    registry = CollectorRegistry()
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-encode")
+    state = EncoderState(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state["worker"] = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
+        w = state.worker = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
         freeze_startup_heap()
-        app.state.metrics = EncoderMetrics(registry, state["worker"].producer.stats)
-        app.state.model_identity = model_identity(state["worker"].vision.model_dir)
-        vision = state["worker"].vision
-        logger.info("encoder ready: model=%s device=%s dtype=%s ec_address=%s", cfg.model, vision.device,
-                    str(vision.dtype).removeprefix("torch."), state["worker"].producer.address)
+        state.metrics = EncoderMetrics(state.registry, w.producer.stats)
+        state.identity = model_identity(w.vision.model_dir)
+        logger.info("encoder ready: model=%s device=%s dtype=%s ec_address=%s", cfg.model, w.vision.device,
+                    str(w.vision.dtype).removeprefix("torch."), w.producer.address)
         yield
-        executor.shutdown(wait=True)
-        state["worker"].producer.close()
+        state.executor.shutdown(wait=True)
+        w.producer.close()
 
     app = FastAPI(title="EPD encoder", lifespan=lifespan)
+    app.state.encoder = state
     install_error_handlers(app)
     install_request_id(app)
-    install_metrics(app, registry)
+    install_metrics(app, state.registry)
     install_body_limit(app, cfg.max_body_bytes, cfg.body_read_timeout)  # bytes received, chunked or not
     install_api_key(app, cfg.internal_key, ("/encode",), "internal key")
-
-    @app.post("/encode", response_model=EncodeResponse)
-    async def encode(req: EncodeRequest) -> EncodeResponse:
-        w, m = state["worker"], app.state.metrics
-        try:
-            _check_caps(req, cfg)
-            items = await asyncio.to_thread(_decode_items, req)  # base64 and sha256 of up to max_encode_bytes
-        except APIError as exc:
-            m.requests.labels(str(exc.status)).inc()
-            raise
-        m.queue_depth.inc()
-        start = time.perf_counter()
-        try:
-            ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
-            done = await asyncio.get_running_loop().run_in_executor(executor, ctx.run, w.execute_mm_encoder, items)
-        except ImageError as exc:
-            m.requests.labels("400").inc()
-            raise bad_request(str(exc), param="image", code="invalid_image") from exc
-        except Exception as exc:  # noqa: BLE001 - one call's failure is that call's own error; the executor goes on
-            logger.exception("encode failed")
-            m.requests.labels("500").inc()
-            raise APIError(500, f"encoding failed: {type(exc).__name__}", code="encode_failed") from exc
-        finally:
-            m.queue_depth.dec()
-        m.encode_seconds.observe(time.perf_counter() - start)
-        m.requests.labels("200").inc()
-        m.items_encoded.inc(sum(not d.cached for d in done))
-        m.items_already_cached.inc(sum(d.cached for d in done))
-        epoch, seq = w.producer.position()
-        return EncodeResponse(items=done, ec_address=w.producer.address, ec_epoch=epoch, ec_seq=seq)
-
-    @app.get("/health")
-    async def health() -> dict[str, object]:
-        if "worker" not in state:
-            raise APIError(503, "encoder is loading", code="not_ready")
-        w = state["worker"]
-        return {"status": "ok", "role": "encoder", "model": cfg.model, "model_identity": app.state.model_identity,
-                "ec_address": w.producer.address,
-                "ec_events_address": w.producer.events_address, "ec_epoch": w.producer.epoch,
-                "num_encoded": w.num_encoded, "pid": os.getpid(), "loaded": loaded_summary(w.vision.module)}
-
+    app.include_router(router)
     return app

@@ -29,7 +29,9 @@ import safetensors.torch
 import torch
 import zmq
 
-from connector import ECConsumer, ECProducer, EncoderOutput
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.producer import ECProducer
+from epd_contracts.embeddings import ImageFeatures
 
 DEFAULT_SIZES = "64K,1M,4.5M,64M"  # 4.5M = bf16 576x4096, one LLaVA-1.5 image
 RSS_BYTES = 64 << 20
@@ -84,7 +86,7 @@ def serve_connector(bind: str, sizes: list[int]) -> None:
     """Child: print the address of an ECProducer holding one tensor per size; serve until stdin closes."""
     producer = ECProducer(bind=bind, cache_bytes=sum(sizes) + (1 << 20)).start()
     for n in sizes:
-        producer.save_caches(item_hash(n), EncoderOutput(item_hash(n), payload_tensor(n)))
+        producer.save_caches(item_hash(n), ImageFeatures(payload_tensor(n)))
     print(producer.address, flush=True)
     try:
         sys.stdin.read()

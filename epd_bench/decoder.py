@@ -25,16 +25,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from connector import ECConsumer
+from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt, build_prompt
-from decoder_service.sampling import SamplingParams
 from decoder_service.sequence import Job
 from epd_builders.shapes import draw_shape
 from epd_builders.tiny import TinySpec, build_tiny
 from epd_common.http import freeze_startup_heap
+from epd_contracts.sampling import SamplingParams
 from epd_models.chat import chat_template, render
 from epd_models.halves import LanguageHalf, VisionHalf
 

@@ -1,4 +1,4 @@
-"""Proxy micro-benchmark: what handing one decoder event to a client stream costs (proxy/app.py `_events_apart`,
+"""Proxy micro-benchmark: what handing one decoder event to a client stream costs (proxy/streaming.py `events_apart`,
 a reader task per stream and a bounded queue) next to a plain `async for` over the same events.
 
     python -m epd_bench.proxy_events [--events 20000] [--rounds 5] [--json]
@@ -13,9 +13,9 @@ import json
 import statistics
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
-from proxy.app import _events_apart
+from epd_contracts.generate import Event
+from proxy.streaming import events_apart
 
 
 class _Events:
@@ -24,14 +24,14 @@ class _Events:
     def __init__(self, n: int) -> None:
         self.n = n
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncIterator[Event]:
         for _ in range(self.n):
-            yield {"type": "delta", "text": "x"}
+            yield Event(type="delta", text="x")
 
 
 async def _per_event_us(n: int, apart: bool) -> float:
     source = _Events(n)
-    events = _events_apart(source) if apart else source.events()  # type: ignore[arg-type]
+    events = events_apart(source) if apart else source.events()  # type: ignore[arg-type]
     start = time.perf_counter()
     async for _ in events:
         pass

@@ -1,4 +1,5 @@
-"""Flags every worker takes."""
+"""Command-line pieces every EPD program shares: help that shows defaults, --version, --log-level, the HTTP
+server's limits, and the flags every worker takes. Torch-free and connector-free: the bottom layer."""
 from __future__ import annotations
 
 import argparse
@@ -6,49 +7,68 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from importlib import metadata
+from typing import Any
 
-from connector.security import (
-    ENV_ALLOWED_CLIENTS,
-    ENV_SECRET_KEY,
-    ENV_SERVER_KEY,
-    CurveConfig,
-    load_curve_config,
-)
-
-T = TypeVar("T")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+Gap = tuple[str, str]  # (what is missing, what is open without it)
+_INTERNAL_KEY: Gap = ("an internal key (env EPD_INTERNAL_KEY or --internal-key)",
+                      "its work endpoint accepts calls from anyone who can reach its HTTP port")
 
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it in words (env fallbacks:
+    a key read from the environment is never printed)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
-def device_arg(value: str) -> str:
-    """--device: auto (cuda if available, else cpu), cpu, cuda, cuda:N -> the resolved device, e.g. 'cuda:0'."""
-    from epd_models.halves import resolve_device  # NOTE: local import: torch is loaded only when parsing
-
+def package_version() -> str:
     try:
-        return str(resolve_device(value))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+        return metadata.version("epd")
+    except metadata.PackageNotFoundError:  # a source tree run with `python -m`, never installed
+        return "unknown (not installed)"
+
+
+def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser whose --help shows every default, with --version."""
+    p = argparse.ArgumentParser(prog, description=description, formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    return p
+
+
+def add_log_level(p: argparse._ActionsContainer, default: str) -> None:
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=default,
+                   help="log verbosity (case-insensitive)")
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def worker_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
-    """--model, --device, --dtype, --host, --port and --log-level, with defaults from the worker's config."""
-    p = argparse.ArgumentParser(prog, description=description)
-    p.add_argument("--model", default=defaults.model, help="'demo', a checkpoint directory, or a hub id")
-    p.add_argument("--device", type=device_arg, default=defaults.device,
-                   help="where the model runs: auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype,
-                   help="weights' dtype; auto: the checkpoint's own (config.json dtype), float32 if it names none")
-    p.add_argument("--host", default=defaults.host)
-    p.add_argument("--port", type=int, default=defaults.port)
-    p.add_argument("--log-level", default=defaults.log_level)
+    """--model, --host, --port, --log-level, the internal key and the HTTP limits, with the worker config's
+    defaults. The worker adds its device flags (epd_models.device_flags) and CURVE flags
+    (connector.control.curve_flags)."""
+    p = new_parser(prog, description)
+    p.add_argument("--model", default=defaults.model, help="'demo', 'bench', a checkpoint directory, or a hub id")
+    p.add_argument("--host", default=defaults.host, help="address the HTTP server binds")
+    p.add_argument("--port", type=int, default=defaults.port, help="HTTP port")
+    add_log_level(p, defaults.log_level)
     p.add_argument("--internal-key", default=os.environ.get("EPD_INTERNAL_KEY"),
                    help="callers (the proxy) must send `Authorization: Bearer <key>` on the work endpoints; "
-                        "prefer env EPD_INTERNAL_KEY (argv is visible to other local users). Required unless --insecure")
-    p.add_argument("--insecure", action="store_true", default=_env_flag("EPD_INSECURE"),
+                        "prefer env EPD_INTERNAL_KEY (argv is visible to other local users). Required unless "
+                        "--insecure (default: env EPD_INTERNAL_KEY)")
+    p.add_argument("--insecure", action="store_true", default=env_flag("EPD_INSECURE"),
                    help="start without the internal key and/or CURVE keys (work endpoints and ZeroMQ open to anyone "
-                        "who can reach them; logs a WARNING). Env EPD_INSECURE=1. Only for a trusted single-user host")
+                        "who can reach them; logs a WARNING). Only for a trusted single-user host (default: env "
+                        "EPD_INSECURE=1, else off)")
     add_http_flags(p, defaults)
     return p
 
@@ -79,64 +99,16 @@ def add_http_flags(p: argparse.ArgumentParser, defaults: Any) -> None:
                         "connection is dropped and its generation stopped")
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def key_gaps(cfg: Any) -> list[Gap]:
+    """The internal-key gap of a worker config (the CURVE gaps: connector.control.curve_flags.curve_gaps)."""
+    return [] if getattr(cfg, "internal_key", None) else [_INTERNAL_KEY]
 
 
-_INTERNAL_KEY = ("an internal key (env EPD_INTERNAL_KEY or --internal-key)",
-                 "its work endpoint accepts calls from anyone who can reach its HTTP port")
-_CURVE_NEEDS = {  # CurveConfig field -> (what is missing, what is open without it)
-    "secret_key": (f"a CURVE secret key (--ec-curve-key FILE or env {ENV_SECRET_KEY})",
-                   "its ZeroMQ links are unauthenticated and unencrypted"),
-    "allowed_clients": (f"the CURVE client keys allowed in (--ec-curve-allowed-clients DIR or env {ENV_ALLOWED_CLIENTS})",
-                        "anyone who can reach its ZeroMQ sockets can get every embedding and use has, snapshot and "
-                        "the cache events"),
-    "server_key": (f"the encoders' CURVE public key (--ec-curve-server-key FILE or env {ENV_SERVER_KEY})",
-                   "embeddings it gathers can be read or forged on the way"),
-}
-
-
-def security_gaps(cfg: Any) -> list[tuple[str, str]]:
-    """(what is missing, what is open) for a worker config: the internal key, and the CURVE keys its role needs
-    (`cfg.curve_needs`: the CurveConfig fields it must have)."""
-    gaps = [] if getattr(cfg, "internal_key", None) else [_INTERNAL_KEY]
-    curve = getattr(cfg, "curve", None)
-    gaps += [_CURVE_NEEDS[n] for n in getattr(cfg, "curve_needs", ()) if curve is None or getattr(curve, n) is None]
-    return gaps
-
-
-def add_curve_flags(p: argparse.ArgumentParser) -> None:
-    """Optional CURVE keys for connector links; each falls back to its EPD_EC_CURVE_* env var."""
-    g = p.add_argument_group("connector security (ZeroMQ CURVE; see docs/ARCHITECTURE.md)")
-    g.add_argument("--ec-curve-key", default=None,
-                   help="this node's secret key file (`python -m connector.security generate DIR`); "
-                        "env EPD_EC_CURVE_SECRET_KEY")
-    g.add_argument("--ec-curve-server-key", default=None,
-                   help="the encoders' public key file (decoders, proxies); env EPD_EC_CURVE_SERVER_KEY")
-    g.add_argument("--ec-curve-allowed-clients", default=None,
-                   help="encoders: directory of client public key files allowed in; env EPD_EC_CURVE_ALLOWED_CLIENTS")
-
-
-def pop_curve(p: argparse.ArgumentParser, args: argparse.Namespace) -> CurveConfig | None:
-    """Remove the CURVE flags from `args` and load the keys they name (a usage error if they are bad)."""
-    d = vars(args)
-    try:
-        return load_curve_config(d.pop("ec_curve_key"), d.pop("ec_curve_server_key"), d.pop("ec_curve_allowed_clients"))
-    except (ValueError, OSError) as exc:
-        p.error(str(exc))
-
-
-def parse_config(p: argparse.ArgumentParser, argv: list[str] | None, config_cls: Callable[..., T]) -> T:
-    """Add the CURVE flags, parse, and build the worker's config dataclass from the flags."""
-    add_curve_flags(p)
-    args = p.parse_args(argv)
-    curve = pop_curve(p, args)
-    cfg = config_cls(**vars(args), curve=curve)
-    gaps = security_gaps(cfg)
+def refuse_open(p: argparse.ArgumentParser, cfg: Any, gaps: list[Gap]) -> None:
+    """A usage error for a worker that would start with gaps, unless its config says --insecure."""
     if gaps and not getattr(cfg, "insecure", False):
-        p.error("refusing to start without " + "; ".join(g[0] for g in gaps) + ". Make keys with `epd-ec-keygen env DIR` "
-                "and see docs/SECURITY.md, or pass --insecure (env EPD_INSECURE=1) to run open on a trusted host")
-    return cfg
+        p.error("refusing to start without " + "; ".join(g[0] for g in gaps) + ". Make keys with `epd-ec-keygen env "
+                "DIR` and see docs/SECURITY.md, or pass --insecure (env EPD_INSECURE=1) to run open on a trusted host")
 
 
 def describe(cfg: Any) -> dict[str, Any]:
@@ -150,15 +122,14 @@ def describe(cfg: Any) -> dict[str, Any]:
     return d
 
 
-def run_worker(role: str, cfg: Any, create_app: Callable[[Any], Any]) -> None:
-    """Log setup, the (key-free) config, then serve the worker's app until SIGINT/SIGTERM."""
+def run_worker(role: str, cfg: Any, create_app: Callable[[Any], Any], gaps: list[Gap]) -> None:
+    """Log setup, the (key-free) config and what is open, then serve the worker's app until SIGINT/SIGTERM."""
     from epd_common.http import HttpLimits, serve  # NOTE: local import keeps argument parsing free of the web stack
     from epd_common.logs import setup_logging
 
     setup_logging(role, cfg.log_level)
     log = logging.getLogger(f"epd.{role}")
     log.info("config: %s", describe(cfg))
-    gaps = security_gaps(cfg)
     if gaps:
         log.warning("INSECURE %s (--insecure): started without %s. Open: %s", role, "; ".join(g[0] for g in gaps),
                     "; ".join(g[1] for g in gaps))

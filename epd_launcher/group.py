@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 import zmq
 
-from connector.security import ENV_ALLOWED_CLIENTS, ENV_SECRET_KEY, ENV_SERVER_KEY, CurveConfig
+from connector.control.security import ENV_ALLOWED_CLIENTS, ENV_SECRET_KEY, ENV_SERVER_KEY, CurveConfig
 
 logger = logging.getLogger("epd.launcher")
 _PR_SET_PDEATHSIG = 1

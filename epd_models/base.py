@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from epd_contracts.embeddings import ImageFeatures
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -21,18 +22,6 @@ class LanguageModules(nn.Module):
         super().__init__()
         self.language_model: Any = language_model  # the family's base text model (embed_tokens, layers, norm)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
-
-
-@dataclass(frozen=True)
-class ImageFeatures:
-    """One image's embeddings as the LM consumes them."""
-
-    embeds: torch.Tensor  # (num_tokens, text_hidden)
-    grid_thw: tuple[int, int, int] | None = None  # Qwen only: patch grid before merging
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.embeds.shape[0])
 
 
 class FamilyAdapter(ABC):

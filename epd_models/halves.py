@@ -8,7 +8,8 @@ import torch
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from epd_models.base import FamilyAdapter, ImageFeatures, merge_image_embeds
+from epd_contracts.embeddings import ImageFeatures
+from epd_models.base import FamilyAdapter, merge_image_embeds
 from epd_models.registry import adapter_for
 from epd_models.weights import load_filtered
 

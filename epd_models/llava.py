@@ -8,7 +8,8 @@ from torch import nn
 from transformers import AutoModel, PretrainedConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from epd_models.base import FamilyAdapter, ImageFeatures, LanguageModules
+from epd_contracts.embeddings import ImageFeatures
+from epd_models.base import FamilyAdapter, LanguageModules
 
 
 class LlavaVision(nn.Module):

@@ -11,7 +11,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VLTextModel,
 )
 
-from epd_models.base import FamilyAdapter, ImageFeatures, LanguageModules
+from epd_contracts.embeddings import ImageFeatures
+from epd_models.base import FamilyAdapter, LanguageModules
 
 
 class QwenVision(nn.Module):

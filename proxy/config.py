@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from connector.security import CurveConfig
+from connector.control.security import CurveConfig
 from epd_common.http import HttpLimits
 
 
@@ -11,7 +11,7 @@ from epd_common.http import HttpLimits
 class ProxyConfig(HttpLimits):
     encode_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
-    served_model_name: str = "demo"
+    served_model_name: str | None = "demo"  # None: the model the workers report (Workers.model_name)
     host: str = "127.0.0.1"
     port: int = 8000
     max_images_per_request: int = 16

@@ -7,22 +7,24 @@ import json
 import logging
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import httpx
+import msgspec
 
-from connector import ECConsumer
+from connector.control.cache_index import FleetCacheIndex
 from epd_common.errors import APIError
 from epd_common.http import REQUEST_ID_HEADER
+from epd_contracts.encode import EncodeItem, EncodeRequest, EncodeResponse
+from epd_contracts.generate import GenerateRequest
 from proxy.config import ProxyConfig
 from proxy.metrics import ProxyMetrics
 from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, describe_failure, until_down
-from scheduler.cache_index import FleetCacheIndex
 from scheduler.scheduler import EncoderSlot, MMItem, NoEncoderAvailable, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("epd.proxy")
 _SEEN_TIMEOUT_S = 0.5  # the index normally has an encoder's events before its HTTP reply arrives
+_JSON = {"content-type": "application/json"}  # request bodies are msgspec-encoded contracts
 
 
 def upstream_error(resp: httpx.Response, body: bytes, who: str) -> APIError:
@@ -46,34 +48,30 @@ class WorkerFailed(Exception):
         self.answer = answer
 
 
-@dataclass
-class EncodePlan:
-    """A request's scheduled encodes plus, per item still being encoded (by this request or another one),
-    a future that resolves to the ZeroMQ address holding it once stored."""
-
-    out: SchedulerOutput = field(default_factory=SchedulerOutput)
-    futures: dict[str, asyncio.Future[str]] = field(default_factory=dict)
-
-    @property
-    def pending(self) -> frozenset[str]:
-        return frozenset(self.futures)
+@dataclass(frozen=True)
+class Failure:
+    encoder: str  # name of the encoder that failed some items
+    error: WorkerFailed
 
 
-def _retrieve(fut: asyncio.Future[str]) -> None:
-    """Mark a failed future's exception as seen: its error reaches every request that awaits it."""
-    if not fut.cancelled():
-        fut.exception()
+def failover_error(err: APIError, failures: tuple[Failure, ...]) -> APIError:
+    """The error a request gets when its items found no encoder after `failures`, latest last: an encoder's
+    5xx answer wins over "no encoder left"; transport failures are named in the message."""
+    for failure in reversed(failures):
+        if failure.error.answer is not None:  # it answered: the request ends with an answer, its own or the retry's
+            return failure.error.answer if err.code == "encoder_unavailable" else err
+        err = APIError(err.status, f"{err.message} (after encoder {failure.encoder} failed: {failure.error})",
+                       param=err.param, code=err.code)
+    return err
 
 
 class Fleet:
     def __init__(self, cfg: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics):
         self.cfg, self.client, self.metrics = cfg, client, metrics
-        self.consumer = ECConsumer(cache_bytes=0, curve=cfg.curve)  # only asks encoders for snapshots
-        self.index = FleetCacheIndex(self.consumer, cfg.curve)
+        self.index = FleetCacheIndex(cfg.curve)
         self.scheduler = Scheduler()
         self.workers = Workers(client, cfg.health_interval, cfg.health_timeout, cfg.health_failures,
                                on_up=self._on_up, on_down=self._on_down)
-        self._encoding: dict[str, asyncio.Future[str]] = {}  # mm_hash -> its encode in flight (dedupe)
         self._calls: set[asyncio.Task[None]] = set()  # encode calls run detached from any one client
         self.internal_headers = {"Authorization": f"Bearer {cfg.internal_key}"} if cfg.internal_key else {}
         metrics.watch(self)
@@ -91,13 +89,16 @@ class Fleet:
             logger.warning("cache index not synced with every encoder yet; it will catch up from their events")
         self.workers.start()
 
+    def served_model_name(self) -> str | None:
+        """--served-model-name, else the name of the model the workers report (None until one has)."""
+        return self.cfg.served_model_name or self.workers.model_name
+
     async def close(self) -> None:
         await self.workers.stop()
         for task in list(self._calls):
             task.cancel()
         await asyncio.gather(*self._calls, return_exceptions=True)
         self.index.close()
-        self.consumer.close()
 
     # membership
 
@@ -142,93 +143,97 @@ class Fleet:
         """Make sure every item is held by some encoder; returns mm_hash -> ZeroMQ address."""
         return await self.execute(self.plan(items, skip_cached), request_id)
 
-    def plan(self, items: list[MMItem], skip_cached: bool = True, exclude: Collection[str] = ()) -> EncodePlan:
-        """Schedule the items (no I/O, no await: the in-flight table and the futures change together)."""
+    def plan(self, items: list[MMItem], skip_cached: bool = True) -> SchedulerOutput:
+        """Schedule the items (no I/O): the scheduler records each encode in flight with its future."""
         if not items or self.cfg.aggregated:  # aggregated: the decoder encodes what it is sent
-            return EncodePlan()
+            return SchedulerOutput()
+        return self._schedule(items, skip_cached, ())
+
+    async def execute(self, plan: SchedulerOutput, request_id: str) -> dict[str, str]:
+        """Start the plan's encode calls (detached: a client that leaves does not cancel work others joined)
+        and wait until every item is stored somewhere; returns mm_hash -> ZeroMQ address."""
+        start = time.perf_counter()
+        for name, todo in plan.scheduled_encoder_inputs.items():
+            self._start_call(name, todo, request_id, ())
+        sources = dict(plan.sources)
+        for h, result in plan.waits.items():
+            sources[h] = await asyncio.shield(asyncio.wrap_future(result))
+        if plan.scheduled_encoder_inputs:
+            self.metrics.encode_seconds.observe(time.perf_counter() - start)
+        return sources
+
+    def _schedule(self, items: list[MMItem], skip_cached: bool, exclude: Collection[str]) -> SchedulerOutput:
         try:
             out = self.scheduler.schedule(items, skip_cached, exclude)
         except NoEncoderAvailable as exc:
             raise APIError(503, f"cannot encode the images: {exc}", code="encoder_unavailable") from exc
-        futures: dict[str, asyncio.Future[str]] = {}
-        loop = asyncio.get_running_loop()
-        for todo in out.scheduled_encoder_inputs.values():
-            for it in todo:
-                fut = futures[it.mm_hash] = self._encoding[it.mm_hash] = loop.create_future()
-                fut.add_done_callback(_retrieve)
-        for h in out.joined:
-            futures[h] = self._encoding[h]  # the scheduler's in-flight table and this one change together
         self.metrics.items_skipped.inc(len(out.skipped))
         self.metrics.items_joined.inc(len(out.joined))
         self.metrics.items_scheduled.inc(out.num_scheduled)
-        return EncodePlan(out, futures)
+        return out
 
-    async def execute(self, plan: EncodePlan, request_id: str, exclude: Collection[str] = ()) -> dict[str, str]:
-        """Start the plan's encode calls (detached: a client that leaves does not cancel work others joined)
-        and wait until every item is stored somewhere; returns mm_hash -> ZeroMQ address."""
-        start = time.perf_counter()
-        for name, todo in plan.out.scheduled_encoder_inputs.items():
-            task = asyncio.create_task(self._encode_call(name, todo, plan.futures, request_id, frozenset(exclude)))
-            self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
-        sources = dict(plan.out.sources)
-        for h, fut in plan.futures.items():
-            sources[h] = await asyncio.shield(fut)
-        if plan.out.scheduled_encoder_inputs:
-            self.metrics.encode_seconds.observe(time.perf_counter() - start)
-        return sources
+    def _start_call(self, name: str, items: list[MMItem], request_id: str, failures: tuple[Failure, ...]) -> None:
+        task = asyncio.create_task(self._encode_call(name, items, request_id, failures))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
 
-    async def _encode_call(self, name: str, items: list[MMItem], futures: dict[str, asyncio.Future[str]],
-                           request_id: str, exclude: frozenset[str]) -> None:
-        """One encode call; on a worker failure its items are rescheduled on the other encoders."""
-        hashes = [it.mm_hash for it in items]
-        mine = {h: futures[h] for h in hashes}
-        try:
-            result = await self._encode_or_failover(name, items, request_id, exclude)
-        except APIError as err:
-            return _fail(mine, err)
-        except asyncio.CancelledError:  # the proxy is shutting down
-            _fail(mine, APIError(503, "proxy is shutting down", code="shutting_down"))
-            raise
-        finally:
-            for h, fut in mine.items():
-                if self._encoding.get(h) is fut:
-                    del self._encoding[h]
-        for h, fut in mine.items():
-            if not fut.done():
-                fut.set_result(result[h])
+    async def _encode_call(self, name: str, items: list[MMItem], request_id: str,
+                           failures: tuple[Failure, ...]) -> None:
+        """Encode `items` on `name`; the scheduler hands the outcome to every request waiting for them.
 
-    async def _encode_or_failover(self, name: str, items: list[MMItem], request_id: str,
-                                  exclude: frozenset[str]) -> dict[str, str]:
-        hashes = [it.mm_hash for it in items]
+        Failover is this loop: the items the failed encoder still owed are scheduled again without any encoder
+        that failed them, so each round excludes one more encoder and there are at most as many rounds as encoders.
+        """
+        while items:
+            hashes = [it.mm_hash for it in items]
+            try:
+                result: str | APIError = await self._post_encode(name, items, request_id)
+            except WorkerFailed as exc:
+                failures = (*failures, Failure(name, exc))
+                name, items = self._failover(items, request_id, failures)
+                continue
+            except APIError as err:  # the request's own fault (4xx): not retried elsewhere
+                result = err
+            except asyncio.CancelledError:
+                self.scheduler.update_from_output(name, hashes, APIError(503, "proxy is shutting down",
+                                                                         code="shutting_down"))
+                raise
+            except Exception as exc:  # a bug here must still answer every request waiting for these items
+                logger.exception("encode call to %s failed unexpectedly", name)
+                result = APIError(500, f"encode call failed: {type(exc).__name__}", code="internal_error")
+            self.scheduler.update_from_output(name, hashes, result)
+            return
+
+    def _failover(self, items: list[MMItem], request_id: str,
+                  failures: tuple[Failure, ...]) -> tuple[str, list[MMItem]]:
+        """Reschedule the items the last failed encoder still owed; returns the call this loop goes on with
+        (the rest of a split starts on its own), or ("", []) when nothing is left to encode."""
+        failed = failures[-1]
+        owed = self.scheduler.take_back(failed.encoder, [it.mm_hash for it in items])
+        if failed.error.answer is not None and len(failures) > 1:  # answered 5xx on the retry: the request's own error
+            self.scheduler.settle(failed.encoder, owed, failover_error(failed.error.answer, failures[:-1]))
+            return "", []
+        self.metrics.failovers.labels("encoder").inc()
+        logger.warning("encoder %s failed (%s); rescheduling %d item(s)", failed.encoder, failed.error, len(owed))
         try:
-            address = await self._post_encode(name, items, request_id)
-            return dict.fromkeys(hashes, address)
-        except WorkerFailed as exc:
-            if exc.answer is not None and exclude:  # answered 5xx on the retry: the request's own error
-                raise exc.answer from exc
-            self.metrics.failovers.labels("encoder").inc()
-            logger.warning("encoder %s failed (%s); rescheduling %d item(s)", name, exc, len(items))
-            failed = exc
-        finally:
-            self.scheduler.update_from_output(name, hashes)
-        try:
-            retry = self.plan(items, skip_cached=True, exclude=exclude | {name})  # APIError 503 if nowhere is left
-            return await self.execute(retry, request_id, exclude | {name})
-        except APIError as err:
-            if failed.answer is not None:  # it answered: the request ends with an answer, its own or the retry's
-                raise (failed.answer if err.code == "encoder_unavailable" else err) from err
-            raise APIError(err.status, f"{err.message} (after encoder {name} failed: {failed})",
-                           param=err.param, code=err.code) from err
+            out = self._schedule([it for it in items if it.mm_hash in owed], True, [f.encoder for f in failures])
+        except APIError as err:  # no encoder is left
+            self.scheduler.settle(failed.encoder, owed, failover_error(err, failures))
+            return "", []
+        calls = list(out.scheduled_encoder_inputs.items())
+        for name, todo in calls[1:]:
+            self._start_call(name, todo, request_id, failures)
+        return calls[0] if calls else ("", [])
 
     async def _post_encode(self, name: str, items: list[MMItem], request_id: str) -> str:
         worker = self.workers.by_url.get(name)
         if worker is None:
             raise WorkerFailed("deregistered")
-        body = {"items": [{"mm_hash": it.mm_hash, "data": base64.b64encode(it.data).decode()} for it in items]}
-        headers = {REQUEST_ID_HEADER: request_id, **self.internal_headers}
+        body = EncodeRequest(items=[EncodeItem(mm_hash=it.mm_hash, data=base64.b64encode(it.data).decode())
+                                    for it in items])
+        headers = {REQUEST_ID_HEADER: request_id, **_JSON, **self.internal_headers}
         try:
-            resp = await until_down(self.client.post(f"{name}/encode", json=body, headers=headers,
+            resp = await until_down(self.client.post(f"{name}/encode", content=msgspec.json.encode(body), headers=headers,
                                                      timeout=self.cfg.worker_timeout), worker)
         except WorkerDown as exc:
             raise WorkerFailed(f"marked down: {worker.reason}") from exc
@@ -239,13 +244,17 @@ class Fleet:
             raise WorkerFailed(f"answered {resp.status_code}", upstream_error(resp, resp.content, f"encoder {name}"))
         if resp.status_code != 200:
             raise upstream_error(resp, resp.content, f"encoder {name}")
-        encoded = resp.json()
+        try:
+            encoded = msgspec.json.decode(resp.content, type=EncodeResponse)
+        except msgspec.MsgspecError as exc:  # it answered, but not the contract: like a 5xx, retried once elsewhere
+            raise WorkerFailed("answered 200 with an unreadable body", APIError(
+                502, f"encoder {name} answered 200 with an unreadable body: {exc}", code="upstream_error")) from exc
         await self._seen(encoded)
-        return str(encoded["ec_address"])
+        return encoded.ec_address
 
-    async def _seen(self, encoded: dict[str, Any]) -> None:
+    async def _seen(self, encoded: EncodeResponse) -> None:
         """Read your writes: wait (briefly) until the index has the encoder's events for these items."""
-        position = (encoded["ec_address"], encoded["ec_epoch"], encoded["ec_seq"])
+        position = (encoded.ec_address, encoded.ec_epoch, encoded.ec_seq)
         if not self.index.has_seen(*position):
             await asyncio.to_thread(self.index.wait_for, lambda: self.index.has_seen(*position), _SEEN_TIMEOUT_S)
 
@@ -262,11 +271,12 @@ class Fleet:
         if mark_down:
             self.workers.mark_down(worker, reason)
 
-    async def open_generation(self, worker: Worker, payload: dict[str, Any], request_id: str) -> httpx.Response:
+    async def open_generation(self, worker: Worker, generate: GenerateRequest, request_id: str) -> httpx.Response:
         """POST /generate; returns the open streaming response. Raises WorkerFailed (retry on another decoder)
         or APIError (the request's own fault, or missing embeddings)."""
-        req = self.client.build_request("POST", f"{worker.url}/generate", json=payload, timeout=self.cfg.worker_timeout,
-                                        headers={REQUEST_ID_HEADER: request_id, **self.internal_headers})
+        req = self.client.build_request("POST", f"{worker.url}/generate", content=msgspec.json.encode(generate),
+                                        timeout=self.cfg.worker_timeout,
+                                        headers={REQUEST_ID_HEADER: request_id, **_JSON, **self.internal_headers})
         try:
             resp = await until_down(self.client.send(req, stream=True), worker)
         except WorkerDown as exc:
@@ -281,9 +291,3 @@ class Fleet:
                 raise WorkerFailed(f"answered {resp.status_code}", upstream_error(resp, body, f"decoder {worker.url}"))
             raise upstream_error(resp, body, f"decoder {worker.url}")
         return resp
-
-
-def _fail(futures: dict[str, asyncio.Future[str]], err: APIError) -> None:
-    for fut in futures.values():
-        if not fut.done():
-            fut.set_exception(err)

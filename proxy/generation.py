@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
+import msgspec
 
 from epd_common.errors import APIError
+from epd_contracts.generate import Event, GenerateRequest, ImageRef
 from proxy.fleet import Fleet, WorkerFailed
 from proxy.prepare import PreparedChat
 from proxy.workers import Worker, WorkerDown, until_down
@@ -65,10 +65,10 @@ class Generation:
         """A gather miss re-encodes the missing items and retries once on the same decoder."""
         assert self.decoder is not None
         for attempt in (0, 1):
-            images = [self._image(it, pending) for it in self.chat.items]
-            payload = {"messages": self.chat.messages, "sampling": self.chat.sampling.model_dump(), "images": images}
+            body = GenerateRequest(messages=self.chat.messages, images=[self._image(it, pending) for it in self.chat.items],
+                                   sampling=self.chat.sampling)
             try:
-                self.resp = await self.fleet.open_generation(self.decoder, payload, self.request_id)
+                self.resp = await self.fleet.open_generation(self.decoder, body, self.request_id)
                 return
             except APIError as exc:
                 if exc.code != "missing_embeddings":
@@ -87,14 +87,14 @@ class Generation:
         encoder fails over, the stream (waiting on the dead encoder) is reopened with the new sources."""
         plan = self.fleet.plan(self.chat.items)
         encodes = asyncio.create_task(self.fleet.execute(plan, self.request_id))
-        opening = asyncio.create_task(self.open(plan.out.sources, plan.pending))
+        opening = asyncio.create_task(self.open(plan.sources, plan.pending))
         try:
             sources = await encodes
         except BaseException:
             opening.cancel()
             await asyncio.gather(opening, return_exceptions=True)
             raise
-        if sources == plan.out.sources:
+        if sources == plan.sources:
             await opening
             return
         opening.cancel()
@@ -102,12 +102,12 @@ class Generation:
         await self.close_stream()
         await self.open(sources)
 
-    def _image(self, item: MMItem, pending: frozenset[str]) -> dict[str, Any]:
+    def _image(self, item: MMItem, pending: frozenset[str]) -> ImageRef:
         if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
-            return {"mm_hash": item.mm_hash, "data": base64.b64encode(item.data).decode()}
-        return {"mm_hash": item.mm_hash, "source": self.sources[item.mm_hash], "pending": item.mm_hash in pending}
+            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode())
+        return ImageRef(mm_hash=item.mm_hash, source=self.sources[item.mm_hash], pending=item.mm_hash in pending)
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncIterator[Event]:
         """The decoder's events; before the first token a lost decoder means a retry on another one."""
         while True:
             assert self.resp is not None and self.decoder is not None
@@ -116,16 +116,16 @@ class Generation:
                 first = await until_down(_next_event(lines), self.decoder)
             except (httpx.HTTPError, WorkerDown, StreamEnded) as exc:
                 if not await self._reopen(f"stream lost before the first token: {type(exc).__name__}"):
-                    yield {"type": "error", "message": f"decoder connection lost: {type(exc).__name__}"}
+                    yield _lost(exc)
                     return
                 continue
             yield first
             try:
                 async for line in lines:
                     if line:
-                        yield json.loads(line)
+                        yield _decode_event(line)
             except httpx.HTTPError as exc:
-                yield {"type": "error", "message": f"decoder connection lost: {type(exc).__name__}"}
+                yield _lost(exc)
             return
 
     async def _reopen(self, reason: str) -> bool:
@@ -161,9 +161,25 @@ class StreamEnded(Exception):
     """The decoder's stream closed before its first event."""
 
 
-async def _next_event(lines: AsyncIterator[str]) -> dict[str, Any]:
+_EVENT = msgspec.json.Decoder(Event)
+
+
+def _decode_event(line: str) -> Event:
+    """A line that is not an event of the contract ends this stream with an error event, never with an exception
+    inside the client's response."""
+    try:
+        return _EVENT.decode(line)
+    except msgspec.MsgspecError as exc:
+        return Event(type="error", message=f"the decoder sent an unreadable event: {exc}")
+
+
+def _lost(exc: Exception) -> Event:
+    return Event(type="error", message=f"decoder connection lost: {type(exc).__name__}")
+
+
+async def _next_event(lines: AsyncIterator[str]) -> Event:
     """The first non-empty line as an event."""
     async for line in lines:
         if line:
-            return dict(json.loads(line))
+            return _decode_event(line)
     raise StreamEnded

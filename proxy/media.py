@@ -8,7 +8,7 @@ An image_url may be:
   and ``..`` resolved) lies under it.
 
 Whatever the source, the bytes are capped at ``max_image_bytes`` while they are read (never read unbounded)
-and must pass the header-only check of ``epd_models.images.open_image`` (format allow-list, pixel limit).
+and must pass the header-only check of ``epd_common.images.open_image`` (format allow-list, pixel limit).
 Error messages name the problem and at most the URL's host; resolved addresses and OS errors are not shown.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import stat
 from urllib.parse import unquote, urlsplit
 
 from epd_common.errors import APIError, bad_request
-from epd_models.images import ImageError, ImageTooLargeError, open_image
+from epd_common.images import ImageError, ImageTooLargeError, open_image
 from proxy.config import ProxyConfig
 from proxy.fetch import MediaError, fetch_http_image
 from proxy.protocol import ChatCompletionRequest, ImagePart

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from epd_contracts.generate import Usage
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -29,8 +31,10 @@ class Completion:
                 "usage": usage}
 
 
-def openai_usage(usage: dict[str, int]) -> dict[str, int]:
-    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+def openai_usage(usage: Usage | None) -> dict[str, int]:
+    assert usage is not None, "a done event carries usage"
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
 
 
 def openai_finish_reason(reason: str | None) -> str:

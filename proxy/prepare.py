@@ -20,9 +20,10 @@ class PreparedChat:
     sampling: SamplingParams  # the decoder's sampling contract
 
 
-def _check_supported(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
-    if req.model != cfg.served_model_name:
-        raise APIError(404, f"model {req.model!r} does not exist; this server serves {cfg.served_model_name!r}",
+def check_model(req: ChatCompletionRequest, served: str | None) -> None:
+    """404 unless `model` is the served name (None: no worker has said what it serves yet, nothing to check)."""
+    if served is not None and req.model != served:
+        raise APIError(404, f"model {req.model!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")
 
 
@@ -75,7 +76,6 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
 
     Blocking (images may be downloaded under cfg's media rules, see proxy.media): run it in a worker thread.
     """
-    _check_supported(req, cfg)
     sampling = req.sampling()  # refuses unsupported fields before any image is fetched
     _check_image_count(req, cfg)
     messages, images = _render_messages(req)

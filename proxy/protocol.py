@@ -1,18 +1,41 @@
 """The OpenAI chat-completions request, as far as the proxy reads it (pydantic at the edge only).
 
-Sampling fields use the contract's types (epd_contracts.sampling), so the proxy refuses exactly what the decoder's
-engine cannot run; `sampling()` turns the request into that contract, refusing OpenAI features not implemented.
+Sampling fields are checked once, by the contract (epd_contracts.sampling): `sampling()` converts them to it, so the
+proxy refuses exactly what the decoder's engine cannot run, and refuses OpenAI features not implemented. Their
+ranges in the OpenAPI document come from the contract's JSON schema.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from epd_common.errors import APIError
+from epd_common.errors import APIError, bad_request
 from epd_contracts.limits import MAX_MESSAGES, MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PARTS_PER_MESSAGE, parts_error
-from epd_contracts.sampling import MaxTokens, Penalty, SamplingParams, Seed, StopList, Temperature, TopK, TopP
+from epd_contracts.sampling import SamplingParams
+from epd_contracts.validation import ContractError, convert
 from proxy.unsupported import unsupported_message_field, unsupported_parameter
+
+_CONTRACT = msgspec.json.schema(SamplingParams)["$defs"]["SamplingParams"]["properties"]
+# request field -> the contract's field it sets: the contract's own names, and OpenAI's newer name of max_tokens
+_SAMPLING = {**{name: name for name in _CONTRACT}, "max_completion_tokens": "max_tokens"}
+
+
+def _sampling_schema(schema: dict[str, Any]) -> None:
+    """The OpenAPI document shows each sampling field with the contract's ranges (optional, null allowed)."""
+    for name, field in _SAMPLING.items():
+        prop = {k: v for k, v in _CONTRACT[field].items() if k != "default"}
+        schema["properties"][name] = prop if "anyOf" in prop else {"anyOf": [prop, {"type": "null"}]}
+
+
+def _contract_params(fields: dict[str, Any], max_tokens_from: str | None = None) -> SamplingParams:
+    """`fields` as the contract, or a 400 `invalid_request` naming the field (as the client spelled it)."""
+    try:
+        return convert(fields, SamplingParams, strict=False)  # as lax as pydantic was: 3.0 and "3" are 3
+    except ContractError as exc:
+        param = max_tokens_from if max_tokens_from and exc.param == "max_tokens" else exc.param
+        raise bad_request(f"{param}: {exc.detail}" if param else exc.detail, param, code="invalid_request") from None
 
 
 class ImageURL(BaseModel):
@@ -48,28 +71,14 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(BaseModel):
     # other fields are kept (model_extra) only to be checked: `sampling()` refuses the ones that change output
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra=_sampling_schema)
 
     model: str = Field(max_length=MAX_MODEL_NAME_CHARS)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None  # extension, as in vLLM
-    seed: Seed | None = None
-    stop: StopList | None = None  # a single string is accepted too (one stop)
     n: int | None = Field(default=None, ge=1, le=128)  # only 1 is implemented: sampling() refuses more
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    ignore_eos: bool = False  # extension, as in vLLM
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _one_stop(cls, stop: object) -> object:
-        return [stop] if isinstance(stop, str) else stop
+    # the sampling fields (_SAMPLING) are read from the extra fields by sampling(), checked by the contract alone
 
     @field_validator("messages")
     @classmethod
@@ -83,22 +92,29 @@ class ChatCompletionRequest(BaseModel):
         return sum(isinstance(p, ImagePart) for m in self.messages if isinstance(m.content, list) for p in m.content)
 
     def sampling(self) -> SamplingParams:
-        """The decoder's sampling contract; raises APIError 400 `unsupported_parameter` naming a field this
-        server does not implement (never a silent 200 that ignores it)."""
+        """The decoder's sampling contract; raises APIError 400 `invalid_request` naming a field outside it, or
+        `unsupported_parameter` naming a field this server does not implement (never a silent 200 ignoring it)."""
+        params = self._to_contract()
         refused = self._first_unsupported()
         if refused is not None:
             raise APIError(400, f"{refused[0]}: {refused[1]}", param=refused[0], code="unsupported_parameter")
-        given: dict[str, Any] = {
-            "max_tokens": self.max_completion_tokens or self.max_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
-            "ignore_eos": self.ignore_eos, "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty}
-        # unset fields take the contract's defaults
-        return SamplingParams.model_validate({k: v for k, v in given.items() if v is not None})
+        return params
+
+    def _to_contract(self) -> SamplingParams:
+        """The given sampling fields as the contract (unset ones take its defaults), each error under its own name."""
+        extra = self.model_extra or {}
+        given = {name: v for name in _SAMPLING if (v := extra.get(name)) is not None}
+        if isinstance(given.get("stop"), str):
+            given["stop"] = [given["stop"]]  # a single string is one stop
+        if "max_completion_tokens" in given and "max_tokens" in given:  # the newer name wins; both are checked
+            _contract_params({"max_tokens": given.pop("max_tokens")})
+        return _contract_params({_SAMPLING[name]: v for name, v in given.items()},
+                                "max_completion_tokens" if "max_completion_tokens" in given else None)
 
     def _first_unsupported(self) -> tuple[str, str] | None:
         """(param, why) of the first field this server cannot honour, top level first, then per message."""
-        refused = unsupported_parameter({**(self.model_extra or {}), "n": self.n})
+        others = {k: v for k, v in (self.model_extra or {}).items() if k not in _SAMPLING}
+        refused = unsupported_parameter({**others, "n": self.n})
         if refused is not None:
             return refused
         for i, msg in enumerate(self.messages):

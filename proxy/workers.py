@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,11 @@ def identity_of(info: dict[str, Any]) -> dict[str, Any] | None:
     return ident if isinstance(ident, dict) and ident.get("fingerprint") else None
 
 
+def served_name(model: str) -> str:
+    """The name clients send for a --model: 'demo' and 'bench' as they are, a path or hub id by its last part."""
+    return model if model in ("demo", "bench") else os.path.basename(os.path.normpath(model))
+
+
 def _show(ident: dict[str, Any]) -> str:
     return f"{ident.get('family')}/{ident.get('fingerprint')} (hidden_size {ident.get('hidden_size')})"
 
@@ -123,6 +129,7 @@ class Workers:
         self.on_up, self.on_down = on_up, on_down
         self.by_url: dict[str, Worker] = {}
         self.identity: dict[str, Any] | None = None  # the fleet's model, fixed by its first healthy worker
+        self.model_name: str | None = None  # served_name of the first healthy worker's /health `model`
         self._unknown: set[str] = set()  # URLs already warned about for reporting no identity
         self._task: asyncio.Task[None] | None = None
 
@@ -195,6 +202,8 @@ class Workers:
             return False
         if ok:
             worker.failures, worker.info = 0, dict(info)
+            if self.model_name is None and isinstance(info.get("model"), str):
+                self.model_name = served_name(info["model"])
             if not worker.healthy:
                 worker.healthy, worker.down = True, asyncio.Event()
                 logger.info("%s %s is healthy", worker.role, worker.url)

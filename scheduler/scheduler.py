@@ -1,11 +1,17 @@
-"""The shared scheduler: skip what is cached anywhere, join what is being encoded, spread the rest by load."""
+"""The shared scheduler: skip what is cached anywhere, join what is being encoded, spread the rest by load.
+
+It is the one owner of the encodes in flight: each one has a future (the ZeroMQ address holding the item once
+stored, or the error), every request for the item waits on that future, and failover moves the encode to another
+encoder with the same future.
+"""
 from __future__ import annotations
 
 import threading
 from collections.abc import Collection
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from scheduler.cache_index import CacheView, holds
+from scheduler.cache_view import CacheView, holds
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,14 @@ class EncoderSlot:
     healthy: bool = True
 
 
+@dataclass(frozen=True)
+class Encode:
+    """One item's encode in flight. `result` is a concurrent future: it can be made and resolved with no event loop."""
+
+    encoder: str  # name of the encoder doing it now
+    result: Future[str] = field(default_factory=Future)  # ZeroMQ address holding the item once stored
+
+
 class NoEncoderAvailable(RuntimeError):
     """Every encoder is unhealthy, excluded, or there are none."""
 
@@ -36,10 +50,16 @@ class SchedulerOutput:
     joined: dict[str, str] = field(default_factory=dict)
     # encoder name -> items it must encode (one call each, the calls run in parallel)
     scheduled_encoder_inputs: dict[str, list[MMItem]] = field(default_factory=dict)
+    waits: dict[str, Future[str]] = field(default_factory=dict)  # mm_hash -> its encode's result (scheduled, joined)
 
     @property
     def num_scheduled(self) -> int:
         return sum(len(v) for v in self.scheduled_encoder_inputs.values())
+
+    @property
+    def pending(self) -> frozenset[str]:
+        """Items still being encoded (by this request or another one)."""
+        return frozenset(self.waits)
 
 
 class Scheduler:
@@ -49,12 +69,15 @@ class Scheduler:
     2. being encoded right now by a healthy encoder -> joined: the request waits for that encode;
     3. otherwise -> the healthy encoder with the least outstanding items (ties: the earliest added),
        counting the items this call already placed, so a request's images are split across encoders.
+
+    An encode in flight on an encoder that is down or excluded is not joined: rule 1 or 3 takes it over,
+    keeping its future, so the requests already waiting for it get the new answer.
     """
 
     def __init__(self, encoders: Collection[EncoderSlot] = ()):
         self.encoders: dict[str, EncoderSlot] = {}
         self.outstanding: dict[str, int] = {}  # encoder name -> items sent, not yet finished
-        self.in_flight: dict[str, str] = {}  # mm_hash -> encoder name encoding it now
+        self.in_flight: dict[str, Encode] = {}  # mm_hash -> its encode now
         self._lock = threading.Lock()
         for slot in encoders:
             self.add(slot)
@@ -68,20 +91,18 @@ class Scheduler:
             self.outstanding.setdefault(slot.name, 0)
 
     def remove(self, name: str) -> None:
+        """Its encodes in flight stay until their calls fail over, or another request takes them over."""
         with self._lock:
             self.encoders.pop(name, None)
             self.outstanding.pop(name, None)
-            self._drop_in_flight(name)
 
     def set_healthy(self, name: str, healthy: bool) -> None:
-        """An unhealthy encoder gets no new items and its cache no longer counts; its in-flight items are
-        forgotten, so the next request for them is scheduled elsewhere."""
+        """An unhealthy encoder gets no new items, its cache no longer counts and its encodes in flight are
+        no longer joined: the next request for them takes them over."""
         with self._lock:
             slot = self.encoders.get(name)
             if slot is not None:
                 slot.healthy = healthy
-                if not healthy:
-                    self._drop_in_flight(name)
 
     def healthy_names(self) -> list[str]:
         with self._lock:
@@ -104,37 +125,68 @@ class Scheduler:
         with self._lock:
             candidates = [s for s in self.encoders.values() if s.healthy and s.name not in exclude]
         pending = self._skip_cached(unique, candidates, out) if skip_cached else unique
-        if not pending:
-            return out
         with self._lock:
             names = [s.name for s in candidates if s.name in self.encoders]
+            for h in out.skipped:
+                self._take_over_from_cache(h, names, out.sources[h])
+            if pending and not names:
+                raise NoEncoderAvailable("no healthy encoder is available")
             for item in pending:
-                owner = self.in_flight.get(item.mm_hash)
-                if owner is not None and owner in names:
-                    out.joined[item.mm_hash] = owner
-                    out.sources[item.mm_hash] = self.encoders[owner].ec_address
-                    continue
-                if not names:
-                    raise NoEncoderAvailable("no healthy encoder is available")
-                name = min(names, key=lambda n: self.outstanding[n])  # stable: ties go to the earliest added
-                self.outstanding[name] += 1
-                self.in_flight[item.mm_hash] = name
-                out.scheduled_encoder_inputs.setdefault(name, []).append(item)
-                out.sources[item.mm_hash] = self.encoders[name].ec_address
+                self._place(item, names, out)
         return out
 
-    def update_from_output(self, name: str, mm_hashes: list[str]) -> None:
-        """An encode call returned (or failed): its items are no longer outstanding or in flight there."""
+    def update_from_output(self, name: str, mm_hashes: list[str], result: str | BaseException) -> None:
+        """An encode call on `name` ended: its items are no longer outstanding there, and those still in flight
+        there get `result` (the ZeroMQ address holding them, or the error)."""
         with self._lock:
-            if name in self.outstanding:
-                self.outstanding[name] = max(0, self.outstanding[name] - len(mm_hashes))
-            for h in mm_hashes:
-                if self.in_flight.get(h) == name:
-                    del self.in_flight[h]
+            self._release(name, len(mm_hashes))
+            self._settle(name, mm_hashes, result)
 
-    def _drop_in_flight(self, name: str) -> None:
-        for h in [h for h, owner in self.in_flight.items() if owner == name]:
+    def take_back(self, name: str, mm_hashes: list[str]) -> list[str]:
+        """An encode call on `name` failed and may be retried elsewhere: its items are no longer outstanding
+        there. Returns those still in flight there; schedule() without `name` moves them (same future)."""
+        with self._lock:
+            self._release(name, len(mm_hashes))
+            return [h for h in mm_hashes if h in self.in_flight and self.in_flight[h].encoder == name]
+
+    def settle(self, name: str, mm_hashes: list[str], result: str | BaseException) -> None:
+        """Items taken back from `name` that found nowhere else to go: those still in flight there get `result`."""
+        with self._lock:
+            self._settle(name, mm_hashes, result)
+
+    def _place(self, item: MMItem, names: list[str], out: SchedulerOutput) -> None:
+        """Rule 2, else rule 3 (lock held)."""
+        encode = self.in_flight.get(item.mm_hash)
+        if encode is not None and encode.encoder in names:
+            out.joined[item.mm_hash] = encode.encoder
+        else:
+            name = min(names, key=lambda n: self.outstanding[n])  # stable: ties go to the earliest added
+            self.outstanding[name] += 1
+            encode = self.in_flight[item.mm_hash] = Encode(name, encode.result if encode else Future())
+            out.scheduled_encoder_inputs.setdefault(name, []).append(item)
+        out.sources[item.mm_hash] = self.encoders[encode.encoder].ec_address
+        out.waits[item.mm_hash] = encode.result
+
+    def _take_over_from_cache(self, mm_hash: str, names: list[str], address: str) -> None:
+        """A cached item whose encode in flight is on an encoder down or excluded: that encode ends here."""
+        encode = self.in_flight.get(mm_hash)
+        if encode is not None and encode.encoder not in names:
+            self._settle(encode.encoder, [mm_hash], address)
+
+    def _release(self, name: str, num_items: int) -> None:
+        if name in self.outstanding:
+            self.outstanding[name] = max(0, self.outstanding[name] - num_items)
+
+    def _settle(self, name: str, mm_hashes: list[str], result: str | BaseException) -> None:
+        for h in mm_hashes:
+            encode = self.in_flight.get(h)
+            if encode is None or encode.encoder != name:
+                continue  # finished already, or taken over by another encoder
             del self.in_flight[h]
+            if isinstance(result, BaseException):
+                encode.result.set_exception(result)
+            else:
+                encode.result.set_result(result)
 
     @staticmethod
     def _skip_cached(items: list[MMItem], candidates: list[EncoderSlot], out: SchedulerOutput) -> list[MMItem]:

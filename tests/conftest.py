@@ -11,6 +11,17 @@ from epd_models.processors import register_processors
 register_processors()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu", help="where tests/models/test_parity.py and test_device.py put "
+                     "models and tensors: cpu (default), cuda or cuda:N (python -m epd_bench.gpu_check passes it)")
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> str:
+    """The --device option."""
+    return str(pytestconfig.getoption("--device"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """family -> dir of a tiny random model (LM weights scaled so greedy output varies)."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 import asyncio
 
 from epd_bench.proxy_events import _Events, measure
-from proxy.app import _events_apart
+from proxy.streaming import events_apart
 
 
 def test_the_proxy_hand_over_yields_every_event_in_order() -> None:
     async def collect() -> list[dict[str, str]]:
-        return [ev async for ev in _events_apart(_Events(50))]  # type: ignore[arg-type]
+        return [ev async for ev in events_apart(_Events(50))]  # type: ignore[arg-type]
 
     assert asyncio.run(collect()) == [{"type": "delta", "text": "x"}] * 50
 

@@ -5,7 +5,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from connector import ECConsumer, ECProducer
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.producer import ECProducer
 
 
 @pytest.fixture

@@ -6,9 +6,12 @@ import pytest
 import torch
 import zmq
 
-from connector import ECConsumer, ECProducer, EncoderOutput, MissingEmbeddings
-from connector.security import CurveConfig
-from scheduler.cache_index import FleetCacheIndex
+from connector.control.cache_index import FleetCacheIndex
+from connector.control.security import CurveConfig
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.errors import MissingEmbeddings
+from connector.tensors.producer import ECProducer
+from epd_contracts.embeddings import ImageFeatures
 
 GUARD_S = 10.0
 
@@ -30,7 +33,7 @@ def client_of(srv: CurveConfig, pair: tuple[bytes, bytes] | None = None) -> Curv
 
 def saved(producer: ECProducer) -> torch.Tensor:
     embeds = torch.randn(3, 8, dtype=torch.float16)
-    producer.save_caches("x", EncoderOutput("x", embeds))
+    producer.save_caches("x", ImageFeatures(embeds))
     return embeds
 
 
@@ -38,7 +41,7 @@ def test_gather_and_events_work_with_the_right_keys() -> None:
     srv = server()
     producer = ECProducer(curve=srv).start()
     consumer = ECConsumer(cache_bytes=0, curve=client_of(srv))
-    index = FleetCacheIndex(consumer, client_of(srv))
+    index = FleetCacheIndex(client_of(srv))
     try:
         embeds = saved(producer)
         assert torch.equal(consumer.gather(["x"], {"x": producer.address}, GUARD_S)["x"].embeds, embeds)

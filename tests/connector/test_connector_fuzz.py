@@ -7,7 +7,7 @@ import struct
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgpack
 import pytest
@@ -16,14 +16,33 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector import ECConsumer, ECProducer, EncoderOutput, messages
-from connector.wire import DTYPES, MAGIC_VERSION, OPS, REPLY_OPS, REQUEST_OPS, WireError, decode_message, encode_message
+from connector.control.wire import MAGIC_VERSION, WireError, decode_message, encode_message
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.frames import DTYPES
+from connector.tensors.producer import ECProducer
+from connector.tensors.replies import parse_get_reply
+from epd_contracts.ec import (
+    ErrorReply,
+    GetReply,
+    GetRequest,
+    HasReply,
+    HasRequest,
+    Message,
+    PingRequest,
+    Reply,
+    Request,
+    SnapshotRequest,
+)
+from epd_contracts.embeddings import ImageFeatures
 
 GUARD_MS = 5000  # upper bound on any wait; never reached while the producer answers
 RSS_BOUND = 64 << 20  # the producer's process may grow by less than this over the whole fuzz run
 HASH = "known"
 KNOWN = torch.arange(7 * 16, dtype=torch.float32).reshape(7, 16).div(3).to(torch.bfloat16)
 FUZZ = settings(deadline=None, max_examples=200, database=None)
+REQUEST_OPS = frozenset(t.__struct_config__.tag for t in get_args(Request))
+REPLY_OPS = frozenset(t.__struct_config__.tag for t in get_args(Reply))
+OPS = REQUEST_OPS | REPLY_OPS | {"event"}
 
 # msgpack-able values, including the extremes of its int range
 SCALARS = (
@@ -58,15 +77,16 @@ HEADERS = st.fixed_dictionaries(  # about half pass the op and req_id checks, to
 
 
 def frame(header_bytes: bytes) -> bytes:
-    """The first frame of a wire v2 message: magic and version, then the raw msgpack header."""
+    """The first frame of a wire v3 message: magic and version, then the raw msgpack header."""
     return MAGIC_VERSION + header_bytes
 
 
 def valid_requests() -> list[list[bytes]]:
     """Well-formed requests of every op the producer serves, as raw frames."""
-    hashes = {"get": [HASH, "missing"], "has": [HASH, "x"], "ping": None, "snapshot": None}
-    assert set(hashes) >= REQUEST_OPS, "a new request op needs a sample here"
-    return [[bytes(f) for f in encode_message(messages.request(op, 7, hashes.get(op)))] for op in sorted(REQUEST_OPS)]
+    requests: list[Message] = [GetRequest(req_id=7, hashes=[HASH, "missing"]), HasRequest(req_id=7, hashes=[HASH, "x"]),
+                               PingRequest(req_id=7), SnapshotRequest(req_id=7)]
+    assert {type(r) for r in requests} == set(get_args(Request)), "a new request op needs a sample here"
+    return [[bytes(f) for f in encode_message(r)] for r in requests]
 
 
 def rss_bytes() -> int:
@@ -90,7 +110,7 @@ class Live:
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
     producer = ECProducer().start()
-    producer.save_caches(HASH, EncoderOutput(HASH, KNOWN, (1, 7, 1)))
+    producer.save_caches(HASH, ImageFeatures(KNOWN, (1, 7, 1)))
     consumer = ECConsumer(cache_bytes=0)  # caches nothing: every gather asks the producer
     dealer: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -107,21 +127,21 @@ def live() -> Iterator[Live]:
         producer.close()
 
 
-def exchange(live: Live, frames: list[bytes]) -> dict[str, Any]:
+def exchange(live: Live, frames: list[bytes]) -> Message:
     """Send raw frames; the producer must answer with an error or a well-formed reply."""
     live.dealer.send_multipart(frames)
     assert live.dealer.poll(GUARD_MS), f"producer stopped answering after {frames!r:.300}"
     header, buffers = decode_message(live.dealer.recv_multipart())
-    assert header["op"] in REPLY_OPS
-    if header["op"] == "error":
+    assert isinstance(header, get_args(Reply))
+    if isinstance(header, ErrorReply):
         live.errors += 1
-        assert isinstance(header["message"], str) and header["message"]
-        assert not header["message"].startswith("internal error"), f"{header['message']} for {frames!r:.300}"
-    elif header["op"] == "get_reply":
-        found = messages.parse_get_reply(header, buffers)
+        assert header.message
+        assert not header.message.startswith("internal error"), f"{header.message} for {frames!r:.300}"
+    elif isinstance(header, GetReply):
+        found = parse_get_reply(header, buffers)
         assert HASH not in found or torch.equal(found[HASH].embeds, KNOWN)
-    elif header["op"] == "has_reply":
-        assert all(isinstance(flag, bool) for flag in header["has"])
+    elif isinstance(header, HasReply):
+        assert all(isinstance(flag, bool) for flag in header.has)
     return header
 
 
@@ -210,7 +230,7 @@ def test_fuzzing_counted_bad_messages_and_kept_memory_bounded(live: Live) -> Non
     huge = {"dtype": "float32", "shape": [1 << 20, 1 << 18], "frame": 0}  # 2**40 bytes
     declared = {"op": "get", "req_id": 5, "hashes": [HASH], "items": [huge]}
     before = live.errors
-    assert exchange(live, [frame(msgpack.packb(declared)), bytes(16)])["req_id"] == 5
+    assert exchange(live, [frame(msgpack.packb(declared)), bytes(16)]).req_id == 5
     assert live.errors == before + 1 and live.producer.stats()["bad_messages"] > live.bad_before
     still_serves(live)
 

@@ -5,20 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector import ECConsumer, ECProducer, EncoderOutput, InvalidEmbeddings, MissingEmbeddings
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
+from connector.tensors.producer import ECProducer
+from epd_contracts.embeddings import ImageFeatures
 
 TIMEOUT_S = 5.0
 
 
 def width_check(width: int):  # type: ignore[no-untyped-def]
-    def check(out: EncoderOutput) -> str | None:
+    def check(out: ImageFeatures) -> str | None:
         return None if out.embeds.shape[-1] == width else f"width {out.embeds.shape[-1]}, expected {width}"
     return check
 
 
 def test_check_refuses_bad_items_caches_good_ones(producer: ECProducer) -> None:
-    producer.save_caches("good", EncoderOutput("good", torch.ones(2, 8)))
-    producer.save_caches("bad", EncoderOutput("bad", torch.ones(2, 5)))
+    producer.save_caches("good", ImageFeatures(torch.ones(2, 8)))
+    producer.save_caches("bad", ImageFeatures(torch.ones(2, 5)))
     consumer = ECConsumer(check=width_check(8))
     try:
         src = {"good": producer.address, "bad": producer.address}
@@ -33,9 +36,9 @@ def test_check_refuses_bad_items_caches_good_ones(producer: ECProducer) -> None:
 
 
 def test_a_check_that_raises_refuses_the_item(producer: ECProducer) -> None:
-    producer.save_caches("x", EncoderOutput("x", torch.ones(1, 4)))
+    producer.save_caches("x", ImageFeatures(torch.ones(1, 4)))
 
-    def boom(out: EncoderOutput) -> str | None:
+    def boom(out: ImageFeatures) -> str | None:
         raise RuntimeError("nope")
 
     consumer = ECConsumer(check=boom)
@@ -50,7 +53,7 @@ def test_a_check_that_raises_refuses_the_item(producer: ECProducer) -> None:
 def test_gather_splits_gets_by_max_items_per_get(producer: ECProducer) -> None:
     hashes = [f"h{i}" for i in range(7)]
     for h in hashes:
-        producer.save_caches(h, EncoderOutput(h, torch.full((1, 4), float(len(h)))))
+        producer.save_caches(h, ImageFeatures(torch.full((1, 4), float(len(h)))))
     consumer = ECConsumer(max_items_per_get=3)
     try:
         got = consumer.gather(hashes, dict.fromkeys(hashes, producer.address), timeout=TIMEOUT_S)
@@ -61,7 +64,7 @@ def test_gather_splits_gets_by_max_items_per_get(producer: ECProducer) -> None:
 
 def test_reply_over_max_reply_bytes_is_refused_and_not_cached(producer: ECProducer) -> None:
     for h in ("a", "b"):
-        producer.save_caches(h, EncoderOutput(h, torch.ones(16, 16)))  # 1 KiB each
+        producer.save_caches(h, ImageFeatures(torch.ones(16, 16)))  # 1 KiB each
     consumer = ECConsumer(max_reply_bytes=1500)
     try:
         with pytest.raises(MissingEmbeddings):
@@ -78,7 +81,7 @@ def test_producer_reply_byte_cap_sends_the_rest_as_more_and_the_consumer_asks_ag
     try:
         hashes = ["a", "b", "c"]
         for i, h in enumerate(hashes):
-            p.save_caches(h, EncoderOutput(h, torch.full((16, 16), float(i))))
+            p.save_caches(h, ImageFeatures(torch.full((16, 16), float(i))))
         got = consumer.gather(hashes, dict.fromkeys(hashes, p.address), timeout=TIMEOUT_S)
         assert [float(got[h].embeds[0, 0]) for h in hashes] == [0.0, 1.0, 2.0]
         assert consumer.stats()["remote_fetches"] == 3 and p.stats()["gets_served"] == 3
@@ -91,7 +94,7 @@ def test_producer_refuses_a_get_over_max_items_per_get() -> None:
     p = ECProducer(max_items_per_get=2).start()
     consumer = ECConsumer()  # asks for up to 256 per get: the producer says no
     try:
-        p.save_caches("a", EncoderOutput("a", torch.ones(1, 2)))
+        p.save_caches("a", ImageFeatures(torch.ones(1, 2)))
         with pytest.raises(MissingEmbeddings):
             consumer.gather(["a", "x", "y"], dict.fromkeys(["a", "x", "y"], p.address), timeout=TIMEOUT_S)
         assert p.stats()["bad_messages"] == 1

@@ -89,7 +89,7 @@ def test_call_checker_catches_pickling_calls(tmp_path: Path) -> None:
 
 ROUND_TRIP = r"""
 import json, pickle, _pickle
-import msgpack, numpy, torch, zmq  # third-party imports come first; only the connector runs under the trap
+import msgpack, msgspec, numpy, torch, zmq  # third-party imports come first; only the connector runs under the trap
 
 calls = []
 
@@ -103,32 +103,35 @@ for module in (pickle, _pickle):
     for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
         setattr(module, name, trap(f"{module.__name__}.{name}"))
 
-from connector import ECConsumer, ECProducer, EncoderOutput
-from connector.wire import MAGIC_VERSION, decode_message
+from connector.control.wire import MAGIC_VERSION, decode_message
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.producer import ECProducer
+from epd_contracts.ec import ErrorReply
+from epd_contracts.embeddings import ImageFeatures
 
-outs = [
-    EncoderOutput("f32", torch.randn(5, 8)),
-    EncoderOutput("f16", torch.randn(3, 8).half()),
-    EncoderOutput("bf16", torch.randn(4, 8).to(torch.bfloat16), (1, 2, 2)),
-    EncoderOutput("empty", torch.empty(0, 8)),
-]
+outs = {
+    "f32": ImageFeatures(torch.randn(5, 8)),
+    "f16": ImageFeatures(torch.randn(3, 8).half()),
+    "bf16": ImageFeatures(torch.randn(4, 8).to(torch.bfloat16), (1, 2, 2)),
+    "empty": ImageFeatures(torch.empty(0, 8)),
+}
 producer = ECProducer().start()
 consumer = ECConsumer()
 try:
-    for out in outs:
-        producer.save_caches(out.mm_hash, out)
-    got = consumer.gather([o.mm_hash for o in outs], {o.mm_hash: producer.address for o in outs}, timeout=10)
-    for out in outs:
-        back = got[out.mm_hash]
-        assert back.embeds.dtype == out.embeds.dtype and torch.equal(back.embeds, out.embeds), out.mm_hash
-        assert back.grid_thw == out.grid_thw, out.mm_hash
+    for h, out in outs.items():
+        producer.save_caches(h, out)
+    got = consumer.gather(list(outs), {h: producer.address for h in outs}, timeout=10)
+    for h, out in outs.items():
+        back = got[h]
+        assert back.embeds.dtype == out.embeds.dtype and torch.equal(back.embeds, out.embeds), h
+        assert back.grid_thw == out.grid_thw, h
     assert consumer.query(producer.address, ["f32", "nope"], timeout=10) == [True, False]
     assert consumer.ping(producer.address, timeout=10)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.connect(producer.address)
     raw.send_multipart([MAGIC_VERSION + b"\xc1\xc1"])  # valid magic, bad msgpack
     assert raw.poll(10_000), "no reply to a malformed message"
-    assert decode_message(raw.recv_multipart())[0]["op"] == "error"
+    assert isinstance(decode_message(raw.recv_multipart())[0], ErrorReply)
     raw.close(linger=0)
 finally:
     consumer.close()

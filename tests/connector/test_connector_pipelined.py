@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from connector import ECConsumer, ECProducer, EncoderOutput, MissingEmbeddings
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.errors import MissingEmbeddings
+from connector.tensors.producer import ECProducer
+from epd_contracts.embeddings import ImageFeatures
 
 GUARD_S = 10.0  # upper bound on any wait here; never reached when things work
 LONG_TIMEOUT_S = 60.0  # gather timeout far beyond GUARD_S: returning within GUARD_S proves no timeout was hit
@@ -48,7 +51,7 @@ def test_get_for_an_item_not_yet_stored_waits_and_returns_it_once_saved(producer
     embeds = torch.randn(6, 16, dtype=torch.bfloat16)
     t, box = in_thread(lambda: consumer.gather(["x"], {"x": producer.address}, LONG_TIMEOUT_S, wait_for=["x"]))
     wait_until_parked(producer)
-    producer.save_caches("x", EncoderOutput("x", embeds, (1, 2, 3)))
+    producer.save_caches("x", ImageFeatures(embeds, (1, 2, 3)))
     t.join(GUARD_S)
     assert not t.is_alive() and "error" not in box, box
     got = box["result"]["x"]
@@ -67,7 +70,7 @@ def test_a_failed_encode_answers_the_waiting_get_at_once(producer: ECProducer, c
 
 def test_a_get_arriving_after_the_failure_fails_fast_too(producer: ECProducer, consumer: ECConsumer) -> None:
     producer.mark_failed(["bad"])
-    producer.save_caches("other", EncoderOutput("other", torch.ones(1, 4)))  # the failure is processed first
+    producer.save_caches("other", ImageFeatures(torch.ones(1, 4)))  # the failure is processed first
     t, box = in_thread(lambda: consumer.gather(["bad"], {"bad": producer.address}, LONG_TIMEOUT_S, wait_for=["bad"]))
     t.join(GUARD_S)
     assert not t.is_alive() and isinstance(box.get("error"), MissingEmbeddings)
@@ -89,22 +92,22 @@ def test_an_item_not_marked_pending_is_answered_missing_without_waiting(producer
 
 def test_a_waiting_get_does_not_block_other_gathers_to_the_same_producer(producer: ECProducer,
                                                                          consumer: ECConsumer) -> None:
-    producer.save_caches("ready", EncoderOutput("ready", torch.ones(2, 4)))
+    producer.save_caches("ready", ImageFeatures(torch.ones(2, 4)))
     slow, slow_box = in_thread(lambda: consumer.gather(["later"], {"later": producer.address}, LONG_TIMEOUT_S,
                                                        wait_for=["later"]))
     wait_until_parked(producer)
     got = consumer.gather(["ready"], {"ready": producer.address}, GUARD_S)  # a second socket from the pool
     assert torch.equal(got["ready"].embeds, torch.ones(2, 4)) and slow.is_alive()
-    producer.save_caches("later", EncoderOutput("later", torch.zeros(3, 4)))
+    producer.save_caches("later", ImageFeatures(torch.zeros(3, 4)))
     slow.join(GUARD_S)
     assert "later" in slow_box["result"]
 
 
 def test_two_items_one_stored_one_pending_come_back_together(producer: ECProducer, consumer: ECConsumer) -> None:
-    producer.save_caches("a", EncoderOutput("a", torch.ones(2, 4)))
+    producer.save_caches("a", ImageFeatures(torch.ones(2, 4)))
     t, box = in_thread(lambda: consumer.gather(["a", "b"], {"a": producer.address, "b": producer.address},
                                                LONG_TIMEOUT_S, wait_for=["b"]))
     wait_until_parked(producer)
-    producer.save_caches("b", EncoderOutput("b", torch.zeros(5, 4)))
+    producer.save_caches("b", ImageFeatures(torch.zeros(5, 4)))
     t.join(GUARD_S)
     assert set(box["result"]) == {"a", "b"} and box["result"]["b"].num_tokens == 5

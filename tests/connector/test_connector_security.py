@@ -15,7 +15,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from connector.security import (
+from connector.control.security import (
     ENV_ALLOWED_CLIENTS,
     ENV_SECRET_KEY,
     ENV_SERVER_KEY,

@@ -7,20 +7,25 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgpack
 import pytest
 import torch
 import zmq
 
-from connector import ECConsumer, ECProducer, EncoderOutput, MissingEmbeddings, messages
-from connector.wire import MAGIC_VERSION, decode_message, encode_message
+from connector.control.wire import MAGIC_VERSION, decode_message, encode_message
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.errors import MissingEmbeddings
+from connector.tensors.producer import ECProducer
+from epd_contracts.ec import ErrorReply, GetRequest, HasReply, Pong
+from epd_contracts.embeddings import ImageFeatures
 
 GUARD_MS = 5000  # upper bound on any wait in these tests; never reached when things work
 
 
 
 
-def save(producer: ECProducer, mm_hash: str, embeds: torch.Tensor, grid: tuple[int, int, int] | None = None) -> EncoderOutput:
-    out = EncoderOutput(mm_hash, embeds, grid)
+def save(producer: ECProducer, mm_hash: str, embeds: torch.Tensor, grid: tuple[int, int, int] | None = None) -> ImageFeatures:
+    out = ImageFeatures(embeds, grid)
     producer.save_caches(mm_hash, out)
     return out
 
@@ -58,10 +63,10 @@ def test_gather_returns_identical_tensors_and_grid_thw(producer: ECProducer, con
     b = save(producer, "b", torch.randn(3, 16).T)  # non-contiguous in, contiguous out
     got = consumer.gather(["a", "b"], {"a": producer.address, "b": producer.address}, timeout=GUARD_MS / 1000)
     assert list(got) == ["a", "b"]
-    for want in (a, b):
-        assert got[want.mm_hash].embeds.dtype == want.embeds.dtype
-        assert torch.equal(got[want.mm_hash].embeds, want.embeds)
-        assert got[want.mm_hash].grid_thw == want.grid_thw
+    for h, want in (("a", a), ("b", b)):
+        assert got[h].embeds.dtype == want.embeds.dtype
+        assert torch.equal(got[h].embeds, want.embeds)
+        assert got[h].grid_thw == want.grid_thw
     assert producer.stats()["gets_served"] == 1 and consumer.stats()["bytes_received"] == a.nbytes + b.nbytes
 
 
@@ -102,7 +107,7 @@ def test_gather_from_two_producers_at_once(consumer: ECConsumer) -> None:
     try:
         outs = [save(p, f"h{i}", torch.full((2, 3), float(i))) for i, p in enumerate(producers)]
         got = consumer.gather(["h0", "h1"], {"h0": producers[0].address, "h1": producers[1].address})
-        assert all(torch.equal(got[o.mm_hash].embeds, o.embeds) for o in outs)
+        assert all(torch.equal(got[f"h{i}"].embeds, o.embeds) for i, o in enumerate(outs))
         assert consumer.stats()["remote_fetches"] == 2
     finally:
         for p in producers:
@@ -128,8 +133,8 @@ def test_query_after_a_timeout_works_on_a_fresh_socket(consumer: ECConsumer) -> 
             ignored.append(frames)
             timed_out.wait(GUARD_MS / 1000)  # hold the reply back until the consumer gave up
             return
-        req_id = decode_message(frames[1:])[0]["req_id"]
-        sock.send_multipart([frames[0], *encode_message({"op": "has_reply", "req_id": req_id, "has": [True]})])
+        req_id = decode_message(frames[1:])[0].req_id
+        sock.send_multipart([frames[0], *encode_message(HasReply(req_id=req_id, has=[True]))])
 
     ignored: list[list[bytes]] = []
     timed_out = threading.Event()
@@ -143,9 +148,9 @@ def test_query_after_a_timeout_works_on_a_fresh_socket(consumer: ECConsumer) -> 
 
 def test_reply_with_another_req_id_is_discarded(consumer: ECConsumer) -> None:
     def stale_then_real(sock: zmq.Socket, frames: list[bytes]) -> None:
-        req_id = decode_message(frames[1:])[0]["req_id"]
+        req_id = decode_message(frames[1:])[0].req_id
         for rid, flag in ((req_id - 1, True), (req_id, False)):
-            sock.send_multipart([frames[0], *encode_message({"op": "has_reply", "req_id": rid, "has": [flag]})])
+            sock.send_multipart([frames[0], *encode_message(HasReply(req_id=rid, has=[flag]))])
 
     address, thread = run_fake_producer(stale_then_real, num_requests=1)
     assert consumer.query(address, ["a"], timeout=GUARD_MS / 1000) == [False]
@@ -164,8 +169,8 @@ def test_producer_keeps_serving_after_garbage(
         [b"EPDC\x01", b"\x82\xa2op\xa4ping\xa6req_id\x05"],  # a version 1 message
         [MAGIC_VERSION, b"\x82\xa2op\xa4ping\xa6req_id\x05"],  # header in its own frame
         [MAGIC_VERSION + b"\x82\xa2op\xa3get\xa6req_id\x05"],  # get without hashes
-        [*encode_message(messages.request("get", 9, ["a"])), b"unexpected tensor frame"],
-        encode_message({"op": "pong", "req_id": 4}),  # a reply op sent as a request
+        [*encode_message(GetRequest(req_id=9, hashes=["a"])), b"unexpected tensor frame"],
+        encode_message(Pong(req_id=4)),  # a reply sent as a request
     ]
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -175,7 +180,7 @@ def test_producer_keeps_serving_after_garbage(
             for frames in garbage:
                 raw.send_multipart(frames)
                 assert raw.poll(GUARD_MS), "producer stopped answering"
-                assert decode_message(raw.recv_multipart())[0]["op"] == "error"
+                assert isinstance(decode_message(raw.recv_multipart())[0], ErrorReply)
     finally:
         raw.close()
     assert producer.stats()["bad_messages"] == len(garbage)
@@ -189,12 +194,12 @@ def test_error_reply_echoes_req_id_when_readable(producer: ECProducer) -> None:
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(producer.address)
     try:
-        raw.send_multipart(encode_message({"op": "has", "req_id": 42, "hashes": [1, 2]}))
+        raw.send_multipart([MAGIC_VERSION + msgpack.packb({"op": "has", "req_id": 42, "hashes": [1, 2]})])
         assert raw.poll(GUARD_MS)
         header, _ = decode_message(raw.recv_multipart())
     finally:
         raw.close()
-    assert header["op"] == "error" and header["req_id"] == 42 and "hashes" in header["message"]
+    assert isinstance(header, ErrorReply) and header.req_id == 42 and "hashes" in header.message
 
 
 def test_close_returns_promptly() -> None:
@@ -207,12 +212,12 @@ def test_close_returns_promptly() -> None:
 def test_gathered_tensor_is_built_over_the_received_frame(
     producer: ECProducer, consumer: ECConsumer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import connector.wire
+    import connector.tensors.frames
 
     def no_copy(*args: object) -> None:
         raise AssertionError("received frame was copied")
 
     # the only copy in the receive path is the read-only fallback; zmq frames must not need it
-    monkeypatch.setattr(connector.wire, "bytearray", no_copy, raising=False)
+    monkeypatch.setattr(connector.tensors.frames, "bytearray", no_copy, raising=False)
     out = save(producer, "a", torch.randn(256, 64).to(torch.bfloat16))
     assert torch.equal(consumer.gather(["a"], {"a": producer.address})["a"].embeds, out.embeds)

@@ -12,9 +12,8 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from connector import messages
-from connector.types import EncoderOutput
-from connector.wire import (
+import connector.control.wire
+from connector.control.wire import (
     MAGIC_VERSION,
     MAX_FRAMES,
     MAX_HEADER_BYTES,
@@ -23,13 +22,15 @@ from connector.wire import (
     decode_message,
     encode_message,
     peek_req_id,
-    tensor_from_frame,
-    tensor_spec,
 )
+from connector.tensors.frames import WireItem, tensor_buffer, tensor_from_frame
+from connector.tensors.replies import get_reply, parse_get_reply
+from epd_contracts.ec import GetReply, PingRequest, Pong
+from epd_contracts.embeddings import ImageFeatures
 
 
 def frame(header_bytes: bytes) -> bytes:
-    """The first frame of a wire v2 message: magic and version, then the raw msgpack header."""
+    """The first frame of a wire v3 message: magic and version, then the raw msgpack header."""
     return MAGIC_VERSION + header_bytes
 
 
@@ -42,14 +43,15 @@ PING = msgpack.packb({"op": "ping", "req_id": 1})
 
 
 def round_trip(tensors: list[torch.Tensor]) -> tuple[list[bytes | memoryview], list[torch.Tensor]]:
-    items = [tensor_spec(t, frame=i) for i, t in enumerate(tensors)]
-    header = {"op": "get_reply", "req_id": 7, "items": items}
-    frames = encode_message(header, tensors)
-    assert bytes(frames[0]) == frame(msgpack.packb(header))  # magic, version and header share the first frame
+    items = [WireItem(ImageFeatures(t)).item(f"h{i}", frame=i) for i, t in enumerate(tensors)]
+    frames = encode_message(GetReply(req_id=7, items=items), [tensor_buffer(t) for t in tensors])
+    first = bytes(frames[0])  # magic, version and header share the first frame; the header is plain msgpack
+    assert first.startswith(MAGIC_VERSION) and msgpack.unpackb(first[len(MAGIC_VERSION):])["op"] == "get_reply"
     # bytes() mimics what arrives off a socket, so nothing aliases the sender's tensors
     header, buffers = decode_message([bytes(f) for f in frames])
-    assert header["req_id"] == 7
-    return frames, [tensor_from_frame(buffers[s["frame"]], s["dtype"], s["shape"]) for s in header["items"]]
+    assert isinstance(header, GetReply) and header.req_id == 7
+    found = parse_get_reply(header, buffers)
+    return frames, [found[f"h{i}"].embeds for i in range(len(tensors))]
 
 
 AWKWARD = {
@@ -80,12 +82,14 @@ def test_round_trip_of_several_tensors_keeps_one_frame_each() -> None:
 
 
 def test_get_reply_round_trips_encoder_outputs_and_not_found_items() -> None:
-    out = EncoderOutput("h1", torch.randn(6, 32).to(torch.bfloat16), (1, 4, 6))
-    header, tensors = messages.get_reply(3, ["h1", "nope"], {"h1": out})
+    out = ImageFeatures(torch.randn(6, 32).to(torch.bfloat16), (1, 4, 6))
+    header, tensors = get_reply(3, ["h1", "nope"], {"h1": WireItem(out)})
     assert len(tensors) == 1 and isinstance(tensors[0], memoryview) and tensors[0].nbytes == out.nbytes
     frames = [bytes(f) for f in encode_message(header, tensors)]
     assert len(frames) == 2
-    found = messages.parse_get_reply(*decode_message(frames))
+    reply, buffers = decode_message(frames)
+    assert isinstance(reply, GetReply)
+    found = parse_get_reply(reply, buffers)
     assert list(found) == ["h1"]
     assert torch.equal(found["h1"].embeds, out.embeds) and found["h1"].grid_thw == (1, 4, 6)
 
@@ -97,7 +101,7 @@ def test_writable_frame_buffer_is_used_without_copy() -> None:
     assert t[0, 0].item() == 9.0  # the tensor aliases the frame memory
 
 
-GOOD_SPEC = {"dtype": "float32", "shape": [2, 2], "frame": 0}
+GOOD_SPEC = {"mm_hash": "h", "found": True, "num_tokens": 2, "dtype": "float32", "shape": [2, 2], "frame": 0}
 MALFORMED: dict[str, list[bytes]] = {
     "too_few_frames": [],
     "empty_first_frame": [b""],
@@ -107,7 +111,8 @@ MALFORMED: dict[str, list[bytes]] = {
     "wrong_version": [MAGIC_VERSION[:4] + bytes([1]) + PING],
     "future_version": [MAGIC_VERSION[:4] + bytes([MAGIC_VERSION[4] + 1]) + PING],
     "v1_message": [MAGIC_VERSION[:4] + bytes([1]), PING],  # magic and header in separate frames
-    "v2_magic_then_header_frame": [MAGIC_VERSION, PING],
+    "v2_message": [MAGIC_VERSION[:4] + bytes([2]) + PING],  # v2 headers were untyped maps
+    "magic_then_header_frame": [MAGIC_VERSION, PING],
     "bad_msgpack": [frame(b"\xc1\xff\x00")],
     "truncated_msgpack": [frame(PING[:-2])],
     "trailing_bytes_after_header": [frame(PING + b"\x00")],
@@ -123,6 +128,12 @@ MALFORMED: dict[str, list[bytes]] = {
     "extra_frame": make_frames({"op": "get_reply", "req_id": 1, "items": [GOOD_SPEC]}, [bytes(16), bytes(16)]),
     "missing_frame": make_frames({"op": "get_reply", "req_id": 1, "items": [GOOD_SPEC]}),
     "frame_index_out_of_range": make_frames({"op": "get_reply", "req_id": 1, "items": [{**GOOD_SPEC, "frame": 5}]}, [bytes(16)]),
+    "hash_too_long": make_frames({"op": "has", "req_id": 1, "hashes": ["h" * 257]}),
+    "negative_seq": make_frames({"op": "snapshot_reply", "req_id": 1, "epoch": "e", "seq": -1, "hashes": []}),
+    "unknown_field": make_frames({"op": "ping", "req_id": 1, "pad": 0}),
+    "frame_without_spec": make_frames({"op": "get_reply", "req_id": 1, "items": [{"mm_hash": "h", "frame": 0}]},
+                                      [bytes(16)]),
+    "tensor_frame_on_a_request": make_frames({"op": "ping", "req_id": 1}, [bytes(16)]),
     "repeated_frame_index": make_frames(
         {"op": "get_reply", "req_id": 1, "items": [GOOD_SPEC, GOOD_SPEC]}, [bytes(16), bytes(16)]
     ),
@@ -139,7 +150,7 @@ def test_malformed_message_raises_wire_error(name: str) -> None:
 
 
 def test_wire_error_is_a_value_error_with_a_clear_message() -> None:
-    with pytest.raises(ValueError, match="unknown dtype 'complex64'"):
+    with pytest.raises(ValueError, match=r"'complex64' - at `\$.items\[0\].dtype`"):
         decode_message(MALFORMED["unknown_dtype"])
 
 
@@ -163,10 +174,11 @@ def test_tensor_from_frame_rejects_length_mismatch() -> None:
 
 
 def test_get_reply_with_inconsistent_item_fields_is_rejected() -> None:
-    item = {"mm_hash": "h", "found": True, "num_tokens": 3, "grid_thw": None, **GOOD_SPEC}
-    frames = make_frames({"op": "get_reply", "req_id": 1, "items": [item]}, [bytes(16)])
+    item = {**GOOD_SPEC, "num_tokens": 3, "grid_thw": None}
+    reply, buffers = decode_message(make_frames({"op": "get_reply", "req_id": 1, "items": [item]}, [bytes(16)]))
+    assert isinstance(reply, GetReply)
     with pytest.raises(WireError, match="num_tokens"):
-        messages.parse_get_reply(*decode_message(frames))
+        parse_get_reply(reply, buffers)
 
 
 def deep(depth: int, leaf: bytes = b"\x01") -> bytes:
@@ -188,10 +200,12 @@ def test_too_many_frames_are_rejected_before_any_is_read() -> None:
 def test_oversized_header_is_rejected_before_unpacking(monkeypatch: pytest.MonkeyPatch) -> None:
     header = msgpack.packb({"op": "ping", "req_id": 3, "pad": "x" * MAX_HEADER_BYTES})
 
-    def no_unpack(*args: object, **kwargs: object) -> None:
-        raise AssertionError("unpacked an oversized header")
+    class NoDecode:
+        def decode(self, *args: object) -> None:
+            raise AssertionError("decoded an oversized header")
 
-    monkeypatch.setattr(msgpack, "unpackb", no_unpack)
+    monkeypatch.setattr(connector.control.wire, "_DECODER", NoDecode())
+    monkeypatch.setattr(connector.control.wire, "_PEEK", NoDecode())
     with pytest.raises(WireError, match="over the 1048576-byte limit"):
         decode_message([frame(header)])
     assert peek_req_id([frame(header)]) == -1
@@ -216,11 +230,11 @@ def test_deeply_nested_header_is_a_wire_error_with_a_short_message(name: str) ->
 
 
 def test_huge_values_are_echoed_briefly_and_ext_types_are_refused() -> None:
-    with pytest.raises(WireError, match="unknown op") as info:
+    with pytest.raises(WireError, match="Invalid value") as info:
         decode_message(make_frames({"op": "x" * 500_000, "req_id": 1}))
     assert len(str(info.value)) < 300
-    with pytest.raises(WireError, match="max_ext_len"):
-        decode_message(make_frames({"op": "ping", "req_id": 1, "ext": msgpack.ExtType(1, b"data")}))
+    with pytest.raises(WireError, match="got `ext`"):
+        decode_message(make_frames({"op": "ping", "req_id": msgpack.ExtType(1, b"data")}))
 
 
 def test_huge_magic_frame_is_not_copied() -> None:
@@ -259,12 +273,12 @@ def test_router_drops_a_peer_over_its_message_size_limit_and_serves_others() -> 
         big.send_multipart([frame(bytes(2048))])
         assert monitor.poll(guard_ms), "the oversized sender was not disconnected"
         assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
-        small.send_multipart(encode_message(messages.request("ping", 11)))
+        small.send_multipart(encode_message(PingRequest(req_id=11)))
         assert router.poll(guard_ms)
         identity, *frames = router.recv_multipart()
-        assert decode_message(frames)[0] == {"op": "ping", "req_id": 11}  # not the oversized message
-        router.send_multipart([identity, *encode_message({"op": "pong", "req_id": 11})])
-        assert small.poll(guard_ms) and decode_message(small.recv_multipart())[0]["op"] == "pong"
+        assert decode_message(frames)[0] == PingRequest(req_id=11)  # not the oversized message
+        router.send_multipart([identity, *encode_message(Pong(req_id=11))])
+        assert small.poll(guard_ms) and isinstance(decode_message(small.recv_multipart())[0], Pong)
         assert not router.poll(0)
     finally:
         router.disable_monitor()
@@ -273,8 +287,8 @@ def test_router_drops_a_peer_over_its_message_size_limit_and_serves_others() -> 
 
 
 def test_producer_side_byte_view_shares_the_stored_tensor_memory() -> None:
-    out = EncoderOutput("z", torch.zeros(4, 3, dtype=torch.bfloat16))
-    view = out.wire_buffer
-    assert view.nbytes == out.nbytes and out.wire_buffer is view  # made once per item
-    out.embeds[0, 0] = 1.5
+    item = WireItem(ImageFeatures(torch.zeros(4, 3, dtype=torch.bfloat16)))
+    view = item.buffer
+    assert view.nbytes == item.nbytes and item.buffer is view  # made once per item
+    item.features.embeds[0, 0] = 1.5
     assert bytes(view[:2]) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()

@@ -10,15 +10,15 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from connector import ECConsumer
+from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt, build_prompt
-from decoder_service.protocol import Event
-from decoder_service.sampling import SamplingParams
 from decoder_service.sequence import Job
-from epd_models.base import ImageFeatures
+from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.generate import Event
+from epd_contracts.sampling import SamplingParams
 from epd_models.chat import chat_template, render
 from epd_models.halves import LanguageHalf
 

@@ -10,12 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from connector import EncoderOutput
-from decoder_service.aggregated import InlineEncoder
-from decoder_service.protocol import ImageRef
+from decoder_service.aggregated import InlineCache, InlineEncoder
 from epd_common.errors import APIError
+from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.generate import ImageRef
 from epd_contracts.hashing import mm_hash
-from epd_models.base import ImageFeatures
 from tests.factories import make_image
 
 
@@ -32,20 +31,18 @@ class FakeVision:
         return [ImageFeatures(embeds=torch.ones(4, 8)) for _ in images]
 
 
-class SignallingCache:
+class SignallingCache(InlineCache):
     """The real cache, plus: a miss seen by the second request's thread sets `second_missed`."""
 
-    def __init__(self, cache: Any, second_missed: threading.Event):
-        self.cache, self.second_missed = cache, second_missed
+    def __init__(self, max_bytes: int, second_missed: threading.Event):
+        super().__init__(max_bytes)
+        self.second_missed = second_missed
 
-    def get(self, mm_hash: str) -> EncoderOutput | None:
-        out = self.cache.get(mm_hash)
+    def get_cache_item(self, mm_hash: str) -> ImageFeatures | None:
+        out = super().get_cache_item(mm_hash)
         if out is None and threading.current_thread().name == "second":
             self.second_missed.set()
         return out
-
-    def put(self, out: EncoderOutput) -> None:
-        self.cache.put(out)
 
 
 def png(color: str = "red") -> bytes:
@@ -63,7 +60,7 @@ def test_concurrent_requests_with_the_same_new_image_encode_it_once() -> None:
     second_missed = threading.Event()
     vision = FakeVision(second_missed)
     encoder = InlineEncoder(vision, cache_bytes=1 << 20, max_image_pixels=1 << 20)  # type: ignore[arg-type]
-    encoder.cache = SignallingCache(encoder.cache, second_missed)  # type: ignore[assignment]
+    encoder.store = SignallingCache(1 << 20, second_missed)
     results: dict[str, list[ImageFeatures]] = {}
 
     def run() -> None:
@@ -106,7 +103,7 @@ def test_a_claimed_hash_that_is_not_the_bytes_hash_is_a_400_and_never_a_cache_ke
     with pytest.raises(APIError) as err:  # poisoning attempt: blue's bytes under red's hash
         encoder.features([image_ref(blue, claimed=mm_hash(red))])
     assert err.value.status == 400 and err.value.code == "hash_mismatch" and err.value.param == "images.0.mm_hash"
-    assert vision.calls == 1 and mm_hash(blue) not in encoder.cache
+    assert vision.calls == 1 and not encoder.store.has_cache_item(mm_hash(blue))
 
 
 @pytest.mark.parametrize(("error", "status", "code"), [
@@ -129,4 +126,4 @@ def test_features_that_do_not_fit_the_lm_are_refused_and_not_cached() -> None:
     with pytest.raises(APIError) as err:
         encoder.features([image_ref(png())])
     assert err.value.status == 500 and err.value.code == "invalid_embeddings" and "width 8" in err.value.message
-    assert mm_hash(png()) not in encoder.cache and encoder.num_encoded == 0
+    assert not encoder.store.has_cache_item(mm_hash(png())) and encoder.num_encoded == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from decoder_service.engine import Engine
+from decoder_service.server import DecoderState
 from tests.decoder_service.engine_run import Result, collect, greedy, make_engine, text_prompt
 
 TEXT = [{"role": "user", "content": [{"type": "text", "text": "Describe the image."}]}]
@@ -25,7 +25,7 @@ def wait_until(predicate: object, timeout: float = 10.0) -> bool:
     return False
 
 
-def test_disconnect_mid_stream_aborts_the_sequence(decoder: tuple[str, dict[str, Engine]]) -> None:
+def test_disconnect_mid_stream_aborts_the_sequence(decoder: tuple[str, DecoderState]) -> None:
     url, ref = decoder
     sampling = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
     body = {"messages": TEXT, "sampling": sampling}
@@ -33,16 +33,16 @@ def test_disconnect_mid_stream_aborts_the_sequence(decoder: tuple[str, dict[str,
         lines = resp.iter_lines()
         first = json.loads(next(lines))
         assert resp.status_code == 200 and first["type"] == "delta"
-    engine = ref["engine"]
-    assert wait_until(lambda: engine.finished["abort"] == 1 and engine.num_running == 0)
+    engine = ref.engine
+    assert wait_until(lambda: engine.scheduler.finished["abort"] == 1 and engine.num_running == 0)
     done = httpx.post(f"{url}/generate", json={**body, "sampling": {**sampling, "max_tokens": 3}}, timeout=30).text.splitlines()
-    assert json.loads(done[-1])["finish_reason"] == "length" and engine.finished["length"] == 1
+    assert json.loads(done[-1])["finish_reason"] == "length" and engine.scheduler.finished["length"] == 1
 
 
-def test_a_client_gone_during_prepare_never_enters_the_batch(decoder: tuple[str, dict[str, Engine]],
+def test_a_client_gone_during_prepare_never_enters_the_batch(decoder: tuple[str, DecoderState],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     url, ref = decoder
-    engine = ref["engine"]
+    engine = ref.engine
     entered, release = threading.Event(), threading.Event()
     prepare, add = engine.prepare, engine.runner.add
     admitted: list[object] = []
@@ -61,7 +61,7 @@ def test_a_client_gone_during_prepare_never_enters_the_batch(decoder: tuple[str,
     assert entered.wait(30)
     client.join(timeout=30)  # the client gave up and closed its connection while prepare ran
     release.set()
-    assert wait_until(lambda: engine.finished["abort"] == 1)
+    assert wait_until(lambda: engine.scheduler.finished["abort"] == 1)
     assert admitted == [] and engine.num_running == 0 and engine.num_waiting == 0
 
 
@@ -73,7 +73,7 @@ def test_a_cancelled_running_sequence_stops_within_one_step(tiny_model_dirs: dic
         assert (await job.events.get()).type == "delta"
         job.cancelled.set()
         seen = len(job.token_times)  # chosen so far: at most the step in flight adds one more
-        await asyncio.to_thread(wait_until, lambda: engine.finished["abort"] == 1)
+        await asyncio.to_thread(wait_until, lambda: engine.scheduler.finished["abort"] == 1)
         return seen, len(job.token_times)
 
     try:
@@ -91,11 +91,11 @@ def test_a_job_cancelled_before_a_slot_takes_it_never_runs(tiny_model_dirs: dict
         queued = engine.submit(text_prompt(engine, 4), greedy(30))
         queued.cancelled.set()
         result = await collect(running)
-        await asyncio.to_thread(wait_until, lambda: engine.finished["abort"] == 1)
+        await asyncio.to_thread(wait_until, lambda: engine.scheduler.finished["abort"] == 1)
         assert queued.events.empty() and queued.token_times == []
         return result
 
     try:
-        assert asyncio.run(main()).ok and engine.finished["length"] == 1 and engine.num_waiting == 0
+        assert asyncio.run(main()).ok and engine.scheduler.finished["length"] == 1 and engine.num_waiting == 0
     finally:
         engine.close()

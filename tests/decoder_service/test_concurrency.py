@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from decoder_service.engine import Engine
+from decoder_service.server import DecoderState
 
 NUM_REQUESTS, NUM_PROMPTS = 200, 20
 
@@ -41,12 +41,12 @@ async def run_all(url: str) -> tuple[dict[int, tuple[str, dict]], list[tuple[str
 
 
 def test_200_concurrent_streams_all_complete_with_their_single_run_output(
-        decoder: tuple[str, dict[str, Engine]]) -> None:
+        decoder: tuple[str, DecoderState]) -> None:
     url, ref = decoder
     alone, together = asyncio.run(run_all(url))
-    engine = ref["engine"]
+    engine = ref.engine
     # the cap bound (every slot used, never more) and nothing is left behind
-    assert engine.peak_running == 32 and engine.num_running == 0 and engine.num_waiting == 0
+    assert engine.scheduler.peak_running == 32 and engine.num_running == 0 and engine.num_waiting == 0
     for i, (text, done) in enumerate(together):
         expected_text, expected_done = alone[i % (NUM_PROMPTS * 7)]
         assert done["type"] == "done" and done["finish_reason"] == "length"

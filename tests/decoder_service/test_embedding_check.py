@@ -9,10 +9,11 @@ import httpx
 import pytest
 import torch
 
-from connector import ECProducer, EncoderOutput
+from connector.tensors.producer import ECProducer
 from decoder_service.embedding_check import EmbeddingCheck
-from decoder_service.engine import Engine
+from decoder_service.server import DecoderState
 from epd_builders.tiny import TinySpec, build_tiny
+from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.hashing import mm_hash
 from epd_models.halves import LanguageHalf, VisionHalf
 from tests.factories import make_image
@@ -33,8 +34,8 @@ def qwen_check(tiny_model_dirs: dict[str, Path]) -> EmbeddingCheck:
     return EmbeddingCheck(LanguageHalf(tiny_model_dirs["qwen2_vl"]))
 
 
-def out(embeds: torch.Tensor, grid: tuple[int, int, int] | None = None) -> EncoderOutput:
-    return EncoderOutput("h", embeds, grid)
+def out(embeds: torch.Tensor, grid: tuple[int, int, int] | None = None) -> ImageFeatures:
+    return ImageFeatures(embeds, grid)
 
 
 def test_llava_embeddings_of_its_own_shape_pass(llava_check: EmbeddingCheck) -> None:
@@ -71,13 +72,13 @@ def foreign_producer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     assert tuple(feats.embeds.shape) == (64, 32)
     producer = ECProducer().start()
     key = mm_hash(b"an image of the other model")
-    producer.save_caches(key, EncoderOutput(key, feats.embeds))
+    producer.save_caches(key, ImageFeatures(feats.embeds))
     yield producer, key
     producer.close()
 
 
 def test_an_encoder_of_another_model_gets_its_request_refused_and_nothing_is_cached(
-        decoder: tuple[str, dict[str, Engine]], foreign_producer: tuple[ECProducer, str]) -> None:
+        decoder: tuple[str, DecoderState], foreign_producer: tuple[ECProducer, str]) -> None:
     url, ref = decoder
     producer, key = foreign_producer
     images = [{"mm_hash": key, "source": producer.address}]
@@ -85,6 +86,6 @@ def test_an_encoder_of_another_model_gets_its_request_refused_and_nothing_is_cac
     error = resp.json()["error"]
     assert resp.status_code == 502 and error["code"] == "invalid_embeddings" and error["param"] == "images"
     assert key in error["message"] and "width 32" in error["refused"][key]
-    assert not ref["engine"].consumer.has_cache_item(key)
+    assert not ref.engine.consumer.has_cache_item(key)
     done = httpx.post(f"{url}/generate", json={"messages": TEXT, "sampling": SAMPLING}, timeout=30).text.splitlines()
     assert json.loads(done[-1])["type"] == "done"  # the decoder keeps serving

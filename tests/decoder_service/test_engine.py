@@ -8,12 +8,13 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import ECConsumer
+from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.metrics import DecoderMetrics
-from decoder_service.protocol import GenerateRequest, ImageRef
+from decoder_service.server import DecoderState
 from epd_common.errors import APIError
+from epd_contracts.generate import GenerateRequest, ImageRef
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
 from epd_models.identity import model_identity
@@ -69,8 +70,8 @@ def test_a_prompt_too_long_for_the_model_is_refused_before_the_gather(engine: En
     assert err.value.status == 400 and err.value.code == "context_length_exceeded" and err.value.param == "messages"
 
 
-def test_health_reports_the_model_identity(decoder: tuple[str, dict[str, Engine]]) -> None:
+def test_health_reports_the_model_identity(decoder: tuple[str, DecoderState]) -> None:
     url, ref = decoder
     body = httpx.get(f"{url}/health").json()
-    assert body["model_identity"] == model_identity(ref["engine"].lm.model_dir)
+    assert body["model_identity"] == model_identity(ref.engine.lm.model_dir)
     assert body["model_identity"]["hidden_size"] == 64 and body["model_identity"]["family"] == "llava"

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder_service.sampling import Sampler, SamplingParams
+from decoder_service.sampling import Sampler
+from epd_contracts.sampling import SamplingParams
+from epd_contracts.validation import convert
 
 LOGITS = torch.tensor([0.0, 3.0, 2.9, -1.0, 1.0])
 
@@ -34,7 +36,7 @@ def test_top_p_keeps_smallest_prefix_reaching_mass() -> None:
 @pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": -0.1}, {"top_k": -2}])
 def test_invalid_params_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        SamplingParams(**bad)  # type: ignore[arg-type]
+        convert(bad, SamplingParams)
 
 
 @pytest.mark.parametrize("params", [{"temperature": 1e-38}, {"temperature": 0}, {"top_p": 0.0}, {"top_p": 1e-300},
@@ -62,4 +64,4 @@ def test_negative_penalty_favours_repeats_and_zero_changes_nothing() -> None:
 
 def test_penalties_out_of_range_are_refused() -> None:
     with pytest.raises(ValueError, match="penalty"):
-        SamplingParams(frequency_penalty=2.5)
+        convert({"frequency_penalty": 2.5}, SamplingParams)

@@ -44,7 +44,7 @@ def watched(tiny_model_dirs: dict[str, Path], request: pytest.FixtureRequest) ->
     cfg = DecoderConfig(port=free_port(), engine_stall_timeout=request.param)
     with served(cfg, LanguageHalf(tiny_model_dirs["llava"]), on_fatal=fatal) as (url, ref):
         assert httpx.get(f"{url}/health").status_code == 200
-        yield url, ref["engine"], fatal
+        yield url, ref.engine, fatal
 
 
 def first_delta_then_rest(url: str, body: dict[str, Any], started: threading.Event, out: list[dict]) -> None:
@@ -67,7 +67,7 @@ def test_an_engine_fault_outside_any_request_is_503_engine_dead_and_fatal(
     def broken() -> None:
         raise SystemError("injected engine fault")
 
-    monkeypatch.setattr(engine, "_abort_cancelled", broken)  # runs every iteration, for no request in particular
+    monkeypatch.setattr(engine.scheduler, "schedule", broken)  # runs every iteration, for no request in particular
     stream.join(timeout=30)
     assert events[-1]["type"] == "error"  # the running stream is told, not left hanging
     resp = httpx.get(f"{url}/health")

@@ -175,10 +175,10 @@ def parsers() -> dict[str, Callable[[list[str]], object]]:
     """program -> a function that parses its argv exactly as the program does (SystemExit on a bad flag)."""
     from decoder_service.cli import parse_args as decoder_args
     from encoder_service.cli import parse_args as encoder_args
-    from epd_launcher.cli import build_parser
+    from epd_launcher.flags import parse_args as proxy_args
 
     return {"epd-encoder": encoder_args, "epd-decoder": decoder_args,
-            "disagg-epd-proxy": lambda argv: build_parser().parse_args(argv),
+            "disagg-epd-proxy": lambda argv: proxy_args(argv)[1],
             "epd-register": lambda argv: register_module().build_parser().parse_args(argv)}
 
 
@@ -203,7 +203,7 @@ K8S_SECRET_FILES = {"epd-curve": "k8s-curve.env", "epd-keys": "k8s-keys.env"}
 
 def generated_keys(directory: Path) -> dict[str, dict[str, str]]:
     """file name -> its variables, for a fresh `epd-ec-keygen env DIR` (compose strips the single quotes)."""
-    from connector.security import write_env_files
+    from connector.control.security import write_env_files
 
     return {p.name: {k: v.strip("'") for k, v in env_file(p).items()} for p in write_env_files(directory)}
 

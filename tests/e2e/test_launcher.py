@@ -5,6 +5,8 @@ import base64
 import io
 import json
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +18,7 @@ from safetensors import safe_open
 
 from epd_builders.shapes import draw_shape
 from epd_models.demo import ensure_demo_model
-from tests.e2e.stack import Stack, health, launched, metric, urls_of
+from tests.e2e.stack import ROOT, Stack, health, launched, metric, urls_of
 from tests.openai_schema import assert_valid
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +62,15 @@ def test_red_circle_answer_names_the_colour(client: OpenAI) -> None:
     assert resp.usage is not None and resp.usage.prompt_tokens > 64  # 64 image tokens are counted
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     assert_valid("CreateChatCompletionResponse", resp.model_dump(exclude_unset=True))
+
+
+def test_the_readme_python_example_runs_as_written(stack: Stack) -> None:
+    block = (ROOT / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    code = block.replace("http://127.0.0.1:8000/v1", f"{stack.base_url}/v1")
+    assert code != block  # only the server's address is changed
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[0] == "red" and "completion_tokens" in run.stdout
 
 
 def test_streaming_gives_the_same_answer_in_chunks(client: OpenAI) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector import ECConsumer
-from connector.security import load_curve_config
+from connector.control.security import load_curve_config
+from connector.tensors.consumer import ECConsumer
 from epd_contracts.hashing import mm_hash
 from tests.e2e.stack import Stack, ask_colour, demo_png, health, launched, pid_alive, urls_of
 
@@ -101,7 +101,7 @@ def test_a_zeromq_client_without_keys_gets_nothing_from_an_encoder(stack: Stack)
         snap = insider.snapshot(address, timeout=30)
     finally:
         insider.close()
-    assert snap is not None and mm_hash(image) in snap[2]
+    assert snap is not None and mm_hash(image) in snap.hashes
 
 
 def test_ready_and_health_while_serving(stack: Stack) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from connector import ECProducer
+from connector.tensors.producer import ECProducer
 from encoder_service.cli import parse_args
 from encoder_service.config import EncoderConfig
 from encoder_service.server import create_app

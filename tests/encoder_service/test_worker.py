@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector import ECConsumer, ECProducer
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.producer import ECProducer
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from epd_models.halves import VisionHalf
 from scheduler.scheduler import EncoderSlot, MMItem, Scheduler

@@ -39,7 +39,7 @@ class Stack:
     trickle: Trickle
 
     def finished(self) -> int:
-        return sum(self.engine.finished.values())
+        return sum(self.engine.scheduler.finished.values())
 
     def decoder_metric(self, name: str) -> float:
         return metric(httpx.get(f"{self.decoder}/metrics", timeout=30).text, name)
@@ -59,7 +59,7 @@ def stack(tiny_model_dirs: dict[str, Path]) -> Iterator[Stack]:
         pcfg = ProxyConfig(encode_urls=(), decode_urls=(decoder,), aggregated=True, served_model_name="tiny",
                            allowed_media_domains=("127.0.0.1",), media_fetch_deadline=60.0)
         with served(proxy_app(pcfg), HttpLimits()) as pport:
-            yield Stack(f"http://127.0.0.1:{pport}", decoder, dapp.state.engine_ref["engine"],
+            yield Stack(f"http://127.0.0.1:{pport}", decoder, dapp.state.decoder.engine,
                         images.url("/slow.png"), trickle)
         trickle.release.set()
 
@@ -84,15 +84,16 @@ def post_raw(base_url: str, body: dict[str, Any]) -> socket.socket:
 
 def leave_mid_generation(stack: Stack, stream: bool) -> tuple[int, float]:
     """Start a long generation, hang up once it runs; (aborts, tokens generated) it caused on the decoder."""
-    aborts, tokens = stack.engine.finished["abort"], stack.decoder_metric("epd_decoder_generated_tokens_total")
+    finished = stack.engine.scheduler.finished
+    aborts, tokens = finished["abort"], stack.decoder_metric("epd_decoder_generated_tokens_total")
     sock = post_raw(stack.proxy, chat(stream))
     assert wait_for(lambda: stack.engine.num_running == 1)
     if stream:
         sock.settimeout(30)
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # after the first byte
     sock.close()
-    assert wait_for(lambda: stack.engine.num_running == 0 and stack.engine.finished["abort"] == aborts + 1)
-    return stack.engine.finished["abort"] - aborts, stack.decoder_metric("epd_decoder_generated_tokens_total") - tokens
+    assert wait_for(lambda: stack.engine.num_running == 0 and finished["abort"] == aborts + 1)
+    return finished["abort"] - aborts, stack.decoder_metric("epd_decoder_generated_tokens_total") - tokens
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])

@@ -7,7 +7,7 @@ NaN), the failing request is submitted together with two victims (one greedy, on
 - both victims finish with exactly the text and token count they produce alone;
 - its slot is freed, the engine reports no problem, and an ordinary request right after gets its solo answer;
 - the process's RSS stays within MEMORY_BOUND of what it was before the case.
-Faults are injected by bypassing validation (SamplingParams.model_construct) or by patching one component
+Faults are injected by bypassing validation (msgspec.structs.force_setattr) or by patching one component
 so that it fails for the culprit only (marked by its seed).
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -23,8 +24,9 @@ import decoder_service.sequence as sequence_module
 from decoder_service.detokenizer import IncrementalDetokenizer
 from decoder_service.engine import Engine
 from decoder_service.prompt import Prompt
-from decoder_service.sampling import Sampler, SamplingParams
-from epd_models.base import ImageFeatures
+from decoder_service.sampling import Sampler
+from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.sampling import SamplingParams
 from tests.decoder_service.engine_run import Result, greedy, make_engine, run, text_prompt
 from tests.hostile.memory import rss_bytes
 
@@ -58,9 +60,15 @@ def culprit_params(**kw: Any) -> SamplingParams:
     return greedy(16, seed=CULPRIT_SEED, **kw)
 
 
+def seed_out_of_range() -> SamplingParams:
+    params = culprit_params()
+    msgspec.structs.force_setattr(params, "seed", 2**64)  # past the contract's check
+    return params
+
+
 def is_culprit(engine: Engine, slot: int) -> bool:
     row = engine.runner.rows[slot]
-    seq = engine.seqs.get(row.key)  # type: ignore[call-overload]
+    seq = engine.scheduler.running.get(row.key)  # type: ignore[call-overload]
     return seq is not None and seq.job.params.seed == CULPRIT_SEED
 
 
@@ -131,7 +139,7 @@ def sampler_mode(mode: str) -> Callable[[Engine, pytest.MonkeyPatch], None]:
 CASES: dict[str, tuple[Callable[[Engine, pytest.MonkeyPatch], None], Callable[[Engine], Prompt] | None,
                        Callable[[], SamplingParams]]] = {
     "seed_out_of_range": (lambda e, m: None, None,
-                          lambda: SamplingParams.model_construct(**{**culprit_params().model_dump(), "seed": 2**64})),
+                          seed_out_of_range),
     "embeddings_of_another_width": (lambda e, m: None,
                                     lambda e: text_prompt(e, 2, [ImageFeatures(embeds=torch.ones(5, 32))]),
                                     culprit_params),
@@ -151,14 +159,14 @@ def test_a_failing_request_ends_alone(engine: Engine, victims: list[tuple[Prompt
                                       solo: list[Result], monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     install, make_prompt, make_params = CASES[case]
     before = rss_bytes()
-    errors_before = engine.finished["error"]
+    errors_before = engine.scheduler.finished["error"]
     install(engine, monkeypatch)
     culprit = (make_prompt(engine) if make_prompt else text_prompt(engine, 5), make_params())
     bad, *others = run(engine, [culprit, *victims])
     monkeypatch.undo()
     assert bad.last.type == "error" and bad.last.message and "generation failed" in bad.last.message
     assert [r.answer() for r in others] == [r.answer() for r in solo]
-    assert engine.finished["error"] == errors_before + 1
+    assert engine.scheduler.finished["error"] == errors_before + 1
     assert engine.num_running == 0 and engine.runner.rows == [] and engine.problem() is None
     # an ordinary request right after (into the slot the culprit left) gets its solo answer
     assert run(engine, [victims[0]])[0].answer() == solo[0].answer()

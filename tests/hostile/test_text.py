@@ -17,8 +17,8 @@ import uvicorn
 
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
-from decoder_service.protocol import GenerateRequest
 from decoder_service.server import create_app
+from epd_contracts.generate import GenerateRequest
 from epd_launcher.group import free_port
 from epd_models.demo import DEMO_DIR
 from epd_models.halves import LanguageHalf
@@ -46,7 +46,7 @@ def decoder() -> Iterator[tuple[str, Engine]]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.started, "decoder did not start"
-    yield f"http://127.0.0.1:{port}", app.state.engine_ref["engine"]
+    yield f"http://127.0.0.1:{port}", app.state.decoder.engine
     server.should_exit = True
     thread.join(timeout=30)
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from connector import ECConsumer
+from connector.tensors.consumer import ECConsumer
 from epd_contracts.hashing import mm_hash
 from tests.e2e.stack import ROOT, ask_colour, demo_png
 from tests.hostile.stack import HostileStack, hostile_stack, run_victims

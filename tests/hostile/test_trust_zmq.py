@@ -14,9 +14,13 @@ import pytest
 import torch
 import zmq
 
-from connector import ECConsumer, ECProducer, EncoderOutput, MissingEmbeddings
-from connector.security import CurveConfig, secure_client
-from connector.wire import decode_message
+from connector.control.security import CurveConfig, secure_client
+from connector.control.wire import decode_message
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.errors import MissingEmbeddings
+from connector.tensors.producer import ECProducer
+from epd_contracts.ec import CacheEvent, Message
+from epd_contracts.embeddings import ImageFeatures
 from tests.e2e.stack import ROOT
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
 
@@ -36,7 +40,7 @@ def secured() -> Iterator[tuple[ECProducer, CurveConfig]]:
     """A producer with CURVE and an allow-list holding one item; yields it and an allowed client's keys."""
     (spub, ssec), (cpub, csec) = pair(), pair()
     producer = ECProducer(curve=CurveConfig(ssec, spub, allowed_clients=frozenset({cpub}))).start()
-    producer.save_caches("x", EncoderOutput("x", torch.ones(2, 4)))
+    producer.save_caches("x", ImageFeatures(torch.ones(2, 4)))
     yield producer, CurveConfig(csec, cpub, server_key=spub)
     producer.close()
 
@@ -65,9 +69,9 @@ def test_a_client_without_an_allowed_key_can_neither_get_has_snapshot_nor_hear_e
                 consumer.close()
         assert producer.stats()["gets_served"] == 0
         # events: the allowed subscriber hears heartbeats and a new store; the others hear nothing at all
-        producer.save_caches("y", EncoderOutput("y", torch.ones(1, 4)))
-        heard = drain(subscribers, until=lambda got: any(e.get("kind") == "stored" for e in got["allowed"]))
-        assert any(e.get("kind") == "stored" and e["hashes"] == ["y"] for e in heard["allowed"])
+        producer.save_caches("y", ImageFeatures(torch.ones(1, 4)))
+        heard = drain(subscribers, until=lambda got: any(stored(e) for e in got["allowed"]))
+        assert any(stored(e) and e.hashes == ["y"] for e in heard["allowed"])
         assert heard["plaintext"] == [] and heard["unlisted_key"] == []
         good = ECConsumer(cache_bytes=0, curve=allowed)  # and the allowed client gets everything
         try:
@@ -89,9 +93,13 @@ def subscriber(address: str, curve: CurveConfig | None) -> zmq.Socket[Any]:
     return sock
 
 
-def drain(subs: dict[str, zmq.Socket[Any]], until: Any) -> dict[str, list[dict[str, Any]]]:
+def stored(event: Message) -> bool:
+    return isinstance(event, CacheEvent) and event.kind == "stored"
+
+
+def drain(subs: dict[str, zmq.Socket[Any]], until: Any) -> dict[str, list[Any]]:
     """Read every subscriber until `until(got)` holds (or the guard deadline), then a last non-blocking sweep."""
-    got: dict[str, list[dict[str, Any]]] = {name: [] for name in subs}
+    got: dict[str, list[Any]] = {name: [] for name in subs}
     deadline = time.monotonic() + GUARD_S
     poller = zmq.Poller()
     for sock in subs.values():
@@ -110,7 +118,7 @@ def drain(subs: dict[str, zmq.Socket[Any]], until: Any) -> dict[str, list[dict[s
 
 FAKE_PRODUCER = r"""
 import sys, msgpack, zmq
-MAGIC_VERSION = b"EPDC" + bytes([2])  # connector.wire's, without importing it (and torch)
+MAGIC_VERSION = b"EPDC" + bytes([3])  # connector.control.wire's, without importing the connector
 mode, huge = sys.argv[1], int(sys.argv[2])
 sock = zmq.Context.instance().socket(zmq.ROUTER)
 port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -175,7 +183,7 @@ def test_consumer_refuses_oversized_or_mislabelled_replies_with_memory_bounded(m
             assert rss_bytes() - base < CONSUMER_PEAK_BOUND
         ok = ECProducer().start()  # and the consumer still works
         try:
-            ok.save_caches("x", EncoderOutput("x", torch.ones(2, 4)))
+            ok.save_caches("x", ImageFeatures(torch.ones(2, 4)))
             assert torch.equal(consumer.gather(["x"], {"x": ok.address}, GUARD_S)["x"].embeds, torch.ones(2, 4))
         finally:
             ok.close()

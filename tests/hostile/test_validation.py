@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
+from decoder_service.server import DecoderState
 from decoder_service.server import create_app as decoder_app
 from epd_contracts.limits import (
     MAX_MESSAGES,
@@ -48,11 +49,11 @@ TEXT = {"type": "text", "text": "hi"}
 class Stack:
     proxy: str
     decoder: str
-    engine_ref: dict[str, Engine]
+    decoder_state: DecoderState
 
     @property
     def engine(self) -> Engine:
-        return self.engine_ref["engine"]
+        return self.decoder_state.engine
 
 
 @contextmanager
@@ -79,7 +80,7 @@ def inproc(tiny_model_dirs: dict[str, Path]) -> Iterator[Stack]:
         cfg = ProxyConfig(encode_urls=(), decode_urls=(dec_url,), aggregated=True, port=proxy_port,
                           served_model_name="demo")
         with serving(proxy_app(cfg), proxy_port) as proxy_url:
-            yield Stack(proxy_url, dec_url, dec.state.engine_ref)
+            yield Stack(proxy_url, dec_url, dec.state.decoder)
 
 
 def chat(stack: Stack, raw: bytes | None = None, **fields: Any) -> httpx.Response:
@@ -251,6 +252,6 @@ def test_extreme_admitted_values_run_beside_other_streams_without_changing_them(
     for a, b in zip(alone, together, strict=True):
         assert a.status == b.status == 200 and a.error is None and b.error is None and b.done
         assert (b.text, b.completion_tokens, b.finish_reason) == (a.text, a.completion_tokens, a.finish_reason)
-    assert inproc.engine.peak_running >= 3  # the extremes really ran beside the two streams
+    assert inproc.engine.scheduler.peak_running >= 3  # the extremes really ran beside the two streams
     assert grown < MEMORY_BOUND
     assert answer(chat(inproc, max_tokens=8, ignore_eos=True)) == greedy

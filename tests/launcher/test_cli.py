@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from connector.security import load_curve_config
-from epd_launcher import cli
-from epd_launcher.cli import _config, _urls, build_parser, main
+from connector.control.security import load_curve_config
+from epd_launcher import cli, spawn
+from epd_launcher.cli import _config, _urls, main
+from epd_launcher.flags import build_parser, parse_args
 from epd_launcher.group import RestartPolicy, Secrets, Worker, WorkerGroup, free_port
 from proxy.config import ProxyConfig
+from proxy.workers import served_name
 
 
 @pytest.fixture(autouse=True)
@@ -38,23 +40,23 @@ def test_attach_mode_needs_both_kinds_of_worker() -> None:
 
 
 def test_flags_map_to_the_proxy_config() -> None:
-    args = build_parser().parse_args(["--model", "/models/Qwen2-VL-2B/", "--max-images-per-request", "3",
-                                      "--max-image-pixels", "1000", "--port", "9000"])
-    cfg = _config(args, ("http://e",), ("http://d",), None)
+    _, args = parse_args(["--model", "/models/Qwen2-VL-2B/", "--max-images-per-request", "3",
+                          "--max-image-pixels", "1000", "--port", "9000"])
+    cfg = _config(args, ("http://e",), ("http://d",), None, served_name(args.model))
     assert (cfg.served_model_name, cfg.max_images_per_request, cfg.max_image_pixels, cfg.port) == (
         "Qwen2-VL-2B", 3, 1000, 9000)
 
 
 def test_curve_keys_load_from_files_into_the_config(tmp_path: Path) -> None:
-    from connector.security import generate_keypair
-    from epd_common.cli import pop_curve
+    from connector.control.curve_flags import pop_curve
+    from connector.control.security import generate_keypair
 
     enc_public, _ = generate_keypair(tmp_path, "encoders")
     _, proxy_secret = generate_keypair(tmp_path, "proxy")
     flags = ["--ec-curve-key", str(proxy_secret), "--ec-curve-server-key", str(enc_public)]
     parser = build_parser()
     args = parser.parse_args(["--pipeline-encode", *flags])
-    cfg = _config(args, ("http://e",), ("http://d",), pop_curve(parser, args))
+    cfg = _config(args, ("http://e",), ("http://d",), pop_curve(parser, args), None)
     assert cfg.pipeline_encode and cfg.curve is not None and cfg.curve.server_key is not None
 
 
@@ -113,7 +115,7 @@ def test_insecure_attach_mode_starts_and_warns_what_is_open(how: str, served: li
 
 
 def test_attach_mode_with_both_credentials_needs_no_waiver(served: list[ProxyConfig], tmp_path: Path) -> None:
-    from connector.security import generate_keypair
+    from connector.control.security import generate_keypair
 
     enc_public, _ = generate_keypair(tmp_path, "encoders")
     _, proxy_secret = generate_keypair(tmp_path, "proxy")
@@ -128,13 +130,13 @@ def test_a_port_in_use_fails_before_any_worker_is_spawned_or_waited_for(
     def no_launch(*args: object) -> None:
         raise AssertionError("workers were spawned")
 
-    monkeypatch.setattr(cli, "_launch", no_launch)
+    monkeypatch.setattr(spawn, "spawn_workers", no_launch)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = str(busy.getsockname()[1])
         with pytest.raises(SystemExit) as exc:
-            main([*(ATTACH if mode == "attach" else []), "--insecure", "--port", port])
+            main([*([*ATTACH, "--insecure"] if mode == "attach" else []), "--port", port])
     assert exc.value.code != 0 and f"cannot listen on 127.0.0.1:{port}" in str(exc.value.code) and not served
 
 

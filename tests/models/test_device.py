@@ -4,6 +4,7 @@ There is no GPU here. The placement tests use the "meta" device as a stand-in ac
 tensor back to the host (int(), .item(), .tolist()) raises, so a path that runs on meta never waits for the
 device; and `OneDevice` records every op that mixes devices (a host tensor meeting a device tensor, which
 on a GPU is an error or a hidden copy), so a path with no such op makes its tensors on the model's device.
+With --device cuda (`python -m epd_bench.gpu_check`) the placement tests run on that device instead of meta.
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from decoder_service.batch import BatchRunner
 from decoder_service.cli import parse_args as decoder_args
 from decoder_service.config import DecoderConfig
 from decoder_service.prompt import build_prompt
-from decoder_service.sampling import Sampler, SamplingParams
+from decoder_service.sampling import Sampler
 from decoder_service.slots import Plan, SlotCache
 from encoder_service.cli import parse_args as encoder_args
 from encoder_service.config import EncoderConfig
+from epd_contracts.sampling import SamplingParams
 from epd_models.chat import chat_template, render
 from epd_models.halves import LanguageHalf, VisionHalf, resolve_device
 from tests.factories import make_image
@@ -51,6 +53,12 @@ class OneDevice(TorchDispatchMode):
         if len(devices) > 1:
             self.mixed.append((str(func), devices))
         return func(*args, **kwargs)
+
+
+@pytest.fixture
+def accel(device: str) -> torch.device:
+    """Where the placement tests put the model: meta, unless --device names an accelerator."""
+    return META if device == "cpu" else resolve_device(device)
 
 
 @pytest.fixture(autouse=True)
@@ -137,50 +145,54 @@ def test_dtype_auto_is_the_checkpoints_and_a_flag_overrides_it(tiny_model_dirs: 
         LanguageHalf(tiny_model_dirs["llava"], dtype="int8")
 
 
-def test_encoded_features_are_cpu_tensors_and_not_copied_on_the_cpu(tiny_model_dirs: dict[str, Path]) -> None:
-    vision = VisionHalf(tiny_model_dirs["qwen2_vl"])
+def test_encoded_features_are_cpu_tensors_and_not_copied_on_the_cpu(tiny_model_dirs: dict[str, Path],
+                                                                    device: str) -> None:
+    vision = VisionHalf(tiny_model_dirs["qwen2_vl"], device=device)
     feats = vision.encode([make_image(224, 224), make_image(112, 168)])
     assert all(f.embeds.device.type == "cpu" for f in feats)
+    if vision.device.type != "cpu":
+        return
     # on the CPU the batch output is not copied: both images are views of the one projector output
     assert feats[0].embeds.untyped_storage().data_ptr() == feats[1].embeds.untyped_storage().data_ptr()
 
 
-def test_slot_cache_makes_everything_on_its_device() -> None:
+def test_slot_cache_makes_everything_on_its_device(accel: torch.device) -> None:
     text = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, num_hidden_layers=2)
-    cache = SlotCache(text, max_slots=3, max_len=16, dtype=torch.float16, device=META)
+    cache = SlotCache(text, max_slots=3, max_len=16, dtype=torch.float16, device=accel)
     layer = cache.slot_layers[0]
-    assert layer.keys is not None and layer.keys.device == META and layer.keys.dtype == torch.float16
+    assert layer.keys is not None and layer.keys.device == accel and layer.keys.dtype == torch.float16
     for plan, num_new in ((Plan(slice(0, 1), [0], 5), 5), (Plan(slice(0, 3), [5, 2, 7], 1), 1)):
         mask = cache.set_plan(plan)
-        assert mask.device == META and mask.shape == (len(plan.starts), 1, num_new, plan.kv_len)
-        kv = torch.zeros(len(plan.starts), 2, num_new, 8, dtype=torch.float16, device=META)
+        assert mask.device == accel and mask.shape == (len(plan.starts), 1, num_new, plan.kv_len)
+        kv = torch.zeros(len(plan.starts), 2, num_new, 8, dtype=torch.float16, device=accel)
         keys, values = layer.update(kv, kv, 0)
-        assert keys.device == values.device == META
+        assert keys.device == values.device == accel
     assert cache.nbytes == 2 * 2 * 3 * 2 * 16 * 8 * 2
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
-def test_batched_prefill_and_decode_run_on_the_lms_device(tiny_model_dirs: dict[str, Path], family: str) -> None:
+def test_batched_prefill_and_decode_run_on_the_lms_device(tiny_model_dirs: dict[str, Path], family: str,
+                                                          accel: torch.device) -> None:
     """CPU prompt ids and CPU image features (as gathered from the connector) into an LM on another device."""
     d = tiny_model_dirs[family]
     vision, lm = VisionHalf(d), LanguageHalf(d)
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what color is the shape"}]}]
     prompt = build_prompt(lm, render(lm.tokenizer, msgs, chat_template(lm.tokenizer, d)),
                           vision.encode([make_image(168, 112, "blue")]))
-    lm.module.to(META)
-    lm.device = META  # what the constructor's `device` sets; everything below derives from it
+    lm.module.to(accel)
+    lm.device = accel  # what the constructor's `device` sets; everything below derives from it
     with OneDevice() as mode:
         runner = BatchRunner(lm, max_slots=2, max_len=512, chunk=16)
         runner.add("a", prompt)
         runner.add("b", prompt)
-        assert {r.embeds.device for r in runner.rows} == {r.positions.device for r in runner.rows} == {META}
+        assert {r.embeds.device for r in runner.rows} == {r.positions.device for r in runner.rows} == {accel}
         first = runner.prefill(budget=10_000)  # chunked: several forwards per prompt
-        assert set(first) == {"a", "b"} and {t.device for t in first.values()} == {META}
+        assert set(first) == {"a", "b"} and {t.device for t in first.values()} == {accel}
         nxt = runner.decode({"a": 5, "b": 7})
-        assert {t.device for t in nxt.values()} == {META}
+        assert {t.device for t in nxt.values()} == {accel}
         assert [r.length for r in runner.rows] == [prompt.num_tokens + 1] * 2
         runner.remove("a")  # moves row b's K/V into slot 0, on the device
-        assert {t.device for t in runner.decode({"b": 3}).values()} == {META}
+        assert {t.device for t in runner.decode({"b": 3}).values()} == {accel}
     assert mode.mixed == []
 
 
@@ -189,45 +201,48 @@ def test_batched_prefill_and_decode_run_on_the_lms_device(tiny_model_dirs: dict[
     SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3),
     SamplingParams(temperature=0.7, top_k=3, top_p=0.5, seed=1, frequency_penalty=0.1),
 ])
-def test_sampler_chooses_where_the_logits_are_without_reading_them_back(params: SamplingParams) -> None:
-    sampler = Sampler(params)
+def test_sampler_chooses_where_the_logits_are_without_reading_them_back(params: SamplingParams,
+                                                                       accel: torch.device) -> None:
+    sampler = Sampler(params) if accel == META else Sampler(params, accel)  # a meta Generator cannot be made
     for token in (3, 3, 5):
         sampler.accept(token)
     with OneDevice() as mode:
-        chosen = sampler.choose(torch.zeros(10, device=META))
-    assert chosen.device == META and chosen.shape == () and mode.mixed == []
+        chosen = sampler.choose(torch.zeros(10, device=accel))
+    assert chosen.device == accel and chosen.shape == () and mode.mixed == []
     assert Sampler(params, "cpu").generator.device == torch.device("cpu")
 
 
-def test_llava_encoder_moves_pixels_to_the_vision_device(tiny_model_dirs: dict[str, Path]) -> None:
+def test_llava_encoder_moves_pixels_to_the_vision_device(tiny_model_dirs: dict[str, Path],
+                                                         accel: torch.device) -> None:
     vision = VisionHalf(tiny_model_dirs["llava"])
     inputs = vision.adapter.preprocess(vision.image_processor, [make_image(224, 224), make_image(96, 64)])
-    vision.module.to(META)
+    vision.module.to(accel)
     with OneDevice() as mode:
         feats = vision.adapter.encode(vision.module, vision.config, inputs)
-    assert [f.embeds.device for f in feats] == [META, META] and mode.mixed == []
+    assert [f.embeds.device for f in feats] == [accel, accel] and mode.mixed == []
 
 
 class _RecordingVisual(nn.Module):
     """Stands in for Qwen's `visual` (whose own position code reads grid_thw back, which meta cannot do)."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, device: torch.device):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, device=META, dtype=torch.float16))
+        self.weight = nn.Parameter(torch.zeros(1, device=device, dtype=torch.float16))
         self.hidden = hidden
         self.seen: dict[str, torch.Tensor] = {}
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> SimpleNamespace:
         self.seen = {"pixel_values": pixel_values, "grid_thw": grid_thw}
-        return SimpleNamespace(pooler_output=torch.zeros(88, self.hidden, device=META))
+        return SimpleNamespace(pooler_output=torch.zeros(88, self.hidden, device=self.weight.device))
 
 
-def test_qwen_encoder_moves_pixels_and_grid_to_the_vision_device(tiny_model_dirs: dict[str, Path]) -> None:
+def test_qwen_encoder_moves_pixels_and_grid_to_the_vision_device(tiny_model_dirs: dict[str, Path],
+                                                                 accel: torch.device) -> None:
     vision = VisionHalf(tiny_model_dirs["qwen2_vl"])
     inputs = vision.adapter.preprocess(vision.image_processor, [make_image(224, 224), make_image(168, 112)])
-    visual = _RecordingVisual(vision.config.text_config.hidden_size)
+    visual = _RecordingVisual(vision.config.text_config.hidden_size, accel)
     vision.module.visual = visual
     feats = vision.adapter.encode(vision.module, vision.config, inputs)
-    assert visual.seen["pixel_values"].device == visual.seen["grid_thw"].device == META
+    assert visual.seen["pixel_values"].device == visual.seen["grid_thw"].device == accel
     assert visual.seen["pixel_values"].dtype == torch.float16
     assert [f.num_tokens for f in feats] == [64, 24] and feats[1].grid_thw == (1, 8, 12)

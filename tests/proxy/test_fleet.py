@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import ECProducer
+from connector.tensors.producer import ECProducer
 from epd_common.errors import APIError
 from proxy.config import ProxyConfig
 from proxy.fleet import Fleet
@@ -346,3 +346,22 @@ def test_a_decoder_5xx_answer_is_retried_once_then_the_request_fails_alone_and_n
 
     err, fine = asyncio.run(main())
     assert (err.status, err.code) == (500, "engine_error") and len(generates) == 2 and fine == [True] * 3
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"items": "nope"}', b'{"ec_address": 5}'])
+def test_an_unreadable_200_is_retried_once_then_every_waiting_request_gets_a_502(body: bytes) -> None:
+    async def garbage(url: str, hashes: list[str]) -> httpx.Response:
+        return httpx.Response(200, content=body)
+
+    encoders = Encoders(garbage)
+
+    async def main() -> tuple[list[BaseException | dict[str, str]], list[bool]]:
+        async with fleet_of(encoders) as fleet:
+            first, second = await start_two(fleet, encoders, items("a"), items("a"))
+            # a guard, not a wait: before the fix the futures were never settled and both requests hung
+            results = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), 10)
+            return results, [w.healthy for w in fleet.workers.of("encoder")]
+
+    results, healthy = asyncio.run(main())
+    assert all(isinstance(r, APIError) and r.status == 502 and r.code == "upstream_error" for r in results), results
+    assert len(encoders.calls) == 2 and all(healthy)  # retried once elsewhere; it answered, so nobody is marked down

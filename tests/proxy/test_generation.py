@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from epd_common.errors import APIError
+from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
 from proxy.fleet import WorkerFailed
 from proxy.generation import Generation
@@ -18,7 +20,8 @@ from proxy.prepare import PreparedChat
 from proxy.workers import Worker, Workers
 from scheduler.scheduler import MMItem
 
-DONE = {"type": "done", "finish_reason": "stop", "usage": {}}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4, "num_image_tokens": 0}
+DONE = {"type": "done", "finish_reason": "stop", "usage": USAGE}
 
 
 class FakeStream:
@@ -66,8 +69,8 @@ class FakeFleet:
         self.encode_calls.append(([i.mm_hash for i in items], skip_cached))
         return {i.mm_hash: "tcp://re-encoded" for i in items}
 
-    async def open_generation(self, worker: Worker, payload: dict[str, Any], request_id: str) -> object:
-        self.opened.append((worker.url, payload))
+    async def open_generation(self, worker: Worker, body: GenerateRequest, request_id: str) -> object:
+        self.opened.append((worker.url, msgspec.to_builtins(body)))  # the body as it goes on the wire
         outcome = self.script[worker.url].pop(0)
         if isinstance(outcome, Exception):
             raise outcome
@@ -82,7 +85,7 @@ MISSING_B = APIError(409, "missing", code="missing_embeddings", extra={"missing"
 async def run(fleet: FakeFleet) -> tuple[Generation, list[dict[str, Any]]]:
     gen = Generation(fleet, CHAT, "rid")  # type: ignore[arg-type]
     await gen.open(SOURCES)
-    events = [ev async for ev in gen.events()]
+    events = [msgspec.to_builtins(ev) async for ev in gen.events()]
     await gen.close()
     return gen, events
 
@@ -139,3 +142,26 @@ def test_every_decoder_failing_is_a_503() -> None:
         asyncio.run(gen.open(SOURCES))
     assert err.value.status == 503 and err.value.code == "decoder_unavailable"
     assert all(w.load == 0 for w in fleet.workers.of("decoder"))
+
+
+class RawStream(FakeStream):
+    """A decoder stream of raw lines (not necessarily events)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__([])
+        self.lines = lines
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        for line in self.lines:
+            yield line
+
+
+@pytest.mark.parametrize("bad", ["not json", '{"type": "token"}', '{"type": "delta", "text": 5}', "[1, 2]"])
+@pytest.mark.parametrize("position", [0, 1])
+def test_an_unreadable_event_becomes_an_error_event_that_ends_the_stream(bad: str, position: int) -> None:
+    lines = [json.dumps(delta("hi")), bad, json.dumps(DONE)][1 - position:] if position else [bad, json.dumps(DONE)]
+    fleet = FakeFleet({"d0": [RawStream(lines)]})
+    _, events = asyncio.run(run(fleet))
+    error = events[position]
+    assert error["type"] == "error" and "unreadable event" in error["message"]
+    assert events[:position] == [delta("hi")] * position

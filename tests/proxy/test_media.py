@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageFile
 
-from epd_models.images import ImageError, ImageTooLargeError, load_image, open_image
+from epd_common.images import ImageError, ImageTooLargeError, load_image, open_image
 from tests.factories import make_image
 from tests.proxy.media_helpers import (
     PARAM,

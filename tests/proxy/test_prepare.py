@@ -9,7 +9,7 @@ import pytest
 from epd_common.errors import APIError
 from epd_contracts.hashing import mm_hash
 from proxy.config import ProxyConfig
-from proxy.prepare import prepare_chat
+from proxy.prepare import check_model, prepare_chat
 from proxy.protocol import ChatCompletionRequest
 from tests.factories import make_image
 
@@ -89,7 +89,9 @@ def test_images_outside_user_messages_are_refused_before_any_is_loaded(monkeypat
 
 
 def test_unknown_model_is_404() -> None:
-    assert refused(request(model="gpt-4o")).status == 404
+    with pytest.raises(APIError) as err:
+        check_model(request(model="gpt-4o"), CFG.served_model_name)
+    assert err.value.status == 404
 
 
 def test_penalties_are_passed_to_the_decoder() -> None:

@@ -7,11 +7,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
-from proxy.app import _sse
+from epd_contracts.generate import Event
 from proxy.metrics import ProxyMetrics
 from proxy.openai_format import Completion
+from proxy.streaming import sse_stream
 from tests.openai_schema import assert_valid
 
 USAGE = {"prompt_tokens": 70, "completion_tokens": 2, "total_tokens": 72, "num_image_tokens": 64}
@@ -23,9 +25,9 @@ class FakeGeneration:
     def __init__(self, events: list[dict[str, Any]]):
         self._events, self.closed = events, False
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncIterator[Event]:
         for ev in self._events:
-            yield ev
+            yield msgspec.convert(ev, Event)  # as the proxy decodes the decoder's NDJSON lines
 
     async def close(self) -> None:
         self.closed = True
@@ -35,7 +37,7 @@ def run(events: list[dict[str, Any]], include_usage: bool = True) -> tuple[list[
     gen = FakeGeneration(events)
 
     async def collect() -> list[bytes]:
-        it = _sse(gen, Completion(model="demo"), include_usage, ProxyMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+        it = sse_stream(gen, Completion(model="demo"), include_usage, ProxyMetrics(CollectorRegistry()),  # type: ignore[arg-type]
                   time.perf_counter())
         return [chunk async for chunk in it]
 

@@ -6,8 +6,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connector import ECConsumer, ECProducer, EncoderOutput
-from scheduler.cache_index import FleetCacheIndex
+from connector.control.cache_index import FleetCacheIndex
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.producer import ECProducer
+from epd_contracts.embeddings import ImageFeatures
 from scheduler.scheduler import EncoderSlot, MMItem, NoEncoderAvailable, Scheduler
 
 
@@ -34,8 +36,8 @@ def producer() -> Iterator[ECProducer]:
     p.close()
 
 
-def output(h: str) -> EncoderOutput:
-    return EncoderOutput(mm_hash=h, embeds=torch.ones(4, 8))
+def output(h: str) -> ImageFeatures:
+    return ImageFeatures(torch.ones(4, 8))
 
 
 @pytest.mark.parametrize("role", ["ec_producer", "ec_consumer"])
@@ -58,8 +60,7 @@ def test_encoder_input_skipped_when_connector_already_has_the_item(role: str, pr
 
 
 def test_scheduler_skips_what_the_event_index_says_an_encoder_holds(producer: ECProducer) -> None:
-    consumer = ECConsumer(cache_bytes=0)
-    index = FleetCacheIndex(consumer)
+    index = FleetCacheIndex()
     try:
         producer.save_caches("a", output("a"))
         index.add(producer.address, producer.events_address)
@@ -70,7 +71,6 @@ def test_scheduler_skips_what_the_event_index_says_an_encoder_holds(producer: EC
         assert out.skipped == ["a"] and out.num_scheduled == 1
     finally:
         index.close()
-        consumer.close()
 
 
 def test_images_of_one_request_are_split_across_encoders() -> None:
@@ -83,7 +83,7 @@ def test_least_loaded_encoder_gets_the_next_item() -> None:
     sched = create_scheduler(set(), set())
     sched.schedule(items("a", "b", "c"))  # e0: 2, e1: 1 outstanding
     assert list(sched.schedule(items("d")).scheduled_encoder_inputs) == ["e1"]
-    sched.update_from_output("e0", ["a", "c"])
+    sched.update_from_output("e0", ["a", "c"], "tcp://e0")
     assert list(sched.schedule(items("e")).scheduled_encoder_inputs) == ["e0"]
 
 
@@ -109,7 +109,7 @@ def test_item_being_encoded_for_another_request_is_joined_not_encoded_again() ->
     owner = next(iter(first.scheduled_encoder_inputs))
     assert second.joined == {"a": owner} and second.sources["a"] == f"tcp://{owner}"
     assert [i.mm_hash for todo in second.scheduled_encoder_inputs.values() for i in todo] == ["b"]
-    sched.update_from_output(owner, ["a"])  # finished: a later request no longer joins it
+    sched.update_from_output(owner, ["a"], f"tcp://{owner}")  # finished: a later request no longer joins it
     assert sched.schedule(items("a")).joined == {}
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import zmq
 
-from connector.security import CurveConfig, secure_client
-from connector.wire import apply_socket_limits
+from connector.control.security import CurveConfig, secure_client
+from connector.control.wire import apply_socket_limits
 
 MAX_IDLE_PER_PEER = 8
 
@@ -79,7 +79,7 @@ class ChannelPool:
     def checkout(self, address: str) -> PeerChannel:
         with self._lock:
             if self._closed:
-                raise RuntimeError("ECConsumer is closed")
+                raise RuntimeError("the connector client is closed")
             idle = self._idle.get(address)
             if idle:
                 return idle.pop()

@@ -3,28 +3,48 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import secrets
 import threading
 import time
 from typing import Any
 
-import torch
 import zmq
 
-from connector import messages
-from connector.cache import EmbeddingCache
-from connector.security import CurveConfig, secure_server, start_authenticator
-from connector.types import EncoderOutput
-from connector.waiters import MAX_PARKED, MAX_PARKED_HASHES, FailedSet, ParkedGet, WaitList
-from connector.waker import Waker
-from connector.wire import MAX_TENSOR_BYTES, WireError, apply_socket_limits, decode_message, encode_message, peek_req_id
+from connector.control.security import CurveConfig, secure_server, start_authenticator
+from connector.control.waker import Waker
+from connector.control.wire import (
+    MAX_TENSOR_BYTES,
+    WireError,
+    apply_socket_limits,
+    decode_message,
+    encode_message,
+    peek_req_id,
+)
+from connector.tensors.cache import EmbeddingCache
+from connector.tensors.frames import WireItem
+from connector.tensors.replies import get_reply
+from connector.tensors.waiters import MAX_PARKED, MAX_PARKED_HASHES, FailedSet, ParkedGet, WaitList
+from epd_contracts.ec import (
+    HEARTBEAT_S,
+    MAX_WAIT_MS,
+    CacheEvent,
+    ErrorReply,
+    EventKind,
+    GetRequest,
+    HasReply,
+    HasRequest,
+    Message,
+    PingRequest,
+    Pong,
+    SnapshotReply,
+    SnapshotRequest,
+)
+from epd_contracts.embeddings import ImageFeatures
 
 logger = logging.getLogger("epd.connector")
 
 _START_TIMEOUT_S = 10.0
-HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
 MAX_REQUEST_BYTES = 1 << 20  # requests carry hashes only
 MAX_ITEMS_PER_GET = 256  # hashes one get or has may ask for; more get an error reply
 MAX_REPLY_BYTES = 256 << 20  # tensor bytes of one get reply (besides its first item); the rest are sent as `more`
@@ -66,7 +86,7 @@ class ECProducer:
         self.advertise_host = advertise_host  # None: advertise the bound address
         self.max_message_bytes, self.curve = max_message_bytes, curve
         self.epoch = secrets.token_hex(8)  # a restarted producer is a new epoch: subscribers drop what they knew
-        self._cache = EmbeddingCache(cache_bytes, journal=True)
+        self._cache: EmbeddingCache[WireItem] = EmbeddingCache(cache_bytes, journal=True)
         # NOTE: a ZAP authenticator is per context, so a producer that checks client keys has its own.
         self._ctx: zmq.Context[Any] = zmq.Context() if curve and curve.allowed_clients else zmq.Context.instance()
         self._address: str | None = None
@@ -114,15 +134,13 @@ class ECProducer:
             raise self._start_error
         return self
 
-    def save_caches(self, mm_hash: str, output: EncoderOutput) -> None:
-        """Keep an encoder output (as a contiguous CPU tensor) for consumers to fetch."""
-        if output.mm_hash != mm_hash:
-            raise ValueError(f"save_caches key {mm_hash!r} does not match output.mm_hash {output.mm_hash!r}")
-        embeds = output.embeds.detach().to("cpu").contiguous()
-        if embeds is not output.embeds:
-            output = dataclasses.replace(output, embeds=embeds)
-        if not self._cache.put(output):
-            logger.warning("embeddings %s (%d bytes) do not fit the producer cache; not saved", mm_hash, output.nbytes)
+    def save_caches(self, mm_hash: str, features: ImageFeatures) -> None:
+        """Keep an item's embeddings (as a contiguous CPU tensor) for consumers to fetch."""
+        embeds = features.embeds.detach().to("cpu").contiguous()
+        if embeds is not features.embeds:
+            features = ImageFeatures(embeds, features.grid_thw)
+        if not self._cache.put(mm_hash, WireItem(features)):
+            logger.warning("embeddings %s (%d bytes) do not fit the producer cache; not saved", mm_hash, features.nbytes)
             self.mark_failed([mm_hash])
         self._waker.wake()
 
@@ -134,9 +152,10 @@ class ECProducer:
     def has_cache_item(self, mm_hash: str) -> bool:
         return mm_hash in self._cache
 
-    def get_cache_item(self, mm_hash: str) -> EncoderOutput | None:
-        """The held output (refreshing its recency), or None."""
-        return self._cache.get(mm_hash)
+    def get_cache_item(self, mm_hash: str) -> ImageFeatures | None:
+        """The held embeddings (refreshing their recency), or None."""
+        held = self._cache.get(mm_hash)
+        return held.features if held is not None else None
 
     def position(self) -> tuple[str, int]:
         """(epoch, seq) of the last cache event: a subscriber that has seen it knows everything stored so far."""
@@ -202,7 +221,7 @@ class ECProducer:
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                self._publish(pub, messages.event(self.address, self.epoch, self._published_seq, "heartbeat", []))
+                self._publish(pub, self._event(self._published_seq, "heartbeat", []))
                 next_beat = now + HEARTBEAT_S
             deadline = next_beat
             if self._waits:  # nothing parked (the common case): no timers but the heartbeat
@@ -238,7 +257,7 @@ class ECProducer:
             self._failed.add(mm_hash)
             settled.append(mm_hash)
         for seq, kind, mm_hash in self._cache.drain_events():
-            self._publish(pub, messages.event(self.address, self.epoch, seq, kind, [mm_hash]))
+            self._publish(pub, self._event(seq, kind, [mm_hash]))
             self._published_seq = seq
             if kind == "stored":
                 self._failed.discard(mm_hash)
@@ -246,7 +265,10 @@ class ECProducer:
         for get in self._waits.resolve(settled, lambda h: h in self._cache or h in self._failed):
             self._answer(get)
 
-    def _publish(self, pub: zmq.Socket[Any], header: dict[str, Any]) -> None:
+    def _event(self, seq: int, kind: EventKind, hashes: list[str]) -> CacheEvent:
+        return CacheEvent(producer=self.address, epoch=self.epoch, seq=seq, kind=kind, hashes=hashes)
+
+    def _publish(self, pub: zmq.Socket[Any], header: CacheEvent) -> None:
         pub.send_multipart(encode_message(header), copy=False)
         self._num_events += 1
 
@@ -262,26 +284,33 @@ class ECProducer:
         if reply is not None:
             router.send_multipart([identity, *encode_message(*reply)], copy=False)
 
-    def _handle(self, identity: bytes, payload: list[bytes]) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    def _handle(self, identity: bytes, payload: list[bytes]) -> tuple[Message, list[memoryview]] | None:
         header, _ = decode_message(payload, self.max_message_bytes)
-        op, req_id = header["op"], header["req_id"]
-        if op == "ping":
-            return {"op": "pong", "req_id": req_id}, []
-        if op == "has":
-            hashes = messages.parse_hashes(header, self.max_items_per_get)
-            return {"op": "has_reply", "req_id": req_id, "has": [h in self._cache for h in hashes]}, []
-        if op == "snapshot":
+        req_id = header.req_id
+        if isinstance(header, PingRequest):
+            return Pong(req_id=req_id), []
+        if isinstance(header, HasRequest):
+            hashes = self._check_count(header.hashes, "has")
+            return HasReply(req_id=req_id, has=[h in self._cache for h in hashes]), []
+        if isinstance(header, SnapshotRequest):
             seq, held = self._cache.snapshot()
-            return messages.snapshot_reply(req_id, self.epoch, seq, held), []
-        if op == "get":
-            self._get(identity, req_id, header)
+            return SnapshotReply(req_id=req_id, epoch=self.epoch, seq=seq, hashes=held), []
+        if isinstance(header, GetRequest):
+            self._get(identity, header)
             return None
-        raise WireError(f"op {op!r} is not a request")
+        raise WireError(f"{type(header).__name__} is not a request")
 
-    def _get(self, identity: bytes, req_id: int, header: dict[str, Any]) -> None:
+    def _check_count(self, hashes: list[str], op: str) -> list[str]:
+        if len(hashes) > self.max_items_per_get:
+            raise WireError(f"{op} asks for {len(hashes)} hashes, over the {self.max_items_per_get}-item limit")
+        return hashes
+
+    def _get(self, identity: bytes, header: GetRequest) -> None:
         """Answer now, or park the get when it may wait for items still being encoded."""
-        hashes = messages.parse_hashes(header, self.max_items_per_get)
-        wait, wait_ms = messages.parse_wait(header, hashes)
+        req_id, hashes = header.req_id, self._check_count(header.hashes, "get")
+        wait, wait_ms = set(header.wait), min(header.wait_ms, MAX_WAIT_MS)
+        if not wait <= set(hashes):
+            raise WireError("get `wait` must be a list of hashes the get asks for")
         keys = list(dict.fromkeys(hashes))
         found = self._cache.pin(keys)
         try:
@@ -299,10 +328,10 @@ class ECProducer:
         with self._cache.pinned(get.hashes) as found:
             self._send_get_reply(get.identity, get.req_id, get.hashes, found)
 
-    def _send_get_reply(self, identity: bytes, req_id: int, hashes: list[str], found: dict[str, EncoderOutput]) -> None:
+    def _send_get_reply(self, identity: bytes, req_id: int, hashes: list[str], found: dict[str, WireItem]) -> None:
         """Send a get's reply; the caller keeps the items pinned until ZeroMQ has taken the frames."""
         assert self._router is not None
-        header, frames = messages.get_reply(req_id, hashes, found, self._failed.frozen(hashes), self.max_reply_bytes)
+        header, frames = get_reply(req_id, hashes, found, self._failed.frozen(hashes), self.max_reply_bytes)
         self._num_gets_served += 1  # before the send: a consumer may read stats() the moment it has the reply
         self._bytes_sent += sum(buf.nbytes for buf in frames)
         router, (head, *tensors) = self._router, encode_message(header, frames)
@@ -312,7 +341,7 @@ class ECProducer:
         for i, buf in enumerate(tensors, 1):
             router.send(buf, _MORE if i < len(tensors) else 0, copy=False)
 
-    def _reject(self, payload: list[bytes], message: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def _reject(self, payload: list[bytes], message: str) -> tuple[Message, list[memoryview]]:
         self._num_bad_messages += 1
         logger.warning("producer %s rejected a malformed message: %s", self._address, message)
-        return messages.error_reply(peek_req_id(payload), message), []
+        return ErrorReply(req_id=peek_req_id(payload), message=message), []

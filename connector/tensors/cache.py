@@ -1,4 +1,4 @@
-"""Byte-bounded LRU cache of encoder outputs, keyed by mm_hash, with pins and an event journal."""
+"""Byte-bounded LRU cache of image embeddings, keyed by mm_hash, with pins and an event journal."""
 
 from __future__ import annotations
 
@@ -6,14 +6,23 @@ import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from typing import Generic, Literal, Protocol, TypeVar
 
-from connector.types import EncoderOutput
+Change = Literal["stored", "evicted"]
+STORED: Change = "stored"
+EVICTED: Change = "evicted"
+JournalEntry = tuple[int, Change, str]  # (seq, STORED | EVICTED, mm_hash)
 
-STORED, EVICTED = "stored", "evicted"
-CacheEvent = tuple[int, str, str]  # (seq, STORED | EVICTED, mm_hash)
+
+class Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
 
 
-class EmbeddingCache:
+T = TypeVar("T", bound=Sized)  # ImageFeatures (consumers), WireItem (producers)
+
+
+class EmbeddingCache(Generic[T]):
     """Thread-safe LRU that evicts least recently used, unpinned items to stay under `max_bytes`.
 
     Every store and eviction gets the next sequence number; with `journal=True` the events are kept
@@ -24,10 +33,10 @@ class EmbeddingCache:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._items: OrderedDict[str, EncoderOutput] = OrderedDict()  # oldest first
+        self._items: OrderedDict[str, T] = OrderedDict()  # oldest first
         self._pins: dict[str, int] = {}  # mm_hash -> users that must not lose it
         self._lock = threading.Lock()
-        self._journal: list[CacheEvent] | None = [] if journal else None
+        self._journal: list[JournalEntry] | None = [] if journal else None
         self._seq = 0
         self._nbytes = 0
         self._num_hits = 0
@@ -35,26 +44,25 @@ class EmbeddingCache:
         self._num_evictions = 0
         self._num_rejected = 0
 
-    def put(self, out: EncoderOutput) -> bool:
+    def put(self, mm_hash: str, item: T) -> bool:
         """Store (or replace) an item; False if it cannot fit beside the pinned items."""
         with self._lock:
-            if out.nbytes > self.max_bytes:
+            if item.nbytes > self.max_bytes:
                 self._num_rejected += 1
                 return False
-            old = self._items.get(out.mm_hash)
-            room = self.max_bytes - self._pinned_bytes(exclude=out.mm_hash)
-            if out.nbytes > room:
+            room = self.max_bytes - self._pinned_bytes(exclude=mm_hash)
+            if item.nbytes > room:
                 self._num_rejected += 1
                 return False
-            if old is not None:
-                self._nbytes -= self._items.pop(out.mm_hash).nbytes
-            self._evict_until(self.max_bytes - out.nbytes)
-            self._items[out.mm_hash] = out
-            self._nbytes += out.nbytes
-            self._record(STORED, out.mm_hash)
+            if mm_hash in self._items:
+                self._nbytes -= self._items.pop(mm_hash).nbytes
+            self._evict_until(self.max_bytes - item.nbytes)
+            self._items[mm_hash] = item
+            self._nbytes += item.nbytes
+            self._record(STORED, mm_hash)
         return True
 
-    def get(self, mm_hash: str) -> EncoderOutput | None:
+    def get(self, mm_hash: str) -> T | None:
         """Return an item and mark it most recently used, counting the hit or miss."""
         with self._lock:
             out = self._items.get(mm_hash)
@@ -66,7 +74,7 @@ class EmbeddingCache:
             return out
 
     @contextlib.contextmanager
-    def pinned(self, mm_hashes: Iterable[str]) -> Iterator[dict[str, EncoderOutput]]:
+    def pinned(self, mm_hashes: Iterable[str]) -> Iterator[dict[str, T]]:
         """Hold the given items (those present) against eviction; yields them, refreshed as hits."""
         keys = list(dict.fromkeys(mm_hashes))
         try:
@@ -74,9 +82,9 @@ class EmbeddingCache:
         finally:
             self.unpin(keys)
 
-    def pin(self, keys: list[str]) -> dict[str, EncoderOutput]:
+    def pin(self, keys: list[str]) -> dict[str, T]:
         """Pin `keys` (distinct) and return those present, refreshed as hits; pair with `unpin(keys)`."""
-        found: dict[str, EncoderOutput] = {}
+        found: dict[str, T] = {}
         with self._lock:
             for h in keys:
                 self._pins[h] = self._pins.get(h, 0) + 1
@@ -102,7 +110,7 @@ class EmbeddingCache:
         with self._lock:
             return self._seq, list(self._items)
 
-    def drain_events(self) -> list[CacheEvent]:
+    def drain_events(self) -> list[JournalEntry]:
         """Events recorded since the last drain, oldest first (empty without a journal)."""
         with self._lock:
             if not self._journal:
@@ -159,7 +167,7 @@ class EmbeddingCache:
             self._num_evictions += 1
             self._record(EVICTED, mm_hash)
 
-    def _record(self, kind: str, mm_hash: str) -> None:
+    def _record(self, kind: Change, mm_hash: str) -> None:
         self._seq += 1
         if self._journal is not None:
             self._journal.append((self._seq, kind, mm_hash))

@@ -10,27 +10,22 @@ import pytest
 import torch
 import zmq
 
-from connector import ECConsumer, ECProducer, EncoderOutput, messages
-from connector.wire import decode_message, encode_message
-from scheduler.cache_index import FleetCacheIndex, ProducerView
+from connector.control.cache_index import FleetCacheIndex, ProducerView
+from connector.control.wire import decode_message, encode_message
+from connector.tensors.producer import ECProducer
+from epd_contracts.ec import CacheEvent, EventKind, SnapshotReply, SnapshotRequest
+from epd_contracts.embeddings import ImageFeatures
 
 GUARD_S = 10.0  # upper bound on any wait here; never reached when things work
 
 
-def output(h: str, num_tokens: int = 4) -> EncoderOutput:
-    return EncoderOutput(h, torch.ones(num_tokens, 8))  # 32 * num_tokens bytes
+def output(h: str, num_tokens: int = 4) -> ImageFeatures:
+    return ImageFeatures(torch.ones(num_tokens, 8))  # 32 * num_tokens bytes
 
 
 @pytest.fixture
-def consumer() -> Iterator[ECConsumer]:
-    c = ECConsumer(cache_bytes=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def index(consumer: ECConsumer) -> Iterator[FleetCacheIndex]:
-    idx = FleetCacheIndex(consumer)
+def index() -> Iterator[FleetCacheIndex]:
+    idx = FleetCacheIndex()
     yield idx
     idx.close()
 
@@ -63,9 +58,9 @@ def test_a_late_subscriber_starts_from_a_snapshot(index: FleetCacheIndex) -> Non
         producer.close()
 
 
-def test_two_indexes_share_one_view_without_a_central_store(consumer: ECConsumer) -> None:
+def test_two_indexes_share_one_view_without_a_central_store() -> None:
     producer = ECProducer().start()
-    first, second = FleetCacheIndex(consumer), FleetCacheIndex(consumer)
+    first, second = FleetCacheIndex(), FleetCacheIndex()
     try:
         follow(first, producer)
         follow(second, producer)
@@ -106,8 +101,8 @@ def test_a_restarted_producer_is_a_new_epoch_and_its_old_items_are_forgotten(ind
         new.close()
 
 
-def test_a_silent_producer_is_forgotten(consumer: ECConsumer) -> None:
-    index = FleetCacheIndex(consumer, stale_after_s=0.5)
+def test_a_silent_producer_is_forgotten() -> None:
+    index = FleetCacheIndex(stale_after_s=0.5)
     producer = ECProducer().start()
     try:
         follow(index, producer)
@@ -131,15 +126,17 @@ class FakeProducer:
         self.events_address = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self.snapshot: tuple[int, list[str]] = (0, [])
 
-    def publish(self, seq: int, kind: str, hashes: list[str]) -> None:
-        self.pub.send_multipart(encode_message(messages.event(self.address, "e1", seq, kind, hashes)))
+    def publish(self, seq: int, kind: EventKind, hashes: list[str]) -> None:
+        event = CacheEvent(producer=self.address, epoch="e1", seq=seq, kind=kind, hashes=hashes)
+        self.pub.send_multipart(encode_message(event))
 
     def answer_snapshot(self) -> None:
         assert self.router.poll(int(GUARD_S * 1000)), "no snapshot request arrived"
         identity, *request = self.router.recv_multipart()
         header, _ = decode_message(request)
-        assert header["op"] == "snapshot"
-        reply = messages.snapshot_reply(header["req_id"], "e1", *self.snapshot)
+        assert isinstance(header, SnapshotRequest)
+        seq, hashes = self.snapshot
+        reply = SnapshotReply(req_id=header.req_id, epoch="e1", seq=seq, hashes=hashes)
         self.router.send_multipart([identity, *encode_message(reply)])
 
     def close(self) -> None:
@@ -164,14 +161,18 @@ def test_a_gap_in_the_sequence_triggers_a_resync(index: FleetCacheIndex) -> None
         fake.close()
 
 
+def event(epoch: str, seq: int, kind: EventKind, hashes: list[str]) -> CacheEvent:
+    return CacheEvent(producer="tcp://p", epoch=epoch, seq=seq, kind=kind, hashes=hashes)
+
+
 def test_producer_view_applies_events_in_order_only() -> None:
     view = ProducerView("tcp://p", "tcp://p-events")
-    assert not view.apply_event("e", 1, "stored", ["a"])  # not synced yet
-    view.apply_snapshot("e", 1, ["a"])
-    assert view.apply_event("e", 1, "stored", ["a"])  # already in the snapshot: ignored
-    assert view.apply_event("e", 2, "stored", ["b"]) and view.held == {"a", "b"}
-    assert view.apply_event("e", 3, "evicted", ["a"]) and view.held == {"b"}
-    assert view.apply_event("e", 3, "heartbeat", [])
-    assert not view.apply_event("e", 5, "stored", ["c"])  # gap
-    assert not view.apply_event("e", 4, "heartbeat", [])  # the heartbeat says events were missed
-    assert not view.apply_event("other", 1, "stored", ["d"])  # new epoch: the producer restarted
+    assert not view.apply_event(event("e", 1, "stored", ["a"]))  # not synced yet
+    view.apply_snapshot(SnapshotReply(req_id=1, epoch="e", seq=1, hashes=["a"]))
+    assert view.apply_event(event("e", 1, "stored", ["a"]))  # already in the snapshot: ignored
+    assert view.apply_event(event("e", 2, "stored", ["b"])) and view.held == {"a", "b"}
+    assert view.apply_event(event("e", 3, "evicted", ["a"])) and view.held == {"b"}
+    assert view.apply_event(event("e", 3, "heartbeat", []))
+    assert not view.apply_event(event("e", 5, "stored", ["c"]))  # gap
+    assert not view.apply_event(event("e", 4, "heartbeat", []))  # the heartbeat says events were missed
+    assert not view.apply_event(event("other", 1, "stored", ["d"]))  # new epoch: the producer restarted

@@ -12,27 +12,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 
-from connector import ECConsumer
-from connector.messages import parse_position
-from connector.producer import HEARTBEAT_S
-from connector.security import CurveConfig, secure_client
-from connector.waker import Waker
-from connector.wire import WireError, apply_socket_limits, decode_message
+from connector.control.client import ProducerClient
+from connector.control.security import CurveConfig, secure_client
+from connector.control.waker import Waker
+from connector.control.wire import WireError, apply_socket_limits, decode_message
+from epd_contracts.ec import HEARTBEAT_S, CacheEvent, SnapshotReply
 
-logger = logging.getLogger("epd.scheduler")
+logger = logging.getLogger("epd.connector.index")
 
 STALE_AFTER_S = 6 * HEARTBEAT_S  # a producer silent this long is presumed gone: forget what it held
 _MAX_EVENT_BYTES = 1 << 20
-
-
-class CacheView(Protocol):
-    """Anything that can say whether it holds an embedding (producer, consumer, index view)."""
-
-    def has_cache_item(self, mm_hash: str) -> bool: ...
 
 
 @dataclass
@@ -47,25 +40,25 @@ class ProducerView:
     synced: bool = False
     last_heard: float = field(default_factory=time.monotonic)
 
-    def apply_snapshot(self, epoch: str, seq: int, hashes: list[str]) -> None:
-        self.epoch, self.seq, self.held, self.synced = epoch, seq, set(hashes), True
+    def apply_snapshot(self, snap: SnapshotReply) -> None:
+        self.epoch, self.seq, self.held, self.synced = snap.epoch, snap.seq, set(snap.hashes), True
 
-    def apply_event(self, epoch: str, seq: int, kind: str, hashes: list[str]) -> bool:
+    def apply_event(self, event: CacheEvent) -> bool:
         """Apply one event in order; False when a snapshot is needed (new epoch, gap, or not synced)."""
         self.last_heard = time.monotonic()
-        if not self.synced or epoch != self.epoch:
+        if not self.synced or event.epoch != self.epoch:
             return False
-        if kind == "heartbeat":
-            return seq <= self.seq  # a higher seq means events were missed
-        if seq <= self.seq:
+        if event.kind == "heartbeat":
+            return event.seq <= self.seq  # a higher seq means events were missed
+        if event.seq <= self.seq:
             return True  # already part of the snapshot
-        if seq != self.seq + 1:
+        if event.seq != self.seq + 1:
             return False
-        self.seq = seq
-        if kind == "stored":
-            self.held.update(hashes)
-        elif kind == "evicted":
-            self.held.difference_update(hashes)
+        self.seq = event.seq
+        if event.kind == "stored":
+            self.held.update(event.hashes)
+        else:
+            self.held.difference_update(event.hashes)
         return True
 
     def forget(self) -> None:
@@ -75,9 +68,10 @@ class ProducerView:
 class FleetCacheIndex:
     """has_cache_item for the whole fleet, answered locally from subscribed cache events."""
 
-    def __init__(self, consumer: ECConsumer, curve: CurveConfig | None = None,
-                 stale_after_s: float = STALE_AFTER_S, snapshot_timeout: float = 2.0) -> None:
-        self.consumer, self.curve = consumer, curve
+    def __init__(self, curve: CurveConfig | None = None, stale_after_s: float = STALE_AFTER_S,
+                 snapshot_timeout: float = 2.0) -> None:
+        self.curve = curve
+        self._client = ProducerClient(curve)  # snapshots only: the index never fetches tensors
         self.stale_after_s, self.snapshot_timeout = stale_after_s, snapshot_timeout
         self._views: dict[str, ProducerView] = {}  # producer address -> view
         self._changed = threading.Condition()  # guards _views; notified on every change
@@ -135,6 +129,7 @@ class FleetCacheIndex:
         self._waker.wake()
         self._thread.join(timeout=5)
         self._waker.close()
+        self._client.close()
 
     def _command(self, op: str, view: ProducerView) -> None:
         with self._changed:
@@ -196,11 +191,9 @@ class FleetCacheIndex:
         while sock.poll(0, zmq.POLLIN):
             frames = sock.recv_multipart(copy=False)
             try:
-                header, _ = decode_message(frames, _MAX_EVENT_BYTES)
-                epoch, seq, hashes = parse_position(header)
-                kind = header.get("kind")
-                if header["op"] != "event" or kind not in ("stored", "evicted", "heartbeat"):
-                    raise WireError(f"not a cache event: op={header['op']!r} kind={kind!r}")
+                event, _ = decode_message(frames, _MAX_EVENT_BYTES)
+                if not isinstance(event, CacheEvent):
+                    raise WireError(f"not a cache event: {type(event).__name__}")
             except WireError as e:
                 logger.warning("bad cache event from %s: %s", view.events_address, e)
                 continue
@@ -208,22 +201,22 @@ class FleetCacheIndex:
             with self._changed:
                 if needs_resync:
                     view.last_heard = time.monotonic()
-                elif not view.apply_event(epoch, seq, kind, hashes):
+                elif not view.apply_event(event):
                     needs_resync = True
                 self._changed.notify_all()
         if needs_resync:
             self._resync(view)
 
     def _resync(self, view: ProducerView) -> None:
-        snap = self.consumer.snapshot(view.address, self.snapshot_timeout)
+        snap = self._client.snapshot(view.address, self.snapshot_timeout)
         with self._changed:
             if snap is None:
                 view.forget()
             else:
-                view.apply_snapshot(*snap)
+                view.apply_snapshot(snap)
                 self.num_resyncs += 1
                 logger.info("cache index synced with %s: epoch %s seq %d, %d item(s)",
-                            view.address, snap[0], snap[1], len(snap[2]))
+                            view.address, snap.epoch, snap.seq, len(snap.hashes))
             self._changed.notify_all()
 
     def _expire(self, views: Any) -> None:
@@ -249,10 +242,3 @@ class ProducerCache:
     def has_cache_items(self, mm_hashes: list[str]) -> list[bool]:
         return self.index.held_by(self.address, mm_hashes)
 
-
-def holds(view: CacheView, mm_hashes: list[str]) -> list[bool]:
-    """Batched when the view supports it, one by one otherwise."""
-    batched = getattr(view, "has_cache_items", None)
-    if batched is not None:
-        return list(batched(mm_hashes))
-    return [view.has_cache_item(h) for h in mm_hashes]

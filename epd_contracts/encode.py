@@ -1,29 +1,33 @@
-"""HTTP messages between the proxy and an encoder worker."""
+"""POST /encode (proxy -> encoder) and its reply."""
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Annotated
+
+import msgspec
+
+from epd_contracts.generate import MAX_HASH_CHARS
 
 
-class EncodeItem(BaseModel):
+class EncodeItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     # The encoder computes each item's mm_hash from its bytes (epd_contracts.hashing) and stores it under that hash
     # only. The field is optional; when given (the proxy always sends it, so a hashing bug is caught) it must
     # equal the computed hash, or the call gets a 400 `hash_mismatch`.
-    mm_hash: str | None = Field(default=None, min_length=1, max_length=256)
+    mm_hash: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HASH_CHARS)] | None = None
     data: str  # base64 of the image file's bytes
 
 
-class EncodeRequest(BaseModel):
+class EncodeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     items: list[EncodeItem]  # at most --max-items-per-request (400 beyond)
 
 
-class EncodedItem(BaseModel):
+class EncodedItem(msgspec.Struct, frozen=True, kw_only=True):
     mm_hash: str  # the hash the encoder computed from the bytes (what the embeddings are stored under)
     num_tokens: int
     grid_thw: tuple[int, int, int] | None = None
     cached: bool = False  # True: already held, not encoded again
 
 
-class EncodeResponse(BaseModel):
+class EncodeResponse(msgspec.Struct, frozen=True, kw_only=True):
     items: list[EncodedItem]
     ec_address: str
     # the producer's cache-event position after storing these: an index that has seen it knows they are held

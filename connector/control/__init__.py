@@ -1,0 +1,1 @@
+"""The connector's control plane: everything any process may import without torch."""

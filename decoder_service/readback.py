@@ -1,0 +1,45 @@
+"""Every row's sampled token to the host in one transfer, each row's bad choice failing that row alone."""
+from __future__ import annotations
+
+import torch
+
+
+def read_back(chosen: dict[int, torch.Tensor], vocab_size: int) -> dict[int, int | Exception]:
+    """Each row's token id, or why its choice is not one. One transfer (one sync) for all rows.
+
+    A choice that is not a 0-d integer tensor fails its own row before the transfer, so it cannot spoil (or
+    promote) the others' tokens.
+    """
+    good = {k: t for k, t in chosen.items() if _is_token_tensor(t)}
+    values: dict[int, object] = {k: ValueError(f"sampler returned {_describe(t)}, not a 0-d integer tensor")
+                                 for k, t in chosen.items() if k not in good}
+    if good:
+        try:
+            values.update(zip(good, torch.stack(list(good.values())).tolist(), strict=True))
+        except Exception:  # e.g. rows on different devices: read each alone
+            values.update((k, _scalar(t)) for k, t in good.items())
+    return {key: _token(values[key], vocab_size) for key in chosen}
+
+
+def _token(value: object, vocab_size: int) -> int | Exception:
+    if isinstance(value, Exception):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size:
+        return value
+    return ValueError(f"sampler chose {value!r}, not a token id in [0, {vocab_size})")
+
+
+def _is_token_tensor(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 0 and not (t.is_floating_point() or t.is_complex()
+                                                                or t.dtype == torch.bool)
+
+
+def _describe(t: object) -> str:
+    return f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _scalar(t: torch.Tensor) -> object:
+    try:
+        return t.item()
+    except Exception as exc:
+        return exc

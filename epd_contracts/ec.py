@@ -1,0 +1,115 @@
+"""Headers of the encoder-cache (EC) connector: producer requests, their replies, and published cache events.
+
+Each is a msgspec Struct tagged by `op` and travels msgpack-encoded after the magic+version prefix
+(connector/control/wire.py frames it; tensor frames follow a `get_reply`). Field types and bounds are
+checked on decode, so a handler never sees a malformed header. Torch-free: every process imports it.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
+MAX_HASH_LEN = 256  # characters of one mm_hash on the wire (real ones are 64)
+MAX_NDIM = 8
+HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
+# wire dtype name -> bytes per element; a closed table, so no dtype name is ever evaluated
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+}
+
+Hash = Annotated[str, msgspec.Meta(max_length=MAX_HASH_LEN)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8"]
+Shape = Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_NDIM)]
+EventKind = Literal["stored", "evicted", "heartbeat"]
+
+
+class _Header(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    req_id: int
+
+
+# requests a producer serves
+
+
+class GetRequest(_Header, tag="get"):
+    """Embeddings by mm_hash; items in `wait` may still be encoding, and the producer holds the reply up to
+    `wait_ms` (capped at MAX_WAIT_MS) for them."""
+
+    hashes: list[Hash]
+    wait: list[Hash] = []
+    wait_ms: NonNegative = 0
+
+
+class HasRequest(_Header, tag="has"):
+    hashes: list[Hash]
+
+
+class PingRequest(_Header, tag="ping"):
+    pass
+
+
+class SnapshotRequest(_Header, tag="snapshot"):
+    pass
+
+
+# replies
+
+
+class GetItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    """One requested item; a found one describes its tensor frame (`frame` indexes the frames after the header)."""
+
+    mm_hash: Hash
+    found: bool = False
+    failed: bool = False  # encoding failed: asking again will not help
+    more: bool = False  # held, but left out for the reply's byte limit: ask again
+    num_tokens: NonNegative | None = None
+    grid_thw: tuple[int, int, int] | None = None
+    dtype: DType | None = None
+    shape: Shape | None = None
+    frame: NonNegative | None = None
+
+
+class GetReply(_Header, tag="get_reply"):
+    items: list[GetItem]
+
+
+class HasReply(_Header, tag="has_reply"):
+    has: list[bool]
+
+
+class Pong(_Header, tag="pong"):
+    pass
+
+
+class SnapshotReply(_Header, tag="snapshot_reply"):
+    """Everything a producer holds, as of event `seq` of `epoch`."""
+
+    epoch: str
+    seq: NonNegative
+    hashes: list[Hash]
+
+
+class ErrorReply(_Header, tag="error"):
+    message: str
+
+
+# published on the producer's PUB socket, never requested
+
+
+class CacheEvent(_Header, tag="event", kw_only=True):
+    """A store or eviction, numbered per producer epoch; `heartbeat` repeats the last seq with no hashes."""
+
+    req_id: int = 0
+    producer: str
+    epoch: str
+    seq: NonNegative
+    kind: EventKind
+    hashes: list[Hash]
+
+
+Request = GetRequest | HasRequest | PingRequest | SnapshotRequest
+Reply = GetReply | HasReply | Pong | SnapshotReply | ErrorReply
+Message = Request | Reply | CacheEvent

@@ -1,0 +1,135 @@
+"""disagg-epd-proxy's flags, grouped by mode: common proxy flags, launcher mode (spawn the workers here) and
+attach mode (workers started elsewhere). Flags of both modes on one command line are a usage error."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from connector.control.curve_flags import add_curve_flags
+from epd_common.cli import add_http_flags, add_log_level, env_flag, new_parser
+from proxy.config import ProxyConfig
+
+LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
+                  "--restart-window", "--restart-backoff", "--restart-backoff-max")
+ATTACH_FLAGS = ("--encode-servers-urls", "--decode-servers-urls", "--prefill-servers-urls", "--dynamic-registration",
+                "--insecure", "--ec-curve-key", "--ec-curve-server-key")
+NO_PREFILL = ("disable", "none", "")  # vLLM's spellings of "E + PD": no separate prefill stage
+_UNSET: Any = object()  # a mode flag's value until the command line sets it
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def no_prefill(value: str) -> str:
+    """--prefill-servers-urls: only vLLM's "no separate prefill" values; the decoders prefill here."""
+    if value.strip().lower() in NO_PREFILL:
+        return "disable"
+    raise argparse.ArgumentTypeError(
+        f"{value!r}: a separate prefill stage is not supported; EPD serves E + PD (each decoder prefills its own "
+        "requests). Pass disable, none or \"\" (as vLLM's proxy takes them), or leave the flag out")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Parse; `args.attach` says the mode. Launcher and attach flags mixed exit 2 naming both."""
+    p = build_parser()
+    mode_dests = [_dest(f) for f in (*LAUNCHER_FLAGS, *ATTACH_FLAGS)]
+    args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(mode_dests, _UNSET)))
+    launcher = [f for f in LAUNCHER_FLAGS if getattr(args, _dest(f)) is not _UNSET]
+    attach = [f for f in ATTACH_FLAGS if getattr(args, _dest(f)) is not _UNSET]
+    if launcher and attach:
+        p.error(f"launcher-mode flags ({', '.join(launcher)}) and attach-mode flags ({', '.join(attach)}) on one "
+                "command line: launcher mode spawns its own workers, attach mode uses workers started elsewhere; "
+                "use the flags of one mode")
+    for dest in mode_dests:
+        if getattr(args, dest) is _UNSET:
+            setattr(args, dest, p.get_default(dest))
+    args.attach = bool(attach)
+    return p, args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = new_parser("disagg-epd-proxy", "The EPD proxy (OpenAI-compatible API). Launcher mode (no worker URLs) "
+                                       "spawns encoders and decoders here; attach mode uses workers started "
+                                       "elsewhere (--encode-servers-urls / --decode-servers-urls).")
+    _common_flags(p)
+    _launcher_flags(p.add_argument_group("launcher mode (spawns the workers on this machine)"))
+    _attach_flags(p.add_argument_group("attach mode (workers started elsewhere)"))
+    add_http_flags(p, ProxyConfig)
+    return p
+
+
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients send as `model` (default: launcher: --model's name; attach: the name of the "
+                        "model the workers report)")
+    p.add_argument("--host", default="127.0.0.1", help="address the API listens on")
+    p.add_argument("--port", type=int, default=8000, help="port the API listens on")
+    add_log_level(p, "info")
+    p.add_argument("--aggregated", action="store_true",
+                   help="no encoders: decoders load the vision tower too and encode images sent inline "
+                        "(launcher: spawns --num-decoders aggregated decoders; the baseline EPD is compared with)")
+    p.add_argument("--pipeline-encode", action="store_true",
+                   help="send the decode request as soon as encodes are scheduled; the decoder's gather waits for "
+                        "the embeddings (see docs/BENCHMARKS.md for the TTFT it saves)")
+    p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds for one encode or generation")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for workers to be healthy")
+    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY"),
+                   help="clients must send `Authorization: Bearer <key>` on /v1/* (default: env EPD_API_KEY; "
+                        "unset: open)")
+    p.add_argument("--internal-key", default=os.environ.get("EPD_INTERNAL_KEY"),
+                   help="Bearer key of the internal side: sent to workers (start them with the same --internal-key) "
+                        "and required on /instances (default: env EPD_INTERNAL_KEY; unset: attach mode needs "
+                        "--insecure, launcher mode makes one per start)")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health probes of a worker")
+    p.add_argument("--health-timeout", type=float, default=2.0, help="seconds one probe may take")
+    p.add_argument("--health-failures", type=int, default=3,
+                   help="failed probes in a row that take a worker out (a failed call takes it out at once)")
+    _media_flags(p.add_argument_group("images"))
+
+
+def _media_flags(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--max-images-per-request", type=int, default=16, help="more images get a 400")
+    g.add_argument("--max-image-bytes", type=int, default=20 << 20, help="bytes of one image file")
+    g.add_argument("--max-image-pixels", type=int, default=40_000_000, help="larger images get a 400")
+    g.add_argument("--allowed-local-media-path", default=None,
+                   help="serve file:// image URLs from under this directory (default: file URLs are refused)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=[],
+                   help="hosts whose http(s) image URLs are fetched even when they resolve to loopback, private "
+                        "or link-local addresses (default: such addresses are refused before connecting)")
+    g.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                   help="seconds to connect, and per read, when downloading an image URL")
+    g.add_argument("--media-fetch-deadline", type=float, default=30.0,
+                   help="seconds to load all of one request's images, waiting for a fetch slot included; past it "
+                        "the download is aborted and the request gets a 408 naming the image")
+    g.add_argument("--max-concurrent-fetches", type=int, default=16,
+                   help="http(s) image downloads at once over all requests; a request that gets no slot within "
+                        "its --media-fetch-deadline gets a 503")
+
+
+def _launcher_flags(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--model", default="demo", help="'demo', 'bench', a checkpoint directory, or a hub id")
+    g.add_argument("--num-encoders", type=int, default=1, help="encoder processes to spawn")
+    g.add_argument("--num-decoders", type=int, default=1, help="decoder processes to spawn")
+    g.add_argument("--worker-host", default="127.0.0.1", help="address the spawned workers bind")
+    g.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of one worker within --restart-window; past that it is left down")
+    g.add_argument("--restart-window", type=float, default=600.0, help="seconds over which restarts are counted")
+    g.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="seconds before the first restart of a worker that exited; doubles per restart in the window")
+    g.add_argument("--restart-backoff-max", type=float, default=30.0, help="longest wait before a restart (seconds)")
+
+
+def _attach_flags(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--encode-servers-urls", nargs="+", help="encoder base URLs (space- or comma-separated)")
+    g.add_argument("--decode-servers-urls", nargs="+", help="decoder base URLs (space- or comma-separated)")
+    g.add_argument("--prefill-servers-urls", type=no_prefill, default="disable",
+                   help="vLLM's flag, accepted as disable, none or \"\": prefill runs on the decoders (E + PD)")
+    g.add_argument("--dynamic-registration", action="store_true",
+                   help="workers may also be added/removed at run time with POST/DELETE /instances (the URL lists "
+                        "may then be empty); needs --internal-key")
+    g.add_argument("--insecure", action="store_true", default=env_flag("EPD_INSECURE"),
+                   help="run without --internal-key and CURVE keys (logs a WARNING naming what is open) (default: "
+                        "env EPD_INSECURE=1, else off)")
+    add_curve_flags(g, allowed_clients=False)

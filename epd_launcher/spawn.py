@@ -1,0 +1,34 @@
+"""Launcher mode's workers: resolve the model, spawn the encoders and decoders, wait until each is healthy."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from epd_launcher.group import Secrets, WorkerGroup
+from epd_models.resolve import resolve_model
+
+
+def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
+                  keys: Secrets) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(encoder URLs, decoder URLs) of the spawned workers, once all are healthy."""
+    model = str(resolve_model(args.model))
+    num_encoders = 0 if args.aggregated else args.num_encoders
+    threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders))
+    wh = args.worker_host
+    common = ["--log-level", args.log_level]
+    devices = _devices(num_encoders + args.num_decoders)
+    enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0", *common, *devices[i]],
+                       keys.env("encoder")) for i in range(num_encoders)]
+    dec_flags = [*common, "--aggregated"] if args.aggregated else common
+    dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *devices[num_encoders + i]], keys.env("decoder"))
+           for i in range(args.num_decoders)]
+    group.wait_healthy(args.startup_timeout)
+    return tuple(w.url for w in enc), tuple(w.url for w in dec)
+
+
+def _devices(num_workers: int) -> list[list[str]]:
+    """Spread spawned workers over the visible GPUs round-robin (`--device cuda:i`); no GPU: their default."""
+    gpus = torch.cuda.device_count()
+    return [["--device", f"cuda:{i % gpus}"] if gpus else [] for i in range(num_workers)]

@@ -1,0 +1,136 @@
+"""The proxy's routes, each reading the shared ProxyState from `request.app.state.proxy`."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from epd_common.errors import APIError
+from epd_common.http import has_bearer, until_disconnected
+from epd_common.logs import request_id_var
+from proxy.config import ProxyConfig
+from proxy.fleet import Fleet
+from proxy.generation import Generation
+from proxy.metrics import ProxyMetrics
+from proxy.openai_format import Completion
+from proxy.prepare import check_model
+from proxy.protocol import ChatCompletionRequest, InstanceRequest
+from proxy.state import ProxyState, proxy_state
+from proxy.streaming import collect_response, sse_stream
+from proxy.workers import ModelMismatch
+
+logger = logging.getLogger("epd.proxy")
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    # a client that leaves before its answer is out (prepare, encode, a non-streaming generation) stops it:
+    # no generation is opened, or the one opened is closed, which cancels it on the decoder
+    answer = await until_disconnected(request.receive, _answer_chat(proxy_state(request), req))
+    if answer is None:
+        logger.info("client went away before its answer: stopped")
+        return Response(status_code=499)  # nobody reads it; counted in epd_proxy_requests
+    return answer
+
+
+async def _answer_chat(state: ProxyState, req: ChatCompletionRequest) -> Response:
+    start = time.perf_counter()
+    fleet = state.fleet
+    served = fleet.served_model_name()
+    check_model(req, served)
+    chat = await state.prepare(req)
+    gen = Generation(fleet, chat, request_id_var.get())
+    await _open(gen, state.cfg)
+    return await _respond(gen, req, Completion(model=served or req.model), state.metrics, start)
+
+
+async def _open(gen: Generation, cfg: ProxyConfig) -> None:
+    """Encode, then open the decoder stream (pipelined: both at once); on any failure the generation is closed."""
+    try:
+        if cfg.pipeline_encode and not cfg.aggregated:
+            await gen.open_pipelined()
+        else:
+            await gen.open(await gen.fleet.encode(gen.chat.items, gen.request_id))
+    except BaseException:
+        await gen.close()
+        raise
+
+
+async def _respond(gen: Generation, req: ChatCompletionRequest, completion: Completion, metrics: ProxyMetrics,
+                   start: float) -> Response:
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(sse_stream(gen, completion, include_usage, metrics, start),
+                                 media_type="text/event-stream")
+    return JSONResponse(await collect_response(gen, completion, metrics, start))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    served = proxy_state(request).fleet.served_model_name()
+    cards = [{"id": served, "object": "model", "created": 0, "owned_by": "epd"}] if served else []
+    return {"object": "list", "data": cards}
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    """Liveness: 200 while the process serves, whatever its workers do (readiness is /ready)."""
+    return {"status": "ok", "role": "proxy", **_instances(proxy_state(request).fleet)}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> dict[str, Any]:
+    """Readiness: 503 while no healthy decoder (or, unless aggregated, no healthy encoder) can take work."""
+    state = proxy_state(request)
+    why = "proxy is starting" if state.started is None else \
+        state.started.workers.not_ready(need_encoder=not state.cfg.aggregated)
+    if why is not None:
+        raise APIError(503, f"not ready: {why}", code="not_ready")
+    return {"status": "ready", "role": "proxy"}
+
+
+@router.get("/instances")
+async def list_instances(request: Request) -> dict[str, Any]:
+    return _instances(_registration(request))
+
+
+@router.post("/instances", status_code=201)
+async def add_instance(body: InstanceRequest, request: Request) -> dict[str, Any]:
+    fleet = _registration(request)
+    if fleet.cfg.aggregated and body.role == "encoder":
+        raise APIError(400, "an aggregated proxy has no encoders", param="role", code="invalid_value")
+    try:
+        worker = await fleet.register(body.role, body.url)
+    except ModelMismatch as exc:
+        raise APIError(409, str(exc), param="url", code="model_mismatch") from exc
+    except ValueError as exc:
+        raise APIError(409, str(exc), param="url", code="conflict") from exc
+    return {"role": worker.role, **worker.describe()}
+
+
+@router.delete("/instances")
+async def remove_instance(body: InstanceRequest, request: Request) -> dict[str, Any]:
+    worker = _registration(request).deregister(body.url)
+    if worker is None:
+        raise APIError(404, f"no worker is registered at {body.url}", param="url", code="not_found")
+    return {"role": worker.role, "url": worker.url, "removed": True}
+
+
+def _registration(request: Request) -> Fleet:
+    """/instances needs the internal key (not the public API key); without one configured it is off."""
+    state = proxy_state(request)
+    if not state.cfg.internal_key:
+        raise APIError(403, "dynamic registration is off: start the proxy with --internal-key",
+                       code="registration_disabled")
+    if not has_bearer(request.headers, state.cfg.internal_key):
+        raise APIError(401, "missing or invalid internal key: send `Authorization: Bearer <internal key>`",
+                       code="invalid_internal_key")
+    return state.fleet
+
+
+def _instances(fleet: Fleet) -> dict[str, Any]:
+    return {f"{role}s": [w.describe() for w in fleet.workers.of(role)] for role in ("encoder", "decoder")}
