@@ -16,7 +16,7 @@ PACKAGES = ("proxy", "scheduler", "encoder_service", "decoder_service", "connect
             "epd_models", "epd_builders", "epd_bench", "epd_launcher")
 TOP = (*PACKAGES, "docs", "deploy", "tests")
 # named in the docs, but not ours: other projects' code the design is compared with
-FOREIGN = {"LLMEngine.step", "Scheduler.postprocess"}
+FOREIGN = {"LLMEngine.step"}
 
 _SPAN = re.compile(r"`([^`\n]+)`")
 _PATH = re.compile(r"^[\w.-]+(/[\w.-]+)*/?$")
@@ -27,10 +27,14 @@ _DOTTED = re.compile(rf"^({'|'.join(PACKAGES)})(\.\w+)+$")
 _BETWEEN_NAMES = re.compile(r"^\s*[,/|]?\s*$")  # `a.py` `f`, `g` (or a table cell after it): spaces and one of , / |
 
 
+@functools.cache
+def _text(doc: str) -> str:
+    """The doc without its code blocks (they hold commands, not references)."""
+    return re.sub(r"```.*?```", "", (ROOT / doc).read_text(), flags=re.S)
+
+
 def _spans(doc: str) -> list[tuple[str, int, int]]:
-    text = (ROOT / doc).read_text()
-    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold commands, not references
-    return [(m.group(1), m.start(), m.end()) for m in _SPAN.finditer(text)]
+    return [(m.group(1), m.start(), m.end()) for m in _SPAN.finditer(_text(doc))]
 
 
 def _ignored() -> list[str]:
@@ -50,8 +54,7 @@ def repo_paths(doc: str) -> list[str]:
 
 def file_names(doc: str) -> list[tuple[str, str]]:
     """(file.py, name) for names written right after a backticked .py path: `file.py` `A.b`, `c`."""
-    spans = _spans(doc)
-    text = re.sub(r"```.*?```", "", (ROOT / doc).read_text(), flags=re.S)
+    spans, text = _spans(doc), _text(doc)
     pairs = []
     for i, (span, _, end) in enumerate(spans):
         if not (span.endswith(".py") and span.split("/")[0] in TOP):

@@ -4,14 +4,15 @@ from __future__ import annotations
 import asyncio
 
 from epd_bench.proxy_events import _Events, measure
+from epd_contracts.generate import Event
 from proxy.streaming import events_apart
 
 
 def test_the_proxy_hand_over_yields_every_event_in_order() -> None:
-    async def collect() -> list[dict[str, str]]:
+    async def collect() -> list[Event]:
         return [ev async for ev in events_apart(_Events(50))]  # type: ignore[arg-type]
 
-    assert asyncio.run(collect()) == [{"type": "delta", "text": "x"}] * 50
+    assert asyncio.run(collect()) == [Event(type="delta", text="x")] * 50
 
 
 def test_both_paths_are_measured_per_event() -> None:
