@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
-from epd_common.http import HttpLimits
+from epd_common.server import HttpLimits
 
 
 @dataclass(frozen=True)

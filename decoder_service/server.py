@@ -23,14 +23,9 @@ from decoder_service.metrics import DecoderMetrics
 from decoder_service.sequence import Job
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
 from epd_common.errors import APIError, bad_request, install_error_handlers
-from epd_common.http import (
-    freeze_startup_heap,
-    install_api_key,
-    install_body_limit,
-    install_metrics,
-    install_request_id,
-)
+from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id
 from epd_common.logs import request_id_var
+from epd_common.server import freeze_startup_heap
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.validation import ContractError, decode_json

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from connector.control.security import CurveConfig
 from connector.tensors.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
 from connector.tensors.waiters import MAX_PARKED
-from epd_common.http import HttpLimits
+from epd_common.server import HttpLimits
 
 MAX_ITEMS_PER_REQUEST = 64  # the proxy sends at most its --max-images-per-request (16) per call
 MAX_ENCODE_BYTES = 320 << 20  # decoded image bytes per /encode: 16 images at the proxy's 20 MiB cap

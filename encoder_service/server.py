@@ -22,14 +22,9 @@ from encoder_service.config import EncoderConfig
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from epd_common.errors import APIError, bad_request, install_error_handlers
-from epd_common.http import (
-    freeze_startup_heap,
-    install_api_key,
-    install_body_limit,
-    install_metrics,
-    install_request_id,
-)
+from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id
 from epd_common.images import ImageError
+from epd_common.server import freeze_startup_heap
 from epd_contracts.encode import EncodeRequest, EncodeResponse
 from epd_contracts.hashing import mm_hash
 from epd_contracts.validation import ContractError, decode_json

@@ -33,7 +33,7 @@ from decoder_service.prompt import Prompt, build_prompt
 from decoder_service.sequence import Job
 from epd_builders.shapes import draw_shape
 from epd_builders.tiny import TinySpec, build_tiny
-from epd_common.http import freeze_startup_heap
+from epd_common.server import freeze_startup_heap
 from epd_contracts.sampling import SamplingParams
 from epd_models.chat import chat_template, render
 from epd_models.halves import LanguageHalf, VisionHalf

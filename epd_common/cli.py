@@ -74,7 +74,7 @@ def worker_parser(prog: str, description: str, defaults: Any) -> argparse.Argume
 
 
 def add_http_flags(p: argparse.ArgumentParser, defaults: Any) -> None:
-    """The HTTP server's limits (epd_common/http.py HttpLimits), with the defaults of the service's config class
+    """The HTTP server's limits (epd_common/server.py HttpLimits), with the defaults of the service's config class
     (or instance: its class's field defaults, so a default resolved by mode, 0, stays 0 here)."""
     d = {f.name: f.default for f in dataclasses.fields(defaults)}
     g = p.add_argument_group("HTTP server limits")
@@ -124,8 +124,8 @@ def describe(cfg: Any) -> dict[str, Any]:
 
 def run_worker(role: str, cfg: Any, create_app: Callable[[Any], Any], gaps: list[Gap]) -> None:
     """Log setup, the (key-free) config and what is open, then serve the worker's app until SIGINT/SIGTERM."""
-    from epd_common.http import HttpLimits, serve  # NOTE: local import keeps argument parsing free of the web stack
     from epd_common.logs import setup_logging
+    from epd_common.server import HttpLimits, serve  # NOTE: local import keeps argument parsing free of the web stack
 
     setup_logging(role, cfg.log_level)
     log = logging.getLogger(f"epd.{role}")

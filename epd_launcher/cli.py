@@ -9,8 +9,8 @@ import sys
 
 from connector.control.curve_flags import pop_curve
 from connector.control.security import CurveConfig
-from epd_common.http import HttpLimits, serve
 from epd_common.logs import setup_logging
+from epd_common.server import HttpLimits, serve
 from epd_launcher.flags import parse_args
 from epd_launcher.group import RestartPolicy, Secrets, WorkerGroup
 from proxy.app import create_app

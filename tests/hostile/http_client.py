@@ -13,7 +13,7 @@ from typing import Any
 
 import uvicorn
 
-from epd_common.http import HttpLimits, uvicorn_config
+from epd_common.server import HttpLimits, uvicorn_config
 from epd_launcher.group import free_port
 
 

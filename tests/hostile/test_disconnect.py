@@ -19,7 +19,7 @@ import pytest
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.server import create_app as decoder_app
-from epd_common.http import HttpLimits
+from epd_common.server import HttpLimits
 from epd_models.halves import LanguageHalf
 from proxy.app import create_app as proxy_app
 from proxy.config import ProxyConfig

@@ -1,4 +1,4 @@
-"""The HTTP limits every service shares (epd_common/http.py), in process: body bytes counted as received, a body
+"""The HTTP limits every service shares (epd_common/http.py, epd_common/server.py), in process: body bytes counted as received, a body
 deadline, a header deadline (slowloris), header size, connection count, and cancellation on disconnect."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from epd_common.errors import install_error_handlers
-from epd_common.http import HttpLimits, install_body_limit, until_disconnected
+from epd_common.http import install_body_limit, until_disconnected
+from epd_common.server import HttpLimits
 from tests.hostile.http_client import (
     closed_by_server,
     connect,
