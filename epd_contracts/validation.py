@@ -42,6 +42,8 @@ def decode_json(data: bytes, type_: type[T]) -> T:
         raise _named(exc) from None
     except msgspec.DecodeError:
         pass
+    except RecursionError:  # msgspec recurses per nesting level: a body of 100,000 '[' must be a 400, not a 500
+        raise ContractError("request body is nested too deeply", None) from None
     try:  # NaN and Infinity are no JSON, but Python's json reads them: name the field they were sent for
         obj = json.loads(data)
     except (ValueError, RecursionError):

@@ -49,3 +49,11 @@ def test_events_leave_out_what_they_do_not_carry() -> None:
     done = Event(type="done", finish_reason="stop", usage=Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3))
     assert msgspec.json.encode(Event(type="delta", text="x")) == b'{"type":"delta","text":"x"}'
     assert msgspec.json.decode(msgspec.json.encode(done), type=Event) == done
+
+
+
+def test_a_body_nested_past_the_decoders_recursion_is_a_contract_error() -> None:
+    # messages are free-form JSON objects, the one place a body can nest without a type to stop it
+    body = b'{"messages": [{"role": "user", "content": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}"
+    with pytest.raises(ContractError, match="nested too deeply"):
+        decode_json(body, GenerateRequest)

@@ -209,6 +209,9 @@ def test_decoder_generate_holds_the_same_contract(inproc: Stack) -> None:
     ]
     for body, param in cases:
         assert_refused(generate(inproc, body), param, "invalid_request")
+    nested = b'{"messages": [{"role": "user", "content": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}"
+    resp = generate(inproc, nested)  # deeper than the JSON decoder's recursion: its own 400, not a 500
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", resp.text
     assert generate(inproc, ok).status_code == 200
 
 
