@@ -5,7 +5,7 @@ from typing import Annotated
 
 import msgspec
 
-from epd_contracts.generate import MAX_HASH_CHARS
+from epd_contracts.generate import MAX_HASH_CHARS, Detail
 
 
 class EncodeItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -14,6 +14,9 @@ class EncodeItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     # equal the computed hash, or the call gets a 400 `hash_mismatch`.
     mm_hash: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HASH_CHARS)] | None = None
     data: str  # base64 of the image file's bytes
+    # image_url.detail: "low" encodes at the processor's minimum resolution where the family has a resolution knob
+    # (Qwen-style dynamic resolution), and is part of the mm_hash (epd_contracts.hashing.mm_hash)
+    detail: Detail = "auto"
 
 
 class EncodeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -10,6 +10,10 @@ from epd_contracts.sampling import SamplingParams
 from epd_contracts.validation import FieldError
 
 MAX_HASH_CHARS = 256  # a real mm_hash has 64
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
+MAX_SCHEMA_BYTES = 64 * 1024  # a response_format or tool schema, as JSON; compiling is bounded by this size
+MAX_PROMPT_TOKEN_IDS = 1 << 20  # a /v1/completions prompt given as token ids (the context bounds it again)
+Detail = Literal["auto", "low", "high"]  # image_url.detail
 
 
 class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -19,35 +23,105 @@ class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     source: str = ""  # ZeroMQ address of the encoder that holds it (EPD mode)
     data: str | None = None  # base64 image file bytes (aggregated mode: the decoder encodes it)
     pending: bool = False  # still being encoded there: the gather waits for it (pipelined mode)
+    cached: bool = False  # its embeddings were already held somewhere (not encoded for this request): cached_tokens
+    detail: Detail = "auto"  # aggregated mode: the resolution to encode at ("low": the processor's minimum)
 
 
-class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """POST /generate; an unknown field is a 400, so a proxy and a decoder that disagree find out at once."""
+class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """OpenAI's response_format, as the decoder enforces it while decoding (decoder_service/grammar.py)."""
 
-    # chat messages; image parts are {"type": "image"}, in order of `images`
-    messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # json_schema: the JSON Schema the output must match
+    strict: bool = False  # OpenAI's json_schema.strict: no properties beyond the schema's
+
+
+class ToolChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """none: no calls; auto: the model decides; required: at least one call; function: exactly that one (name)."""
+
+    mode: Literal["none", "auto", "required", "function"] = "auto"
+    name: str = ""  # mode "function": the function to call
+    parallel: bool = True  # OpenAI's parallel_tool_calls: more than one call allowed in one answer
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """POST /generate; an unknown field is a 400, so a proxy and a decoder that disagree find out at once.
+
+    A chat request has `messages` (rendered by the checkpoint's chat template, with `tools`); a completions request
+    (/v1/completions) has `prompt` instead: text tokenized as is, or token ids, and no images.
+    """
+
+    # chat messages; image parts are {"type": "image"}, in order of `images`; assistant turns may carry
+    # `tool_calls` (OpenAI's shape) and `tool` turns a `tool_call_id`
+    messages: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(
+        default_factory=list)
+    prompt: str | Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]],
+                            msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
+    echo: bool = False  # completions: the prompt's text comes first in the output (index 0 delta)
     images: Annotated[list[ImageRef], msgspec.Meta(max_length=MAX_TOTAL_PARTS)] = msgspec.field(default_factory=list)
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    response_format: ResponseFormat | None = None
+    # OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}]
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TOOLS)] = msgspec.field(default_factory=list)
+    tool_choice: ToolChoice = msgspec.field(default_factory=ToolChoice)
 
     def __post_init__(self) -> None:
         """The proxy's caps on content parts, held again here (a caller may reach /generate directly)."""
+        if (self.prompt is None) == (not self.messages):
+            raise FieldError("messages", "give either `messages` (chat) or `prompt` (completions), not both")
+        if self.prompt is not None and self.images:
+            raise FieldError("images", "a completions prompt has no images")
+        if self.echo and self.prompt is None:
+            raise FieldError("echo", "echo is for completions prompts")
         error = parts_error([len(c) if isinstance(c := m.get("content"), list) else 0 for m in self.messages])
         if error:
             raise FieldError("messages", error)
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """One choice's tokens (a request with n choices sends n; the prompt is counted once)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     num_image_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens not computed for this request (images whose embeddings were held)
+
+
+class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token: str  # the token's text (may be part of a character: then `bytes` holds its real bytes)
+    logprob: float  # finite: -inf is sent as -9999.0, as OpenAI does
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """One chosen token: its logprob and the top alternatives (OpenAI's ChatCompletionTokenLogprob)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """A piece of a tool call, as OpenAI streams it: the first piece of call `index` has its id and name."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""  # the next characters of the arguments' JSON text
 
 
 class Event(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
-    """One NDJSON line: a text delta, the final `done` (with usage), or an `error` after streaming began."""
+    """One NDJSON line: a delta, a choice's `done` (with its usage), or an `error` (ends every choice).
+
+    With n choices the stream interleaves their events (`index`) and ends after n `done`s or an error.
+    """
 
     type: Literal["delta", "done", "error"]
+    index: int = 0  # the choice (0 .. n-1)
     text: str = ""
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token behind this delta (sampling.logprobs is set)
+    tool_calls: list[ToolCallDelta] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     usage: Usage | None = None
     message: str | None = None

@@ -16,8 +16,11 @@ MM_HASH_TAG = b"epd-mm-hash/v2\0"
 MM_HASH_HEX_LEN = 64
 
 
-def mm_hash(data: bytes) -> str:
-    """sha256(tag || data) as lowercase hex (64 characters)."""
+def mm_hash(data: bytes, detail: str = "auto") -> str:
+    """sha256(tag || data) as lowercase hex (64 characters); image_url.detail "low" (encoded at the minimum
+    resolution) hashes as sha256(tag || "detail=low" NUL || data), so its embeddings never meet the full-size ones."""
     h = hashlib.sha256(MM_HASH_TAG)
+    if detail == "low":
+        h.update(b"detail=low\0")
     h.update(data)
     return h.hexdigest()

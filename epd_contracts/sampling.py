@@ -19,6 +19,10 @@ MAX_TOP_K = 1 << 20  # above every real vocabulary (Gemma 3: 262,144); a larger 
 MAX_TOKENS = 1 << 20  # the decoder also checks prompt + max_tokens against its context (Engine.prepare)
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # the detokenizer holds back up to this many characters while a stop may be forming
+MAX_N = 128  # OpenAI's limit on choices per request; a decoder also refuses n above its --max-num-seqs
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs (legacy completions: 5, checked by the proxy)
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias (OpenAI documents no limit; vLLM none; each entry costs a write)
+MAX_STOP_TOKEN_IDS = 64
 # vLLM's _SAMPLING_EPS: a temperature or top_p below it is numerically zero (1/temperature overflows float32
 # at 1e-38; a top_p of 1e-46 is 0 in float32): such a request is greedy, never an error and never a crash
 GREEDY_BELOW = 1e-5
@@ -33,6 +37,13 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 StopStrings = Annotated[tuple[StopString, ...], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # the decoder checks it against its vocabulary
+Bias = Annotated[float, msgspec.Meta(ge=-100, le=100)]  # OpenAI's range
+LogitBias = Annotated[dict[TokenId, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
+StopTokenIds = Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -47,6 +58,13 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     ignore_eos: bool = False
     frequency_penalty: Penalty = 0.0  # OpenAI: minus this times how often a token was already generated
     presence_penalty: Penalty = 0.0  # OpenAI: minus this once a token has been generated at all
+    n: N = 1  # choices sampled from one prefill; choice i seeds its generator with seed + i (mod 2**64)
+    # None: no logprobs; k: each chosen token's logprob and the k most likely alternatives, from the distribution
+    # after penalties, logit_bias and temperature (before top-k/top-p/min-p and grammar masks cut it)
+    logprobs: TopLogprobs | None = None
+    logit_bias: LogitBias = msgspec.field(default_factory=dict)  # token id -> added to its logit (OpenAI)
+    min_p: MinP = 0.0  # vLLM: drop tokens whose probability is below min_p x the most likely one's
+    stop_token_ids: StopTokenIds = ()  # vLLM: these tokens end the sequence (finish_reason "stop"), not emitted
 
     def __post_init__(self) -> None:
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
@@ -57,6 +75,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_p < GREEDY_BELOW or self.top_k == 1
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index` (n > 1): seed + index, wrapped into manual_seed's range."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index - MIN_SEED) % 2**64 + MIN_SEED
 
     @property
     def penalized(self) -> bool:
