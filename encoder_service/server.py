@@ -79,11 +79,11 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
             data = base64.b64decode(item.data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise bad_request(f"items[{i}].data is not valid base64: {exc}", param=f"items.{i}.data") from exc
-        computed = mm_hash(data)
+        computed = mm_hash(data, item.detail)
         if item.mm_hash is not None and item.mm_hash != computed:
             raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (epd_contracts.hashing)",
                               param=f"items.{i}.mm_hash", code="hash_mismatch")
-        out.append(ScheduledEncoderInput(computed, data))
+        out.append(ScheduledEncoderInput(computed, data, item.detail))
     return out
 
 

@@ -13,6 +13,7 @@ from epd_models.halves import VisionHalf
 class ScheduledEncoderInput:
     mm_hash: str
     data: bytes  # the image file's bytes, as the client sent them
+    detail: str = "auto"  # image_url.detail (part of mm_hash)
 
 
 def _describe(mm_hash: str, out: Encoded) -> EncodedItem:
@@ -32,5 +33,6 @@ class EncoderWorker(CachingEncoder):
         """Encode what is not held yet and store it by mm_hash. No gather; empty input is a no-op."""
         if not scheduled_encoder_inputs:
             return []
-        done = self.encode({item.mm_hash: item.data for item in scheduled_encoder_inputs})
+        done = self.encode({item.mm_hash: item.data for item in scheduled_encoder_inputs},
+                           {item.mm_hash: item.detail for item in scheduled_encoder_inputs if item.detail != "auto"})
         return [_describe(item.mm_hash, done[item.mm_hash]) for item in scheduled_encoder_inputs]

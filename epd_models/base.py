@@ -48,7 +48,10 @@ class FamilyAdapter(ABC):
     def build_vision(self, cfg: PretrainedConfig) -> nn.Module: ...
 
     @abstractmethod
-    def preprocess(self, image_processor: Any, images: list[Image.Image]) -> dict[str, torch.Tensor]: ...
+    def preprocess(self, image_processor: Any, images: list[Image.Image], detail: str = "auto") -> dict[str, torch.Tensor]:
+        """The vision tower's inputs. `detail` is image_url.detail: a family with a resolution knob encodes "low" at
+        its processor's minimum resolution (Qwen-style dynamic resolution); the others have a fixed input size and
+        ignore it (documented in the README's compatibility table)."""
 
     @abstractmethod
     def encode(self, vision: nn.Module, cfg: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> list[ImageFeatures]: ...

@@ -72,8 +72,12 @@ class CachingEncoder:
         self.num_already_cached = 0  # items asked for that were already held
         self._lock = threading.Lock()
 
-    def encode(self, items: Mapping[str, bytes]) -> dict[str, Encoded]:
-        """Each item's features by mm_hash. Raises UndecodableImage, EmbeddingsRefused, or what the vision raised."""
+    def encode(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None) -> dict[str, Encoded]:
+        """Each item's features by mm_hash. Raises UndecodableImage, EmbeddingsRefused, or what the vision raised.
+
+        `details`: mm_hash -> image_url.detail for items not at "auto" (their hash already says so: epd_contracts.
+        hashing); items of one detail are batched together.
+        """
         done = self._held(items)
         todo = {h: data for h, data in items.items() if h not in done}
         if not todo:
@@ -82,9 +86,10 @@ class CachingEncoder:
             images = {h: self._load(h, data) for h, data in todo.items()}
             with self._lock:
                 done.update(self._held([h for h in images if self.store.has_cache_item(h)]))  # no miss counted twice
-                hashes = [h for h in images if h not in done]
-                for start in range(0, len(hashes), self.max_batch_size):
-                    done.update(self._encode_batch({h: images[h] for h in hashes[start : start + self.max_batch_size]}))
+                for detail, hashes in _by_detail([h for h in images if h not in done], details or {}).items():
+                    for start in range(0, len(hashes), self.max_batch_size):
+                        batch = {h: images[h] for h in hashes[start : start + self.max_batch_size]}
+                        done.update(self._encode_batch(batch, detail))
         except BaseException:
             self.store.mark_failed([h for h in todo if h not in done])
             raise
@@ -101,11 +106,11 @@ class CachingEncoder:
         except ImageError as exc:
             raise UndecodableImage(mm_hash, exc) from exc
 
-    def _encode_batch(self, images: dict[str, Image.Image]) -> dict[str, Encoded]:
+    def _encode_batch(self, images: dict[str, Image.Image], detail: str = "auto") -> dict[str, Encoded]:
         """Encode, check and store one batch (under the lock)."""
         # the vision half runs on its device and hands back CPU tensors (one copy per batch): the connector
         # sends their memory as ZeroMQ frames without copying
-        outs = dict(zip(images, self.vision.encode(list(images.values())), strict=True))
+        outs = dict(zip(images, self.vision.encode(list(images.values()), detail), strict=True))
         refused = {h: why for h, out in outs.items() if self.check is not None and (why := self.check(out))}
         if refused:
             raise EmbeddingsRefused(refused)
@@ -114,3 +119,10 @@ class CachingEncoder:
         self.num_encoded += len(outs)
         logger.info("encoded %d item(s)", len(outs))
         return {h: Encoded(out, cached=False) for h, out in outs.items()}
+
+
+def _by_detail(hashes: list[str], details: Mapping[str, str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for h in hashes:
+        groups.setdefault(details.get(h, "auto"), []).append(h)
+    return groups

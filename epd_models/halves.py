@@ -79,10 +79,10 @@ class VisionHalf:
         self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
 
     @torch.inference_mode()
-    def encode(self, images: list[Image.Image]) -> list[ImageFeatures]:
+    def encode(self, images: list[Image.Image], detail: str = "auto") -> list[ImageFeatures]:
         if not images:
             return []
-        inputs = self.adapter.preprocess(self.image_processor, images)
+        inputs = self.adapter.preprocess(self.image_processor, images, detail)
         return _to_cpu(self.adapter.encode(self.module, self.config, inputs))
 
     def num_image_tokens(self, width: int, height: int) -> int:

@@ -36,7 +36,7 @@ class LlavaAdapter(FamilyAdapter):
     def build_vision(self, cfg: PretrainedConfig) -> nn.Module:
         return LlavaVision(cfg)
 
-    def preprocess(self, image_processor: Any, images: list[Any]) -> dict[str, torch.Tensor]:
+    def preprocess(self, image_processor: Any, images: list[Any], detail: str = "auto") -> dict[str, torch.Tensor]:
         return {"pixel_values": image_processor(images=images, return_tensors="pt")["pixel_values"]}
 
     def encode(self, vision: nn.Module, cfg: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> list[ImageFeatures]:

@@ -38,8 +38,12 @@ class Qwen2VLAdapter(FamilyAdapter):
     def build_vision(self, cfg: PretrainedConfig) -> nn.Module:
         return QwenVision(self.vision_cls._from_config(cfg.vision_config))
 
-    def preprocess(self, image_processor: Any, images: list[Any]) -> dict[str, torch.Tensor]:
-        out = image_processor(images=images, return_tensors="pt")
+    def preprocess(self, image_processor: Any, images: list[Any], detail: str = "auto") -> dict[str, torch.Tensor]:
+        kwargs = {}
+        if detail == "low":  # the processor's minimum pixels: the fewest image tokens this checkpoint makes
+            least = image_processor.size["shortest_edge"]
+            kwargs["size"] = {"shortest_edge": least, "longest_edge": least}
+        out = image_processor(images=images, return_tensors="pt", **kwargs)
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     def encode(self, vision: nn.Module, cfg: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> list[ImageFeatures]:

@@ -130,3 +130,26 @@ def test_cli_starts_secure_with_keys_from_env(monkeypatch: pytest.MonkeyPatch) -
     assert cfg.curve is not None and cfg.curve.allowed_clients == frozenset({client_public})
     assert cfg.internal_key == "k" * 32 and not cfg.insecure
     assert "k" * 32 not in repr(cfg)
+
+
+def test_detail_low_encodes_at_the_minimum_resolution_under_its_own_hash(
+        client: tuple[TestClient, EncoderWorker], vision: VisionHalf) -> None:
+    """image_url.detail "low" on a dynamic-resolution family: fewer tokens (the processor's minimum pixels), stored
+    under a hash of its own so a full-size request never gathers the small embeddings (or the other way round)."""
+    c, w = client
+    big = png("green", size=200)
+    full = c.post("/encode", json={"items": [item(big)]})
+    low = c.post("/encode", json={"items": [{**item(big), "detail": "low"}]})
+    assert full.status_code == low.status_code == 200, (full.text, low.text)
+    (f,), (lo,) = full.json()["items"], low.json()["items"]
+    assert f["mm_hash"] == mm_hash(big) and lo["mm_hash"] == mm_hash(big, "low") != f["mm_hash"]
+    assert not lo["cached"]  # encoded afresh, not served from the full-size entry
+    least = vision.image_processor.size["shortest_edge"]
+    merge = vision.config.vision_config.spatial_merge_size
+    patch = vision.image_processor.patch_size
+    assert lo["num_tokens"] < f["num_tokens"], (lo, f)
+    assert lo["num_tokens"] * (patch * merge) ** 2 <= max(least, (patch * merge) ** 2)  # at most the minimum area
+    held = w.producer.get_cache_item(mm_hash(big, "low"))
+    assert held is not None and held.num_tokens == lo["num_tokens"]
+    forged = c.post("/encode", json={"items": [{**item(big, mm_hash(big)), "detail": "low"}]})
+    assert forged.status_code == 400 and forged.json()["error"]["code"] == "hash_mismatch"
