@@ -1,34 +1,67 @@
-"""The next-token choice for one sequence (penalties, greedy, temperature, top-k, top-p, seed).
+"""The next-token choice for one sequence: penalties, logit_bias, logprobs, grammar mask, then the choice.
 
 The parameters are the contract the proxy validated (epd_contracts.sampling.SamplingParams);
 for every value it admits and any logits row (NaN, +-inf, all equal, huge magnitudes) `choose` returns a
 token and never raises, so one request's parameters cannot fail the batched step of the others.
+
+The order, per step:
+1. penalties (frequency / presence, over the tokens chosen so far), then logit_bias (added, as OpenAI does);
+2. logprobs, when asked for: log_softmax(x / T), T = 1 when greedy. So they describe the distribution after
+   penalties, bias and temperature (as OpenAI documents) and before the grammar mask and the truncations
+   (top-k, top-p, min-p) cut it: the chosen token always has a finite logprob, and the alternatives are the
+   model's real preferences, not what the grammar happened to allow;
+3. the guide's mask (structured outputs): disallowed tokens become impossible. The allowed set wins over
+   everything else: when no allowed token has a usable logit the best allowed one is still chosen;
+4. greedy argmax, or temperature -> min-p -> top-k -> top-p -> a draw from this choice's own generator.
+Rows without a guide or logprobs pay nothing for them, and nothing here waits for the device.
 """
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 
+from decoder_service.logprobs import entry
 from epd_contracts.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from decoder_service.logprobs import TokenTable
+    from epd_contracts.generate import TokenLogprob
 
 _NEG_INF = float("-inf")
 
 
-class Sampler:
-    """Chooses tokens for one sequence; a seed makes the choice reproducible (per device type).
+class Guide(Protocol):
+    """What the sampler needs of a grammar matcher (decoder_service/grammar.py)."""
 
-    Penalties count the tokens this sampler has chosen (the completion, not the prompt), as OpenAI
-    defines them, and apply before the greedy or random choice. `choose` works where the logits are and
-    never waits for the device; the engine reads every row's choice back in one transfer and `accept`s it.
+    def mask(self, logits: torch.Tensor) -> torch.Tensor: ...  # disallowed tokens at -inf, same shape and device
+
+    def accept(self, token: int) -> None: ...
+
+
+class Sampler:
+    """Chooses tokens for one sequence (one choice of a request); a seed makes the choice reproducible.
+
+    Choice `index` of an n > 1 request seeds with params.choice_seed(index), so n seeded choices are each
+    reproducible and differ from one another. Penalties count the tokens this sampler has chosen (the
+    completion, not the prompt), as OpenAI defines them. `choose` works where the logits are and never waits
+    for the device; the engine reads every row's choice back in one transfer and `accept`s it.
     """
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
-        self.params = params
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", *, index: int = 0,
+                 guide: Guide | None = None, tokens: TokenTable | None = None):
+        self.params, self.guide, self.tokens = params, guide, tokens
         self.counts: dict[int, int] = {}  # token id -> times chosen so far
         self.generator = torch.Generator(device=device)
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)  # the contract admits exactly manual_seed's range
+        seed = params.choice_seed(index)
+        if seed is not None:
+            self.generator.manual_seed(seed)  # the contract admits exactly manual_seed's range
         else:
             self.generator.seed()
+        self._bias: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (vocab, ids, values) on the device
+        self._logprobs: torch.Tensor | None = None  # the last step's log_softmax row (logprobs asked for)
+        self._packed: torch.Tensor | None = None  # the last choice's [token, logprob, top values, top ids]
 
     def __call__(self, logits: torch.Tensor) -> int:
         token = int(self.choose(logits))
@@ -37,10 +70,36 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token as a 0-d tensor on the logits' device (no host sync)."""
-        return self._choose(self._penalize(logits) if self.params.penalized and self.counts else logits)
+        p = self.params
+        if p.penalized and self.counts:
+            logits = self._penalize(logits)
+        if p.logit_bias:
+            logits = self._add_bias(logits)
+        if self.guide is not None:
+            token = self._choose(self._masked(logits))
+        else:
+            token = self._choose(logits)
+        if p.logprobs is not None and self.tokens is not None:  # without the engine's TokenTable: no entries
+            self._packed = self._pack(logits, token)
+        return token
 
     def accept(self, token: int) -> None:
+        """Count the chosen token for the penalties and advance the guide (which refuses a token it forbade)."""
         self.counts[token] = self.counts.get(token, 0) + 1
+        if self.guide is not None:
+            self.guide.accept(token)
+
+    def logprob_entry(self, token: int) -> TokenLogprob | None:
+        """The last chosen token's logprob and top alternatives (None when the request asked for none)."""
+        if self._packed is None or self._logprobs is None or self.tokens is None:
+            return None
+        k = (len(self._packed) - 2) // 2
+        values = self._packed.tolist()  # the one read-back for this token
+        chosen, logprob = int(values[0]), values[1]
+        if chosen != token:  # the engine accepted another token than the one chosen here: look it up
+            logprob = float(self._logprobs[token])
+        top = [(int(i), lp) for lp, i in zip(values[2:2 + k], values[2 + k:], strict=True)]
+        return entry(self.tokens, token, logprob, top)
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -50,11 +109,49 @@ class Sampler:
         logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
         return logits
 
+    def _add_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        if self._bias is None or self._bias[0] != vocab:  # built once; ids past the vocabulary are left out
+            kept = {t: b for t, b in self.params.logit_bias.items() if t < vocab}
+            ids = torch.tensor(list(kept), dtype=torch.long).to(logits.device, non_blocking=True)
+            values = torch.tensor(list(kept.values()), dtype=torch.float32).to(logits.device, non_blocking=True)
+            self._bias = (vocab, ids, values)
+        _, ids, values = self._bias
+        return logits.float().index_add(0, ids, values)  # out of place: the caller's logits stay as they were
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the tokens the guide allows, the rest -inf; if none of those is usable, all allowed at 0.
+
+        The guide masks a zero row, so which tokens are allowed does not depend on the logits' values (a
+        NaN or -inf logit of an allowed token cannot hide it); choosing among all-equal allowed tokens is the
+        fallback, without a host sync.
+        """
+        assert self.guide is not None
+        allowed = self.guide.mask(torch.zeros(logits.shape, device=logits.device)) == 0
+        x = torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
+        x = torch.where(allowed, x, _NEG_INF)
+        return torch.where(x.max() == _NEG_INF, torch.where(allowed, 0.0, _NEG_INF), x)
+
+    def _pack(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """[token, its logprob, k best logprobs, their ids] as one float32 row, read back by logprob_entry.
+
+        Token ids are exact in float32 below 2**24, far above any vocabulary.
+        """
+        p = self.params
+        assert p.logprobs is not None
+        logprobs = torch.log_softmax(_scaled(logits, 1.0 if p.greedy else p.temperature), dim=-1)
+        top = torch.topk(logprobs, min(p.logprobs, logprobs.numel()))
+        index = token.view(1)  # gather, not logprobs[token]: indexing by a 0-d tensor reads it back
+        self._logprobs = logprobs
+        return torch.cat([index.float(), logprobs.gather(0, index), top.values, top.indices.float()])
+
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if p.greedy:  # argmax never raises (a NaN row is the model's fault; it still yields a token)
             return torch.argmax(logits)
         scores = _scaled(logits, p.temperature)
+        if p.min_p > 0:  # vLLM: p < min_p * p_max, i.e. (with the maximum score at 0) score < log(min_p)
+            scores = scores.masked_fill(scores < math.log(p.min_p), _NEG_INF)
         if p.top_k:
             kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, _NEG_INF)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 
 T = TypeVar("T")
-_AT = re.compile(r" - at `\$(.*)`$")
+_AT = re.compile(r" - at (?:`key` in )?`\$(.*)`$")  # a dict's bad key is reported at the dict
 _STEP = re.compile(r'\.([^.\[]+)|\[(\d+)\]|\["((?:[^"\\]|\\.)*)"\]')
 _FIELD = re.compile(r"(?:unknown|missing required) field `(.*)`")  # named in the message, not the path
 
@@ -64,7 +64,8 @@ def convert(obj: Any, type_: type[T], strict: bool = True) -> T:
 def _named(exc: msgspec.ValidationError) -> ContractError:
     text = str(exc)
     at = _AT.search(text)
-    steps = [next(s for s in m.groups() if s is not None) for m in _STEP.finditer(at.group(1))] if at else []
+    path = at.group(1).replace("[...]", "") if at else ""  # `[...]`: a value of a dict, named by the dict
+    steps = [next(s for s in m.groups() if s is not None) for m in _STEP.finditer(path)]
     message = text[:at.start()] if at else text
     if (named := _FIELD.search(message)) is not None:
         steps.append(named.group(1))
