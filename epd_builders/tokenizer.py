@@ -1,8 +1,12 @@
 """A byte-level BPE tokenizer trained on the fly, with a chat template, for the tiny and demo models."""
 from __future__ import annotations
 
+import json
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from epd_models.tool_prompt import CALL_BEGIN, CALL_END, RESULT_BEGIN, RESULT_END, TOOLS_FOOTER, TOOLS_HEADER
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>",
@@ -12,9 +16,43 @@ COLORS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"
 SHAPES = ["circle", "square", "triangle"]
 QUESTIONS = {"color": "What color is the shape?", "shape": "What shape is it?"}
 
+
+def _text(s: str) -> str:
+    """A Jinja string literal printing `s` (a JSON string literal of ASCII text reads the same in Jinja)."""
+    return "{{ " + json.dumps(s) + " }}"
+
+
 # NOTE: `image` stands for what one image part renders to; the decoder expands it to num_tokens.
+# Tools as Qwen2.5's template renders them: the tools block ends the system turn (a new one if there is none),
+# assistant calls are <tool_call> JSON, a run of tool results is one user turn of <tool_response> blocks. The words
+# are epd_models/tool_prompt.py's, so this template and render()'s fallback for a tool-blind template agree.
+# A conversation without tools renders as it did before tools existed (tests/models/test_chat_tools.py).
 _TEMPLATE = (
+    "{%- macro body(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content -%}{%- for c in content -%}"
+    "{%- if c['type'] in ('image', 'image_url') -%}{{ '@IMAGE@' }}"
+    "{%- elif c['type'] == 'text' -%}{{ c['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] -%}"
+    "{{ body(messages[0]['content']) }}{{ '\\n\\n' }}{%- endif -%}"
+    + _text(TOOLS_HEADER) + "{%- for t in tools -%}{{ '\\n' }}{{ t | tojson }}{%- endfor -%}"
+    + _text(TOOLS_FOOTER) + "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- for m in messages -%}"
+    "{%- if tools and loop.first and m['role'] == 'system' -%}"
+    "{%- elif m['role'] == 'assistant' and m['tool_calls'] -%}{{ '<|im_start|>assistant' }}"
+    "{%- if m['content'] -%}{{ '\\n' }}{{ body(m['content']) }}{%- endif -%}"
+    "{%- for tc in m['tool_calls'] -%}{%- set f = tc['function'] -%}{{ '\\n' }}"
+    + _text(CALL_BEGIN) + "{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}" + _text(CALL_END) +
+    "{%- endfor -%}{{ '<|im_end|>\\n' }}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n' }}" + _text(RESULT_BEGIN) + "{{ body(m['content']) }}" + _text(RESULT_END) +
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}"  # as before tools existed, text for text (tests patch these lines)
     "{{ '<|im_start|>' + m['role'] + '\\n' }}"
     "{%- if m['content'] is string -%}{{ m['content'] }}"
     "{%- else -%}{%- for c in m['content'] -%}"
@@ -22,6 +60,7 @@ _TEMPLATE = (
     "{%- elif c['type'] == 'text' -%}{{ c['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )

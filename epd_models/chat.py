@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from epd_models.tokenizer_facts import TokenizerFacts, tokenizer_facts
+from epd_models.tool_history import choose_plan, with_parsed_arguments
+from epd_models.tool_parsers import HERMES, ToolFormat, function_of
 from epd_models.user_text import count_added, defang, mark, tokenize_isolated
 
 
@@ -37,12 +39,19 @@ class PromptTooLong(Exception):
         super().__init__(f"the prompt has at least {num_tokens_at_least} tokens; at most {max_tokens} fit")
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_tokens: int | None = None) -> list[int]:
+def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_tokens: int | None = None,
+           tools: list[dict[str, Any]] | None = None, tool_format: ToolFormat | None = None) -> list[int]:
     """Apply the chat template (one placeholder per image) and tokenize; user text never becomes an added token.
 
-    Text from the request (contents, text parts, names) tokenizes exactly as the whole prompt did before, unless it
-    contains (or forms, with its neighbours) an added token's string: then that string becomes ordinary tokens.
-    The template's own special tokens and image markers are kept. See epd_models/user_text.py.
+    Text from the request (contents, text parts, names, tools, tool calls and results) tokenizes exactly as the
+    whole prompt did before, unless it contains (or forms, with its neighbours) an added token's string: then that
+    string becomes ordinary tokens. The template's own special tokens and image markers are kept.
+    See epd_models/user_text.py.
+
+    `tools` (OpenAI's function tools) are rendered by the template; one that ignores them gets `tool_format`'s
+    (default: Hermes/Qwen) tools block in the system message, and assistant `tool_calls` or `tool` turns it cannot
+    render are given to it as that format's text (epd_models/tool_history.py). Without tools or tool turns the
+    prompt is what it was before tools existed.
 
     With `max_tokens`, a prompt that cannot fit raises PromptTooLong before it is tokenized: the rendered text is
     refused when longer than max_tokens x the most characters one token can cover (epd_models/tokenizer_facts.py).
@@ -50,37 +59,59 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_to
     is at most max_tokens x max_chars_per_token characters (demo and tiny models: 4096 x 33 = 135k), which is the
     largest prompt that can fit, so a too-long prompt never costs more than serving the longest one that fits.
     """
+    try:
+        return _render(tokenizer, messages, template, max_tokens, tools, tool_format or HERMES)
+    except RecursionError as exc:  # tool arguments or schemas nested past what walking them allows
+        raise ValueError("the messages or tools are nested too deeply to render") from exc
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_tokens: int | None,
+            tools: list[dict[str, Any]] | None, tool_format: ToolFormat) -> list[int]:
     facts = tokenizer_facts(tokenizer)
-    marked = mark(messages, facts)
-    sentinel_render = _apply(tokenizer, marked.messages, template)
+    for tool in tools or ():
+        function_of(tool)  # a malformed tool is refused here, not rendered
+    messages = with_parsed_arguments(messages)
+    marked = mark(messages, facts, tools)
+
+    def apply(msgs: list[dict[str, Any]], tls: list[Any] | None) -> str:
+        return _apply(tokenizer, msgs, template, tls)
+
+    plan = choose_plan(apply, marked.messages, marked.tools, tool_format)
+
+    def draw(msgs: list[dict[str, Any]], tls: list[Any] | None) -> str:
+        return apply(*plan.prepare(msgs, tls))
+
+    sentinel_render = draw(marked.messages, marked.tools)
     text, spans = marked.fill(sentinel_render)
     if max_tokens is not None:
         at_least = facts.min_tokens(text)
         if at_least > max_tokens:
             raise PromptTooLong(at_least, max_tokens)
-    spans_known = getattr(tokenizer, "is_fast", False) and _apply(tokenizer, messages, template) == text
+    known: list[tuple[int, int]] | None = None
+    if getattr(tokenizer, "is_fast", False):  # offsets are needed to find the spans' tokens
+        real = draw(messages, tools)
+        known = spans if real == text else marked.align(sentinel_render, real)  # tojson escapes tool text
+        text = real if known is not None else text
     with _ENCODING:
-        if spans_known:
-            ids = tokenize_isolated(tokenizer, text, spans, facts)
+        if known is not None:
+            ids = tokenize_isolated(tokenizer, text, known, facts)
         else:  # the template changes user text (e.g. trims it) or no offsets: spans are unknown
-            ids = _tokenize_defanged(tokenizer, messages, sentinel_render, template, facts)
+            own = count_added(tokenizer(sentinel_render, add_special_tokens=False)["input_ids"], facts)
+            ids = _tokenize_defanged(tokenizer, draw(defang(messages, facts), defang(tools, facts)), own, facts)
     if max_tokens is not None and len(ids) > max_tokens:
         raise PromptTooLong(len(ids), max_tokens)
     return ids
 
 
-def _apply(tokenizer: Any, messages: list[dict[str, Any]], template: str) -> str:
+def _apply(tokenizer: Any, messages: list[dict[str, Any]], template: str, tools: list[Any] | None = None) -> str:
     # NOTE: like apply_chat_template(tokenize=True), the template owns BOS and other specials
     return str(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True))
+                                             add_generation_prompt=True, tools=tools))
 
 
-def _tokenize_defanged(tokenizer: Any, messages: list[dict[str, Any]], sentinel_render: str, template: str,
-                       facts: TokenizerFacts) -> list[int]:
-    """Reserved strings in user text are broken up before rendering; the result must hold exactly the added
-    tokens the template makes by itself (counted on the sentinel render), else the request is refused."""
-    own = count_added(tokenizer(sentinel_render, add_special_tokens=False)["input_ids"], facts)
-    rendered = _apply(tokenizer, defang(messages, facts), template)
+def _tokenize_defanged(tokenizer: Any, rendered: str, own: int, facts: TokenizerFacts) -> list[int]:
+    """`rendered` is the prompt with every reserved string in user text broken up; it must hold exactly the `own`
+    added tokens the template makes by itself (counted on the sentinel render), else the request is refused."""
     ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     if count_added(ids, facts) != own:
         raise ValueError("the text contains a reserved token sequence that this chat template cannot keep apart")

@@ -9,6 +9,7 @@ tokens re-encoded with special tokens split (the user's "<|im_start|>" becomes "
 from __future__ import annotations
 
 import bisect
+import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class Marked:
     messages: list[dict[str, Any]]
     texts: list[str]
     pattern: re.Pattern[str]
+    tools: list[Any] | None = None  # the request's tools, marked the same way
 
     def fill(self, rendered: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered prompt with user strings back in, and the (start, end) of each, in order."""
@@ -44,9 +46,32 @@ class Marked:
         pieces.append(rendered[pos:])
         return "".join(pieces), spans
 
+    def align(self, rendered: str, real: str) -> list[tuple[int, int]] | None:
+        """The spans of the user strings in `real` (the render of the request itself), when the template printed
+        each one either as is or JSON-escaped (`tojson`, as tools and tool arguments are) and all else is the
+        same as in `rendered`; None when they cannot be matched that way."""
+        spans: list[tuple[int, int]] = []
+        pos = last = 0  # in real, in rendered
+        for m in self.pattern.finditer(rendered):
+            piece = rendered[last:m.start()]
+            if not real.startswith(piece, pos):
+                return None
+            pos += len(piece)
+            text = self.texts[int(m.group(1), 16)]
+            form = next((f for f in (text, json.dumps(text, ensure_ascii=False)[1:-1]) if real.startswith(f, pos)),
+                        None)
+            if form is None:
+                return None
+            spans.append((pos, pos + len(form)))
+            pos, last = pos + len(form), m.end()
+        return spans if real[pos:] == rendered[last:] else None
 
-def mark(messages: list[dict[str, Any]], facts: TokenizerFacts) -> Marked:
-    """Replace every non-empty string of the request (contents, text parts, names) with a sentinel."""
+
+def mark(messages: list[dict[str, Any]], facts: TokenizerFacts, tools: list[Any] | None = None) -> Marked:
+    """Replace every non-empty string of the request (contents, text parts, names, tools) with a sentinel.
+
+    Dict keys and `type` values stay as they are (templates look them up); in tools and tool calls, where they
+    are the client's text (a parameter's name), one holding a reserved token's string is refused."""
     nonce = secrets.token_hex(8)
     texts: list[str] = []
 
@@ -64,15 +89,38 @@ def mark(messages: list[dict[str, Any]], facts: TokenizerFacts) -> Marked:
 
     for msg in messages:
         _check_role(msg, facts)
+        if isinstance(msg, dict) and msg.get("tool_calls"):
+            _check_unmarked(msg["tool_calls"], facts)
+    _check_unmarked(tools, facts)
     marked = [walk(m) for m in messages]
-    return Marked(marked, texts, re.compile("\ue000" + nonce + "([0-9a-f]+)\ue001"))
+    marked_tools = None if tools is None else [walk(t) for t in tools]
+    return Marked(marked, texts, re.compile("\ue000" + nonce + "([0-9a-f]+)\ue001"), marked_tools)
+
+
+def _check_unmarked(value: Any, facts: TokenizerFacts, key: str = "") -> None:
+    """Refuse a dict key or kept value (see _KEEP) that holds a reserved token's string."""
+    if isinstance(value, str):
+        if key in _KEEP and _reserved(value, facts):
+            raise ValueError(f"{key} {value[:64]!r} contains a reserved token")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and _reserved(k, facts):
+                raise ValueError(f"the key {k[:64]!r} contains a reserved token")
+            _check_unmarked(v, facts, k if isinstance(k, str) else "")
+    elif isinstance(value, list):
+        for v in value:
+            _check_unmarked(v, facts)
+
+
+def _reserved(text: str, facts: TokenizerFacts) -> bool:
+    return any(c and c in text for c in facts.added.values())
 
 
 def _check_role(msg: Any, facts: TokenizerFacts) -> None:
     if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
         raise ValueError("each message needs a string role")
     role = msg["role"]
-    if any(c and c in role for c in facts.added.values()):
+    if _reserved(role, facts):
         raise ValueError(f"role {role[:64]!r} contains a reserved token")
 
 
