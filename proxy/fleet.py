@@ -229,7 +229,8 @@ class Fleet:
         worker = self.workers.by_url.get(name)
         if worker is None:
             raise WorkerFailed("deregistered")
-        body = EncodeRequest(items=[EncodeItem(mm_hash=it.mm_hash, data=base64.b64encode(it.data).decode())
+        body = EncodeRequest(items=[EncodeItem(mm_hash=it.mm_hash, data=base64.b64encode(it.data).decode(),
+                                               detail=it.detail)
                                     for it in items])
         headers = {REQUEST_ID_HEADER: request_id, **_JSON, **self.internal_headers}
         try:

@@ -10,7 +10,7 @@ import httpx
 import msgspec
 
 from epd_common.errors import APIError
-from epd_contracts.generate import Event, GenerateRequest, ImageRef
+from epd_contracts.generate import Event, ImageRef
 from proxy.fleet import Fleet, WorkerFailed
 from proxy.prepare import PreparedChat
 from proxy.workers import Worker, WorkerDown, until_down
@@ -30,13 +30,18 @@ class Generation:
         self.answered: APIError | None = None  # a decoder's 5xx answer to this request (it stays in service)
         self.resp: httpx.Response | None = None
         self.sources: dict[str, str] = {}
+        self.cached: frozenset[str] = frozenset()  # items an encoder already held: not encoded for this request
 
-    async def open(self, sources: dict[str, str], pending: frozenset[str] = frozenset()) -> None:
+    async def open(self, sources: dict[str, str], pending: frozenset[str] = frozenset(),
+                   cached: frozenset[str] | None = None) -> None:
         """Open the stream on the least-loaded healthy decoder, moving to the next one if it fails.
 
-        `pending` items are still being encoded: the decoder's gather waits for them (pipelined mode).
+        `pending` items are still being encoded: the decoder's gather waits for them (pipelined mode). `cached`
+        items were skipped by the scheduler (the decoder counts their tokens as cached_tokens).
         """
         self.sources = sources
+        if cached is not None:
+            self.cached = cached
         while True:
             try:
                 decoder = self.decoder = self.fleet.acquire_decoder(self.tried)  # APIError 503 once all failed
@@ -65,8 +70,7 @@ class Generation:
         """A gather miss re-encodes the missing items and retries once on the same decoder."""
         assert self.decoder is not None
         for attempt in (0, 1):
-            body = GenerateRequest(messages=self.chat.messages, images=[self._image(it, pending) for it in self.chat.items],
-                                   sampling=self.chat.sampling)
+            body = self.chat.request([self._image(it, pending) for it in self.chat.items])
             try:
                 self.resp = await self.fleet.open_generation(self.decoder, body, self.request_id)
                 return
@@ -79,15 +83,33 @@ class Generation:
                 missing = set(exc.extra.get("missing", []))
                 logger.warning("decoder missed %d embedding(s); re-encoding", len(missing))
                 redo = [it for it in self.chat.items if it.mm_hash in missing]
+                self.cached -= missing  # encoded again for this request
                 self.sources = {**self.sources, **await self.fleet.encode(redo, self.request_id, skip_cached=False)}
                 pending = frozenset()
+
+    async def start(self) -> None:
+        """Encode, then open the decoder stream (pipelined: both at once); on any failure the generation is closed."""
+        cfg = self.fleet.cfg
+        try:
+            if cfg.pipeline_encode and not cfg.aggregated:
+                await self.open_pipelined()
+            else:
+                await self.open_encoded()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def open_encoded(self) -> None:
+        """Encode every item first (the scheduler skips those held already), then open the decoder stream."""
+        plan = self.fleet.plan(self.chat.items)
+        await self.open(await self.fleet.execute(plan, self.request_id), cached=frozenset(plan.skipped))
 
     async def open_pipelined(self) -> None:
         """Schedule the encodes, then open the decoder stream while they run; an encode error wins. If an
         encoder fails over, the stream (waiting on the dead encoder) is reopened with the new sources."""
         plan = self.fleet.plan(self.chat.items)
         encodes = asyncio.create_task(self.fleet.execute(plan, self.request_id))
-        opening = asyncio.create_task(self.open(plan.sources, plan.pending))
+        opening = asyncio.create_task(self.open(plan.sources, plan.pending, frozenset(plan.skipped)))
         try:
             sources = await encodes
         except BaseException:
@@ -104,8 +126,9 @@ class Generation:
 
     def _image(self, item: MMItem, pending: frozenset[str]) -> ImageRef:
         if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
-            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode())
-        return ImageRef(mm_hash=item.mm_hash, source=self.sources[item.mm_hash], pending=item.mm_hash in pending)
+            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), detail=item.detail)
+        return ImageRef(mm_hash=item.mm_hash, source=self.sources[item.mm_hash], pending=item.mm_hash in pending,
+                        cached=item.mm_hash in self.cached, detail=item.detail)
 
     async def events(self) -> AsyncIterator[Event]:
         """The decoder's events; before the first token a lost decoder means a retry on another one."""

@@ -6,26 +6,32 @@ ranges in the OpenAPI document come from the contract's JSON schema.
 """
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from epd_common.errors import APIError, bad_request
+from epd_contracts.generate import MAX_SCHEMA_BYTES, MAX_TOOLS, ResponseFormat, ToolChoice
 from epd_contracts.limits import MAX_MESSAGES, MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PARTS_PER_MESSAGE, parts_error
-from epd_contracts.sampling import SamplingParams
+from epd_contracts.sampling import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from epd_contracts.validation import ContractError, convert
 from proxy.unsupported import unsupported_message_field, unsupported_parameter
 
 _CONTRACT = msgspec.json.schema(SamplingParams)["$defs"]["SamplingParams"]["properties"]
-# request field -> the contract's field it sets: the contract's own names, and OpenAI's newer name of max_tokens
-_SAMPLING = {**{name: name for name in _CONTRACT}, "max_completion_tokens": "max_tokens"}
+# request field -> the contract's field it sets: the contract's own names, and OpenAI's newer name of max_tokens;
+# `n` and `logprobs` are request fields of their own (OpenAI's logprobs is a bool, the contract's a count)
+_SAMPLING = {**{name: name for name in _CONTRACT if name not in ("n", "logprobs")}, "max_completion_tokens": "max_tokens"}
+_TOKEN_ID = re.compile(r"^[0-9]{1,10}$")
 
 
 def _sampling_schema(schema: dict[str, Any]) -> None:
     """The OpenAPI document shows each sampling field with the contract's ranges (optional, null allowed)."""
-    for name, field in _SAMPLING.items():
-        prop = {k: v for k, v in _CONTRACT[field].items() if k != "default"}
+    for name, target in _SAMPLING.items():
+        prop = {k: v for k, v in _CONTRACT[target].items() if k != "default"}
         schema["properties"][name] = prop if "anyOf" in prop else {"anyOf": [prop, {"type": "null"}]}
 
 
@@ -36,6 +42,45 @@ def _contract_params(fields: dict[str, Any], max_tokens_from: str | None = None)
     except ContractError as exc:
         param = max_tokens_from if max_tokens_from and exc.param == "max_tokens" else exc.param
         raise bad_request(f"{param}: {exc.detail}" if param else exc.detail, param, code="invalid_request") from None
+
+
+def not_sampling(extra: dict[str, Any]) -> dict[str, Any]:
+    """A request's extra fields that are not sampling fields: each is checked by `unsupported_parameter`."""
+    return {k: v for k, v in extra.items() if k not in _SAMPLING}
+
+
+def refuse(refused: tuple[str, str] | None) -> None:
+    """A 400 `unsupported_parameter` naming the field (never a silent 200 ignoring it); None: nothing refused."""
+    if refused is not None:
+        raise APIError(400, f"{refused[0]}: {refused[1]}", param=refused[0], code="unsupported_parameter")
+
+
+def _check_logit_bias(bias: Any) -> None:
+    """OpenAI's shape: token ids as JSON object keys (strings of digits); the contract checks the values."""
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and _TOKEN_ID.match(k) for k in bias):
+        raise bad_request("logit_bias: expected an object mapping token ids (strings of digits) to numbers "
+                          "in [-100, 100]", "logit_bias", code="invalid_request")
+    for key, value in bias.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"logit_bias: the bias of token {key} must be a number in [-100, 100]", "logit_bias",
+                              code="invalid_request")
+
+
+def contract_sampling(extra: dict[str, Any], n: int | None = None, logprobs: int | None = None,
+                      default_max_tokens: int | None = None) -> SamplingParams:
+    """The given sampling fields as the contract (unset ones take its defaults), each error under its own name."""
+    given = {name: v for name in _SAMPLING if (v := extra.get(name)) is not None}
+    if isinstance(given.get("stop"), str):
+        given["stop"] = [given["stop"]]  # a single string is one stop
+    if "logit_bias" in given:
+        _check_logit_bias(given["logit_bias"])
+    if "max_completion_tokens" in given and "max_tokens" in given:  # the newer name wins; both are checked
+        _contract_params({"max_tokens": given.pop("max_tokens")})
+    fields = {_SAMPLING[name]: v for name, v in given.items()}
+    if default_max_tokens is not None:
+        fields.setdefault("max_tokens", default_max_tokens)
+    fields.update({k: v for k, v in (("n", n), ("logprobs", logprobs)) if v is not None})
+    return _contract_params(fields, "max_completion_tokens" if "max_completion_tokens" in given else None)
 
 
 class ImageURL(BaseModel):
@@ -57,16 +102,95 @@ class ImagePart(BaseModel):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # checked by ChatCompletionRequest.sampling(): tool_calls, audio, ...
+_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's pattern for function and json_schema names
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCallFunction(BaseModel):
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """An assistant turn's call, echoed back in the history (OpenAI's ChatCompletionMessageToolCall)."""
+
+    id: str = Field(max_length=MAX_NAME_CHARS)
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # checked by ChatCompletionRequest.sampling(): audio, ...
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS_PER_MESSAGE)] | None = None
     name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant turns
+    tool_call_id: str | None = Field(default=None, max_length=MAX_NAME_CHARS)  # tool turns: the call answered
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]  # OpenAI's "custom" tools (free-form text input) are not implemented
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class FormatText(BaseModel):
+    type: Literal["text"]
+
+
+class FormatJsonObject(BaseModel):
+    type: Literal["json_object"]
+
+
+class FormatJsonSchema(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+AnyFormat = Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")]
+
+
+def _schema_fits(schema: dict[str, Any] | None, param: str) -> None:
+    """Compiling a grammar is bounded by the schema's size: a larger one is refused before it reaches a decoder."""
+    if schema is not None and len(json.dumps(schema, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
+        raise bad_request(f"{param}: the schema is larger than {MAX_SCHEMA_BYTES} bytes as JSON", param,
+                          code="invalid_request")
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a chat request asks of the decoder beyond sampling: an output format, tools and how to use them."""
+
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
 class ChatCompletionRequest(BaseModel):
@@ -77,7 +201,13 @@ class ChatCompletionRequest(BaseModel):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1, le=128)  # only 1 is implemented: sampling() refuses more
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: AnyFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # the sampling fields (_SAMPLING) are read from the extra fields by sampling(), checked by the contract alone
 
     @field_validator("messages")
@@ -94,27 +224,42 @@ class ChatCompletionRequest(BaseModel):
     def sampling(self) -> SamplingParams:
         """The decoder's sampling contract; raises APIError 400 `invalid_request` naming a field outside it, or
         `unsupported_parameter` naming a field this server does not implement (never a silent 200 ignoring it)."""
-        params = self._to_contract()
-        refused = self._first_unsupported()
-        if refused is not None:
-            raise APIError(400, f"{refused[0]}: {refused[1]}", param=refused[0], code="unsupported_parameter")
+        if self.top_logprobs is not None and self.logprobs is not True:
+            raise bad_request("top_logprobs: logprobs must be set to true when top_logprobs is used", "top_logprobs",
+                              code="invalid_request")
+        params = contract_sampling(self.model_extra or {}, self.n, (self.top_logprobs or 0) if self.logprobs else None)
+        refuse(self._first_unsupported())
         return params
 
-    def _to_contract(self) -> SamplingParams:
-        """The given sampling fields as the contract (unset ones take its defaults), each error under its own name."""
-        extra = self.model_extra or {}
-        given = {name: v for name in _SAMPLING if (v := extra.get(name)) is not None}
-        if isinstance(given.get("stop"), str):
-            given["stop"] = [given["stop"]]  # a single string is one stop
-        if "max_completion_tokens" in given and "max_tokens" in given:  # the newer name wins; both are checked
-            _contract_params({"max_tokens": given.pop("max_tokens")})
-        return _contract_params({_SAMPLING[name]: v for name, v in given.items()},
-                                "max_completion_tokens" if "max_completion_tokens" in given else None)
+    def features(self) -> Features:
+        """response_format, tools and tool_choice as the contract; a 400 naming the field they break."""
+        fmt = self.response_format
+        response_format = None
+        if isinstance(fmt, FormatJsonObject) or (isinstance(fmt, FormatJsonSchema) and fmt.json_schema.schema_ is None):
+            response_format = ResponseFormat(type="json_object")  # a json_schema without a schema: any JSON object
+        elif isinstance(fmt, FormatJsonSchema):
+            _schema_fits(fmt.json_schema.schema_, "response_format")
+            response_format = ResponseFormat(type="json_schema", json_schema=fmt.json_schema.schema_,
+                                             strict=bool(fmt.json_schema.strict))
+        tools = self.tools or []
+        for i, tool in enumerate(tools):
+            _schema_fits(tool.function.parameters, f"tools.{i}.function.parameters")
+        names = {t.function.name for t in tools}
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if not tools and choice != "none":
+            raise bad_request("tool_choice: only allowed when tools are specified", "tool_choice",
+                              code="invalid_request")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad_request(f"tool_choice: no function named {choice.function.name!r} in tools", "tool_choice",
+                              code="invalid_request")
+        parallel = self.parallel_tool_calls is not False
+        tool_choice = ToolChoice(mode="function", name=choice.function.name, parallel=parallel) \
+            if isinstance(choice, NamedToolChoice) else ToolChoice(mode=choice, parallel=parallel)
+        return Features(response_format, [t.model_dump(exclude_none=True) for t in tools], tool_choice)
 
     def _first_unsupported(self) -> tuple[str, str] | None:
         """(param, why) of the first field this server cannot honour, top level first, then per message."""
-        others = {k: v for k, v in (self.model_extra or {}).items() if k not in _SAMPLING}
-        refused = unsupported_parameter({**others, "n": self.n})
+        refused = unsupported_parameter(not_sampling(self.model_extra or {}))
         if refused is not None:
             return refused
         for i, msg in enumerate(self.messages):

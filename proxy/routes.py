@@ -6,20 +6,18 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from epd_common.errors import APIError
 from epd_common.http import has_bearer, until_disconnected
 from epd_common.logs import request_id_var
-from proxy.config import ProxyConfig
+from proxy.completions import router as completions_router
 from proxy.fleet import Fleet
 from proxy.generation import Generation
-from proxy.metrics import ProxyMetrics
 from proxy.openai_format import Completion
 from proxy.prepare import check_model
 from proxy.protocol import ChatCompletionRequest, InstanceRequest
 from proxy.state import ProxyState, proxy_state
-from proxy.streaming import collect_response, sse_stream
+from proxy.streaming import respond
 from proxy.workers import ModelMismatch
 
 logger = logging.getLogger("epd.proxy")
@@ -41,39 +39,32 @@ async def _answer_chat(state: ProxyState, req: ChatCompletionRequest) -> Respons
     start = time.perf_counter()
     fleet = state.fleet
     served = fleet.served_model_name()
-    check_model(req, served)
+    check_model(req.model, served)
     chat = await state.prepare(req)
     gen = Generation(fleet, chat, request_id_var.get())
-    await _open(gen, state.cfg)
-    return await _respond(gen, req, Completion(model=served or req.model), state.metrics, start)
-
-
-async def _open(gen: Generation, cfg: ProxyConfig) -> None:
-    """Encode, then open the decoder stream (pipelined: both at once); on any failure the generation is closed."""
-    try:
-        if cfg.pipeline_encode and not cfg.aggregated:
-            await gen.open_pipelined()
-        else:
-            await gen.open(await gen.fleet.encode(gen.chat.items, gen.request_id))
-    except BaseException:
-        await gen.close()
-        raise
-
-
-async def _respond(gen: Generation, req: ChatCompletionRequest, completion: Completion, metrics: ProxyMetrics,
-                   start: float) -> Response:
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(sse_stream(gen, completion, include_usage, metrics, start),
-                                 media_type="text/event-stream")
-    return JSONResponse(await collect_response(gen, completion, metrics, start))
+    await gen.start()
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    answer = Completion(model=served or req.model, logprobs=chat.sampling.logprobs is not None)
+    return await respond(gen, answer, req.stream, include_usage, state.metrics, start, chat.sampling.n)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     served = proxy_state(request).fleet.served_model_name()
-    cards = [{"id": served, "object": "model", "created": 0, "owned_by": "epd"}] if served else []
-    return {"object": "list", "data": cards}
+    return {"object": "list", "data": [_card(served)] if served else []}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    """The served model's card; any other id is OpenAI's 404 `model_not_found`."""
+    served = proxy_state(request).fleet.served_model_name()
+    if served is None or model_id != served:
+        raise APIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+    return _card(served)
+
+
+def _card(served: str) -> dict[str, Any]:
+    return {"id": served, "object": "model", "created": 0, "owned_by": "epd"}
 
 
 @router.get("/health")
@@ -134,3 +125,6 @@ def _registration(request: Request) -> Fleet:
 
 def _instances(fleet: Fleet) -> dict[str, Any]:
     return {f"{role}s": [w.describe() for w in fleet.workers.of(role)] for role in ("encoder", "decoder")}
+
+
+router.include_router(completions_router)  # POST /v1/completions (proxy/completions.py)

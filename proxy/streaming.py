@@ -1,44 +1,67 @@
-"""A generation's decoder events as the client's answer: an SSE stream, or one collected chat completion."""
+"""A generation's decoder events as the client's answer: an SSE stream, or one collected completion (chat or text)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import Any, Protocol
+
+from fastapi import Response
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from epd_common.errors import APIError
 from epd_common.logs import request_id_var
 from epd_contracts.generate import Event
+from proxy.choices import Choices
 from proxy.generation import Generation
 from proxy.metrics import ProxyMetrics
-from proxy.openai_format import Completion, openai_finish_reason, openai_usage, sse
+from proxy.openai_format import sse
 
 logger = logging.getLogger("epd.proxy")
 
 
-async def sse_stream(gen: Generation, completion: Completion, include_usage: bool, metrics: ProxyMetrics,
-               start: float) -> AsyncIterator[bytes]:
+class Answer(Protocol):
+    """How one endpoint writes its answer (chat: openai_format.Completion; text: completions.TextCompletion)."""
+
+    def first_chunks(self, n: int) -> list[dict[str, Any]]: ...
+    def delta_chunk(self, ev: Event) -> dict[str, Any] | None: ...
+    def finish_chunk(self, ev: Event) -> dict[str, Any]: ...
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]: ...
+    def response(self, choices: Choices) -> dict[str, Any]: ...
+
+
+async def sse_stream(gen: Generation, answer: Answer, include_usage: bool, metrics: ProxyMetrics,
+                     start: float, n: int = 1) -> AsyncIterator[bytes]:
+    """Every choice's chunks as they come (interleaved, each with its index), each choice's finish, then the
+    usage of all n (include_usage) and [DONE]; an error or a stream that ends early ends with an error event."""
     request_id_var.set(gen.request_id)
-    last, finished, failure = start, False, "generation ended without finishing"
+    last, choices, failure = start, Choices(n), "generation ended without finishing"
     try:
-        yield sse(completion.chunk({"role": "assistant", "content": ""}))
+        for first in answer.first_chunks(n):
+            yield sse(first)
         async for ev in events_apart(gen):
+            if ev.type == "error":
+                failure = ev.message or failure
+                break
+            try:
+                choices.add(ev)
+            except APIError as exc:
+                failure = exc.message
+                break
             if ev.type == "delta":
                 now = time.perf_counter()
                 (metrics.itl if last > start else metrics.ttft).observe(now - last)
                 last = now
-                yield sse(completion.chunk({"content": ev.text}))
-            elif ev.type == "done":
-                finished = True
-                yield sse(completion.chunk({}, openai_finish_reason(ev.finish_reason)))
+                if (chunk := answer.delta_chunk(ev)) is not None:
+                    yield sse(chunk)
+                continue
+            yield sse(answer.finish_chunk(ev))
+            if choices.finished:
                 if include_usage:
-                    yield sse(completion.usage_chunk(openai_usage(ev.usage)))
+                    yield sse(answer.usage_chunk(choices.usage()))
                 break
-            else:
-                failure = ev.message or failure
-                break
-        if not finished:  # never a silent truncation
+        if not choices.finished:  # never a silent truncation
             logger.warning("stream failed: %s", failure)
             yield sse(APIError(502, failure, code="stream_interrupted").body())
         yield sse("[DONE]")
@@ -49,24 +72,33 @@ async def sse_stream(gen: Generation, completion: Completion, include_usage: boo
     await gen.close()
 
 
-async def collect_response(gen: Generation, completion: Completion, metrics: ProxyMetrics,
-                           start: float) -> dict[str, Any]:
-    text: list[str] = []
+async def collect_response(gen: Generation, answer: Answer, metrics: ProxyMetrics, start: float,
+                           n: int = 1) -> dict[str, Any]:
+    """The whole answer once every choice is done (`choices` in index order)."""
+    choices, first = Choices(n), True
     try:
         async for ev in gen.events():
-            if ev.type == "delta":
-                if not text:
-                    metrics.ttft.observe(time.perf_counter() - start)
-                text.append(ev.text)
-            elif ev.type == "done":
-                metrics.e2e.observe(time.perf_counter() - start)
-                return completion.response("".join(text), openai_finish_reason(ev.finish_reason),
-                                           openai_usage(ev.usage))
-            else:
+            if ev.type == "error":
                 raise APIError(502, ev.message or "generation failed", code="generation_failed")
+            choices.add(ev)
+            if ev.type == "delta" and first:
+                metrics.ttft.observe(time.perf_counter() - start)
+                first = False
+            elif choices.finished:
+                metrics.e2e.observe(time.perf_counter() - start)
+                return answer.response(choices)
         raise APIError(502, "generation ended without finishing", code="stream_interrupted")
     finally:
         await gen.close()
+
+
+async def respond(gen: Generation, answer: Answer, stream: bool, include_usage: bool, metrics: ProxyMetrics,
+                  start: float, n: int) -> Response:
+    """The answer as an SSE stream, or collected into one JSON object."""
+    if stream:
+        return StreamingResponse(sse_stream(gen, answer, include_usage, metrics, start, n),
+                                 media_type="text/event-stream")
+    return JSONResponse(await collect_response(gen, answer, metrics, start, n))
 
 
 _DETACHED: set[asyncio.Future[Any]] = set()  # clean-ups that outlive the request's task

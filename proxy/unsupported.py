@@ -1,7 +1,7 @@
 """Request fields this server does not implement: a 400 naming the field, never a silent 200 that ignores it.
 
 A field is accepted when it is harmless here (bookkeeping such as `user`, `metadata`, `store`) or when it
-has a value that means "off" (`logprobs: false`, `tools: []`, `response_format: {"type": "text"}`, ...).
+has a value that means "off" (`modalities: ["text"]`, `repetition_penalty: 1`, `best_of: 1`, ...).
 Any other field, known (OpenAI's schema, vLLM's extensions) or not, is refused, as OpenAI refuses
 "unrecognized request argument"s; an unknown field set to null, false, 0, "", [] or {} is accepted as off.
 """
@@ -11,26 +11,29 @@ from typing import Any
 
 # accepted with any value: they change nothing about the output
 HARMLESS = frozenset({
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier", "prompt_cache_key",
-    "prompt_cache_retention", "prompt_cache_options",
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options",
 })
-# field -> the values (besides null) that mean the feature is off; any other value is refused
+# field -> the values (besides null) that mean the feature is off; any other value is refused. Implemented fields
+# (n, logprobs, top_logprobs, response_format, tools, tool_choice, parallel_tool_calls, logit_bias, min_p,
+# stop_token_ids, the sampling contract's) are request fields of their own and never reach this table.
 OFF: dict[str, tuple[Any, ...]] = {
-    # OpenAI chat completions (../shared/openai/chat-completions.schema.json)
-    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "logit_bias": ({},), "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (),
-    "reasoning_effort": (), "verbosity": (), "moderation": (),
-    # vLLM extensions that change the output (top_k and ignore_eos are implemented)
-    "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "best_of": (1,), "use_beam_search": (False,),
-    "length_penalty": (1,), "stop_token_ids": ([],), "bad_words": ([],), "allowed_token_ids": ([],),
+    # OpenAI chat completions (../shared/openai/chat-completions.schema.json): not implemented
+    "functions": ([],), "function_call": ("none",),  # deprecated spelling of tools: use tools / tool_choice
+    "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (),
+    "verbosity": (), "moderation": (),
+    # vLLM extensions that change the output (top_k, ignore_eos, min_p, stop_token_ids are implemented)
+    "repetition_penalty": (1,), "min_tokens": (0,), "best_of": (1,), "use_beam_search": (False,),
+    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": ([],),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (), "prompt_logprobs": (), "truncate_prompt_tokens": (), "logits_processors": (),
-    "return_tokens_as_token_ids": (False,),
+    "guided_decoding_backend": (), "structured_outputs": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+    "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    # /v1/completions: an inserted suffix (fill-in-the-middle) is not implemented
+    "suffix": ("",),
     # message fields (assistant turns echoed back by clients carry them, mostly null)
-    "tool_calls": ([],), "tool_call_id": (), "refusal": ("",),
+    "refusal": ("",),
 }
 _EMPTY: tuple[Any, ...] = (False, "", [], {})  # with None; 0 == False
 _MESSAGE_HARMLESS = frozenset({"annotations"})

@@ -11,6 +11,7 @@ from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from epd_contracts.generate import Detail
 from scheduler.cache_view import CacheView, holds
 
 
@@ -18,6 +19,7 @@ from scheduler.cache_view import CacheView, holds
 class MMItem:
     mm_hash: str
     data: bytes  # image file bytes
+    detail: Detail = "auto"  # image_url.detail: "low" is encoded at the minimum resolution (and hashed apart)
 
 
 @dataclass

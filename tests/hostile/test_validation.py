@@ -135,7 +135,14 @@ OUT_OF_CONTRACT = [
                        {"role": "user", "content": many(MAX_PARTS_PER_MESSAGE, TEXT)})}, "messages"),
     ({"messages": [{"role": "user", "content": "hi", "name": "n" * (MAX_NAME_CHARS + 1)}]}, "messages.0.name"),
     ({"model": "m" * (MAX_MODEL_NAME_CHARS + 1)}, "model"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}, "messages.0.role"),
+    ({"messages": [{"role": "function", "content": "42", "name": "f"}]}, "messages.0.role"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+                   *USER]}, "messages.0.tool_calls.0.function"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true, as OpenAI
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # without tools
+    ({"logit_bias": {"50256": -101}}, "logit_bias"),
+    ({"min_p": 1.5}, "min_p"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}, "messages.0.content.0"),
@@ -143,16 +150,8 @@ OUT_OF_CONTRACT = [
 NON_FINITE = [(field, text) for field in ("temperature", "top_p", "frequency_penalty", "presence_penalty")
               for text in ("NaN", "Infinity", "-Infinity")]
 UNSUPPORTED = [
-    ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
-    ({"min_p": 0.1}, "min_p"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -161,12 +160,12 @@ UNSUPPORTED = [
     ({"repetition_penalty": 1.3}, "repetition_penalty"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"no_such_field": 1}, "no_such_field"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
-                   *USER]}, "messages.0.tool_calls"),
+    ({"best_of": 2}, "best_of"),
+    ({"echo": True}, "echo"),
 ]
 # accepted: harmless bookkeeping, or a feature field set to its "off" value
 HARMLESS = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True,
-            "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "tools": [],
+            "logprobs": False, "response_format": {"type": "text"}, "tools": [],
             "tool_choice": "none", "logit_bias": {}, "min_p": 0, "n": 1, "modalities": ["text"], "no_such_field": None,
             "stream_options": None}
 
@@ -200,7 +199,7 @@ def test_decoder_generate_holds_the_same_contract(inproc: Stack) -> None:
     cases: list[tuple[dict[str, Any] | bytes, str]] = [
         ({**ok, "sampling": {"seed": MAX_SEED + 1}}, "sampling.seed"),
         ({**ok, "sampling": {"top_k": MAX_TOP_K + 1}}, "sampling.top_k"),
-        ({**ok, "sampling": {"min_p": 0.5}}, "sampling.min_p"),
+        ({**ok, "sampling": {"min_p": 1.5}}, "sampling.min_p"),
         ({**ok, "max_tokens": 3}, "max_tokens"),  # the old flat spelling: refused, not silently ignored
         ({**ok, "messages": many(MAX_MESSAGES + 1, USER[0])}, "messages"),
         ({**ok, "messages": [{"role": "user", "content": many(MAX_PARTS_PER_MESSAGE + 1, TEXT)}]}, "messages"),

@@ -336,7 +336,7 @@ def test_a_decoder_5xx_answer_is_retried_once_then_the_request_fails_alone_and_n
             try:
                 for host in ("d0", "d1", "d2"):
                     await fleet.register("decoder", f"http://{host}:1")
-                gen = Generation(fleet, PreparedChat(messages=[], items=[], sampling=SamplingParams()), "rid")
+                gen = Generation(fleet, PreparedChat(messages=[{"role": "user", "content": "hi"}], items=[], sampling=SamplingParams()), "rid")
                 with pytest.raises(APIError) as err:
                     await gen.open({})
                 await gen.close()

@@ -20,7 +20,7 @@ from proxy.prepare import PreparedChat
 from proxy.workers import Worker, Workers
 from scheduler.scheduler import MMItem
 
-USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4, "num_image_tokens": 0}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4, "num_image_tokens": 0, "cached_tokens": 0}
 DONE = {"type": "done", "finish_reason": "stop", "usage": USAGE}
 
 
@@ -77,7 +77,7 @@ class FakeFleet:
         return outcome
 
 
-CHAT = PreparedChat(messages=[], items=[MMItem("a", b"1"), MMItem("b", b"2")], sampling=SamplingParams())
+CHAT = PreparedChat(messages=[{"role": "user", "content": "hi"}], items=[MMItem("a", b"1"), MMItem("b", b"2")], sampling=SamplingParams())
 SOURCES = {"a": "tcp://e0", "b": "tcp://e1"}
 MISSING_B = APIError(409, "missing", code="missing_embeddings", extra={"missing": ["b"]})
 

@@ -90,7 +90,7 @@ def test_images_outside_user_messages_are_refused_before_any_is_loaded(monkeypat
 
 def test_unknown_model_is_404() -> None:
     with pytest.raises(APIError) as err:
-        check_model(request(model="gpt-4o"), CFG.served_model_name)
+        check_model(request(model="gpt-4o").model, CFG.served_model_name)
     assert err.value.status == 404
 
 

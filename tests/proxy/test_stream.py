@@ -54,7 +54,8 @@ def test_stream_has_role_deltas_finish_usage_and_done() -> None:
     assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in out[:-2]) == "red"
     assert out[-3]["choices"][0]["finish_reason"] == "stop"
-    assert out[-2]["usage"] == {k: USAGE[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert out[-2]["usage"] == {**{k: USAGE[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                                "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_failure_after_first_token_ends_with_an_error_event() -> None:

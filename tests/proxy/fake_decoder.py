@@ -1,0 +1,91 @@
+"""A fake decoder on loopback that speaks the /generate NDJSON contract: its answers are computed from the request
+(n choices interleaved, logprobs when asked, a tool call when tools may be called), so tests derive what the proxy
+must return from the same `script`, never from hard-coded outputs."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+IDENTITY = {"family": "llava", "fingerprint": "0123456789abcdef", "hidden_size": 64}
+PROMPT_TOKENS = 7
+
+
+def words(index: int) -> list[str]:
+    """Choice `index`'s tokens (distinct per choice, with a multi-byte character)."""
+    return [f"c{index}", " é", "!"]
+
+
+def entry(token: str, k: int) -> dict[str, Any]:
+    """A TokenLogprob whose alternatives are the token itself and k - 1 made-up ones, most likely first."""
+    top = [{"token": token if j == 0 else f"alt{j}", "logprob": -0.5 * j, "bytes": list((token if j == 0 else
+            f"alt{j}").encode())} for j in range(k)]
+    return {"token": token, "logprob": 0.0, "bytes": list(token.encode()), "top_logprobs": top}
+
+
+def script(body: dict[str, Any], cached_tokens: int = 0) -> list[dict[str, Any]]:
+    sampling = body.get("sampling", {})
+    n, k = sampling.get("n", 1), sampling.get("logprobs")
+    calls = bool(body.get("tools")) and body.get("tool_choice", {}).get("mode", "auto") != "none"
+    events: list[dict[str, Any]] = []
+    if body.get("echo"):
+        events += [{"type": "delta", "index": i, "text": str(body["prompt"])} for i in range(n)]
+    for step in range(3):
+        for i in range(n):
+            if calls:
+                name = body["tools"][0]["function"]["name"]
+                piece = [{"index": 0, "id": f"call_{i}", "name": name, "arguments": ""},
+                         {"index": 0, "arguments": '{"city": '}, {"index": 0, "arguments": f'"P{i}"}}'}][step]
+                events.append({"type": "delta", "index": i, "tool_calls": [piece]})
+                continue
+            token = words(i)[step]
+            ev: dict[str, Any] = {"type": "delta", "index": i, "text": token}
+            if k is not None:
+                ev["logprobs"] = [entry(token, k)]
+            events.append(ev)
+    usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 3, "total_tokens": PROMPT_TOKENS + 3,
+             "cached_tokens": cached_tokens}
+    reason = "tool_calls" if calls else "length"
+    events += [{"type": "done", "index": i, "finish_reason": reason, "usage": usage} for i in range(n)]
+    return events
+
+
+class FakeDecoder:
+    """GET /health: a healthy decoder serving "demo"; POST /generate: `script`'s events as NDJSON."""
+
+    def __init__(self, cached_tokens: int = 0) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.cached_tokens = cached_tokens
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                self._send(200, json.dumps({"status": "ok", "model": "demo", "model_identity": IDENTITY}).encode())
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+                fake.bodies.append(body)
+                lines = "".join(json.dumps(ev) + "\n" for ev in script(body, fake.cached_tokens))
+                self._send(200, lines.encode(), "application/x-ndjson")
+
+            def _send(self, status: int, raw: bytes, kind: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("content-type", kind)
+                self.send_header("content-length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
