@@ -26,5 +26,5 @@ class GuideSpec:
 
 
 def canonical(schema: dict[str, Any]) -> str:
-    """One text per schema (sorted keys, no spaces): the compiler's cache key."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The schema as compact JSON text, keys in the client's order (the output follows that order): the compiler's cache key."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
