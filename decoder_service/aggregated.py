@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+from collections.abc import Mapping
 
 from connector.tensors.cache import EmbeddingCache
 from epd_common.errors import APIError, bad_request
@@ -51,19 +52,24 @@ class InlineEncoder(CachingEncoder):
 
     def features(self, images: list[ImageRef]) -> list[ImageFeatures]:
         """Features for each image in order; raises an APIError (4xx or 5xx) that ends this request only."""
+        return [features for features, _ in self.features_and_hits(images)]
+
+    def features_and_hits(self, images: list[ImageRef]) -> list[tuple[ImageFeatures, bool]]:
+        """(features, was already cached here) for each image in order: the hits are usage's cached_tokens."""
         data = [self._bytes(i, im) for i, im in enumerate(images)]
         hashes = [mm_hash(d) for d in data]
         for i, (im, h) in enumerate(zip(images, hashes, strict=True)):
             if im.mm_hash and im.mm_hash != h:
                 raise bad_request(f"images[{i}].mm_hash does not match the image bytes", param=f"images.{i}.mm_hash",
                                   code="hash_mismatch")
-        done = self._encode_request(hashes, data)
-        return [done[h].features for h in hashes]
+        details = {h: im.detail for h, im in zip(hashes, images, strict=True) if im.detail != "auto"}
+        done = self._encode_request(hashes, data, details)
+        return [(done[h].features, done[h].cached) for h in hashes]
 
-    def _encode_request(self, hashes: list[str], data: list[bytes]) -> dict[str, Encoded]:
+    def _encode_request(self, hashes: list[str], data: list[bytes], details: Mapping[str, str]) -> dict[str, Encoded]:
         """`encode`, its failures turned into this request's APIError."""
         try:
-            return self.encode(dict(zip(hashes, data, strict=True)))
+            return self.encode(dict(zip(hashes, data, strict=True)), details)
         except UndecodableImage as exc:
             i = hashes.index(exc.mm_hash)
             raise bad_request(f"images[{i}]: {exc}", param=f"images.{i}.data", code="invalid_image") from exc

@@ -2,6 +2,11 @@
 
 `run(scheduled)` is one engine step's forwards: decode every prefilled row, then prefill within the budget.
 
+n > 1 (one prompt, n choices): the prompt is prefilled once in one row; the row reserves n - 1 more slots
+(`forks`), and when its last chunk completes its K/V columns are copied into them (`SlotCache.copy`), each a
+row of its own from then on, all starting from the same last-position logits. Copying L columns costs a
+fraction of prefilling L tokens again (epd_bench/n_prefill.py measures both).
+
 Fault isolation: a row whose prefill chunk raises, or whose forward fails when run alone, is reported in
 `failed` (when the caller passes one) and the other rows carry on. A batched decode that raises cannot say
 which row broke it, so every row is then decoded alone once (same K/V columns, written again), and only
@@ -10,8 +15,8 @@ the rows that fail alone are reported.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +43,7 @@ class Row:
     positions: torch.Tensor  # prompt positions: (1, L), or (3, 1, L) for M-RoPE
     rope_delta: int
     length: int = 0  # positions written into the slot
+    forks: list[Hashable] = field(default_factory=list)  # keys of the rows its K/V is copied into once prefilled
 
     @property
     def prefilled(self) -> bool:
@@ -52,10 +58,16 @@ class BatchRunner:
         dtype = next(lm.module.parameters()).dtype
         self.cache = SlotCache(lm.config.get_text_config(), max_slots, max_len, dtype, lm.device)
         self.rows: list[Row] = []  # index == slot
+        self.num_prefilled_tokens = 0  # prompt tokens run through prefill forwards (a fork prefills none)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots neither held by a row nor reserved for a prefilling row's forks."""
+        return self.cache.max_slots - len(self.rows) - sum(len(r.forks) for r in self.rows)
 
     @property
     def is_full(self) -> bool:
-        return len(self.rows) >= self.cache.max_slots
+        return self.num_free_slots <= 0
 
     @property
     def num_prefill_tokens_left(self) -> int:
@@ -73,13 +85,15 @@ class BatchRunner:
         return RunnerOutput(logits, failed)
 
     @torch.inference_mode()
-    def add(self, key: Hashable, prompt: Prompt) -> None:
-        assert not self.is_full, "no free slot"
+    def add(self, key: Hashable, prompt: Prompt, forks: Iterable[Hashable] = ()) -> None:
+        """A row for `prompt`; with `forks`, that many more slots are reserved for copies of its prefilled K/V."""
+        forks = list(forks)
+        assert self.num_free_slots >= 1 + len(forks), "no free slot"
         assert prompt.num_tokens < self.cache.max_len, "prompt does not fit the cache"
         positions, delta = self.lm.position_ids(prompt.input_ids, prompt.images)
         embeds = self.lm.embed(prompt.input_ids, prompt.images)
         self.cache.clear(len(self.rows))  # what an earlier occupant left there (possibly non-finite) is gone
-        self.rows.append(Row(key, prompt, embeds, positions, delta))
+        self.rows.append(Row(key, prompt, embeds, positions, delta, forks=forks))
 
     @torch.inference_mode()
     def prefill(self, budget: int, failed: Failed | None = None) -> dict[Hashable, torch.Tensor]:
@@ -88,18 +102,33 @@ class BatchRunner:
         With `failed`, a row whose chunk raises is recorded there (and left as it is) instead of raising.
         """
         done: dict[Hashable, torch.Tensor] = {}
-        for slot, row in enumerate(self.rows):
+        slot = 0
+        while slot < len(self.rows):
+            row = self.rows[slot]
             try:
                 while not row.prefilled and budget > 0:
                     n, logits = self._prefill_chunk(slot, row, budget)
                     budget -= n
                     if row.prefilled:
-                        done[row.key] = logits
+                        done.update(dict.fromkeys([row.key, *row.forks], logits))
+                        self._fork(slot, row)
             except Exception as exc:
                 if failed is None:
                     raise
                 failed[row.key] = exc
+            slot += 1  # a fork's rows are prefilled: the loop passes them by
         return done
+
+    def _fork(self, slot: int, row: Row) -> None:
+        """Copy a just-prefilled row into its reserved slots, right after it (rows stay [prefilled..., prefilling...])."""
+        n = len(row.forks)
+        for j in range(len(self.rows) - 1, slot, -1):  # rows still prefilling make room, last first
+            self.cache.move(j, j + n, self.rows[j].length)
+        for i in range(1, n + 1):
+            self.cache.copy(slot, slot + i, row.length)
+        self.rows[slot + 1 : slot + 1] = [Row(key, row.prompt, row.embeds, row.positions, row.rope_delta, row.length)
+                                          for key in row.forks]
+        row.forks = []
 
     def _prefill_chunk(self, slot: int, row: Row, budget: int) -> tuple[int, torch.Tensor]:
         """Prefill the row's next chunk; returns (tokens prefilled, logits of the chunk's last position)."""
@@ -108,6 +137,7 @@ class BatchRunner:
         mask = self.cache.set_plan(Plan(slice(slot, slot + 1), [start], n))
         logits = self.lm.forward_rows(row.embeds[:, start:end], row.positions[..., start:end], self.cache, mask)
         row.length = end
+        self.num_prefilled_tokens += n
         return n, logits[0]
 
     @torch.inference_mode()
@@ -153,8 +183,13 @@ class BatchRunner:
         return out
 
     def remove(self, key: Hashable) -> None:
-        """Free a sequence's slot, keeping rows packed as [prefilled..., still prefilling...]."""
-        hole = next(i for i, r in enumerate(self.rows) if r.key == key)
+        """Free a sequence's slot (or its reserved one), keeping rows packed as [prefilled..., still prefilling...]."""
+        hole = next((i for i, r in enumerate(self.rows) if r.key == key), None)
+        if hole is None:  # a fork not made yet: its reservation goes (already gone if its prompt's row was removed)
+            for r in self.rows:
+                if key in r.forks:
+                    r.forks.remove(key)
+            return
         num_prefilled = sum(r.prefilled for r in self.rows)
         if hole < num_prefilled:  # the last prefilled row fills it, leaving the hole at the group's end
             self._move(num_prefilled - 1, hole)

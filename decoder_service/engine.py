@@ -8,8 +8,10 @@ detokenizes and streams each row's token.
 
 Fault isolation: everything done for one request on this thread (admission with its sampler and seed,
 embedding merge and positions, its prefill chunks, its sampling choice, accept, detokenization, stop
-checks, events) runs in that request's own `try`: a failure ends that request alone with an `error` event
-and frees its slot; the other rows keep their tokens. A batched decode that fails is retried row by row
+checks, events) runs in that request's own `try`: a failure ends that request alone (all its n choices) with
+one `error` event and frees its slots; the other rows keep their tokens. What a request needs besides its
+rows (prompt tokens, checked sampling, a compiled guide, a tool parser) is built off this thread, in
+`Engine.prepare` (decoder_service/request.py). A batched decode that fails is retried row by row
 (`BatchRunner.decode`), so only the row that fails alone is ended. Anything that fails outside per-request
 code is an engine fault: every request gets an error event, `problem()` reports it, and the watchdog
 (`decoder_service/watchdog.py`) makes /health answer 503 and the process exit.
@@ -24,7 +26,6 @@ import threading
 import time
 
 import torch
-from jinja2 import TemplateError
 
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
@@ -32,17 +33,18 @@ from decoder_service.aggregated import InlineEncoder
 from decoder_service.batch import BatchRunner, RunnerOutput
 from decoder_service.config import DecoderConfig
 from decoder_service.generate import eos_token_ids
+from decoder_service.logprobs import TokenTable
 from decoder_service.metrics import DecoderMetrics
-from decoder_service.prompt import Prompt, build_prompt
+from decoder_service.prompt import Prompt
 from decoder_service.readback import read_back
+from decoder_service.request import Preparer, Work
 from decoder_service.scheduler import IDLE_PREFILL_FACTOR, Scheduler
 from decoder_service.sequence import Job, Sequence
-from epd_common.errors import APIError, bad_request
+from epd_common.errors import APIError
 from epd_common.logs import request_id_var
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
-from epd_models.chat import PromptTooLong, chat_template, render
 from epd_models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
@@ -55,17 +57,17 @@ class Engine:
                  inline: InlineEncoder | None = None):
         self.lm, self.consumer, self.cfg, self.metrics = lm, consumer, cfg, metrics
         self.inline = inline  # aggregated mode: images arrive inline and are encoded here
-        self.template = chat_template(lm.tokenizer, lm.model_dir)
         self.eos_ids = eos_token_ids(lm)
         self.max_model_len = cfg.max_model_len or int(lm.config.get_text_config().max_position_embeddings)
+        self.vocab_size = int(lm.module.lm_head.out_features)
+        self.preparer = Preparer(lm, self.max_model_len, self.vocab_size, cfg.max_num_seqs, self.eos_ids)
         self._jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet taken by the engine thread
         self.runner = BatchRunner(lm, cfg.max_num_seqs, self.max_model_len,
                                   chunk=cfg.max_prefill_tokens * IDLE_PREFILL_FACTOR)
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
-                                         device=lm.device)
+                                         device=lm.device, tokens=TokenTable(lm.tokenizer))
         self.scheduler = Scheduler(self.runner, cfg.max_prefill_tokens, new_sequence)  # engine thread only
         self._stopping = False
-        self.vocab_size = int(lm.module.lm_head.out_features)
         self.progress_at = time.monotonic()  # when the loop last completed an iteration
         self.dead: str | None = None  # why the engine thread stopped working, once it has
         self._heartbeat_s = min(_MAX_HEARTBEAT_S, cfg.engine_stall_timeout / 4)
@@ -95,40 +97,19 @@ class Engine:
                                       f"(--engine-stall-timeout {self.cfg.engine_stall_timeout:g})")
         return None
 
-    def prepare(self, req: GenerateRequest) -> tuple[Prompt, SamplingParams]:
-        """Gather embeddings and build the prompt (blocking); raises APIError for what cannot run."""
-        ids = self._render(req)  # before the gather: with pipelined encode this overlaps the encoder's work
-        images = self._gather(req)
-        try:
-            prompt = build_prompt(self.lm, ids, images)
-        except ValueError as exc:  # placeholder count does not match the images
-            raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
-        return prompt, self._fit(prompt, req.sampling)
+    def prepare(self, req: GenerateRequest) -> Work:
+        """Tokens, embeddings, checked sampling and guide (blocking: a worker thread); APIError for what cannot run."""
+        return self.preparer.prepare(req, self._gather)
 
-    def _render(self, req: GenerateRequest) -> list[int]:
-        try:
-            return render(self.lm.tokenizer, req.messages, self.template, max_tokens=self.max_model_len)
-        except PromptTooLong as exc:  # refused before the whole prompt is tokenized
-            raise bad_request(f"{exc} (the model's maximum length)", param="messages",
-                              code="context_length_exceeded") from exc
-        except (TemplateError, ValueError, TypeError, KeyError) as exc:
-            raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
-
-    def _fit(self, prompt: Prompt, sampling: SamplingParams) -> SamplingParams:
-        """`sampling` with max_tokens set (unset: the rest of the context); 400 if the prompt leaves no room."""
-        room = self.max_model_len - prompt.num_tokens
-        max_tokens = sampling.max_tokens or room
-        if max_tokens > room or room < 1:
-            raise bad_request(f"prompt ({prompt.num_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                              f"model's maximum length ({self.max_model_len})", param="max_tokens",
-                              code="context_length_exceeded")
-        return sampling.with_max_tokens(max_tokens)
-
-    def submit(self, prompt: Prompt, params: SamplingParams, cancelled: threading.Event | None = None) -> Job:
-        """Queue a prepared request; a job whose `cancelled` is set before a slot takes it never runs."""
+    def submit(self, work: Work | Prompt, params: SamplingParams | None = None,
+               cancelled: threading.Event | None = None) -> Job:
+        """Queue prepared work (or a bare prompt with its params); a job cancelled before a slot takes it never runs."""
         if (problem := self.problem()) is not None:
             raise APIError(503, problem[1], code=problem[0])
-        job = Job(prompt=prompt, params=params, loop=asyncio.get_running_loop(), request_id=request_id_var.get(),
+        if isinstance(work, Prompt):
+            assert params is not None, "a bare prompt needs its sampling parameters"
+            work = Work(work, params)
+        job = Job(work=work, loop=asyncio.get_running_loop(), request_id=request_id_var.get(),
                   cancelled=cancelled or threading.Event())
         self._jobs.put(job)
         if self.dead is not None:  # died meanwhile: whoever takes a queued job from the queue ends it
@@ -139,11 +120,12 @@ class Engine:
         self._jobs.put(None)
         self._thread.join(timeout=timeout)
 
-    def _gather(self, req: GenerateRequest) -> list[ImageFeatures]:
+    def _gather(self, req: GenerateRequest) -> list[tuple[ImageFeatures, bool]]:
+        """Each image's embeddings, and whether this decoder already held them (a cache hit: cached_tokens)."""
         if not req.images:
             return []
         if self.inline is not None:
-            return self.inline.features(req.images)
+            return self.inline.features_and_hits(req.images)
         hashes = [im.mm_hash for im in req.images]
         start = time.perf_counter()
         try:
@@ -156,7 +138,7 @@ class Engine:
             raise APIError(502, str(exc), param="images", code="invalid_embeddings",
                            extra={"refused": exc.reasons}) from exc
         self.metrics.gather.observe(time.perf_counter() - start)
-        return [got[h] for h in hashes]
+        return [(got[h], False) for h in hashes]  # the proxy marks images held before (ImageRef.cached)
 
     def _run(self) -> None:
         try:
@@ -184,6 +166,8 @@ class Engine:
         chosen: dict[int, torch.Tensor] = {}
         for key, logits in out.logits.items():  # every row chooses on the device, in its own try
             assert isinstance(key, int), "engine keys are ints"
+            if key not in self.scheduler.running:  # a sibling choice failed: the whole job ended
+                continue
             try:
                 chosen[key] = self.scheduler.running[key].sampler.choose(logits)
             except Exception as exc:
@@ -192,8 +176,10 @@ class Engine:
             self._accept(key, token)
 
     def _accept(self, key: int, token: int | Exception) -> None:
-        """The row's chosen token becomes its text and events; it finishes on a stop, or fails alone."""
-        seq = self.scheduler.running[key]
+        """The row's chosen token becomes its text and events; it finishes on a stop, or fails (with its siblings)."""
+        seq = self.scheduler.running.get(key)
+        if seq is None:  # a sibling choice failed this step: the whole job ended
+            return
         request_id_var.set(seq.job.request_id)
         try:
             if isinstance(token, Exception):

@@ -4,6 +4,10 @@ nano-vllm's `Scheduler` shape: `schedule()` decides this step (cancelled request
 admitted within the prefill budget) and returns what the `BatchRunner` runs: the token each decoding
 sequence feeds back and the prefill budget. The engine postprocesses the logits and tells the scheduler
 which sequences `finish` and which `fail`; the scheduler frees their slots. Engine thread only.
+
+A job with n choices is admitted only when n slots are free: its n sequences run under n keys, the first
+prefilling the prompt and the others waiting for its K/V (`BatchRunner` forks it). The job is one unit: a
+choice that fails ends every choice with one error event, and a cancelled job frees all its slots.
 """
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and the running sequences (by slot key); the runner owns their slots."""
 
-    def __init__(self, runner: BatchRunner, max_prefill_tokens: int, new_sequence: Callable[[Job], Sequence]):
+    def __init__(self, runner: BatchRunner, max_prefill_tokens: int, new_sequence: Callable[[Job, int], Sequence]):
         self.runner, self.max_prefill_tokens, self.new_sequence = runner, max_prefill_tokens, new_sequence
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: dict[int, Sequence] = {}
+        self.keys: dict[Job, list[int]] = {}  # job -> the slot keys of its running choices
         self.finished: Counter[str] = Counter()  # finish_reason -> sequences
         self.peak_running = 0  # most sequences decoded together so far
         self._keys = itertools.count()
@@ -62,16 +67,17 @@ class Scheduler:
         return SchedulerOutput(decode=feed, prefill_budget=budget)
 
     def finish(self, key: int, reason: str) -> None:
-        """Free the slot, then send the request's last text and `done` (an error event if that fails)."""
+        """Free the slot, then send the choice's last text and `done` (its job's one error event if that fails)."""
         seq = self._drop(key, reason)
         try:
             seq.finish(reason)
         except Exception as exc:
-            seq.job.fail(exc, "finish")
+            self._fail_job(seq.job, exc, "finish")
 
     def fail(self, key: int, exc: Exception, stage: str) -> None:
-        """One request failed: it alone gets an error event, and its slot back."""
-        self._drop(key, "error").job.fail(exc, stage)
+        """One choice failed: its request (every choice) gets one error event, and all its slots back."""
+        if key in self.running:  # a sibling's failure may have ended it already this step
+            self._fail_job(self.running[key].job, exc, stage)
 
     def abort_all(self) -> None:
         """Closing: running streams end cleanly instead of hanging."""
@@ -80,8 +86,9 @@ class Scheduler:
 
     def drain(self) -> list[Job]:
         """Every job running or waiting, forgotten (the engine died: it tells them)."""
-        jobs = [seq.job for seq in self.running.values()] + list(self.waiting)
+        jobs = list(self.keys) + list(self.waiting)
         self.running.clear()
+        self.keys.clear()
         self.waiting.clear()
         return jobs
 
@@ -94,22 +101,34 @@ class Scheduler:
         self.finished["abort"] += num_waiting - len(self.waiting)
 
     def _admit(self, budget: int) -> None:
-        """Take waiting requests into free slots, but only as many as this step's prefill budget can start."""
-        while self.waiting and not self.runner.is_full and self.runner.num_prefill_tokens_left < budget:
+        """Take waiting requests into free slots (n each), but only as many as this step's prefill budget can start."""
+        while (self.waiting and self.runner.num_free_slots >= self.waiting[0].params.n
+               and self.runner.num_prefill_tokens_left < budget):
             job = self.waiting.popleft()
-            key = next(self._keys)
+            keys = [next(self._keys) for _ in range(job.params.n)]
             request_id_var.set(job.request_id)
-            try:  # its sampler (seed), embedding merge and positions: its failure is its own
-                seq = self.new_sequence(job)
-                self.runner.add(key, job.prompt)
+            try:  # its samplers (seeds), guides, embedding merge and positions: its failure is its own
+                seqs = [self.new_sequence(job, i) for i in range(job.params.n)]
+                self.runner.add(keys[0], job.prompt, forks=keys[1:])
             except Exception as exc:
                 self.finished["error"] += 1
                 job.fail(exc, "admission")
                 continue
-            self.running[key] = seq
+            self.running.update(zip(keys, seqs, strict=True))
+            self.keys[job] = keys
         self.peak_running = max(self.peak_running, len(self.running))
+
+    def _fail_job(self, job: Job, exc: Exception, stage: str) -> None:
+        for key in [k for k in self.keys.get(job, []) if k in self.running]:
+            self._drop(key, "error")
+        job.fail(exc, stage)
 
     def _drop(self, key: int, reason: str) -> Sequence:
         self.runner.remove(key)
         self.finished[reason] += 1
-        return self.running.pop(key)
+        seq = self.running.pop(key)
+        keys = self.keys[seq.job]
+        keys.remove(key)
+        if not keys:
+            del self.keys[seq.job]
+        return seq

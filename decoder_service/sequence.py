@@ -1,4 +1,10 @@
-"""One running request on the engine thread: its sampler, detokenizer, stop rules and events."""
+"""One request (`Job`: its events, n choices) and one choice of it on the engine thread (`Sequence`).
+
+A sequence owns its sampler (seeded for its choice index, with its own grammar matcher), detokenizer, stop
+rules and, when the request has tools, its tool-call parser. Each chosen token's logprobs ride on the delta
+that carries its text; tokens whose text is held back (a partial character, a possible stop string, a tool
+call being parsed) hand theirs to the next delta, or to `done`.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,40 +12,58 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from decoder_service.detokenizer import IncrementalDetokenizer
 from decoder_service.metrics import DecoderMetrics
-from decoder_service.prompt import Prompt
+from decoder_service.request import Work
 from decoder_service.sampling import Sampler
-from epd_contracts.generate import Event, Usage
-from epd_contracts.sampling import SamplingParams
+from epd_contracts.generate import Event, TokenLogprob, ToolCallDelta, Usage
+
+if TYPE_CHECKING:
+    from decoder_service.logprobs import TokenTable
+    from decoder_service.prompt import Prompt
+    from epd_contracts.sampling import SamplingParams
 
 logger = logging.getLogger("epd.decoder")
 
 
-@dataclass(eq=False)  # NOTE: identity, not field equality (comparing prompts' tensors raises)
+@dataclass(eq=False)  # NOTE: identity, not field equality (comparing prompts' tensors raises); a dict key
 class Job:
-    prompt: Prompt
-    params: SamplingParams
+    work: Work
     loop: asyncio.AbstractEventLoop
     request_id: str = "-"
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each chosen token (engine side)
+    errored: bool = False  # its one error event is sent: nothing follows it
+
+    @property
+    def prompt(self) -> Prompt:
+        return self.work.prompt
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.work.params
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def fail(self, exc: Exception, stage: str) -> None:
-        """This request failed on the engine thread: log why, tell its client where to look."""
+        """This request failed on the engine thread: log why, tell its client where to look (once)."""
+        if self.errored:
+            return
         logger.error("request %s failed in %s: %s: %s", self.request_id, stage, type(exc).__name__, exc, exc_info=exc)
         self.emit_error(f"generation failed ({stage}: {type(exc).__name__}); see the decoder log for request "
                         f"{self.request_id}")
 
     def emit_error(self, message: str) -> None:
+        if self.errored:
+            return
+        self.errored = True
         try:
             self.emit(Event(type="error", message=message))
         except Exception:  # noqa: BLE001 - its event loop is gone: nobody is left to tell
@@ -47,31 +71,40 @@ class Job:
 
 
 class Sequence:
-    """Turns each chosen token into events; `pending` is the token the next decode step feeds back."""
+    """Choice `index` of a job: turns each chosen token into events; `pending` is the token the next step feeds back."""
 
-    def __init__(self, job: Job, tokenizer: object, eos_ids: set[int], metrics: DecoderMetrics,
-                 device: torch.device | str = "cpu"):
-        self.job, self.metrics = job, metrics
-        self.sampler = Sampler(job.params, device)  # on the LM's device, where the logits are
-        self.detok = IncrementalDetokenizer(tokenizer, job.params.stop)
-        self.eos = set() if job.params.ignore_eos else eos_ids
+    def __init__(self, job: Job, index: int, tokenizer: object, eos_ids: set[int], metrics: DecoderMetrics,
+                 device: torch.device | str = "cpu", tokens: TokenTable | None = None):
+        self.job, self.index, self.metrics = job, index, metrics
+        work, params = job.work, job.params
+        self.guide = work.guide.matcher() if work.guide is not None else None  # each choice its own matcher
+        self.sampler = Sampler(params, device, index=index, guide=self.guide,  # on the LM's device, with the logits
+                               tokens=tokens if params.logprobs is not None else None)
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop)
+        self.parser = work.tools.parser() if work.tools is not None else None
+        self.stop_ids = (set() if params.ignore_eos else eos_ids) | set(params.stop_token_ids)
+        self.entries: list[TokenLogprob] = []  # logprobs of tokens whose text is not sent yet
+        self.echo = work.echo  # completions' echo: the prompt's text, sent before the first token's
         self.num_generated = 0
         self.last = job.arrival
         self.pending: int | None = None
 
     def on_token(self, token: int) -> str | None:
         """Take the token `sampler.choose` picked (read back by the caller); returns the finish reason if done."""
-        self.sampler.accept(token)
+        self.sampler.accept(token)  # a grammar that refuses it raises: this request fails
+        if (entry := self.sampler.logprob_entry(token)) is not None:
+            self.entries.append(entry)
         now = time.perf_counter()
         (self.metrics.ttft if self.num_generated == 0 else self.metrics.itl).observe(now - self.last)
         self.last, self.num_generated = now, self.num_generated + 1
         self.job.token_times.append(now)
-        if token in self.eos:
+        if self.echo:
+            self.job.emit(Event(type="delta", index=self.index, text=self.echo))
+            self.echo = ""
+        if token in self.stop_ids:  # EOS or a stop_token_ids entry: not emitted
             return "stop"
-        text = self.detok.add(token)
-        if text:
-            self.job.emit(Event(type="delta", text=text))
-        if self.detok.stopped:
+        self._send(self.detok.add(token))
+        if self.detok.stopped or (self.guide is not None and self.guide.terminated):
             return "stop"
         if self.job.params.max_tokens is not None and self.num_generated >= self.job.params.max_tokens:
             return "length"
@@ -79,15 +112,37 @@ class Sequence:
         return None
 
     def finish(self, reason: str) -> None:
-        """Flush held-back text and send `done` with usage (image tokens count as prompt tokens)."""
-        tail = self.detok.flush()
-        if tail and reason != "abort":
-            self.job.emit(Event(type="delta", text=tail))
+        """Flush held-back text (and tool calls), send `done` with usage (image tokens count as prompt tokens)."""
+        if reason != "abort":
+            self._send(self.detok.flush())
+            if self.parser is not None:
+                self._send("", final=True)
+        if reason == "stop" and self.parser is not None and self.parser.num_calls:
+            reason = "tool_calls"
         prompt = self.job.prompt
         self.metrics.generated_tokens.inc(self.num_generated)
-        self.metrics.prompt_tokens.inc(prompt.num_tokens)
+        if self.index == 0:  # n choices share one prompt: counted once
+            self.metrics.prompt_tokens.inc(prompt.num_tokens)
         self.metrics.e2e.observe(time.perf_counter() - self.job.arrival)
         usage = Usage(prompt_tokens=prompt.num_tokens, completion_tokens=self.num_generated,
                       total_tokens=prompt.num_tokens + self.num_generated,
-                      num_image_tokens=sum(im.num_tokens for im in prompt.images))
-        self.job.emit(Event(type="done", finish_reason=reason, usage=usage))  # type: ignore[arg-type]
+                      num_image_tokens=sum(im.num_tokens for im in prompt.images),
+                      cached_tokens=self.job.work.cached_tokens)
+        self.job.emit(Event(type="done", index=self.index, finish_reason=reason,  # type: ignore[arg-type]
+                            usage=usage, logprobs=self._take_entries() or None))
+
+    def _send(self, text: str, final: bool = False) -> None:
+        """A delta with `text` (through the tool parser, if any) and the logprobs of the tokens behind it."""
+        calls: list[ToolCallDelta] | None = None
+        if self.parser is not None:
+            parsed = self.parser.flush() if final else self.parser.feed(text)
+            text, calls = parsed.content, parsed.calls or None
+        if text or calls:
+            self.job.emit(Event(type="delta", index=self.index, text=text, tool_calls=calls,
+                                logprobs=self._take_entries()))
+
+    def _take_entries(self) -> list[TokenLogprob] | None:
+        if self.job.params.logprobs is None:
+            return None
+        entries, self.entries = self.entries, []
+        return entries

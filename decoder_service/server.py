@@ -75,14 +75,17 @@ async def _read(request: Request) -> GenerateRequest:
 
 
 async def _stream(job: Job, request_id: str) -> AsyncIterator[bytes]:
+    """The job's events as NDJSON lines, until each of its n choices is `done`, or its one `error`."""
     request_id_var.set(request_id)
     encoder = msgspec.json.Encoder()
+    num_running = job.params.n
     try:
-        while True:
+        while num_running:
             event = await job.events.get()
             yield encoder.encode(event) + b"\n"
-            if event.type != "delta":
+            if event.type == "error":
                 return
+            num_running -= event.type == "done"
     finally:  # client gone (or done): stop the sequence at its next step
         job.cancelled.set()
 
@@ -105,8 +108,8 @@ async def generate(request: Request) -> Response:
     cancelled = threading.Event()  # the client went away while its embeddings were gathered
     watcher = asyncio.create_task(_set_on_disconnect(request, cancelled))
     try:
-        prompt, params = await asyncio.to_thread(engine.prepare, req)
-        job = engine.submit(prompt, params, cancelled)
+        work = await asyncio.to_thread(engine.prepare, req)
+        job = engine.submit(work, cancelled=cancelled)
     except Exception as exc:  # an APIError is this request's answer; anything else its 500 (error handlers)
         metrics.requests.labels(str(exc.status) if isinstance(exc, APIError) else "500").inc()
         metrics.waiting.dec()

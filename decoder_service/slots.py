@@ -116,6 +116,10 @@ class SlotCache(Cache):
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy a slot's first `length` positions into another slot (to keep running rows packed)."""
+        self.copy(src, dst, length)
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Columns [0, length) of `src` into `dst`, the rest of `dst` zeroed (a move, or an n > 1 prompt's fork)."""
         for layer in self.slot_layers:
             assert layer.keys is not None and layer.values is not None
             layer.keys[dst, :, :length] = layer.keys[src, :, :length]

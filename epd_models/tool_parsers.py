@@ -69,7 +69,8 @@ class HermesFormat(ToolFormat):
         schema = {"anyOf": [{"type": "object",
                              "properties": {"name": {"const": f["name"]},
                                             "arguments": f.get("parameters", _NO_PARAMETERS)},
-                             "required": ["name", "arguments"]} for f in functions]}
+                             "required": ["name", "arguments"],
+                             "additionalProperties": False} for f in functions]}  # the call object itself is closed
         return GuideSpec(kind="tool_calls", schema=canonical(schema), begin=tool_prompt.CALL_BEGIN,
                          end=tool_prompt.CALL_END, separator=tool_prompt.CALL_SEPARATOR, min_items=1,
                          max_items=None if choice.parallel else 1)

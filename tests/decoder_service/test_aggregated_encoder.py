@@ -25,7 +25,7 @@ class FakeVision:
         self.second_missed = second_missed
         self.calls = 0
 
-    def encode(self, images: list[Any]) -> list[ImageFeatures]:
+    def encode(self, images: list[Any], detail: str = "auto") -> list[ImageFeatures]:
         self.calls += 1
         assert self.second_missed.wait(timeout=30)
         return [ImageFeatures(embeds=torch.ones(4, 8)) for _ in images]
@@ -84,7 +84,7 @@ class ScriptedVision:
         self.fail_with: Exception | None = None
         self.calls = 0
 
-    def encode(self, images: list[Any]) -> list[ImageFeatures]:
+    def encode(self, images: list[Any], detail: str = "auto") -> list[ImageFeatures]:
         self.calls += 1
         if self.fail_with is not None:
             raise self.fail_with

@@ -81,3 +81,50 @@ def test_slot_cache_memory_is_slots_times_positions(tiny_model_dirs: dict[str, P
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     per_position = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4  # K and V, float32
     assert BatchRunner(lm, max_slots=3, max_len=100).cache.nbytes == 3 * 100 * per_position
+
+
+def test_a_forked_prompt_decodes_like_its_own_prefill_and_leaves_no_dirty_columns(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    lm, (short, _, _, long, _) = prompts(tiny_model_dirs["llava"])
+    runner = BatchRunner(lm, max_slots=5, max_len=1024, chunk=16)
+    for layer in runner.cache.slot_layers:  # earlier occupants left non-finite K/V everywhere
+        assert layer.keys is not None and layer.values is not None
+        layer.keys.fill_(float("nan"))
+        layer.values.fill_(float("nan"))
+    runner.cache.dirty = [1024] * 5
+    runner.add("a", long)
+    runner.add("b", short)
+    runner.add("c", long, forks=["c1", "c2"])  # reserves two more slots
+    assert runner.is_full
+    done = runner.prefill(budget=long.num_tokens * 2 + short.num_tokens)
+    assert [r.key for r in runner.rows] == ["a", "b", "c", "c1", "c2"] and set(done) == {"a", "b", "c", "c1", "c2"}
+    assert runner.num_prefilled_tokens == 2 * long.num_tokens + short.num_tokens  # the forks prefilled nothing
+    for slot, row in enumerate(runner.rows):
+        assert runner.cache.dirty[slot] == row.length
+        for layer in runner.cache.slot_layers:
+            assert layer.keys is not None and layer.values is not None
+            assert torch.all(layer.keys[slot, :, row.length :] == 0) and torch.all(layer.values[slot, :, row.length :] == 0)
+    tokens = {key: [int(torch.argmax(logits))] for key, logits in done.items()}
+    for _ in range(NUM_NEW - 1):
+        for key, logits in runner.decode({k: t[-1] for k, t in tokens.items()}).items():
+            tokens[key].append(int(torch.argmax(logits)))
+    assert tokens["c"] == tokens["c1"] == tokens["c2"] == tokens["a"] == single(lm, long)
+
+
+def test_a_fork_behind_a_row_still_prefilling_keeps_rows_packed(tiny_model_dirs: dict[str, Path]) -> None:
+    lm, (short, _, _, long, _) = prompts(tiny_model_dirs["llava"])
+    runner = BatchRunner(lm, max_slots=4, max_len=1024, chunk=8)
+    runner.add("c", short, forks=["c1"])
+    runner.add("b", long)
+    done = runner.prefill(budget=short.num_tokens + 8)  # "c" completes, "b" is one chunk in
+    assert set(done) == {"c", "c1"} and [r.key for r in runner.rows] == ["c", "c1", "b"]
+    assert runner.rows[2].length == 8 and runner.cache.dirty[:3] == [short.num_tokens, short.num_tokens, 8]
+    while not runner.rows[2].prefilled:
+        done.update(runner.prefill(budget=64))
+    tokens = [int(torch.argmax(done["b"]))]
+    feed: dict[Hashable, int] = {"c": int(torch.argmax(done["c"])), "c1": int(torch.argmax(done["c1"]))}
+    for _ in range(NUM_NEW - 1):
+        out = runner.decode({**feed, "b": tokens[-1]})
+        feed = {k: int(torch.argmax(out[k])) for k in ("c", "c1")}
+        tokens.append(int(torch.argmax(out["b"])))
+    assert tokens == single(lm, long)

@@ -39,8 +39,8 @@ def test_prompt_plus_max_tokens_over_model_length_is_400(engine: Engine) -> None
 
 
 def test_unset_max_tokens_fills_the_remaining_context(engine: Engine) -> None:
-    prompt, params = engine.prepare(GenerateRequest(messages=USER))
-    assert params.max_tokens == 64 - prompt.num_tokens
+    work = engine.prepare(GenerateRequest(messages=USER))
+    assert work.params.max_tokens == 64 - work.prompt.num_tokens
 
 
 def test_embedding_found_nowhere_is_409_listing_it(engine: Engine) -> None:

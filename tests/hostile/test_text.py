@@ -67,7 +67,7 @@ def _generate(url: str, messages: list[dict[str, Any]], started: threading.Event
 
 
 def _control_ids(engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
-    prompt, _ = engine.prepare(GenerateRequest(messages=messages))
+    prompt = engine.prepare(GenerateRequest(messages=messages)).prompt
     reserved = set(engine.lm.tokenizer.added_tokens_decoder)
     return [i for i in prompt.input_ids[0].tolist() if i in reserved]
 

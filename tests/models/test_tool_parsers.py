@@ -115,7 +115,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 def _item(name: str, parameters: dict[str, object]) -> dict[str, object]:
     return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"]}
+            "required": ["name", "arguments"], "additionalProperties": False}
 
 
 @pytest.mark.parametrize("parallel", [True, False])

@@ -1,0 +1,152 @@
+"""A GenerateRequest turned into work the engine can run: the prompt's tokens, checked sampling, a compiled guide.
+
+Everything here runs on a worker thread (`Engine.prepare`), never on the engine thread: tokenizing, rendering
+the chat template with tools, and compiling a grammar (milliseconds to seconds for a large schema) delay no
+running stream. Whatever cannot run is a 400 naming the field, before the request takes a slot.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from jinja2 import TemplateError
+
+from decoder_service.grammar import CompiledGuide, GuideCompiler, GuideError, spec_for
+from decoder_service.prompt import Prompt, build_prompt
+from epd_common.errors import bad_request
+from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.generate import GenerateRequest
+from epd_contracts.sampling import SamplingParams
+from epd_models.chat import PromptTooLong, chat_template, render
+from epd_models.tool_parsers import ToolFormat, tool_format
+
+if TYPE_CHECKING:
+    from epd_models.guide_spec import GuideSpec
+    from epd_models.halves import LanguageHalf
+
+Gather = Callable[[GenerateRequest], list[tuple[ImageFeatures, bool]]]  # (features, was cached) per image
+
+
+@dataclass(frozen=True)
+class Work:
+    """One request, ready to run: n choices of `params` from one prefill of `prompt`."""
+
+    prompt: Prompt
+    params: SamplingParams  # max_tokens resolved
+    guide: CompiledGuide | None = None  # each choice makes its own matcher at admission
+    tools: ToolFormat | None = None  # each choice parses its output with its own parser
+    echo: str = ""  # completions with echo: the prompt's text, each choice's first delta
+    cached_tokens: int = 0  # prompt tokens of images whose embeddings were already held
+
+
+class Preparer:
+    """What an engine checks and builds for each request, on the caller's thread (thread-safe)."""
+
+    def __init__(self, lm: LanguageHalf, max_model_len: int, vocab_size: int, max_num_seqs: int, eos_ids: set[int]):
+        self.lm, self.max_model_len, self.vocab_size = lm, max_model_len, vocab_size
+        self.max_num_seqs, self.eos_ids = max_num_seqs, eos_ids
+        self.template = chat_template(lm.tokenizer, lm.model_dir)
+        self._compiler: GuideCompiler | None = None
+        self._lock = threading.Lock()
+
+    def prepare(self, req: GenerateRequest, gather: Gather) -> Work:
+        """Tokens (before the gather: with pipelined encode this overlaps the encoder's work), images, checks, guide."""
+        params = req.sampling
+        self._check_sampling(req, params)
+        tools = self._tool_format() if req.tools and req.tool_choice.mode != "none" else None
+        ids = self._completion_ids(req.prompt) if req.prompt is not None else self._render(req, tools)
+        guide = self._guide(req, tools)
+        images = gather(req)
+        try:
+            prompt = build_prompt(self.lm, ids, [features for features, _ in images])
+        except ValueError as exc:  # placeholder count does not match the images
+            raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
+        cached = sum(f.num_tokens for (f, hit), ref in zip(images, req.images, strict=True) if hit or ref.cached)
+        echo = self._echo_text(req, ids) if req.echo else ""
+        return Work(prompt, self._fit(prompt, params), guide, tools, echo, cached)
+
+    def _check_sampling(self, req: GenerateRequest, params: SamplingParams) -> None:
+        if params.n > self.max_num_seqs:
+            raise bad_request(f"n ({params.n}) exceeds this decoder's --max-num-seqs ({self.max_num_seqs})", param="n")
+        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", list(params.stop_token_ids))):
+            self._check_ids(ids, name)
+        if req.echo and params.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", param="echo")
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        bad = [i for i in ids if i >= self.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", param=param)
+
+    def _completion_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completions prompt: text tokenized with the tokenizer's own special tokens, or ids as given."""
+        if isinstance(prompt, str):
+            ids: list[int] = self.lm.tokenizer(prompt)["input_ids"]
+        else:
+            self._check_ids(prompt, "prompt")
+            ids = list(prompt)
+        if len(ids) >= self.max_model_len:
+            raise bad_request(f"the prompt has {len(ids)} tokens; the model's maximum length is {self.max_model_len}",
+                              param="prompt", code="context_length_exceeded")
+        return ids
+
+    def _render(self, req: GenerateRequest, tools: ToolFormat | None) -> list[int]:
+        try:
+            return render(self.lm.tokenizer, req.messages, self.template, max_tokens=self.max_model_len,
+                          tools=req.tools if tools is not None else None, tool_format=tools)
+        except PromptTooLong as exc:  # refused before the whole prompt is tokenized
+            raise bad_request(f"{exc} (the model's maximum length)", param="messages",
+                              code="context_length_exceeded") from exc
+        except (TemplateError, ValueError, TypeError, KeyError) as exc:
+            raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
+
+    def _echo_text(self, req: GenerateRequest, ids: list[int]) -> str:
+        return req.prompt if isinstance(req.prompt, str) else str(self.lm.tokenizer.decode(ids))
+
+    def _fit(self, prompt: Prompt, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with max_tokens set (unset: the rest of the context); 400 if the prompt leaves no room."""
+        room = self.max_model_len - prompt.num_tokens
+        max_tokens = sampling.max_tokens or room
+        if max_tokens > room or room < 1:
+            raise bad_request(f"prompt ({prompt.num_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                              f"model's maximum length ({self.max_model_len})", param="max_tokens",
+                              code="context_length_exceeded")
+        return sampling.with_max_tokens(max_tokens)
+
+    def _tool_format(self) -> ToolFormat:
+        return tool_format(str(self.lm.config.model_type))
+
+    def _guide(self, req: GenerateRequest, tools: ToolFormat | None) -> CompiledGuide | None:
+        """The grammar of response_format, or of the forced tool calls (required / a named function); not both."""
+        if req.response_format is None and tools is None:
+            return None
+
+        specs: list[tuple[GuideSpec, str]] = []
+        if req.response_format is not None and (spec := spec_for(req.response_format)) is not None:
+            specs.append((spec, "response_format"))
+        if tools is not None and (spec := self._tool_guide(req, tools)) is not None:
+            specs.append((spec, "tool_choice"))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise bad_request("response_format cannot be combined with a forced tool_choice (required or a named "
+                              "function): both constrain the whole output", param="response_format")
+        try:
+            return self._guide_compiler().compile(specs[0][0])
+        except GuideError as exc:
+            raise bad_request(str(exc.message), param=exc.param or specs[0][1]) from exc
+
+    def _tool_guide(self, req: GenerateRequest, tools: ToolFormat) -> GuideSpec | None:
+        try:
+            return tools.guide(req.tools, req.tool_choice)
+        except ValueError as exc:  # a named function that is not among the tools
+            raise bad_request(str(exc), param="tool_choice") from exc
+
+    def _guide_compiler(self) -> GuideCompiler:
+        """Built on the first constrained request (the tokenizer's grammar tables take a while), then kept."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GuideCompiler(self.lm.tokenizer, self.vocab_size, self.eos_ids)
+            return self._compiler
