@@ -71,11 +71,15 @@ def fill_bitmask(matcher: llguidance.LLMatcher, bitmask: torch.Tensor) -> None:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` (vocab,) with every token whose bit is 0 in `bitmask` (int32 words, on logits' device) at -inf."""
-    vocab = logits.shape[-1]
-    if bitmask.is_cpu:  # one numpy unpack costs less than the four small torch ops below
+    return logits.masked_fill(refused_tokens(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def refused_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(vocab,) bool, True where the bit is 0, on `bitmask`'s device."""
+    if bitmask.is_cpu:  # one numpy unpack costs less than the four small torch ops of refused_on_device
         refused = np.unpackbits(~bitmask.numpy().view(np.uint8), count=vocab, bitorder="little").view(np.bool_)
-        return logits.masked_fill(torch.from_numpy(refused), float("-inf"))
-    return logits.masked_fill(refused_on_device(bitmask, vocab), float("-inf"))
+        return torch.from_numpy(refused)
+    return refused_on_device(bitmask, vocab)
 
 
 def refused_on_device(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -105,8 +109,12 @@ class Guide:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (vocab,) with the tokens the grammar refuses at -inf, on the same device (a new tensor)."""
+        return logits.masked_fill(self.refused(logits.shape[-1], logits.device), float("-inf"))
+
+    def refused(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """(vocab,) bool on `device`: True for every token the grammar refuses now (one mask fill per step)."""
         fill_bitmask(self._matcher, self._bitmask)
-        return apply_bitmask(logits, self._on(logits.device))
+        return refused_tokens(self._on(device), vocab)
 
     def accept(self, token: int) -> None:
         if not self._matcher.consume_token(token):

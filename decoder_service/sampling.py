@@ -30,12 +30,13 @@ if TYPE_CHECKING:
     from epd_contracts.generate import TokenLogprob
 
 _NEG_INF = float("-inf")
+_LOWEST = torch.finfo(torch.float32).min
 
 
 class Guide(Protocol):
     """What the sampler needs of a grammar matcher (decoder_service/grammar.py)."""
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor: ...  # disallowed tokens at -inf, same shape and device
+    def refused(self, vocab: int, device: torch.device) -> torch.Tensor: ...  # (vocab,) bool: refused tokens
 
     def accept(self, token: int) -> None: ...
 
@@ -120,17 +121,16 @@ class Sampler:
         return logits.float().index_add(0, ids, values)  # out of place: the caller's logits stay as they were
 
     def _masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits of the tokens the guide allows, the rest -inf; if none of those is usable, all allowed at 0.
+        """The logits with every token the guide refuses at -inf: two ops on the row besides the guide's fill.
 
-        The guide masks a zero row, so which tokens are allowed does not depend on the logits' values (a
-        NaN or -inf logit of an allowed token cannot hide it); choosing among all-equal allowed tokens is the
-        fallback, without a host sync.
+        An allowed token's NaN or -inf logit becomes the lowest finite float first, so it still ranks above every
+        refused token: a row whose allowed logits are all unusable still chooses an allowed token (uniformly when
+        sampling: they are all equal), without a host sync.
         """
         assert self.guide is not None
-        allowed = self.guide.mask(torch.zeros(logits.shape, device=logits.device)) == 0
-        x = torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=float("inf"), neginf=_NEG_INF)
-        x = torch.where(allowed, x, _NEG_INF)
-        return torch.where(x.max() == _NEG_INF, torch.where(allowed, 0.0, _NEG_INF), x)
+        refused = self.guide.refused(logits.shape[-1], logits.device)
+        x = torch.nan_to_num(logits.float(), nan=_LOWEST, posinf=float("inf"), neginf=_LOWEST)
+        return x.masked_fill(refused, _NEG_INF)
 
     def _pack(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """[token, its logprob, k best logprobs, their ids] as one float32 row, read back by logprob_entry.

@@ -184,10 +184,10 @@ class _AllowOnly:
     def __init__(self, allowed: set[int]):
         self.allowed = allowed
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        keep = torch.zeros(logits.shape, dtype=torch.bool)
+    def refused(self, vocab: int, device: torch.device) -> torch.Tensor:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=device)
         keep[list(self.allowed)] = True
-        return logits.masked_fill(~keep, -math.inf)
+        return ~keep
 
     def accept(self, token: int) -> None:
         assert token in self.allowed

@@ -134,10 +134,10 @@ class AllowOnly:
     def __init__(self, allowed: set[int]):
         self.allowed, self.accepted = allowed, list[int]()
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        keep = torch.zeros(logits.shape, dtype=torch.bool)
+    def refused(self, vocab: int, device: torch.device) -> torch.Tensor:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=device)
         keep[list(self.allowed)] = True
-        return logits.masked_fill(~keep, float("-inf"))
+        return ~keep
 
     def accept(self, token: int) -> None:
         if token not in self.allowed:
