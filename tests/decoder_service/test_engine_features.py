@@ -133,3 +133,23 @@ def test_response_format_with_a_forced_tool_call_is_400(engine: Engine) -> None:
         engine.prepare(GenerateRequest(messages=USER, tools=[WEATHER], tool_choice=ToolChoice(mode="required"),
                                        response_format=ResponseFormat(type="json_object")))
     assert err.value.status == 400 and err.value.param == "response_format"
+
+
+def test_free_streams_are_unchanged_by_constrained_ones_in_their_batch(engine: Engine) -> None:
+    """Constrained and free rows share one batched step: the free row's tokens equal its tokens alone."""
+    free = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    schema = {"type": "array", "items": {"enum": ["red", "blue"]}, "minItems": 50}
+    constrained = GenerateRequest(messages=USER, sampling=free,
+                                  response_format=ResponseFormat(type="json_schema", json_schema=schema))
+    alone, _ = request(engine, sampling=free)
+
+    async def together() -> list[Choices]:
+        jobs = [engine.submit(engine.prepare(constrained)) for _ in range(3)]
+        jobs.insert(1, engine.submit(engine.prepare(GenerateRequest(messages=USER, sampling=free))))
+        return list(await asyncio.gather(*(collect_all(j) for j in jobs)))
+
+    outs = asyncio.run(together())
+    assert outs[1].texts == alone.texts  # the free row, batched with three constrained ones
+    for i in (0, 2, 3):
+        assert outs[i].texts[0].startswith('["') and outs[i].texts[0] != alone.texts[0]
+    assert engine.runner.rows == []  # every slot freed

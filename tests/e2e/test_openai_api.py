@@ -275,3 +275,14 @@ def _token_id(token: str) -> int:
     ids = tok(token, add_special_tokens=False)["input_ids"]
     assert len(ids) == 1, (token, ids)
     return int(ids[0])
+
+
+def test_a_schema_the_grammar_cannot_compile_is_a_400_naming_it(stacks: dict[str, Stack]) -> None:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}
+    for stack in stacks.values():
+        resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "response_format" and "nonsense" in error["message"]
+        assert_valid("ErrorResponse", resp.json())
