@@ -57,7 +57,7 @@ class InlineEncoder(CachingEncoder):
     def features_and_hits(self, images: list[ImageRef]) -> list[tuple[ImageFeatures, bool]]:
         """(features, was already cached here) for each image in order: the hits are usage's cached_tokens."""
         data = [self._bytes(i, im) for i, im in enumerate(images)]
-        hashes = [mm_hash(d) for d in data]
+        hashes = [mm_hash(d, im.detail) for d, im in zip(data, images, strict=True)]
         for i, (im, h) in enumerate(zip(images, hashes, strict=True)):
             if im.mm_hash and im.mm_hash != h:
                 raise bad_request(f"images[{i}].mm_hash does not match the image bytes", param=f"images.{i}.mm_hash",

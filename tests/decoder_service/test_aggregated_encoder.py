@@ -83,17 +83,30 @@ class ScriptedVision:
     def __init__(self) -> None:
         self.fail_with: Exception | None = None
         self.calls = 0
+        self.details: list[str] = []
 
     def encode(self, images: list[Any], detail: str = "auto") -> list[ImageFeatures]:
         self.calls += 1
+        self.details.append(detail)
         if self.fail_with is not None:
             raise self.fail_with
-        return [ImageFeatures(embeds=torch.ones(4, 8)) for _ in images]
+        return [ImageFeatures(embeds=torch.ones(2 if detail == "low" else 4, 8)) for _ in images]
 
 
 def inline(check: Any = None) -> tuple[InlineEncoder, ScriptedVision]:
     vision = ScriptedVision()
     return InlineEncoder(vision, cache_bytes=1 << 20, max_image_pixels=1 << 20, check=check), vision  # type: ignore[arg-type]
+
+
+def test_detail_low_is_encoded_as_such_under_its_own_hash_and_cached_apart() -> None:
+    encoder, vision = inline()
+    red = png("red")
+    low = ImageRef(mm_hash=mm_hash(red, "low"), data=base64.b64encode(red).decode(), detail="low")
+    (small, hit), = encoder.features_and_hits([low])
+    (full, full_hit), = encoder.features_and_hits([image_ref(red)])  # the same bytes at full size: encoded again
+    assert vision.details == ["low", "auto"] and small.num_tokens == 2 and full.num_tokens == 4
+    assert not hit and not full_hit and encoder.features_and_hits([low])[0][1]  # then each is a hit
+    assert encoder.store.has_cache_item(mm_hash(red, "low")) and encoder.store.has_cache_item(mm_hash(red))
 
 
 def test_a_claimed_hash_that_is_not_the_bytes_hash_is_a_400_and_never_a_cache_key() -> None:
