@@ -24,7 +24,8 @@ from epd_contracts.sampling import MAX_N
 from proxy.choices import Choices, legacy_logprobs
 from proxy.generation import Generation
 from proxy.prepare import PreparedChat, check_model
-from proxy.protocol import StreamOptions, contract_sampling, not_sampling, refuse
+from proxy.protocol import StreamOptions
+from proxy.sampling_fields import contract_sampling, not_sampling, refuse
 from proxy.state import ProxyState, proxy_state
 from proxy.streaming import respond
 from proxy.unsupported import unsupported_parameter
