@@ -7,11 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from decoder_service.engine import Engine
 from decoder_service.generate import generate
+from decoder_service.grammar import GuideError
 from decoder_service.request import Work
 from epd_common.errors import APIError
 from epd_contracts.embeddings import ImageFeatures
@@ -153,3 +155,42 @@ def test_free_streams_are_unchanged_by_constrained_ones_in_their_batch(engine: E
     for i in (0, 2, 3):
         assert outs[i].texts[0].startswith('["') and outs[i].texts[0] != alone.texts[0]
     assert engine.runner.rows == []  # every slot freed
+
+
+class _BreaksAfter:
+    """A compiled guide whose matchers allow everything, then refuse the `after`-th token (a grammar bug)."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def matcher(self) -> Any:
+        compiled = self
+
+        class Matcher:
+            accepted, terminated = 0, False
+
+            def refused(self, vocab: int, device: torch.device) -> torch.Tensor:
+                return torch.zeros(vocab, dtype=torch.bool, device=device)
+
+            def accept(self, token: int) -> None:
+                self.accepted += 1
+                if self.accepted == compiled.after:
+                    raise GuideError("the output broke the response_format grammar", "response_format")
+
+        return Matcher()
+
+
+def test_a_grammar_that_breaks_mid_stream_ends_its_request_alone(engine: Engine) -> None:
+    """Its n choices end with one error event and free their slots; a stream beside it finishes unchanged."""
+    free = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    alone, _ = request(engine, sampling=free)
+    broken = Work(text_prompt(engine, 6), msgspec.structs.replace(free, n=2), _BreaksAfter(3))  # type: ignore[arg-type]
+
+    async def together() -> list[Choices]:
+        jobs = [engine.submit(broken), engine.submit(engine.prepare(GenerateRequest(messages=USER, sampling=free)))]
+        return list(await asyncio.gather(*(collect_all(j) for j in jobs)))
+
+    bad, good = asyncio.run(together())
+    assert len(bad.errors) == 1 and bad.errors[0].message and not bad.done  # one error ends both choices
+    assert good.texts == alone.texts and good.done[0].finish_reason == "length"
+    assert engine.runner.rows == [] and engine.scheduler.running == {}

@@ -184,6 +184,22 @@ def test_equal_specs_hit_the_cache_and_it_stays_bounded() -> None:
     assert comp.compile(GuideSpec(kind="json_schema", schema=canonical(SCHEMAS[0]))) is not first
 
 
+def test_the_cache_is_bounded_by_schema_bytes_too() -> None:
+    """Distinct large schemas (a compiled grammar is ~75x its schema) cannot fill the cache past its byte budget."""
+    specs = [GuideSpec(kind="json_schema", schema=canonical({"type": "object", "properties": {
+        f"k{i}_{j}": {"type": "string"} for j in range(40)}})) for i in range(6)]
+    budget = 2 * len(specs[0].schema) + 10
+    comp = compiler(cache_schema_bytes=budget)
+    for spec in specs:
+        comp.compile(spec)
+        assert comp.cached_schema_bytes <= budget
+    assert comp.compile(specs[-1]) is comp.compile(specs[-1])  # the most recent stays cached
+    huge = GuideSpec(kind="json_schema", schema=canonical({"type": "object", "properties": {
+        f"h{j}": {"type": "string"} for j in range(200)}}))
+    assert comp.compile(huge) is not comp.compile(huge)  # over the whole budget: compiled, never kept
+    assert comp.cached_schema_bytes <= budget
+
+
 def test_two_threads_compiling_one_spec_get_the_same_guide() -> None:
     comp, barrier, results = compiler(), threading.Barrier(2), []
     spec = GuideSpec(kind="json_schema", schema=canonical(SCHEMAS[1]))
