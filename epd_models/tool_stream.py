@@ -56,8 +56,9 @@ class TaggedParser(ToolParser):
     a start of `end`), held until the next piece decides. At `end` the arguments are the text between the head and
     the wrapper's final `}`, trimmed. When that text is not JSON followed by `}` (a key after the arguments, a
     missing `}`, broken JSON), the call stays a call, its pieces being out: its arguments are all of its text up to
-    `end`, trimmed. A streamed call still open at the end is closed the same way with all the text it has (a
-    start of `end` at its very end included).
+    `end`, trimmed. A streamed call still open at the end is closed the same way with all the text it has; a
+    start of `end` at its very end is dropped when the text before it is a whole call (the answer was cut off
+    inside the end tag), else kept.
 
     Any other body waits for `end` and is then one delta if it is a whole call (its keys in any order, "parameters"
     for "arguments", the arguments an object or a JSON string holding one), its arguments the model's text of them
@@ -112,6 +113,9 @@ class TaggedParser(ToolParser):
                     self._stream_safe_part(calls)
                     break
                 sent = "".join(self._sent)
+                keep = 0 if closed else _partial_suffix(body, self.end)
+                if keep and _unwrapped(sent + body[:-keep]) is not None:  # cut off inside its end tag
+                    body = body[:-keep]
                 self._argument_piece(calls, _streamed_arguments(sent + body)[len(sent):])
                 self._close(j)
                 continue
@@ -208,15 +212,21 @@ def _head(body: str) -> tuple[str, int] | bool:
 def _streamed_arguments(text: str) -> str:
     """The arguments of a streamed call whose text after its head is `text`: all but the wrapper's final `}` when
     what precedes it is JSON, else (a malformed call) all of it; trimmed either way."""
+    inner = _unwrapped(text)
+    return text.rstrip(_WS) if inner is None else inner
+
+
+def _unwrapped(text: str) -> str | None:
+    """The JSON before the wrapper's final `}` when `text` (trimmed) is that JSON followed by `}`, else None."""
     text = text.rstrip(_WS)
-    if text.endswith("}"):
-        inner = text[:-1].rstrip(_WS)
-        try:
-            json.loads(inner)
-            return inner
-        except (ValueError, RecursionError):
-            pass
-    return text
+    if not text.endswith("}"):
+        return None
+    inner = text[:-1].rstrip(_WS)
+    try:
+        json.loads(inner)
+    except (ValueError, RecursionError):
+        return None
+    return inner
 
 
 def _parse_call(body: str) -> tuple[str, str] | None:

@@ -38,6 +38,8 @@ TEXTS = {
     "broken_arguments": '<tool_call>{"name": "f", "arguments": {"a": }}</tool_call>',
     "unclosed_streamed": '<tool_call>{"name": "f", "arguments": {"a": [1, 2',
     "empty_name": '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+    "cut_in_end_tag": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_c',
+    "cut_in_end_tag_malformed": '<tool_call>{"name": "f", "arguments": {"a": 1\n</tool_c',
 }
 # (content, [(name, joined arguments)]) of each text that makes calls or streams one
 EXPECTED = {
@@ -57,6 +59,9 @@ EXPECTED = {
     "no_wrapper_brace": ("", [("f", '{"a": 1}')]),
     "broken_arguments": ("", [("f", '{"a": }}')]),
     "unclosed_streamed": ("", [("f", '{"a": [1, 2')]),
+    # cut off inside its end tag (max_tokens): the partial tag is dropped when the call before it is whole
+    "cut_in_end_tag": ("", [("f", '{"a": 1}')]),
+    "cut_in_end_tag_malformed": ("", [("f", '{"a": 1\n</tool_c')]),
 }
 
 
@@ -108,7 +113,7 @@ def test_calls_have_the_arguments_as_the_model_wrote_them(name: str) -> None:
     content, calls, _ = _run([TEXTS[name]])
     assert (content, _joined(calls)) == EXPECTED[name]
     for _, arguments in EXPECTED[name][1]:
-        if name not in ("malformed_streamed", "broken_arguments", "unclosed_streamed"):
+        if name not in ("malformed_streamed", "broken_arguments", "unclosed_streamed", "cut_in_end_tag_malformed"):
             assert isinstance(json.loads(arguments), dict)
 
 
