@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 from epd_launcher.group import free_port
 from tests.e2e.stack import start, stop
 from tests.hostile.memory import peak_rss_bytes
+from tests.loopback_http import LoopbackServer, QuietHandler
 
 pytestmark = pytest.mark.e2e  # starts proxy processes (no model is loaded)
 EXIT_WITHIN_S = 20.0  # a stop signal ends the process within this (measured: under 1 s on an idle machine)
@@ -43,7 +43,7 @@ class FakeWorker:
     def __post_init__(self) -> None:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 self._send(*((200, fake.health) if fake.health is not None else (503, {"error": {}})))
 
@@ -53,26 +53,16 @@ class FakeWorker:
                 self._send(*fake.answer(self.path, body))
 
             def _send(self, status: int, body: dict[str, Any]) -> None:
-                raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                self.send_body(status, json.dumps(body).encode())
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = LoopbackServer(Handler)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return self.http.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture

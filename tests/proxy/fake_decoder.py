@@ -4,9 +4,9 @@ must return from the same `script`, never from hard-coded outputs."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.loopback_http import LoopbackServer, QuietHandler
 
 IDENTITY = {"family": "llava", "fingerprint": "0123456789abcdef", "hidden_size": 64}
 PROMPT_TOKENS = 7
@@ -51,7 +51,7 @@ def script(body: dict[str, Any], cached_tokens: int = 0) -> list[dict[str, Any]]
     return events
 
 
-class FakeDecoder:
+class FakeDecoder(LoopbackServer):
     """GET /health: a healthy decoder serving "demo"; POST /generate: `script`'s events as NDJSON."""
 
     def __init__(self, cached_tokens: int = 0) -> None:
@@ -59,33 +59,14 @@ class FakeDecoder:
         self.cached_tokens = cached_tokens
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                self._send(200, json.dumps({"status": "ok", "model": "demo", "model_identity": IDENTITY}).encode())
+                self.send_body(200, json.dumps({"status": "ok", "model": "demo", "model_identity": IDENTITY}).encode())
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
                 fake.bodies.append(body)
                 lines = "".join(json.dumps(ev) + "\n" for ev in script(body, fake.cached_tokens))
-                self._send(200, lines.encode(), "application/x-ndjson")
+                self.send_body(200, lines.encode(), "application/x-ndjson")
 
-            def _send(self, status: int, raw: bytes, kind: str = "application/json") -> None:
-                self.send_response(status)
-                self.send_header("content-type", kind)
-                self.send_header("content-length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
