@@ -36,7 +36,7 @@ from decoder_service.generate import eos_token_ids
 from decoder_service.logprobs import TokenTable
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
-from decoder_service.readback import read_back
+from decoder_service.readback import read_back, read_back_rows
 from decoder_service.request import Preparer, Work
 from decoder_service.scheduler import IDLE_PREFILL_FACTOR, Scheduler
 from decoder_service.sequence import Job, Sequence
@@ -172,10 +172,14 @@ class Engine:
                 chosen[key] = self.scheduler.running[key].sampler.choose(logits)
             except Exception as exc:
                 self.scheduler.fail(key, exc, "sampling")
-        for key, token in read_back(chosen, self.vocab_size).items():
-            self._accept(key, token)
+        tokens = read_back(chosen, self.vocab_size)
+        running = self.scheduler.running  # a row whose sibling failed this step has left it
+        packed = {k: p for k in chosen if (seq := running.get(k)) is not None and (p := seq.sampler.packed) is not None}
+        logprobs = read_back_rows(packed)  # rows that asked for logprobs: one more transfer for all of them
+        for key, token in tokens.items():
+            self._accept(key, token, logprobs.get(key))
 
-    def _accept(self, key: int, token: int | Exception) -> None:
+    def _accept(self, key: int, token: int | Exception, logprobs: list[float] | None = None) -> None:
         """The row's chosen token becomes its text and events; it finishes on a stop, or fails (with its siblings)."""
         seq = self.scheduler.running.get(key)
         if seq is None:  # a sibling choice failed this step: the whole job ended
@@ -185,7 +189,7 @@ class Engine:
             if isinstance(token, Exception):
                 raise token
             seq.pending = None
-            reason = seq.on_token(token)
+            reason = seq.on_token(token, logprobs)
         except Exception as exc:
             self.scheduler.fail(key, exc, "output")
             return

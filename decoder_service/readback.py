@@ -43,3 +43,17 @@ def _scalar(t: torch.Tensor) -> object:
         return t.item()
     except Exception as exc:
         return exc
+
+
+def read_back_rows(rows: dict[int, torch.Tensor]) -> dict[int, list[float]]:
+    """Each row's 1-D float tensor as a list, all in one transfer (rows with logprobs: one sync, not one per row)."""
+    if not rows:
+        return {}
+    try:
+        flat = torch.cat([t.float().flatten() for t in rows.values()]).tolist()
+    except Exception:  # noqa: BLE001 - e.g. rows on different devices: each row reads itself back later
+        return {}
+    out, start = {}, 0
+    for key, t in rows.items():
+        out[key], start = flat[start:start + t.numel()], start + t.numel()
+    return out

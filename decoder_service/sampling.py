@@ -90,12 +90,21 @@ class Sampler:
         if self.guide is not None:
             self.guide.accept(token)
 
-    def logprob_entry(self, token: int) -> TokenLogprob | None:
-        """The last chosen token's logprob and top alternatives (None when the request asked for none)."""
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The last choice's [token, logprob, top values, top ids] on the device (None without logprobs): the
+        engine reads every row's back in one transfer and hands each its values (`logprob_entry(values=...)`)."""
+        return self._packed
+
+    def logprob_entry(self, token: int, values: list[float] | None = None) -> TokenLogprob | None:
+        """The last chosen token's logprob and top alternatives (None when the request asked for none).
+
+        `values`: `packed` already read back by the caller; without them this row reads its own back.
+        """
         if self._packed is None or self._logprobs is None or self.tokens is None:
             return None
         k = (len(self._packed) - 2) // 2
-        values = self._packed.tolist()  # the one read-back for this token
+        values = self._packed.tolist() if values is None else values
         chosen, logprob = int(values[0]), values[1]
         if chosen != token:  # the engine accepted another token than the one chosen here: look it up
             logprob = float(self._logprobs[token])

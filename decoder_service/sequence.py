@@ -89,10 +89,11 @@ class Sequence:
         self.last = job.arrival
         self.pending: int | None = None
 
-    def on_token(self, token: int) -> str | None:
-        """Take the token `sampler.choose` picked (read back by the caller); returns the finish reason if done."""
+    def on_token(self, token: int, logprobs: list[float] | None = None) -> str | None:
+        """Take the token `sampler.choose` picked (read back by the caller, with `logprobs`: its sampler's packed
+        logprobs, when the caller read them back too); returns the finish reason if done."""
         self.sampler.accept(token)  # a grammar that refuses it raises: this request fails
-        if (entry := self.sampler.logprob_entry(token)) is not None:
+        if (entry := self.sampler.logprob_entry(token, logprobs)) is not None:
             self.entries.append(entry)
         now = time.perf_counter()
         (self.metrics.ttft if self.num_generated == 0 else self.metrics.itl).observe(now - self.last)

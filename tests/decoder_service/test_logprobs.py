@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
 from decoder_service.logprobs import NEG_LOGPROB, TokenTable, entry, unicode_to_byte
+from decoder_service.readback import read_back_rows
 from decoder_service.sampling import Sampler
 from epd_builders.tokenizer import train_tokenizer
 from epd_contracts.sampling import SamplingParams
@@ -201,3 +202,17 @@ def test_logprobs_come_from_before_the_grammar_mask(tokens: TokenTable) -> None:
     assert token == 4 and made is not None  # the grammar's best, not the model's
     assert made.logprob == pytest.approx(float(expected[4]), abs=1e-6) and made.logprob > NEG_LOGPROB
     assert [t.token for t in made.top_logprobs] == [tokens.text(1), tokens.text(2)]  # the model's real preferences
+
+
+def test_rows_read_back_together_give_each_row_its_own_entry() -> None:
+    """The engine reads every logprobs row back in one transfer; each row's entry is what it reads alone."""
+    tokens = TokenTable(train_tokenizer("<image>", "<image>"))
+    torch.manual_seed(3)
+    samplers = {key: Sampler(SamplingParams(temperature=0, logprobs=k), tokens=tokens) for key, k in
+                ((0, 0), (1, 3), (2, 20))}
+    chosen = {key: int(s.choose(torch.randn(300))) for key, s in samplers.items()}
+    rows = read_back_rows({key: s.packed for key, s in samplers.items() if s.packed is not None})
+    assert [len(rows[key]) for key in (0, 1, 2)] == [2, 8, 42]
+    for key, s in samplers.items():
+        assert s.logprob_entry(chosen[key], rows[key]) == s.logprob_entry(chosen[key])
+    assert read_back_rows({}) == {}
