@@ -7,6 +7,9 @@ next one still runs:
   env          python, torch, CUDA and the versions of the packages that matter; the GPU (nvidia-smi)
   tests        tests/models/test_parity.py and test_device.py through pytest with --device
   model        the `bench` model (epd_builders/bench_model.py); --smoke: a tiny LLaVA
+  structured, n-prefill
+               the OpenAI-feature benchmarks on the device: constrained / free decoding at 16 streams
+               (epd_bench/structured.py) and the prefill saved by n = 4 (epd_bench/n_prefill.py); --smoke: tiny sizes
   epd-1enc, aggregated
                one system at a time (epd_bench/stacks.py: 1 encoder + 1 decoder + proxy, then the aggregated
                decoder + proxy) on the device, one epd-bench run of the same workload against it, GPU memory per
@@ -75,6 +78,15 @@ class Limits:  # seconds
 
 
 LIMITS = Limits(tests=150, model=120, start=150, bench=120)
+FEATURE_LIMIT_S = 240.0  # one feature benchmark
+# (step, the benchmark's arguments, smoke arguments); the model directory is appended for n-prefill
+FEATURES = (
+    ("structured", ("-m", "epd_bench.structured", "--json"),
+     ("-m", "epd_bench.structured", "--json", "--streams", "2", "--max-tokens", "4", "--rounds", "1",
+      "--large-vocab", "0")),
+    ("n-prefill", ("-m", "epd_bench.n_prefill", "--json", "--model"),
+     ("-m", "epd_bench.n_prefill", "--json", "--image-tokens", "8", "--words", "4", "--repeats", "1", "--model")),
+)
 
 
 class Run:
@@ -232,12 +244,32 @@ def build_model(run: Run) -> Path | None:
     return None
 
 
+def run_features(run: Run, model_dir: Path) -> None:
+    """Each feature benchmark in a process of its own on the device (`--device auto` there, as the workers)."""
+    env = {**os.environ, **dict(device_env(run.args.device))}
+    for name, full, smoke in FEATURES:
+        with run.step(name, f"{name}.log") as rec:
+            args = [*(smoke if run.args.smoke else full), *([str(model_dir)] if name == "n-prefill" else [])]
+            rec["command"] = shlex.join(["python", *args])
+            log = run.work / f"{name}.log"
+            if (code := run_logged([sys.executable, *args], log, run.timeout(FEATURE_LIMIT_S), env)) != 0:
+                raise RuntimeError(f"{name} exited {code} (work/{log.name})")
+            text = log.read_text()
+            rec["result"] = json.loads(text[text.index("\n{") + 1:])  # the JSON after the command line
+
+
+def device_env(device: str) -> tuple[tuple[str, str], ...]:
+    """The environment that makes `--device auto` pick `device` (cuda: all GPUs visible, as they are)."""
+    if device == "cuda":
+        return ()
+    return (("CUDA_VISIBLE_DEVICES", "" if device == "cpu" else device.split(":")[1]),)
+
+
 def on_device(spec: SystemSpec, device: str) -> SystemSpec:
     """Workers run on --device auto: CUDA_VISIBLE_DEVICES makes that the device asked for."""
     if device == "cuda":
         return spec
-    visible = "" if device == "cpu" else device.split(":")[1]
-    procs = tuple(replace(p, env=(*p.env, ("CUDA_VISIBLE_DEVICES", visible))) for p in spec.procs)
+    procs = tuple(replace(p, env=(*p.env, *device_env(device))) for p in spec.procs)
     return replace(spec, procs=procs)
 
 
@@ -277,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         run_tests(run)
         model_dir = build_model(run)
         if model_dir is not None:
+            run_features(run, model_dir)
             cores = len(os.sched_getaffinity(0))
             for spec in (epd(model_dir, 1, cores, pin=False), aggregated(model_dir, cores, pin=False)):
                 serve(run, on_device(spec, args.device))

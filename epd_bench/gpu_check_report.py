@@ -14,7 +14,7 @@ def render_md(record: dict[str, Any]) -> str:
     lines += [f"| {name} | {'yes' if s.get('ok') else '**no**'} | {s['seconds']} | {s.get('error', '')} |"
               for name, s in steps.items()]
     return "\n".join([*lines, *_env_lines(steps.get("env", {})), *_test_lines(steps.get("tests", {})),
-                      *_serve_lines(steps, record["workload"])]) + "\n"
+                      *_feature_lines(steps), *_serve_lines(steps, record["workload"])]) + "\n"
 
 
 def _env_lines(env: dict[str, Any]) -> list[str]:
@@ -49,3 +49,24 @@ def _serve_lines(steps: dict[str, Any], workload_title: str) -> list[str]:
         lines.append(f"| {name} | {s.get('startup_s', '–')} | {mem} | {s.get('gpu_used_peak_mib') or '–'} |")
     lines += ["", "Processes:", ""]
     return lines + [f"- {n} {p}: `{cmd}`" for n, s in systems.items() for p, cmd in s["processes"].items()]
+
+
+def _feature_lines(steps: dict[str, Any]) -> list[str]:
+    """Constrained / free decoding at 16 streams, and the prefill saved by n = 4 (issue 14's benchmark rows)."""
+    lines: list[str] = []
+    if (st := steps.get("structured", {}).get("result")) is not None:
+        lines += ["", "## Structured outputs: constrained / free decoding", "", "```bash",
+                  steps["structured"]["command"], "```", "", "| streams | free tokens/s | constrained tokens/s | ratio "
+                  "| mask µs/token |", "|---:|---:|---:|---:|---:|",
+                  f"| {st['streams']} | {st['free_tokens_per_s']} | {st['constrained_tokens_per_s']} | {st['ratio']} "
+                  f"| {st['mask_us_per_token']} |"]
+    if (nf := steps.get("n-prefill", {}).get("result")) is not None:
+        n4, n1 = nf["n_prefill"]["n=4 (one request)"], nf["n_prefill"]["4 x n=1"]
+        kv = nf["kv_to_a_second_slot"]
+        lines += ["", f"## Prefill saved by n = 4 ({nf['prompt_tokens']}-token prompt, {nf['device']})", "", "```bash",
+                  steps["n-prefill"]["command"], "```", "", "| | prompt tokens prefilled | all 4 first tokens (ms) |",
+                  "|---|---:|---:|",
+                  f"| one request, n = 4 | {n4['prompt_tokens_prefilled']} | {n4['first_token_of_all_4_ms']} |",
+                  f"| four requests, n = 1 | {n1['prompt_tokens_prefilled']} | {n1['first_token_of_all_4_ms']} |", "",
+                  f"K/V to a second slot: copy {kv['copy_ms']} ms, prefill again {kv['prefill_ms']} ms."]
+    return lines

@@ -37,14 +37,18 @@ def test_smoke_run_records_every_step_in_at_most_eight_files(tmp_path: Path) -> 
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "logs.tar.gz"]
     record = json.loads((out / "gpu_check.json").read_text())
     steps = record["steps"]
-    assert list(steps) == ["env", "tests", "model", "epd-1enc", "aggregated"]
+    assert list(steps) == ["env", "tests", "model", "structured", "n-prefill", "epd-1enc", "aggregated"]
     assert all(s["ok"] for s in steps.values()) and steps["env"]["gpus"] == ["Fake GPU, 1.0, 1024"]
     assert steps["tests"]["passed"] >= 2 and steps["tests"]["failed"] == steps["tests"]["errors"] == 0
     for name in ("epd-1enc", "aggregated"):
         assert steps[name]["result"]["completed"] == 4 and steps[name]["result"]["failed"] == 0
         assert steps[name]["gpu_mib"] == {"pid 4242": 100, "pid 4243": 7}
         assert steps[name]["gpu_used_peak_mib"] == 512
+    structured, n_prefill = steps["structured"]["result"], steps["n-prefill"]["result"]
+    assert structured["streams"] == 2 and structured["ratio"] > 0 and n_prefill["device"] == "cpu"
+    assert n_prefill["n_prefill"]["4 x n=1"]["prompt_tokens_prefilled"] == 4 * n_prefill["prompt_tokens"]
     md = (out / "gpu_check.md").read_text()
+    assert "## Structured outputs" in md and "## Prefill saved by n = 4" in md
     assert "| epd-1enc | 4 / 0 |" in md and "| aggregated | 4 / 0 |" in md and "--device cpu" in md
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = set(tar.getnames())
