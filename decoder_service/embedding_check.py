@@ -1,25 +1,29 @@
 """Checks every embedding a decoder receives against its own language model, before it is cached or used.
 
 An encoder of another model (or a broken or hostile one) can send embeddings of the wrong width or token
-count; merged into a prompt they would fail the prefill of that request at best, and fill the decoder's
-cache with unusable items at worst. What is checked, per item:
-- a floating dtype and 2-D shape (num_tokens, width);
-- width == the LM's input embedding width;
-- num_tokens == what the family yields: LLaVA a fixed count (the vision tower's patches, CLS dropped or
-  not); Qwen2-VL / 2.5-VL t*h*w / merge**2 of its grid_thw (which must be there, positive, and divisible
-  by the merge size);
+count, or a span that writes other tokens into the prompt; merged into a prompt they would fail the prefill of
+that request at best, and fill the decoder's cache with unusable items at worst. What is checked, per item:
+- a floating dtype and 2-D shape (num_tokens, width), width == the LM's input embedding width;
+- the span (the image's prompt tokens): only this family's image token and layout tokens (InternVL's `<img>`,
+  Pixtral's `[IMG_BREAK]`, Idefics3's `<row_i_col_j>`, ...) and layout text, with exactly num_tokens image
+  tokens; a family with layout tokens must send one;
+- num_tokens == what the family yields where it is fixed (LLaVA-1.5); for M-RoPE families (Qwen) t*h*w / merge**2
+  of its grid_thw (which must be there, positive, and divisible by the merge size);
+- DeepStack features (Qwen3-VL): present, of shape (layers, num_tokens, width) and the embeddings' dtype;
 - finite values: a NaN or inf would make its own request's output garbage and is cheap to find (one pass
   over a few MB, next to a prefill over the same tokens).
 """
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
 
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.halves import LanguageHalf
+from epd_models.mrope import MRopeAdapter
 
 
 class EmbeddingCheck:
@@ -27,9 +31,13 @@ class EmbeddingCheck:
 
     def __init__(self, lm: LanguageHalf):
         cfg: Any = lm.config
+        spec = lm.adapter.spec
         self.width = int(lm.module.language_model.embed_tokens.embedding_dim)
-        self.merge: int | None = getattr(getattr(cfg, "vision_config", None), "spatial_merge_size", None)
-        self.fixed = _fixed_count(lm) if self.merge is None else None
+        self.merge: int | None = cfg.vision_config.spatial_merge_size if isinstance(lm.adapter, MRopeAdapter) else None
+        self.fixed = spec.fixed_tokens(cfg) if spec.fixed_tokens is not None else None
+        self.image_id = lm.image_token_id
+        self.layout = layout_ids(lm.tokenizer, spec.layout_tokens, spec.layout_text)
+        self.deepstack = deepstack_layers(cfg)
 
     def __call__(self, out: ImageFeatures) -> str | None:
         e = out.embeds
@@ -37,29 +45,58 @@ class EmbeddingCheck:
             return f"expected a 2-D floating tensor, got {e.dtype} of shape {tuple(e.shape)}"
         if e.shape[1] != self.width:
             return f"width {e.shape[1]} != this model's embedding width {self.width} (an encoder of another model?)"
-        expected = self._expected_tokens(out)
-        if isinstance(expected, str):
-            return expected
-        if expected is not None and e.shape[0] != expected:
-            return f"{e.shape[0]} image tokens, but this model expects {expected}"
-        if not bool(torch.isfinite(e).all()):
+        for reason in (self._span(out), self._count(out), self._deepstack(out)):
+            if reason is not None:
+                return reason
+        if not bool(torch.isfinite(e).all()) or (out.deepstack is not None and not bool(torch.isfinite(out.deepstack).all())):
             return "non-finite values (NaN or inf)"
         return None
 
-    def _expected_tokens(self, out: ImageFeatures) -> int | str | None:
-        """The token count this model expects for the item, a reason its grid is unusable, or None (unknown)."""
-        if self.merge is None:
-            return self.fixed
-        grid = out.grid_thw
-        if grid is None:
-            return "grid_thw is missing (this model needs it for positions)"
-        if not all(isinstance(x, int) and x > 0 for x in grid) or grid[1] % self.merge or grid[2] % self.merge:
-            return f"grid_thw {tuple(grid)} is not positive or not divisible by the merge size {self.merge}"
-        return math.prod(grid) // self.merge**2
-
-
-def _fixed_count(lm: LanguageHalf) -> int | None:
-    """Image tokens per image for families with a fixed count (LLaVA); None where the family is unknown."""
-    if lm.adapter.name != "llava":
+    def _span(self, out: ImageFeatures) -> str | None:
+        if out.span is None:
+            return "no span: this model's images have layout tokens around them" if self.layout else None
+        allowed = self.layout | {self.image_id}
+        if any(t not in allowed for t in out.span):
+            return "the span holds tokens that are not this model's image layout"
+        if sum(1 for t in out.span if t == self.image_id) != out.num_tokens:
+            return f"the span's image tokens != the {out.num_tokens} embedding rows"
         return None
-    return int(lm.adapter.num_image_tokens(None, lm.config, 0, 0))  # depends on the vision config only
+
+    def _count(self, out: ImageFeatures) -> str | None:
+        expected = self.fixed
+        if self.merge is not None:
+            grid = out.grid_thw
+            if grid is None:
+                return "grid_thw is missing (this model needs it for positions)"
+            if not all(isinstance(x, int) and x > 0 for x in grid) or grid[1] % self.merge or grid[2] % self.merge:
+                return f"grid_thw {tuple(grid)} is not positive or not divisible by the merge size {self.merge}"
+            expected = math.prod(grid) // self.merge**2
+        if expected is not None and out.num_tokens != expected:
+            return f"{out.num_tokens} image tokens, but this model expects {expected}"
+        return None
+
+    def _deepstack(self, out: ImageFeatures) -> str | None:
+        d = out.deepstack
+        if not self.deepstack:
+            return None if d is None else "DeepStack features sent to a model without DeepStack"
+        want = (self.deepstack, out.num_tokens, self.width)
+        if d is None or tuple(d.shape) != want or d.dtype != out.embeds.dtype:
+            got = None if d is None else (tuple(d.shape), d.dtype)
+            return f"DeepStack features must be {want} of {out.embeds.dtype}, got {got}"
+        return None
+
+
+def layout_ids(tokenizer: Any, pattern: str, text: tuple[str, ...]) -> set[int]:
+    """Ids of the added tokens whose strings match `pattern`, and of each layout text's tokens."""
+    ids: set[int] = set()
+    if pattern:
+        rx = re.compile(pattern)
+        ids |= {i for i, tok in tokenizer.added_tokens_decoder.items() if rx.fullmatch(str(tok.content))}
+    for t in text:
+        ids |= set(tokenizer(t, add_special_tokens=False)["input_ids"])
+    return ids
+
+
+def deepstack_layers(cfg: Any) -> int:
+    """How many DeepStack feature sets this model's images carry (0: none)."""
+    return len(getattr(getattr(cfg, "vision_config", None), "deepstack_visual_indexes", None) or ())

@@ -1,4 +1,4 @@
-"""Chat messages -> token ids with each image placeholder expanded to its embedding's length."""
+"""Chat messages -> token ids with each image placeholder replaced by the image's span (its family's tokens)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.base import expand_placeholders
+from epd_models.base import splice_spans
 from epd_models.halves import LanguageHalf
 
 
@@ -21,5 +21,6 @@ class Prompt:
 
 
 def build_prompt(lm: LanguageHalf, ids: list[int], images: list[ImageFeatures]) -> Prompt:
-    expanded = expand_placeholders(ids, lm.image_token_id, [im.num_tokens for im in images])
+    spans = [im.span if im.span is not None else [lm.image_token_id] * im.num_tokens for im in images]
+    expanded = splice_spans(ids, lm.placeholder_id, spans)
     return Prompt(input_ids=torch.tensor([expanded], dtype=torch.long), images=images)

@@ -13,6 +13,8 @@ import msgspec
 MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
 MAX_HASH_LEN = 256  # characters of one mm_hash on the wire (real ones are 64)
 MAX_NDIM = 8
+MAX_SPAN_IDS = 1 << 17  # token ids of one image's span (a 4k image in the largest layouts is ~20k)
+MAX_TOKEN_ID = (1 << 31) - 1
 HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
 # wire dtype name -> bytes per element; a closed table, so no dtype name is ever evaluated
 DTYPE_SIZES: dict[str, int] = {
@@ -24,6 +26,8 @@ Hash = Annotated[str, msgspec.Meta(max_length=MAX_HASH_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8"]
 Shape = Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_NDIM)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+Span = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SPAN_IDS)]
 EventKind = Literal["stored", "evicted", "heartbeat"]
 
 
@@ -59,7 +63,8 @@ class SnapshotRequest(_Header, tag="snapshot"):
 
 
 class GetItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
-    """One requested item; a found one describes its tensor frame (`frame` indexes the frames after the header)."""
+    """One requested item; a found one describes its tensor frames (`frame`, `deepstack_frame` index the frames
+    after the header; both tensors have `dtype`). `span`: the image's prompt tokens (ImageFeatures.span)."""
 
     mm_hash: Hash
     found: bool = False
@@ -70,6 +75,9 @@ class GetItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw
     dtype: DType | None = None
     shape: Shape | None = None
     frame: NonNegative | None = None
+    span: Span | None = None
+    deepstack_shape: Shape | None = None
+    deepstack_frame: NonNegative | None = None
 
 
 class GetReply(_Header, tag="get_reply"):

@@ -11,19 +11,32 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+SPAN_ID_BYTES = 8  # what one span id is counted as in cache and reply byte budgets (a Python int, near enough)
+
 
 @dataclass(frozen=True, eq=False)
 class ImageFeatures:
-    """One image's embeddings as the LM consumes them."""
+    """One image's embeddings as the LM consumes them, and the tokens it takes in the prompt.
+
+    `span` is the image's token ids as its family's processor writes them in place of the prompt's one image
+    placeholder (LLaVA-NeXT's any-resolution tokens, InternVL's `<img>`...`</img>`, Pixtral's `[IMG_BREAK]`
+    rows, Idefics3's `<row_i_col_j>` tiles, Gemma 3's `<start_of_image>`...`<end_of_image>`); its image-token
+    positions take the rows of `embeds` in order. None: `num_tokens` image tokens (LLaVA-1.5, Qwen2-VL).
+    """
 
     embeds: torch.Tensor  # (num_tokens, text_hidden), any device until a producer saves it (then CPU)
     grid_thw: tuple[int, int, int] | None = None  # Qwen only: patch grid before merging
+    span: tuple[int, ...] | None = None
+    # Qwen3-VL: (K, num_tokens, text_hidden), the features added after LM layers 0..K-1 at the image's positions
+    deepstack: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if getattr(self.embeds, "dim", None) is None or self.embeds.dim() < 1:
             raise ValueError(f"embeds must be a tensor with at least 1 dim, got {type(self.embeds).__name__}")
         if self.grid_thw is not None and len(self.grid_thw) != 3:
             raise ValueError(f"grid_thw must have 3 ints, got {self.grid_thw!r}")
+        if self.deepstack is not None and getattr(self.deepstack, "dim", None) is None:
+            raise ValueError(f"deepstack must be a tensor, got {type(self.deepstack).__name__}")
 
     @property
     def num_tokens(self) -> int:
@@ -31,4 +44,10 @@ class ImageFeatures:
 
     @property
     def nbytes(self) -> int:
-        return int(self.embeds.nbytes)
+        """Everything the item holds: embeddings, DeepStack features and span (what caches and replies count)."""
+        extra = int(self.deepstack.nbytes) if self.deepstack is not None else 0
+        return int(self.embeds.nbytes) + extra + SPAN_ID_BYTES * len(self.span or ())
+
+    def with_tensors(self, embeds: torch.Tensor, deepstack: torch.Tensor | None) -> ImageFeatures:
+        """The same item over other tensors (moved or made contiguous)."""
+        return ImageFeatures(embeds=embeds, grid_thw=self.grid_thw, span=self.span, deepstack=deepstack)

@@ -1,12 +1,30 @@
-"""The family adapter interface: one object per model family serves both halves."""
+"""The family adapter: one object per model family serves both halves, over what transformers' VLMs share.
+
+Every family in transformers 5 splits the same way: a composite base model whose vision children (tower,
+projector, and e.g. LLaVA-NeXT's `image_newline` or Qwen3-VL's DeepStack mergers) turn the processor's image
+inputs into rows of the LM's input embeddings (`get_image_features`), and a text model that reads them at the
+image tokens' positions. So the generic path is:
+
+- encoder: the processor called on ONE placeholder per image gives the image's token span (what the family
+  writes into the prompt in its place) and the vision inputs; `get_image_features` on the vision-only composite
+  gives the rows (and Qwen3-VL's DeepStack features), split per image by each span's image-token count;
+- decoder: the prompt, rendered with one placeholder per image, gets each span spliced in; the rows are scattered
+  into the image-token positions of the embeddings (`merge_image_embeds`).
+
+A family's own code is only where it really differs (a `FamilySpec`'s fields and the hooks below): M-RoPE
+positions (Qwen), DeepStack injection (Qwen3-VL), bidirectional attention inside an image (Gemma 3), plain-text
+edges around the span (Gemma 3).
+"""
 from __future__ import annotations
 
 import re
-from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers import AutoModel
 
 from epd_contracts.embeddings import ImageFeatures
 
@@ -24,14 +42,47 @@ class LanguageModules(nn.Module):
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
 
 
-class FamilyAdapter(ABC):
-    """What a family knows: its checkpoint keys, its vision half, and its LM-side merge and positions."""
+@dataclass(frozen=True)
+class FamilySpec:
+    """What tells one family's checkpoints apart from another's, as data."""
 
     name: str
     model_types: tuple[str, ...]
-    # (pattern, replacement) applied in order to on-disk keys -> our module names
-    key_renames: tuple[tuple[str, str], ...]
-    vision_prefixes: tuple[str, ...]  # normalized key prefixes that belong to the encoder half
+    vision_children: tuple[str, ...]  # the composite base model's vision modules and parameters, by name
+    feature_inputs: tuple[str, ...]  # the processor outputs `get_image_features` takes
+    text_child: str = "language_model"  # the composite base model's text model
+    # the config attribute holding the prompt placeholder id (the token the chat template writes per image)
+    placeholder_attr: str = "image_token_id"
+    # added tokens (a regex over their strings) that may appear in an image's span besides the image token
+    layout_tokens: str = ""
+    layout_text: tuple[str, ...] = ()  # plain text that may appear between them (Idefics3's row newlines)
+    text_edges: tuple[str, str] = ("", "")  # plain text the processor writes around the span (Gemma 3)
+    batch_encode: bool = True  # one processor call and one vision forward for a batch of images
+    # "low" detail: processor kwargs for the fewest tokens (families with a resolution knob), else None
+    low_detail: Callable[[Any], dict[str, Any]] | None = None
+    fixed_tokens: Callable[[Any], int] | None = None  # image tokens per image where the family has one count
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class FamilyAdapter:
+    """A family's checkpoint keys, its vision half and its LM-side merge, positions and forward extras."""
+
+    def __init__(self, spec: FamilySpec):
+        self.spec = spec
+        self.name, self.model_types = spec.name, spec.model_types
+        self.vision_prefixes = tuple(f"{c}." for c in spec.vision_children) + spec.vision_children
+        children = "|".join(re.escape(c) for c in spec.vision_children)
+        text = re.escape(spec.text_child)
+        # on-disk layouts -> our names: legacy top-level (language_model.model.*, vision_tower.*), transformers
+        # >= 4.52 (model.language_model.*, model.vision_tower.*), and Qwen2-VL's hub layout (model.layers.*)
+        self.key_renames: tuple[tuple[str, str], ...] = (
+            (r"^language_model\.model\.", "language_model."),
+            (r"^language_model\.lm_head\.", "lm_head."),
+            (rf"^model\.{text}\.", "language_model."),
+            (rf"^model\.(?=(?:{children})(?:\.|$))", ""),
+            (rf"^{text}\.", "language_model."),
+            (r"^model\.", "language_model."),
+        )
 
     def normalize_key(self, key: str) -> str:
         for pattern, repl in self.key_renames:
@@ -44,27 +95,68 @@ class FamilyAdapter(ABC):
         return self.normalize_key(key).startswith(self.vision_prefixes)
 
     # encoder half
-    @abstractmethod
-    def build_vision(self, cfg: PretrainedConfig) -> nn.Module: ...
 
-    @abstractmethod
-    def preprocess(self, image_processor: Any, images: list[Image.Image], detail: str = "auto") -> dict[str, torch.Tensor]:
-        """The vision tower's inputs. `detail` is image_url.detail: a family with a resolution knob encodes "low" at
-        its processor's minimum resolution (Qwen-style dynamic resolution); the others have a fixed input size and
-        ignore it (documented in the README's compatibility table)."""
+    def build_vision(self, cfg: PretrainedConfig) -> nn.Module:
+        """The composite base model with only its vision children, parameters on meta (load_half fills them)."""
+        from epd_models.meta import params_on_meta
 
-    @abstractmethod
-    def encode(self, vision: nn.Module, cfg: PretrainedConfig, inputs: dict[str, torch.Tensor]) -> list[ImageFeatures]: ...
+        with params_on_meta():
+            base = AutoModel.from_config(cfg)
+        for name, _ in list(base.named_children()):
+            if name not in self.spec.vision_children:
+                setattr(base, name, None)
+        for name, _ in list(base.named_parameters(recurse=False)):
+            if name not in self.spec.vision_children:
+                delattr(base, name)
+        return base
 
-    @abstractmethod
-    def num_image_tokens(self, image_processor: Any, cfg: PretrainedConfig, width: int, height: int) -> int: ...
+    def encode(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, images: list[Image.Image],
+               detail: str = "auto") -> list[ImageFeatures]:
+        """Each image's rows, span (and grid, DeepStack features): batched where the family allows it."""
+        kwargs = dict(self.spec.processor_kwargs)
+        if detail == "low" and self.spec.low_detail is not None:
+            kwargs.update(self.spec.low_detail(processor.image_processor))
+        groups = [images] if self.spec.batch_encode else [[im] for im in images]
+        return [f for group in groups for f in self._encode_group(vision, processor, cfg, group, kwargs)]
+
+    def _encode_group(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, images: list[Image.Image],
+                      kwargs: dict[str, Any]) -> list[ImageFeatures]:
+        out = processor(text=[processor.image_token] * len(images), images=images, add_special_tokens=False,
+                        return_tensors="pt", padding=True, **kwargs)
+        spans = [_core(ids[mask.bool()].tolist(), processor.tokenizer)
+                 for ids, mask in zip(out["input_ids"], out["attention_mask"], strict=True)]
+        weight = next(vision.parameters())
+        inputs = {k: _to(out[k], weight) for k in self.spec.feature_inputs if k in out}
+        res = vision.get_image_features(**inputs)  # type: ignore[operator]
+        image_id = self.image_token_id(cfg)
+        counts = [sum(1 for t in s if t == image_id) for s in spans]
+        rows = torch.split(_rows(res.pooler_output), counts)
+        deep = getattr(res, "deepstack_features", None)
+        per_layer = [torch.split(_rows(d), counts) for d in deep] if deep else None
+        grids = out.get("image_grid_thw")
+        feats = []
+        for i, (span, r) in enumerate(zip(spans, rows, strict=True)):
+            grid = tuple(int(x) for x in grids[i]) if grids is not None else None
+            feats.append(ImageFeatures(
+                embeds=r, grid_thw=grid,  # type: ignore[arg-type]
+                span=None if span == [image_id] * len(span) else tuple(span),
+                deepstack=torch.stack([d[i] for d in per_layer]) if per_layer else None))
+        return feats
 
     # decoder half
-    @abstractmethod
-    def build_language(self, cfg: PretrainedConfig) -> LanguageModules: ...
+
+    def build_language(self, cfg: PretrainedConfig) -> LanguageModules:
+        tc = cfg.get_text_config()
+        return LanguageModules(AutoModel.from_config(tc), tc.hidden_size, tc.vocab_size)
 
     def image_token_id(self, cfg: PretrainedConfig) -> int:
-        return int(cfg.image_token_id)
+        found = getattr(cfg, "image_token_id", None)
+        return int(found if found is not None else cfg.image_token_index)
+
+    def placeholder_id(self, cfg: PretrainedConfig) -> int:
+        """The token the chat template writes once per image (Gemma 3: <start_of_image>, else the image token)."""
+        found = getattr(cfg, self.spec.placeholder_attr, None)
+        return int(found) if found is not None else self.image_token_id(cfg)
 
     def position_ids(
         self, cfg: PretrainedConfig, input_ids: torch.Tensor, images: list[ImageFeatures]
@@ -75,23 +167,70 @@ class FamilyAdapter(ABC):
     def decode_position_ids(self, past_len: int, rope_delta: int) -> torch.Tensor:
         return torch.tensor([[past_len + rope_delta]])
 
+    def prefill_state(self, cfg: PretrainedConfig, input_ids: torch.Tensor, images: list[ImageFeatures],
+                      device: torch.device) -> Any:
+        """What a family keeps per prompt for its prefill chunks (Qwen3-VL: DeepStack rows); None for most."""
+        return None
+
+    def prefill_kwargs(self, state: Any, start: int, end: int) -> dict[str, Any]:
+        """Extra text-model arguments for the prefill chunk [start, end) of a prompt with `state`."""
+        return {}
+
+    def attention_mask(self, cfg: PretrainedConfig, mask: torch.Tensor, starts: list[int],
+                       states: list[Any]) -> Any:
+        """The text model's attention_mask from the slot cache's causal one (rows, 1, new, kv); rows' `states`."""
+        return mask
+
+
+def _to(t: Any, weight: torch.Tensor) -> Any:
+    """A processor output onto the vision's device (floating tensors also to its dtype)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.is_floating_point():
+        return t.to(weight.device, weight.dtype, non_blocking=True)
+    return t.to(weight.device, non_blocking=True)
+
+
+def _rows(features: Any) -> torch.Tensor:
+    """get_image_features' output (a tensor, or a tuple or list per image or tile) as (N, hidden) rows."""
+    if isinstance(features, (list, tuple)):
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    return features.reshape(-1, features.shape[-1])
+
+
+def _core(span: list[int], tokenizer: Any) -> list[int]:
+    """The span without the plain text the processor writes around it (Gemma 3's "\\n\\n"): from its first added
+    token to its last. The decoder writes that text itself, so it tokenizes with its neighbours as it should."""
+    added = set(tokenizer.added_tokens_decoder)
+    first = next((i for i, t in enumerate(span) if t in added), 0)
+    last = next((i for i in range(len(span) - 1, -1, -1) if span[i] in added), len(span) - 1)
+    return span[first : last + 1]
+
 
 def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:
     """Replace the i-th single image placeholder with counts[i] copies."""
-    num_found = ids.count(image_token_id)
-    if num_found != len(counts):
-        raise ValueError(f"prompt has {num_found} image placeholders but {len(counts)} images were given")
+    return splice_spans(ids, image_token_id, [[image_token_id] * n for n in counts])
+
+
+def splice_spans(ids: list[int], placeholder_id: int, spans: list[list[int]] | list[tuple[int, ...]]) -> list[int]:
+    """Replace the i-th image placeholder with spans[i]."""
+    num_found = ids.count(placeholder_id)
+    if num_found != len(spans):
+        raise ValueError(f"prompt has {num_found} image placeholders but {len(spans)} images were given")
     out: list[int] = []
-    it = iter(counts)
+    it = iter(spans)
     for tok in ids:
-        out.extend([tok] * next(it) if tok == image_token_id else [tok])
+        if tok == placeholder_id:
+            out.extend(next(it))
+        else:
+            out.append(tok)
     return out
 
 
 def merge_image_embeds(
     inputs_embeds: torch.Tensor, input_ids: torch.Tensor, image_token_id: int, images: list[ImageFeatures]
 ) -> torch.Tensor:
-    """Scatter image embeddings into the placeholder rows of inputs_embeds (1, L, H).
+    """Scatter image embeddings into the image-token rows of inputs_embeds (1, L, H).
 
     input_ids and the features may be host tensors (the features come from the connector in CPU memory):
     the check runs where the ids are, and the mask and features move to inputs_embeds' device in one copy each.

@@ -5,11 +5,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.base import FamilyAdapter, merge_image_embeds
+from epd_models.meta import meta_parameters
+from epd_models.processors import register_processors
 from epd_models.registry import adapter_for
 from epd_models.weights import load_filtered
 
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     from transformers import Cache
 
 hf_logging.disable_progress_bar()
+register_processors()  # AutoProcessor then builds the image-only processors transformers cannot without torchvision
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,7 +61,8 @@ def _dtype(cfg: object, dtype: torch.dtype | str | None) -> torch.dtype:
 
 
 class VisionHalf:
-    """Vision tower + projector only; the LM tensors are never read from disk.
+    """The family's vision children only (tower, projector, and e.g. DeepStack mergers); the LM tensors are never
+    read from disk, and its modules are never built (parameters on meta, dropped before loading).
 
     The module lives on `device`; `encode` takes PIL images and returns CPU features (what the connector
     sends and caches), whatever the device.
@@ -71,22 +75,20 @@ class VisionHalf:
         self.adapter = adapter_for(self.config)
         self.device = resolve_device(device)
         self.dtype = _dtype(self.config, dtype)
-        self.module = self.adapter.build_vision(self.config).to(self.dtype).eval()
-        missing = load_half(self.module, self.model_dir, self.adapter, vision=True)
+        self.module = self.adapter.build_vision(self.config).eval()
+        load_half(self.module, self.model_dir, self.adapter, vision=True, assign=True)
+        missing = meta_parameters(self.module)
         if missing:
             raise ValueError(f"checkpoint {self.model_dir} lacks vision weights: {missing[:5]}")
-        self.module.to(self.device)
-        self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
+        self.module.to(self.device, self.dtype)
+        self.processor = AutoProcessor.from_pretrained(self.model_dir)
+        self.image_processor = self.processor.image_processor
 
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], detail: str = "auto") -> list[ImageFeatures]:
         if not images:
             return []
-        inputs = self.adapter.preprocess(self.image_processor, images, detail)
-        return _to_cpu(self.adapter.encode(self.module, self.config, inputs))
-
-    def num_image_tokens(self, width: int, height: int) -> int:
-        return self.adapter.num_image_tokens(self.image_processor, self.config, width, height)
+        return _to_cpu(self.adapter.encode(self.module, self.processor, self.config, images, detail))
 
 
 class LanguageHalf:
@@ -111,6 +113,7 @@ class LanguageHalf:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.generation_config = _generation_config(self.model_dir)
         self.image_token_id = self.adapter.image_token_id(self.config)
+        self.placeholder_id = self.adapter.placeholder_id(self.config)  # what the chat template writes per image
 
     def embed(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> torch.Tensor:
         """(1, L) ids (any device) and CPU image features -> (1, L, H) embeddings on self.device."""
@@ -134,10 +137,11 @@ class LanguageHalf:
         return self.module.lm_head(out.last_hidden_state[0, -1]).float()
 
     def forward_rows(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache,
-                     attention_mask: torch.Tensor) -> torch.Tensor:
-        """Run a batch of rows over new positions with an explicit 4D mask; return each row's last logits."""
+                     attention_mask: object, **extra: object) -> torch.Tensor:
+        """Run a batch of rows over new positions with an explicit mask (a 4D tensor, or the family's masks by
+        layer type) and the family's prefill extras; return each row's last logits."""
         out = self.module.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache,
-                                         attention_mask=attention_mask, use_cache=True)
+                                         attention_mask=attention_mask, use_cache=True, **extra)
         return self.module.lm_head(out.last_hidden_state[:, -1]).float()
 
 
@@ -150,7 +154,8 @@ def _to_cpu(features: list[ImageFeatures]) -> list[ImageFeatures]:
         return features
     flat = torch.cat([f.embeds for f in features]).cpu()
     parts = torch.split(flat, [f.num_tokens for f in features])
-    return [ImageFeatures(embeds=e, grid_thw=f.grid_thw) for e, f in zip(parts, features, strict=True)]
+    deep = [None if f.deepstack is None else f.deepstack.cpu() for f in features]
+    return [f.with_tensors(e, d) for e, d, f in zip(parts, deep, features, strict=True)]
 
 
 def loaded_summary(module: torch.nn.Module) -> dict[str, object]:
@@ -159,11 +164,13 @@ def loaded_summary(module: torch.nn.Module) -> dict[str, object]:
             "num_parameters": sum(p.numel() for p in module.parameters())}
 
 
-def load_half(module: torch.nn.Module, model_dir: Path, adapter: FamilyAdapter, vision: bool) -> list[str]:
+def load_half(module: torch.nn.Module, model_dir: Path, adapter: FamilyAdapter, vision: bool,
+              assign: bool = False) -> list[str]:
     """Load one half's tensors; returns the module keys the checkpoint did not supply."""
     prefixes = adapter.vision_prefixes
     return load_filtered(
-        module, model_dir, rename=adapter.normalize_key, keep=lambda name: name.startswith(prefixes) == vision
+        module, model_dir, rename=adapter.normalize_key, keep=lambda name: name.startswith(prefixes) == vision,
+        assign=assign,
     )
 
 

@@ -24,9 +24,12 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def load_filtered(
-    module: nn.Module, model_dir: Path, rename: Callable[[str], str], keep: Callable[[str], bool]
+    module: nn.Module, model_dir: Path, rename: Callable[[str], str], keep: Callable[[str], bool],
+    assign: bool = False,
 ) -> list[str]:
-    """Load the kept (renamed) checkpoint tensors into module; others are never read from disk."""
+    """Load the kept (renamed) checkpoint tensors into module; others are never read from disk.
+
+    `assign`: the tensors replace the module's (a module built with its parameters on meta)."""
     wanted: dict[Path, dict[str, str]] = {}  # file -> {disk key: module key}
     for key, path in checkpoint_files(model_dir).items():
         name = rename(key)
@@ -37,7 +40,7 @@ def load_filtered(
         with safe_open(str(path), framework="pt") as f:  # memory-mapped: skipped keys cost nothing
             for key, name in keys.items():
                 state[name] = f.get_tensor(key)
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=assign)
     if unexpected:
         raise ValueError(f"checkpoint keys with no place in the {type(module).__name__}: {unexpected[:5]}")
     return missing

@@ -104,21 +104,22 @@ def _decode_header(buf: memoryview, max_header_bytes: int) -> Message:
 
 
 def _check_tensor_specs(header: Message, buffers: list[memoryview], max_bytes: int) -> None:
-    """Every item with a `frame` describes exactly one tensor frame, of the size its dtype and shape declare."""
+    """Every tensor an item declares (`frame`, `deepstack_frame`) is exactly one frame, of the size its dtype and
+    shape declare; no frame is left undescribed or described twice."""
     if not isinstance(header, GetReply):
         raise WireError(f"a {type(header).__name__} carries no tensor frames, message has {len(buffers)}")
-    specs = [item for item in header.items if item.frame is not None]
+    specs = [(item.mm_hash, index, shape, item.dtype) for item in header.items
+             for index, shape in ((item.frame, item.shape), (item.deepstack_frame, item.deepstack_shape))
+             if index is not None]
     if len(specs) != len(buffers):
         raise WireError(f"header describes {len(specs)} tensor frame(s), message has {len(buffers)}")
     seen: set[int] = set()
-    for spec in specs:
-        index = spec.frame
-        assert index is not None
+    for mm_hash, index, shape, dtype in specs:
         if index >= len(buffers) or index in seen:
             raise WireError(f"bad or repeated tensor frame index {index}")
         seen.add(index)
-        if spec.dtype is None or spec.shape is None:
-            raise WireError(f"item {spec.mm_hash[:64]!r} has a tensor frame but no dtype and shape")
-        nbytes = tensor_nbytes(spec.dtype, spec.shape, max_bytes)
+        if dtype is None or shape is None:
+            raise WireError(f"item {mm_hash[:64]!r} has a tensor frame but no dtype and shape")
+        nbytes = tensor_nbytes(dtype, shape, max_bytes)
         if buffers[index].nbytes != nbytes:
             raise WireError(f"frame {index} has {buffers[index].nbytes} bytes, header declares {nbytes}")

@@ -64,20 +64,28 @@ def frame_tensor(buf: Frame, dtype: str, shape: list[int]) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class WireItem:
-    """An item a producer holds, with its header fields and byte view made once (it may be sent many times)."""
+    """An item a producer holds, with its header fields and byte views made once (it may be sent many times)."""
 
-    features: ImageFeatures  # embeds: a contiguous CPU tensor
+    features: ImageFeatures  # embeds (and deepstack): contiguous CPU tensors
 
     @property
     def nbytes(self) -> int:
         return self.features.nbytes
 
     @functools.cached_property
-    def buffer(self) -> memoryview:
-        return tensor_buffer(self.features.embeds)
+    def buffers(self) -> list[memoryview]:
+        """The tensor frames: the embeddings, then the DeepStack features where the family has them."""
+        deepstack = self.features.deepstack
+        return [tensor_buffer(self.features.embeds), *([] if deepstack is None else [tensor_buffer(deepstack)])]
 
     def item(self, mm_hash: str, frame: int) -> GetItem:
-        """This item's entry in a get_reply, its tensor in frame `frame`."""
-        embeds, grid = self.features.embeds, self.features.grid_thw
-        return GetItem(mm_hash=mm_hash, found=True, num_tokens=int(embeds.shape[0]), grid_thw=grid,
-                       dtype=dtype_name(embeds), shape=list(embeds.shape), frame=frame)
+        """This item's entry in a get_reply, its tensors in frames `frame` (and `frame + 1`)."""
+        f = self.features
+        deepstack = f.deepstack
+        if deepstack is not None and deepstack.dtype != f.embeds.dtype:
+            raise TypeError(f"deepstack dtype {deepstack.dtype} != embeddings dtype {f.embeds.dtype}")
+        return GetItem(mm_hash=mm_hash, found=True, num_tokens=int(f.embeds.shape[0]), grid_thw=f.grid_thw,
+                       dtype=dtype_name(f.embeds), shape=list(f.embeds.shape), frame=frame,
+                       span=None if f.span is None else list(f.span),
+                       deepstack_shape=None if deepstack is None else list(deepstack.shape),
+                       deepstack_frame=None if deepstack is None else frame + 1)

@@ -65,8 +65,9 @@ class ECProducer:
     def save_caches(self, mm_hash: str, features: ImageFeatures) -> None:
         """Keep an item's embeddings (as a contiguous CPU tensor) for consumers to fetch."""
         embeds = features.embeds.detach().to("cpu").contiguous()
-        if embeds is not features.embeds:
-            features = ImageFeatures(embeds, features.grid_thw)
+        deepstack = None if features.deepstack is None else features.deepstack.detach().to("cpu").contiguous()
+        if embeds is not features.embeds or deepstack is not features.deepstack:
+            features = features.with_tensors(embeds, deepstack)
         if not self._cache.put(mm_hash, WireItem(features)):
             logger.warning("embeddings %s (%d bytes) do not fit the producer cache; not saved", mm_hash, features.nbytes)
             self.mark_failed([mm_hash])

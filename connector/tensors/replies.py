@@ -26,7 +26,7 @@ def get_reply(req_id: int, hashes: list[str], found: dict[str, WireItem], failed
         else:
             total += held.nbytes
             items.append(held.item(mm_hash, len(frames)))
-            frames.append(held.buffer)
+            frames.extend(held.buffers)
     return GetReply(req_id=req_id, items=items), frames
 
 
@@ -40,7 +40,11 @@ def parse_get_reply(header: GetReply, buffers: list[memoryview]) -> dict[str, Im
             raise WireError(f"get_reply item {item.mm_hash[:64]!r} is found but has no tensor frame")
         if not item.shape or item.num_tokens != item.shape[0]:
             raise WireError(f"get_reply item {item.mm_hash[:64]!r}: num_tokens does not match shape {item.shape}")
-        found[item.mm_hash] = ImageFeatures(frame_tensor(buffers[item.frame], item.dtype, item.shape), item.grid_thw)
+        deepstack = None
+        if item.deepstack_frame is not None and item.deepstack_shape is not None:
+            deepstack = frame_tensor(buffers[item.deepstack_frame], item.dtype, item.deepstack_shape)
+        found[item.mm_hash] = ImageFeatures(frame_tensor(buffers[item.frame], item.dtype, item.shape), item.grid_thw,
+                                            span=None if item.span is None else tuple(item.span), deepstack=deepstack)
     return found
 
 

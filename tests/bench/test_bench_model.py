@@ -16,7 +16,7 @@ import epd_builders.bench_model as bench_model
 from epd_builders.bench_model import BENCH_SPEC, bench_configs, build_bench, ensure_bench_model, invisible_token_ids
 from epd_builders.tokenizer import train_tokenizer
 from epd_models.halves import LanguageHalf, VisionHalf
-from epd_models.llava import LlavaAdapter
+from epd_models.registry import adapter_for
 from epd_models.resolve import resolve_model
 from tests.factories import make_image
 
@@ -31,7 +31,8 @@ def test_vision_tower_is_vit_b16_and_the_lm_is_small() -> None:
     assert (v.hidden_size, v.num_hidden_layers, v.num_attention_heads, v.intermediate_size) == (768, 12, 12, 3072)
     assert (v.image_size, v.patch_size) == (224, 16)
     assert (t.hidden_size, t.num_hidden_layers) == (256, 4)
-    assert LlavaAdapter().num_image_tokens(None, cfg, 224, 224) == BENCH_SPEC.num_image_tokens == 196
+    fixed = adapter_for(cfg).spec.fixed_tokens
+    assert fixed is not None and fixed(cfg) == BENCH_SPEC.num_image_tokens == 196
     with torch.device("meta"):
         vision, lm = AutoModel.from_config(v), AutoModel.from_config(t)
     assert 85_000_000 < _num_params(vision) < 87_000_000  # ViT-B/16: about 86M

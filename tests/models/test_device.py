@@ -215,10 +215,10 @@ def test_sampler_chooses_where_the_logits_are_without_reading_them_back(params: 
 def test_llava_encoder_moves_pixels_to_the_vision_device(tiny_model_dirs: dict[str, Path],
                                                          accel: torch.device) -> None:
     vision = VisionHalf(tiny_model_dirs["llava"])
-    inputs = vision.adapter.preprocess(vision.image_processor, [make_image(224, 224), make_image(96, 64)])
     vision.module.to(accel)
+    images = [make_image(224, 224), make_image(96, 64)]
     with OneDevice() as mode:
-        feats = vision.adapter.encode(vision.module, vision.config, inputs)
+        feats = vision.adapter.encode(vision.module, vision.processor, vision.config, images)
     assert [f.embeds.device for f in feats] == [accel, accel] and mode.mixed == []
 
 
@@ -228,6 +228,7 @@ class _RecordingVisual(nn.Module):
     def __init__(self, hidden: int, device: torch.device):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, device=device, dtype=torch.float16))
+        self.dtype, self.spatial_merge_size = torch.float16, 2
         self.hidden = hidden
         self.seen: dict[str, torch.Tensor] = {}
 
@@ -239,10 +240,10 @@ class _RecordingVisual(nn.Module):
 def test_qwen_encoder_moves_pixels_and_grid_to_the_vision_device(tiny_model_dirs: dict[str, Path],
                                                                  accel: torch.device) -> None:
     vision = VisionHalf(tiny_model_dirs["qwen2_vl"])
-    inputs = vision.adapter.preprocess(vision.image_processor, [make_image(224, 224), make_image(168, 112)])
     visual = _RecordingVisual(vision.config.text_config.hidden_size, accel)
     vision.module.visual = visual
-    feats = vision.adapter.encode(vision.module, vision.config, inputs)
+    feats = vision.adapter.encode(vision.module, vision.processor, vision.config, [make_image(224, 224),
+                                                                                  make_image(168, 112)])
     assert visual.seen["pixel_values"].device == visual.seen["grid_thw"].device == accel
     assert visual.seen["pixel_values"].dtype == torch.float16
     assert [f.num_tokens for f in feats] == [64, 24] and feats[1].grid_thw == (1, 8, 12)
