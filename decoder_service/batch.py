@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ class Row:
     embeds: torch.Tensor  # (1, L, hidden) prompt embeddings, images merged
     positions: torch.Tensor  # prompt positions: (1, L), or (3, 1, L) for M-RoPE
     rope_delta: int
+    state: Any = None  # the family's per-prompt prefill state (FamilyAdapter.prefill_state), None for most
     length: int = 0  # positions written into the slot
     forks: list[Hashable] = field(default_factory=list)  # keys of the rows its K/V is copied into once prefilled
 
@@ -92,8 +94,9 @@ class BatchRunner:
         assert prompt.num_tokens < self.cache.max_len, "prompt does not fit the cache"
         positions, delta = self.lm.position_ids(prompt.input_ids, prompt.images)
         embeds = self.lm.embed(prompt.input_ids, prompt.images)
+        state = self.lm.prefill_state(prompt.input_ids, prompt.images)
         self.cache.clear(len(self.rows))  # what an earlier occupant left there (possibly non-finite) is gone
-        self.rows.append(Row(key, prompt, embeds, positions, delta, forks=forks))
+        self.rows.append(Row(key, prompt, embeds, positions, delta, state, forks=forks))
 
     @torch.inference_mode()
     def prefill(self, budget: int, failed: Failed | None = None) -> dict[Hashable, torch.Tensor]:
@@ -126,16 +129,21 @@ class BatchRunner:
             self.cache.move(j, j + n, self.rows[j].length)
         for i in range(1, n + 1):
             self.cache.copy(slot, slot + i, row.length)
-        self.rows[slot + 1 : slot + 1] = [Row(key, row.prompt, row.embeds, row.positions, row.rope_delta, row.length)
-                                          for key in row.forks]
+        self.rows[slot + 1 : slot + 1] = [Row(key, row.prompt, row.embeds, row.positions, row.rope_delta, row.state,
+                                              row.length) for key in row.forks]
         row.forks = []
 
     def _prefill_chunk(self, slot: int, row: Row, budget: int) -> tuple[int, torch.Tensor]:
         """Prefill the row's next chunk; returns (tokens prefilled, logits of the chunk's last position)."""
         n = min(self.chunk, budget, row.prompt.num_tokens - row.length)
-        start, end = row.length, row.length + n
+        start = row.length
+        end = self.lm.adapter.chunk_end(row.state, start, start + n)  # e.g. never inside a Gemma 3 image
+        n = end - start
         mask = self.cache.set_plan(Plan(slice(slot, slot + 1), [start], n))
-        logits = self.lm.forward_rows(row.embeds[:, start:end], row.positions[..., start:end], self.cache, mask)
+        mask = self.lm.adapter.attention_mask(self.lm.config, mask, [start], [row.state])
+        extra = self.lm.adapter.prefill_kwargs(row.state, start, end)
+        logits = self.lm.forward_rows(row.embeds[:, start:end], row.positions[..., start:end], self.cache, mask,
+                                      **extra)
         row.length = end
         self.num_prefilled_tokens += n
         return n, logits[0]
@@ -168,7 +176,9 @@ class BatchRunner:
         ids = torch.tensor([[tokens[r.key]] for r in rows])  # host tensors; embed / to_device move them
         positions = torch.cat([self.lm.adapter.decode_position_ids(r.length, r.rope_delta) for r in rows], dim=-2)
         positions = self.lm.to_device(positions)
-        mask = self.cache.set_plan(Plan(slice(first_slot, first_slot + len(rows)), [r.length for r in rows], 1))
+        starts = [r.length for r in rows]
+        mask = self.cache.set_plan(Plan(slice(first_slot, first_slot + len(rows)), starts, 1))
+        mask = self.lm.adapter.attention_mask(self.lm.config, mask, starts, [r.state for r in rows])
         return self.lm.forward_rows(self.lm.embed(ids, []), positions, self.cache, mask)
 
     def _decode_each(self, rows: list[Row], tokens: dict[Hashable, int], failed: Failed) -> dict[Hashable, torch.Tensor]:

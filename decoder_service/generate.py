@@ -1,35 +1,36 @@
-"""Prefill + decode of one sequence with a KV cache; yields token ids as they are chosen."""
+"""One sequence, prefilled and decoded on the engine's own path (a one-slot BatchRunner); yields token ids."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import DynamicCache
 
+from decoder_service.batch import BatchRunner
 from decoder_service.prompt import Prompt
 from epd_models.halves import LanguageHalf
 
 
 @torch.inference_mode()
 def generate(
-    lm: LanguageHalf, prompt: Prompt, choose: Callable[[torch.Tensor], int], max_tokens: int, eos_ids: set[int]
+    lm: LanguageHalf, prompt: Prompt, choose: Callable[[torch.Tensor], int], max_tokens: int, eos_ids: set[int],
+    chunk: int | None = None,
 ) -> Iterator[int]:
-    """Yield up to max_tokens ids; stops after an EOS id. The caller may stop iterating at any time."""
-    cache = DynamicCache(config=lm.config.get_text_config())
-    # prefill
-    embeds = lm.embed(prompt.input_ids, prompt.images)
-    positions, rope_delta = lm.position_ids(prompt.input_ids, prompt.images)
-    logits = lm.forward(embeds, positions, cache)
-    past_len = prompt.num_tokens
-    # decode
+    """Yield up to max_tokens ids; stops after an EOS id. The caller may stop iterating at any time.
+
+    `chunk`: prefill in chunks of at most this many tokens (default: the whole prompt at once)."""
+    runner = BatchRunner(lm, max_slots=1, max_len=prompt.num_tokens + max_tokens + 1,
+                         chunk=chunk or prompt.num_tokens)
+    runner.add(0, prompt)
+    done: dict[object, torch.Tensor] = {}
+    while not done:
+        done = runner.prefill(prompt.num_tokens)
+    logits = done[0]
     for i in range(max_tokens):
         token = choose(logits)
         yield token
         if token in eos_ids or i == max_tokens - 1:
             return
-        embeds = lm.embed(torch.tensor([[token]]), [])
-        logits = lm.forward(embeds, lm.to_device(lm.adapter.decode_position_ids(past_len, rope_delta)), cache)
-        past_len += 1
+        logits = runner.decode({0: token})[0]
 
 
 def eos_token_ids(lm: LanguageHalf) -> set[int]:

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForImageTextToText, LlavaConfig
 from transformers.utils import logging as hf_logging
 
-from epd_builders.tiny import llava_config, llava_processor
+from epd_builders.families.llava import llava_config, llava_processor
 from epd_builders.tokenizer import train_tokenizer
 
 hf_logging.disable_progress_bar()

@@ -172,6 +172,10 @@ class FamilyAdapter:
         """What a family keeps per prompt for its prefill chunks (Qwen3-VL: DeepStack rows); None for most."""
         return None
 
+    def chunk_end(self, state: Any, start: int, end: int) -> int:
+        """Where a prefill chunk from `start` may end, given the budget's `end` (Gemma 3: never inside an image)."""
+        return end
+
     def prefill_kwargs(self, state: Any, start: int, end: int) -> dict[str, Any]:
         """Extra text-model arguments for the prefill chunk [start, end) of a prompt with `state`."""
         return {}

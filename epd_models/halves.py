@@ -5,13 +5,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoProcessor, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.base import FamilyAdapter, merge_image_embeds
 from epd_models.meta import meta_parameters
-from epd_models.processors import register_processors
+from epd_models.processors import load_processor, register_processors
 from epd_models.registry import adapter_for
 from epd_models.weights import load_filtered
 
@@ -81,7 +81,7 @@ class VisionHalf:
         if missing:
             raise ValueError(f"checkpoint {self.model_dir} lacks vision weights: {missing[:5]}")
         self.module.to(self.device, self.dtype)
-        self.processor = AutoProcessor.from_pretrained(self.model_dir)
+        self.processor = load_processor(self.model_dir)
         self.image_processor = self.processor.image_processor
 
     @torch.inference_mode()
@@ -125,16 +125,13 @@ class LanguageHalf:
         positions, delta = self.adapter.position_ids(self.config, input_ids.cpu(), images)
         return self.to_device(positions), delta
 
+    def prefill_state(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> object:
+        """The family's per-prompt state for prefill chunks (Qwen3-VL's DeepStack rows on self.device), or None."""
+        return self.adapter.prefill_state(self.config, input_ids.cpu(), images, self.device)
+
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor onto the LM's device without waiting for the GPU (a no-op on the CPU)."""
         return t.to(self.device, non_blocking=True)
-
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
-        """Run the LM over new positions; return the last position's logits (vocab,)."""
-        out = self.module.language_model(
-            inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache, use_cache=True
-        )
-        return self.module.lm_head(out.last_hidden_state[0, -1]).float()
 
     def forward_rows(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache,
                      attention_mask: object, **extra: object) -> torch.Tensor:

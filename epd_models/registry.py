@@ -5,19 +5,23 @@ with its own LM-side rule has a small adapter subclass (M-RoPE, DeepStack, Gemma
 """
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PretrainedConfig
 
 from epd_models.base import FamilyAdapter, FamilySpec
+from epd_models.gemma3 import Gemma3Adapter
 from epd_models.mrope import MRopeAdapter, qwen_low_detail
+from epd_models.qwen3_vl import Qwen3VLAdapter
 
-CLIP_STYLE = ("vision_tower", "multi_modal_projector")
+CLIP_STYLE = ("vision_tower", "multi_modal_projector")  # LLaVA's names, kept by most families since
 
 
-def _llava_tokens(cfg: object) -> int:
+def _llava_tokens(cfg: Any) -> int:
     """LLaVA-1.5: one token per patch (and the CLS token unless the strategy drops it)."""
-    vc = cfg.vision_config  # type: ignore[attr-defined]
+    vc = cfg.vision_config
     n = (vc.image_size // vc.patch_size) ** 2
-    return n if cfg.vision_feature_select_strategy == "default" else n + 1  # type: ignore[attr-defined]
+    return int(n if cfg.vision_feature_select_strategy == "default" else n + 1)
 
 
 def _qwen(name: str) -> FamilySpec:
@@ -30,6 +34,24 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
                              feature_inputs=("pixel_values",), fixed_tokens=_llava_tokens)),
     MRopeAdapter(_qwen("qwen2_vl")),
     MRopeAdapter(_qwen("qwen2_5_vl")),
+    Qwen3VLAdapter(_qwen("qwen3_vl")),
+    # any-resolution tiles; unpadding and the row newlines happen inside get_image_features (image_newline)
+    FamilyAdapter(FamilySpec(name="llava_next", model_types=("llava_next",),
+                             vision_children=(*CLIP_STYLE, "image_newline"),
+                             feature_inputs=("pixel_values", "image_sizes"))),
+    Gemma3Adapter(FamilySpec(name="gemma3", model_types=("gemma3",), vision_children=CLIP_STYLE,
+                             feature_inputs=("pixel_values",), placeholder_attr="boi_token_index",
+                             layout_tokens=r"<start_of_image>|<end_of_image>", text_edges=("\n\n", "\n\n"))),
+    # tiles and pixel shuffle inside get_image_features; its output is not split per image: one image per call
+    FamilyAdapter(FamilySpec(name="internvl", model_types=("internvl",), vision_children=CLIP_STYLE,
+                             feature_inputs=("pixel_values",), layout_tokens=r"<img>|</img>", batch_encode=False)),
+    FamilyAdapter(FamilySpec(name="mistral3", model_types=("mistral3",), vision_children=CLIP_STYLE,
+                             feature_inputs=("pixel_values", "image_sizes"),
+                             layout_tokens=r"\[IMG_BREAK\]|\[IMG_END\]")),
+    FamilyAdapter(FamilySpec(name="idefics3", model_types=("idefics3",), vision_children=("vision_model", "connector"),
+                             text_child="text_model", feature_inputs=("pixel_values", "pixel_attention_mask"),
+                             layout_tokens=r"<fake_token_around_image>|<global-img>|<row_\d+_col_\d+>",
+                             layout_text=("\n",), batch_encode=False)),
 )
 
 

@@ -22,8 +22,19 @@ def device(pytestconfig: pytest.Config) -> str:
     return str(pytestconfig.getoption("--device"))
 
 
+class TinyModels(dict[str, Path]):
+    """family -> dir of a tiny random model (LM weights scaled so greedy output varies), built on first use."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str) -> Path:
+        assert family in FAMILIES, f"unknown family {family!r}"
+        self[family] = build_tiny(TinySpec(family=family, lm_scale=3.0), self.root / family)
+        return self[family]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """family -> dir of a tiny random model (LM weights scaled so greedy output varies)."""
-    root = tmp_path_factory.mktemp("tiny")
-    return {f: build_tiny(TinySpec(family=f, lm_scale=3.0), root / f) for f in FAMILIES}
+    return TinyModels(tmp_path_factory.mktemp("tiny"))

@@ -289,6 +289,6 @@ def test_router_drops_a_peer_over_its_message_size_limit_and_serves_others() -> 
 def test_producer_side_byte_view_shares_the_stored_tensor_memory() -> None:
     item = WireItem(ImageFeatures(torch.zeros(4, 3, dtype=torch.bfloat16)))
     view = item.buffers[0]
-    assert view.nbytes == item.nbytes and item.buffer is view  # made once per item
+    assert view.nbytes == item.nbytes and item.buffers[0] is view  # made once per item
     item.features.embeds[0, 0] = 1.5
     assert bytes(view[:2]) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()

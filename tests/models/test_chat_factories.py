@@ -9,6 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from epd_builders.tiny import FAMILIES
 from epd_builders.tokenizer import SPECIAL_TOKENS, corpus
 from epd_builders.tokenizer import chat_template as image_template
 from epd_models.chat import chat_template
@@ -40,7 +41,7 @@ def metaspace_tokenizer() -> tuple[Any, str]:
 
 
 def all_tokenizers(tiny_model_dirs: dict[str, Path]) -> dict[str, tuple[Any, str]]:
-    out = {family: load(d) for family, d in tiny_model_dirs.items()}
+    out = {family: load(tiny_model_dirs[family]) for family in FAMILIES}
     out["demo"] = load(DEMO_DIR)
     out["metaspace"] = metaspace_tokenizer()
     return out

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from epd_builders.tiny import QWEN_IMAGE_MARKUP
+from epd_builders.families.qwen import QWEN_IMAGE_MARKUP
 from epd_builders.tokenizer import chat_template, train_tokenizer
 from epd_models.chat import render
 from epd_models.demo import DEMO_DIR

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -222,28 +221,21 @@ def test_llava_encoder_moves_pixels_to_the_vision_device(tiny_model_dirs: dict[s
     assert [f.embeds.device for f in feats] == [accel, accel] and mode.mixed == []
 
 
-class _RecordingVisual(nn.Module):
-    """Stands in for Qwen's `visual` (whose own position code reads grid_thw back, which meta cannot do)."""
-
-    def __init__(self, hidden: int, device: torch.device):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, device=device, dtype=torch.float16))
-        self.dtype, self.spatial_merge_size = torch.float16, 2
-        self.hidden = hidden
-        self.seen: dict[str, torch.Tensor] = {}
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> SimpleNamespace:
-        self.seen = {"pixel_values": pixel_values, "grid_thw": grid_thw}
-        return SimpleNamespace(pooler_output=torch.zeros(88, self.hidden, device=self.weight.device))
-
-
 def test_qwen_encoder_moves_pixels_and_grid_to_the_vision_device(tiny_model_dirs: dict[str, Path],
                                                                  accel: torch.device) -> None:
+    """What `get_image_features` is given (Qwen's own code reads grid_thw back, which meta cannot do)."""
     vision = VisionHalf(tiny_model_dirs["qwen2_vl"])
-    visual = _RecordingVisual(vision.config.text_config.hidden_size, accel)
-    vision.module.visual = visual
+    vision.module.to(accel, torch.float16)
+    seen: dict[str, torch.Tensor] = {}
+    hidden = vision.config.text_config.hidden_size
+
+    def get_image_features(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> SimpleNamespace:
+        seen.update(pixel_values=pixel_values, grid_thw=image_grid_thw)
+        return SimpleNamespace(pooler_output=torch.zeros(88, hidden, device=accel))
+
+    vision.module.get_image_features = get_image_features
     feats = vision.adapter.encode(vision.module, vision.processor, vision.config, [make_image(224, 224),
                                                                                   make_image(168, 112)])
-    assert visual.seen["pixel_values"].device == visual.seen["grid_thw"].device == accel
-    assert visual.seen["pixel_values"].dtype == torch.float16
+    assert seen["pixel_values"].device == seen["grid_thw"].device == accel
+    assert seen["pixel_values"].dtype == torch.float16
     assert [f.num_tokens for f in feats] == [64, 24] and feats[1].grid_thw == (1, 8, 12)

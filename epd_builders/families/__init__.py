@@ -1,0 +1,1 @@
+"""One tiny-checkpoint builder per family: `build(spec) -> Built` (config, processor, tokenizer)."""

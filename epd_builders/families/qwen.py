@@ -1,0 +1,58 @@
+"""Tiny Qwen2-VL and Qwen2.5-VL checkpoints: a ViT with a patch merger, a Qwen2 LM with M-RoPE."""
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from epd_builders.families.common import Built, special_ids
+from epd_builders.tokenizer import train_tokenizer
+from epd_models.processors import Qwen2_5_VLImageProcessorOnly, Qwen2VLImageProcessorOnly
+
+QWEN_IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def build(spec: Any) -> Built:
+    tok = train_tokenizer("<|image_pad|>", QWEN_IMAGE_MARKUP)
+    head_dim = spec.text_hidden // spec.heads
+    third = head_dim // 2 // 3
+    text_kwargs: dict[str, Any] = dict(
+        vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
+        num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=4096, tie_word_embeddings=False, **special_ids(tok),
+        rope_parameters={
+            "rope_type": "default", "rope_theta": 1e4,
+            "mrope_section": [head_dim // 2 - 2 * third, third, third],  # sum == head_dim // 2
+        },
+    )
+    ids = {
+        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
+    }
+    if spec.family == "qwen2_vl":
+        vision: Any = Qwen2VLVisionConfig(
+            depth=spec.vision_layers, embed_dim=spec.vision_hidden, hidden_size=spec.text_hidden,
+            num_heads=spec.heads, patch_size=spec.patch, spatial_merge_size=2, temporal_patch_size=2,
+        )
+        cfg: Any = Qwen2VLConfig(text_config=Qwen2VLTextConfig(**text_kwargs), vision_config=vision, **ids)
+        proc_cls: Any = Qwen2VLImageProcessorOnly
+    else:
+        vision = Qwen2_5_VLVisionConfig(
+            depth=spec.vision_layers, hidden_size=spec.vision_hidden, out_hidden_size=spec.text_hidden,
+            intermediate_size=spec.vision_hidden * 2, num_heads=spec.heads, patch_size=spec.patch,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[spec.vision_layers - 1],
+        )
+        cfg = Qwen2_5_VLConfig(text_config=Qwen2_5_VLTextConfig(**text_kwargs), vision_config=vision, **ids)
+        proc_cls = Qwen2_5_VLImageProcessorOnly
+    cfg.tie_word_embeddings = False
+    unit = spec.patch * 2  # one merged token covers (patch * merge)^2 pixels
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": unit * unit, "longest_edge": spec.image_size * spec.image_size},
+        patch_size=spec.patch, temporal_patch_size=2, merge_size=2,
+    )
+    return Built(cfg, proc_cls(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template), tok)
