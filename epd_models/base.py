@@ -18,7 +18,7 @@ edges around the span (Gemma 3).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -216,7 +216,7 @@ def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int]) 
     return splice_spans(ids, image_token_id, [[image_token_id] * n for n in counts])
 
 
-def splice_spans(ids: list[int], placeholder_id: int, spans: list[list[int]] | list[tuple[int, ...]]) -> list[int]:
+def splice_spans(ids: list[int], placeholder_id: int, spans: Sequence[Sequence[int]]) -> list[int]:
     """Replace the i-th image placeholder with spans[i]."""
     num_found = ids.count(placeholder_id)
     if num_found != len(spans):

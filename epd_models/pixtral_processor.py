@@ -20,10 +20,7 @@ class PixtralProcessorPil(ProcessorMixin):
         self.image_token_id = tokenizer.convert_tokens_to_ids(image_token)
         self.image_break_token_id = tokenizer.convert_tokens_to_ids(image_break_token)
         self.image_end_token_id = tokenizer.convert_tokens_to_ids(image_end_token)
-
-    @property
-    def image_token_ids(self) -> list[int]:
-        return [self.image_token_id, self.image_break_token_id, self.image_end_token_id]
+        self.image_token_ids = [self.image_token_id, self.image_break_token_id, self.image_end_token_id]
 
     def _process_images(self, images: Any, **images_kwargs: Any) -> Any:
         images_kwargs["patch_size"] = self.patch_size * self.spatial_merge_size  # resize to whole merged patches

@@ -85,7 +85,7 @@ class InternVLImageProcessorOnly(InternVLProcessor):
 
 
 # model config class -> the processor EPD builds for it (the others: AutoProcessor's own choice)
-IMAGE_ONLY: dict[type, type] = {
+IMAGE_ONLY: dict[type, Any] = {
     Qwen2VLConfig: Qwen2VLImageProcessorOnly,
     Qwen2_5_VLConfig: Qwen2_5_VLImageProcessorOnly,
     Qwen3VLConfig: Qwen3VLImageProcessorOnly,

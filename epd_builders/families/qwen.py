@@ -28,7 +28,7 @@ def build(spec: Any) -> Built:
             "mrope_section": [head_dim // 2 - 2 * third, third, third],  # sum == head_dim // 2
         },
     )
-    ids = {
+    ids: dict[str, Any] = {
         "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
         "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
         "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
