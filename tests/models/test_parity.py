@@ -3,6 +3,7 @@
 Both run on --device (default cpu; `python -m epd_bench.gpu_check` runs them on cuda)."""
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationC
 
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.producer import ECProducer
+from decoder_service.batch import BatchRunner
 from decoder_service.embedding_check import EmbeddingCheck
 from decoder_service.generate import generate
-from decoder_service.prompt import build_prompt
+from decoder_service.prompt import Prompt, build_prompt
 from epd_builders.tiny import FAMILIES
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.chat import chat_template, render
@@ -31,6 +33,18 @@ CASES = {
 def _messages(num_images: int) -> list[dict]:
     parts: list[dict] = [{"type": "image"} for _ in range(num_images)]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": "What color is the shape?"}]}]
+
+
+def _prompt(lm: LanguageHalf, vision: VisionHalf, model_dir: Path, case: str) -> tuple[Prompt, list, str]:
+    """Our prompt (through the connector), its images, and the text the family's processor is given for them."""
+    images = [make_image(w, h, color) for w, h, color in CASES[case]]
+    ids = render(lm.tokenizer, _messages(len(images)), chat_template(lm.tokenizer, model_dir))
+    features = _through_connector(vision.encode(images)) if images else []
+    return build_prompt(lm, ids, features), images, str(lm.tokenizer.decode(ids))
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits))
 
 
 def _reference(model_dir: Path, prompt_text: str, images: list, device: str) -> list[int]:
@@ -60,15 +74,46 @@ def _through_connector(features: list[ImageFeatures]) -> list[ImageFeatures]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_split_path_matches_generate(tiny_model_dirs: dict[str, Path], family: str, case: str, device: str) -> None:
     model_dir = tiny_model_dirs[family]
-    images = [make_image(w, h, color) for w, h, color in CASES[case]]
     vision, lm = VisionHalf(model_dir, device=device), LanguageHalf(model_dir, device=device)
-    ids = render(lm.tokenizer, _messages(len(images)), chat_template(lm.tokenizer, model_dir))
-    features = _through_connector(vision.encode(images)) if images else []
-    prompt = build_prompt(lm, ids, features)
-    ours = list(generate(lm, prompt, lambda logits: int(torch.argmax(logits)), NUM_NEW, eos_ids=set()))
-    prompt_text = lm.tokenizer.decode(ids)
+    prompt, images, prompt_text = _prompt(lm, vision, model_dir, case)
+    ours = list(generate(lm, prompt, _argmax, NUM_NEW, eos_ids=set()))
     assert ours == _reference(model_dir, prompt_text, images, device)
     assert len(set(ours)) > 1, "degenerate random model: the comparison would prove little"
+
+
+def _batched(lm: LanguageHalf, prompts: list[Prompt], num_new: int, chunk: int, budget: int) -> list[list[int]]:
+    """The engine's schedule on the slot cache: each step decodes every prefilled row, then prefills within `budget`
+    in chunks of at most `chunk` tokens (so chunks cut through images and rows join mid-way)."""
+    runner = BatchRunner(lm, max_slots=len(prompts), max_len=max(p.num_tokens for p in prompts) + num_new + 1,
+                         chunk=chunk)
+    for key, prompt in enumerate(prompts):
+        runner.add(key, prompt)
+    out: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
+    feed: dict[Hashable, int] = {}
+    while any(len(tokens) < num_new for tokens in out.values()):
+        logits = runner.decode(feed) if feed else {}
+        logits.update(runner.prefill(budget))
+        feed = {}
+        for key, row_logits in logits.items():
+            assert isinstance(key, int)
+            out[key].append(_argmax(row_logits))
+            if len(out[key]) < num_new:
+                feed[key] = out[key][-1]
+            else:
+                runner.remove(key)
+    return [out[key] for key in range(len(prompts))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_prompts_equal_each_alone(tiny_model_dirs: dict[str, Path], family: str, device: str) -> None:
+    """Text only, one image and two images in one batch, prefilled in chunks of 5 within a budget of 7 tokens per
+    step while the others decode: each gives the ids it gives alone."""
+    model_dir = tiny_model_dirs[family]
+    vision, lm = VisionHalf(model_dir, device=device), LanguageHalf(model_dir, device=device)
+    prompts = [_prompt(lm, vision, model_dir, case)[0] for case in CASES]
+    alone = [list(generate(lm, p, _argmax, NUM_NEW, eos_ids=set())) for p in prompts]
+    assert _batched(lm, prompts, NUM_NEW, chunk=5, budget=7) == alone
+    assert len({tuple(a) for a in alone}) > 1, "the prompts must not all give one answer"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
