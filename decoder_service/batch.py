@@ -115,12 +115,21 @@ class BatchRunner:
                     if row.prefilled:
                         done.update(dict.fromkeys([row.key, *row.forks], logits))
                         self._fork(slot, row)
+                        self._release_prompt(row)
             except Exception as exc:
                 if failed is None:
                     raise
                 failed[row.key] = exc
             slot += 1  # a fork's rows are prefilled: the loop passes them by
         return done
+
+    def _release_prompt(self, row: Row) -> None:
+        """A prefilled row (and its forks) no longer needs the prompt's embeddings or the family's prefill state
+        (Qwen3-VL's DeepStack rows): K x N x hidden per image, held on the device for as long as the row runs."""
+        full, empty = row.embeds, row.embeds[:, :0]
+        for r in self.rows:
+            if r.embeds is full:
+                r.embeds, r.state = empty, None
 
     def _fork(self, slot: int, row: Row) -> None:
         """Copy a just-prefilled row into its reserved slots, right after it (rows stay [prefilled..., prefilling...])."""
@@ -129,7 +138,7 @@ class BatchRunner:
             self.cache.move(j, j + n, self.rows[j].length)
         for i in range(1, n + 1):
             self.cache.copy(slot, slot + i, row.length)
-        self.rows[slot + 1 : slot + 1] = [Row(key, row.prompt, row.embeds, row.positions, row.rope_delta, row.state,
+        self.rows[slot + 1 : slot + 1] = [Row(key, row.prompt, row.embeds, row.positions, row.rope_delta, None,
                                               row.length) for key in row.forks]
         row.forks = []
 

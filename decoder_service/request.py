@@ -19,7 +19,7 @@ from epd_common.errors import bad_request
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
-from epd_models.chat import PromptTooLong, chat_template, render
+from epd_models.chat import PromptTooLong, chat_template, image_edges, render
 from epd_models.tool_parsers import ToolFormat, tool_format
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ class Preparer:
         self.lm, self.max_model_len, self.vocab_size = lm, max_model_len, vocab_size
         self.max_num_seqs, self.eos_ids = max_num_seqs, eos_ids
         self.template = chat_template(lm.tokenizer, lm.model_dir)
+        self.image_edges = image_edges(lm)  # Gemma 3's "\n\n" around each image, written before tokenizing
         self._compiler: GuideCompiler | None = None
         self._lock = threading.Lock()
 
@@ -95,7 +96,8 @@ class Preparer:
     def _render(self, req: GenerateRequest, tools: ToolFormat | None) -> list[int]:
         try:
             return render(self.lm.tokenizer, req.messages, self.template, max_tokens=self.max_model_len,
-                          tools=req.tools if tools is not None else None, tool_format=tools)
+                          tools=req.tools if tools is not None else None, tool_format=tools,
+                          image_edges=self.image_edges)
         except PromptTooLong as exc:  # refused before the whole prompt is tokenized
             raise bad_request(f"{exc} (the model's maximum length)", param="messages",
                               code="context_length_exceeded") from exc

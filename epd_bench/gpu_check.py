@@ -48,7 +48,7 @@ from epd_bench.gpu_check_report import render_md
 from epd_bench.stacks import Running, SystemSpec, aggregated, epd
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ("tests/models/test_parity.py", "tests/models/test_device.py")
+TESTS = ("tests/models/test_parity.py", "tests/models/test_device.py", "tests/models/test_deepstack.py")
 SMOKE_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or slot_cache")
 PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "fastapi", "starlette", "uvicorn", "pydantic",
            "pydantic_core", "msgspec", "pyzmq", "regex", "typing_extensions")

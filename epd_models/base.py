@@ -169,7 +169,8 @@ class FamilyAdapter:
 
     def prefill_state(self, cfg: PretrainedConfig, input_ids: torch.Tensor, images: list[ImageFeatures],
                       device: torch.device) -> Any:
-        """What a family keeps per prompt for its prefill chunks (Qwen3-VL: DeepStack rows); None for most."""
+        """What a family keeps per prompt for its prefill chunks (Qwen3-VL: DeepStack rows); None for most.
+        Dropped once the prompt is prefilled: decode steps see None."""
         return None
 
     def chunk_end(self, state: Any, start: int, end: int) -> int:

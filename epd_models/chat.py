@@ -1,15 +1,21 @@
 """A checkpoint's chat template, and chat messages -> token ids (one placeholder per image)."""
 from __future__ import annotations
 
+import bisect
 import json
+import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epd_models.tokenizer_facts import TokenizerFacts, tokenizer_facts
 from epd_models.tool_history import choose_plan, with_parsed_arguments
 from epd_models.tool_parsers import HERMES, ToolFormat, function_of
-from epd_models.user_text import count_added, defang, mark, tokenize_isolated
+from epd_models.user_text import count_added, defang, mark, overlaps, tokenize_isolated
+
+if TYPE_CHECKING:
+    from epd_models.halves import LanguageHalf
 
 
 def chat_template(tokenizer: Any, model_dir: str | Path) -> str:
@@ -22,6 +28,47 @@ def chat_template(tokenizer: Any, model_dir: str | Path) -> str:
             text = path.read_text()
             return str(json.loads(text)["chat_template"]) if name.endswith(".json") else text
     raise ValueError(f"model at {model_dir} has no chat template")
+
+
+@dataclass(frozen=True)
+class ImageEdges:
+    """Plain text a family's processor writes around each image (Gemma 3: "\\n\\n" both sides of its span).
+
+    It must be in the prompt's text before tokenizing: tokenized apart from its neighbours, a newline-merging
+    tokenizer would cut "user\\n" + "\\n\\n" into other tokens than the processor's "user\\n\\n\\n"."""
+
+    placeholder: str  # what the chat template writes once per image
+    before: str
+    after: str
+
+    def wrap(self, text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
+        """`text` with the edges around each placeholder the template wrote (never one inside a user span in
+        `spans`), and the spans where they now are."""
+        points: list[tuple[int, str]] = []  # (index in text, what is inserted there), in order
+        for m in re.finditer(re.escape(self.placeholder), text):
+            if not overlaps(m.span(), spans):
+                points += [(m.start(), self.before), (m.end(), self.after)]
+        pieces, pos, shifts, total = [], 0, [], 0
+        for i, edge in points:
+            pieces += [text[pos:i], edge]
+            pos, total = i, total + len(edge)
+            shifts.append(total)
+        pieces.append(text[pos:])
+        where = [i for i, _ in points]
+
+        def moved(a: int) -> int:
+            k = bisect.bisect_right(where, a)
+            return a + (shifts[k - 1] if k else 0)
+
+        return "".join(pieces), [(moved(a), moved(a) + b - a) for a, b in spans]
+
+
+def image_edges(lm: LanguageHalf) -> ImageEdges | None:
+    """The edges render() must write around `lm`'s image placeholders (its family's FamilySpec.text_edges)."""
+    before, after = lm.adapter.spec.text_edges
+    if not before and not after:
+        return None
+    return ImageEdges(str(lm.tokenizer.convert_ids_to_tokens(lm.placeholder_id)), before, after)
 
 
 # NOTE: a fast tokenizer keeps `split_special_tokens` as state on its shared Rust object, set by every call:
@@ -40,7 +87,8 @@ class PromptTooLong(Exception):
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_tokens: int | None = None,
-           tools: list[dict[str, Any]] | None = None, tool_format: ToolFormat | None = None) -> list[int]:
+           tools: list[dict[str, Any]] | None = None, tool_format: ToolFormat | None = None,
+           image_edges: ImageEdges | None = None) -> list[int]:
     """Apply the chat template (one placeholder per image) and tokenize; user text never becomes an added token.
 
     Text from the request (contents, text parts, names, tools, tool calls and results) tokenizes exactly as the
@@ -53,6 +101,9 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_to
     render are given to it as that format's text (epd_models/tool_history.py). Without tools or tool turns the
     prompt is what it was before tools existed.
 
+    `image_edges` (from `image_edges(lm)`): plain text written around each of the template's image placeholders,
+    as the family's processor does (Gemma 3), so that it tokenizes with its neighbours exactly as there.
+
     With `max_tokens`, a prompt that cannot fit raises PromptTooLong before it is tokenized: the rendered text is
     refused when longer than max_tokens x the most characters one token can cover (epd_models/tokenizer_facts.py).
     Worst case: a refusal costs the render (a few copies of the text, O(n) time); a prompt that passes that bound
@@ -60,13 +111,13 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_to
     largest prompt that can fit, so a too-long prompt never costs more than serving the longest one that fits.
     """
     try:
-        return _render(tokenizer, messages, template, max_tokens, tools, tool_format or HERMES)
+        return _render(tokenizer, messages, template, max_tokens, tools, tool_format or HERMES, image_edges)
     except RecursionError as exc:  # tool arguments or schemas nested past what walking them allows
         raise ValueError("the messages or tools are nested too deeply to render") from exc
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_tokens: int | None,
-            tools: list[dict[str, Any]] | None, tool_format: ToolFormat) -> list[int]:
+            tools: list[dict[str, Any]] | None, tool_format: ToolFormat, edges: ImageEdges | None) -> list[int]:
     facts = tokenizer_facts(tokenizer)
     for tool in tools or ():
         function_of(tool)  # a malformed tool is refused here, not rendered
@@ -94,10 +145,14 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, max_t
         text = real if known is not None else text
     with _ENCODING:
         if known is not None:
+            if edges is not None:
+                text, known = edges.wrap(text, known)
             ids = tokenize_isolated(tokenizer, text, known, facts)
         else:  # the template changes user text (e.g. trims it) or no offsets: spans are unknown
             own = count_added(tokenizer(sentinel_render, add_special_tokens=False)["input_ids"], facts)
-            ids = _tokenize_defanged(tokenizer, draw(defang(messages, facts), defang(tools, facts)), own, facts)
+            defanged = draw(defang(messages, facts), defang(tools, facts))  # holds only the template's placeholders
+            defanged = edges.wrap(defanged, [])[0] if edges is not None else defanged
+            ids = _tokenize_defanged(tokenizer, defanged, own, facts)
     if max_tokens is not None and len(ids) > max_tokens:
         raise PromptTooLong(len(ids), max_tokens)
     return ids

@@ -132,7 +132,7 @@ def tokenize_isolated(tokenizer: Any, text: str, spans: list[tuple[int, int]], f
     hostile = False
     for tid, (a, b) in zip(ids, enc["offset_mapping"], strict=True):
         if facts.made_from(tid, text, a, b):
-            if _overlaps(_core(text, a, b, facts.added[tid]), spans):
+            if overlaps(_core(text, a, b, facts.added[tid]), spans):
                 hostile = True
             else:
                 own.append((a, b, tid))
@@ -153,7 +153,7 @@ def _core(text: str, a: int, b: int, content: str) -> tuple[int, int]:
     return (i, i + len(content)) if i >= 0 else (a, b)
 
 
-def _overlaps(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+def overlaps(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
     """Does [start, end) share a character with any of the sorted, disjoint spans?"""
     start, end = span
     k = bisect.bisect_left(spans, (end,))  # spans[:k] start before `end`; spans[k - 1] ends last of them

@@ -64,6 +64,13 @@ class ECProducer:
 
     def save_caches(self, mm_hash: str, features: ImageFeatures) -> None:
         """Keep an item's embeddings (as a contiguous CPU tensor) for consumers to fetch."""
+        deep = features.deepstack
+        if deep is not None and (deep.dtype != features.embeds.dtype or tuple(deep.shape[1:]) != tuple(features.embeds.shape)):
+            logger.error("embeddings %s: DeepStack features %s %s do not match the embeddings %s %s; not saved",
+                         mm_hash, tuple(deep.shape), deep.dtype, tuple(features.embeds.shape), features.embeds.dtype)
+            self.mark_failed([mm_hash])
+            self._server.wake()
+            return
         embeds = features.embeds.detach().to("cpu").contiguous()
         deepstack = None if features.deepstack is None else features.deepstack.detach().to("cpu").contiguous()
         if embeds is not features.embeds or deepstack is not features.deepstack:

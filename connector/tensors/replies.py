@@ -1,10 +1,15 @@
 """A `get_reply` built from held items (producer) and read back into features (consumer)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from connector.control.wire import WireError
 from connector.tensors.frames import WireItem, frame_tensor
 from epd_contracts.ec import GetItem, GetReply
 from epd_contracts.embeddings import ImageFeatures
+
+if TYPE_CHECKING:
+    import torch
 
 
 def get_reply(req_id: int, hashes: list[str], found: dict[str, WireItem], failed: frozenset[str] = frozenset(),
@@ -40,12 +45,23 @@ def parse_get_reply(header: GetReply, buffers: list[memoryview]) -> dict[str, Im
             raise WireError(f"get_reply item {item.mm_hash[:64]!r} is found but has no tensor frame")
         if not item.shape or item.num_tokens != item.shape[0]:
             raise WireError(f"get_reply item {item.mm_hash[:64]!r}: num_tokens does not match shape {item.shape}")
-        deepstack = None
-        if item.deepstack_frame is not None and item.deepstack_shape is not None:
-            deepstack = frame_tensor(buffers[item.deepstack_frame], item.dtype, item.deepstack_shape)
+        deepstack = _deepstack(item, buffers)
         found[item.mm_hash] = ImageFeatures(frame_tensor(buffers[item.frame], item.dtype, item.shape), item.grid_thw,
                                             span=None if item.span is None else tuple(item.span), deepstack=deepstack)
     return found
+
+
+def _deepstack(item: GetItem, buffers: list[memoryview]) -> torch.Tensor | None:
+    """A found item's DeepStack features: (layers, *shape), both its frame and shape or neither."""
+    if item.deepstack_frame is None and item.deepstack_shape is None:
+        return None
+    shape, main = item.deepstack_shape, item.shape
+    if item.deepstack_frame is None or shape is None or main is None or len(shape) != 1 + len(main) \
+            or shape[1:] != main:
+        raise WireError(f"get_reply item {item.mm_hash[:64]!r}: DeepStack frame {item.deepstack_frame} of shape "
+                        f"{shape} does not go with features of shape {main}")
+    assert item.dtype is not None  # checked by the caller
+    return frame_tensor(buffers[item.deepstack_frame], item.dtype, shape)
 
 
 def more_of(header: GetReply) -> list[str]:

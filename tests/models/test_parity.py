@@ -18,7 +18,7 @@ from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_builders.tiny import FAMILIES
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.chat import chat_template, render
+from epd_models.chat import chat_template, image_edges, render
 from epd_models.halves import LanguageHalf, VisionHalf
 from tests.factories import make_image
 
@@ -38,9 +38,11 @@ def _messages(num_images: int) -> list[dict]:
 def _prompt(lm: LanguageHalf, vision: VisionHalf, model_dir: Path, case: str) -> tuple[Prompt, list, str]:
     """Our prompt (through the connector), its images, and the text the family's processor is given for them."""
     images = [make_image(w, h, color) for w, h, color in CASES[case]]
-    ids = render(lm.tokenizer, _messages(len(images)), chat_template(lm.tokenizer, model_dir))
+    template = chat_template(lm.tokenizer, model_dir)
+    ids = render(lm.tokenizer, _messages(len(images)), template, image_edges=image_edges(lm))
+    plain = render(lm.tokenizer, _messages(len(images)), template)  # the processor writes the edges itself
     features = _through_connector(vision.encode(images)) if images else []
-    return build_prompt(lm, ids, features), images, str(lm.tokenizer.decode(ids))
+    return build_prompt(lm, ids, features), images, str(lm.tokenizer.decode(plain))
 
 
 def _argmax(logits: torch.Tensor) -> int:
