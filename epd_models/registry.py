@@ -41,7 +41,8 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
                              feature_inputs=("pixel_values", "image_sizes"))),
     Gemma3Adapter(FamilySpec(name="gemma3", model_types=("gemma3",), vision_children=CLIP_STYLE,
                              feature_inputs=("pixel_values",), placeholder_attr="boi_token_index",
-                             layout_tokens=r"<start_of_image>|<end_of_image>", text_edges=("\n\n", "\n\n"))),
+                             layout_tokens=r"<start_of_image>|<end_of_image>", text_edges=("\n\n", "\n\n"),
+                             fixed_tokens=lambda cfg: int(cfg.mm_tokens_per_image))),
     # tiles and pixel shuffle inside get_image_features; its output is not split per image: one image per call
     FamilyAdapter(FamilySpec(name="internvl", model_types=("internvl",), vision_children=CLIP_STYLE,
                              feature_inputs=("pixel_values",), layout_tokens=r"<img>|</img>", batch_encode=False)),
