@@ -11,6 +11,10 @@ from transformers.processing_utils import ProcessorMixin
 
 
 class PixtralProcessorPil(ProcessorMixin):
+    # the stock class's defaults: tensors unless the caller asks otherwise
+    text_kwargs = {"return_tensors": "pt"}
+    images_kwargs = {"return_tensors": "pt"}
+
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, patch_size: int = 16,
                  spatial_merge_size: int = 1, chat_template: Any = None, image_token: str = "[IMG]",
                  image_break_token: str = "[IMG_BREAK]", image_end_token: str = "[IMG_END]", **kwargs: Any) -> None:
