@@ -57,19 +57,21 @@ class InlineEncoder(CachingEncoder):
     def features_and_hits(self, images: list[ImageRef]) -> list[tuple[ImageFeatures, bool]]:
         """(features, was already cached here) for each image in order: the hits are usage's cached_tokens."""
         data = [self._bytes(i, im) for i, im in enumerate(images)]
-        hashes = [mm_hash(d, im.detail) for d, im in zip(data, images, strict=True)]
+        hashes = [mm_hash(d, im.detail, im.multi_image) for d, im in zip(data, images, strict=True)]
         for i, (im, h) in enumerate(zip(images, hashes, strict=True)):
             if im.mm_hash and im.mm_hash != h:
                 raise bad_request(f"images[{i}].mm_hash does not match the image bytes", param=f"images.{i}.mm_hash",
                                   code="hash_mismatch")
         details = {h: im.detail for h, im in zip(hashes, images, strict=True) if im.detail != "auto"}
-        done = self._encode_request(hashes, data, details)
+        multi = {h for h, im in zip(hashes, images, strict=True) if im.multi_image}
+        done = self._encode_request(hashes, data, details, multi)
         return [(done[h].features, done[h].cached) for h in hashes]
 
-    def _encode_request(self, hashes: list[str], data: list[bytes], details: Mapping[str, str]) -> dict[str, Encoded]:
+    def _encode_request(self, hashes: list[str], data: list[bytes], details: Mapping[str, str],
+                        multi: set[str]) -> dict[str, Encoded]:
         """`encode`, its failures turned into this request's APIError."""
         try:
-            return self.encode(dict(zip(hashes, data, strict=True)), details)
+            return self.encode(dict(zip(hashes, data, strict=True)), details, multi)
         except UndecodableImage as exc:
             i = hashes.index(exc.mm_hash)
             raise bad_request(f"images[{i}]: {exc}", param=f"images.{i}.data", code="invalid_image") from exc

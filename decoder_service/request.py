@@ -56,6 +56,7 @@ class Preparer:
         """Tokens (before the gather: with pipelined encode this overlaps the encoder's work), images, checks, guide."""
         params = req.sampling
         self._check_sampling(req, params)
+        self._check_images(req)
         tools = self._tool_format() if req.tools and req.tool_choice.mode != "none" else None
         ids = self._completion_ids(req.prompt) if req.prompt is not None else self._render(req, tools)
         guide = self._guide(req, tools)
@@ -75,6 +76,17 @@ class Preparer:
             self._check_ids(ids, name)
         if req.echo and params.logprobs is not None:
             raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", param="echo")
+
+    def _check_images(self, req: GenerateRequest) -> None:
+        """Where an image's tokens depend on how many images the prompt has (LLaVA-OneVision), every image must
+        have been encoded for this prompt: as one of several exactly when there are several."""
+        if not self.lm.adapter.spec.multi_image_variant:
+            return
+        several = len(req.images) > 1
+        for i, im in enumerate(req.images):
+            if im.multi_image != several:
+                raise bad_request(f"images[{i}].multi_image must be {str(several).lower()} for this model: the prompt "
+                                  f"has {len(req.images)} image(s)", param=f"images.{i}.multi_image")
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         bad = [i for i in ids if i >= self.vocab_size]

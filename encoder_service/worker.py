@@ -14,6 +14,7 @@ class ScheduledEncoderInput:
     mm_hash: str
     data: bytes  # the image file's bytes, as the client sent them
     detail: str = "auto"  # image_url.detail (part of mm_hash)
+    multi_image: bool = False  # one of several images of its prompt, for a family where that matters (part of mm_hash)
 
 
 def _describe(mm_hash: str, out: Encoded) -> EncodedItem:
@@ -34,5 +35,6 @@ class EncoderWorker(CachingEncoder):
         if not scheduled_encoder_inputs:
             return []
         done = self.encode({item.mm_hash: item.data for item in scheduled_encoder_inputs},
-                           {item.mm_hash: item.detail for item in scheduled_encoder_inputs if item.detail != "auto"})
+                           {item.mm_hash: item.detail for item in scheduled_encoder_inputs if item.detail != "auto"},
+                           {item.mm_hash for item in scheduled_encoder_inputs if item.multi_image})
         return [_describe(item.mm_hash, done[item.mm_hash]) for item in scheduled_encoder_inputs]

@@ -17,6 +17,9 @@ class EncodeItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     # image_url.detail: "low" encodes at the processor's minimum resolution where the family has a resolution knob
     # (Qwen-style dynamic resolution), and is part of the mm_hash (epd_contracts.hashing.mm_hash)
     detail: Detail = "auto"
+    # the image is one of several in its prompt, for a family where that changes its tokens (LLaVA-OneVision);
+    # part of the mm_hash (epd_contracts.hashing.multi_image_item)
+    multi_image: bool = False
 
 
 class EncodeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

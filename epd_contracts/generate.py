@@ -25,6 +25,7 @@ class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     pending: bool = False  # still being encoded there: the gather waits for it (pipelined mode)
     cached: bool = False  # its embeddings were already held somewhere (not encoded for this request): cached_tokens
     detail: Detail = "auto"  # aggregated mode: the resolution to encode at ("low": the processor's minimum)
+    multi_image: bool = False  # encoded as one of several images of its prompt (epd_contracts.hashing)
 
 
 class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):

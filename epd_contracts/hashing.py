@@ -16,11 +16,24 @@ MM_HASH_TAG = b"epd-mm-hash/v2\0"
 MM_HASH_HEX_LEN = 64
 
 
-def mm_hash(data: bytes, detail: str = "auto") -> str:
+# families whose image tokens depend on how many images the prompt holds (LLaVA-OneVision: base tile only when
+# several): for them an image of a multi-image prompt is encoded and cached apart (`multi_image`)
+MULTI_IMAGE_FAMILIES = frozenset({"llava_onevision"})
+
+
+def mm_hash(data: bytes, detail: str = "auto", multi_image: bool = False) -> str:
     """sha256(tag || data) as lowercase hex (64 characters); image_url.detail "low" (encoded at the minimum
-    resolution) hashes as sha256(tag || "detail=low" NUL || data), so its embeddings never meet the full-size ones."""
+    resolution) hashes as sha256(tag || "detail=low" NUL || data), so its embeddings never meet the full-size ones;
+    `multi_image` (see MULTI_IMAGE_FAMILIES) adds "multi_image" NUL after the tag the same way."""
     h = hashlib.sha256(MM_HASH_TAG)
     if detail == "low":
         h.update(b"detail=low\0")
+    if multi_image:
+        h.update(b"multi_image\0")
     h.update(data)
     return h.hexdigest()
+
+
+def multi_image_item(family: str | None, num_images: int) -> bool:
+    """Whether the images of a prompt with `num_images` images are encoded as multi-image items for `family`."""
+    return num_images > 1 and family in MULTI_IMAGE_FAMILIES

@@ -61,6 +61,9 @@ class FamilySpec:
     # "low" detail: processor kwargs for the fewest tokens (families with a resolution knob), else None
     low_detail: Callable[[Any], dict[str, Any]] | None = None
     fixed_tokens: Callable[[Any], int] | None = None  # image tokens per image where the family has one count
+    # an image's tokens depend on whether its prompt holds other images (LLaVA-OneVision: base tile only), so the
+    # encoder is told (`multi_image`) and the flag is part of the image's cache key (epd_contracts.hashing)
+    multi_image_variant: bool = False
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -111,8 +114,9 @@ class FamilyAdapter:
         return base
 
     def encode(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, images: list[Image.Image],
-               detail: str = "auto") -> list[ImageFeatures]:
-        """Each image's rows, span (and grid, DeepStack features): batched where the family allows it."""
+               detail: str = "auto", multi_image: bool = False) -> list[ImageFeatures]:
+        """Each image's rows, span (and grid, DeepStack features): batched where the family allows it.
+        `multi_image`: the images are in prompts with several images (matters where `multi_image_variant`)."""
         kwargs = dict(self.spec.processor_kwargs)
         if detail == "low" and self.spec.low_detail is not None:
             kwargs.update(self.spec.low_detail(processor.image_processor))

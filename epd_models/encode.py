@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,11 +72,13 @@ class CachingEncoder:
         self.num_already_cached = 0  # items asked for that were already held
         self._lock = threading.Lock()
 
-    def encode(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None) -> dict[str, Encoded]:
+    def encode(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None,
+               multi_image: Collection[str] = ()) -> dict[str, Encoded]:
         """Each item's features by mm_hash. Raises UndecodableImage, EmbeddingsRefused, or what the vision raised.
 
         `details`: mm_hash -> image_url.detail for items not at "auto" (their hash already says so: epd_contracts.
-        hashing); items of one detail are batched together.
+        hashing); `multi_image`: the items encoded as one of several images of their prompt (the same); items of
+        one detail and multi_image are batched together.
         """
         done = self._held(items)
         todo = {h: data for h, data in items.items() if h not in done}
@@ -86,10 +88,11 @@ class CachingEncoder:
             images = {h: self._load(h, data) for h, data in todo.items()}
             with self._lock:
                 done.update(self._held([h for h in images if self.store.has_cache_item(h)]))  # no miss counted twice
-                for detail, hashes in _by_detail([h for h in images if h not in done], details or {}).items():
+                groups = _by_detail([h for h in images if h not in done], details or {}, multi_image)
+                for (detail, multi), hashes in groups.items():
                     for start in range(0, len(hashes), self.max_batch_size):
                         batch = {h: images[h] for h in hashes[start : start + self.max_batch_size]}
-                        done.update(self._encode_batch(batch, detail))
+                        done.update(self._encode_batch(batch, detail, multi))
         except BaseException:
             self.store.mark_failed([h for h in todo if h not in done])
             raise
@@ -106,11 +109,12 @@ class CachingEncoder:
         except ImageError as exc:
             raise UndecodableImage(mm_hash, exc) from exc
 
-    def _encode_batch(self, images: dict[str, Image.Image], detail: str = "auto") -> dict[str, Encoded]:
+    def _encode_batch(self, images: dict[str, Image.Image], detail: str = "auto",
+                      multi_image: bool = False) -> dict[str, Encoded]:
         """Encode, check and store one batch (under the lock)."""
         # the vision half runs on its device and hands back CPU tensors (one copy per batch): the connector
         # sends their memory as ZeroMQ frames without copying
-        outs = dict(zip(images, self.vision.encode(list(images.values()), detail), strict=True))
+        outs = dict(zip(images, self.vision.encode(list(images.values()), detail, multi_image), strict=True))
         refused = {h: why for h, out in outs.items() if self.check is not None and (why := self.check(out))}
         if refused:
             raise EmbeddingsRefused(refused)
@@ -121,8 +125,9 @@ class CachingEncoder:
         return {h: Encoded(out, cached=False) for h, out in outs.items()}
 
 
-def _by_detail(hashes: list[str], details: Mapping[str, str]) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = {}
+def _by_detail(hashes: list[str], details: Mapping[str, str],
+               multi_image: Collection[str]) -> dict[tuple[str, bool], list[str]]:
+    groups: dict[tuple[str, bool], list[str]] = {}
     for h in hashes:
-        groups.setdefault(details.get(h, "auto"), []).append(h)
+        groups.setdefault((details.get(h, "auto"), h in multi_image), []).append(h)
     return groups

@@ -37,11 +37,11 @@ class Gemma3Adapter(FamilyAdapter):
     """Block ids per prompt, chunk ends outside blocks, and the two masks by layer type."""
 
     def encode(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, images: list[Image.Image],
-               detail: str = "auto") -> list[ImageFeatures]:
+               detail: str = "auto", multi_image: bool = False) -> list[ImageFeatures]:
         """Gemma3Processor reads a flat list as ONE prompt's images: nested, each image is its own prompt (still
         one processor call and one vision forward for them all)."""
         nested: Any = [[im] for im in images]
-        return super().encode(vision, processor, cfg, nested, detail)
+        return super().encode(vision, processor, cfg, nested, detail, multi_image)
 
     def prefill_state(self, cfg: PretrainedConfig, input_ids: torch.Tensor, images: list[ImageFeatures],
                       device: torch.device) -> ImageBlocks | None:

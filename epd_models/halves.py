@@ -85,10 +85,11 @@ class VisionHalf:
         self.image_processor = self.processor.image_processor
 
     @torch.inference_mode()
-    def encode(self, images: list[Image.Image], detail: str = "auto") -> list[ImageFeatures]:
+    def encode(self, images: list[Image.Image], detail: str = "auto", multi_image: bool = False) -> list[ImageFeatures]:
+        """`multi_image`: the images are each one of several in their prompts (LLaVA-OneVision encodes them apart)."""
         if not images:
             return []
-        return _to_cpu(self.adapter.encode(self.module, self.processor, self.config, images, detail))
+        return _to_cpu(self.adapter.encode(self.module, self.processor, self.config, images, detail, multi_image))
 
 
 class LanguageHalf:

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from epd_models.base import FamilyAdapter, FamilySpec
 from epd_models.gemma3 import Gemma3Adapter
 from epd_models.mrope import MRopeAdapter, qwen_low_detail
+from epd_models.onevision import OnevisionAdapter
 from epd_models.qwen3_vl import Qwen3VLAdapter
 
 CLIP_STYLE = ("vision_tower", "multi_modal_projector")  # LLaVA's names, kept by most families since
@@ -39,6 +40,9 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
     FamilyAdapter(FamilySpec(name="llava_next", model_types=("llava_next",),
                              vision_children=(*CLIP_STYLE, "image_newline"),
                              feature_inputs=("pixel_values", "image_sizes"))),
+    OnevisionAdapter(FamilySpec(name="llava_onevision", model_types=("llava_onevision",),
+                                vision_children=(*CLIP_STYLE, "image_newline"),
+                                feature_inputs=("pixel_values", "image_sizes"), multi_image_variant=True)),
     Gemma3Adapter(FamilySpec(name="gemma3", model_types=("gemma3",), vision_children=CLIP_STYLE,
                              feature_inputs=("pixel_values",), placeholder_attr="boi_token_index",
                              layout_tokens=r"<start_of_image>|<end_of_image>", text_edges=("\n\n", "\n\n"),

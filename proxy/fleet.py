@@ -230,7 +230,7 @@ class Fleet:
         if worker is None:
             raise WorkerFailed("deregistered")
         body = EncodeRequest(items=[EncodeItem(mm_hash=it.mm_hash, data=base64.b64encode(it.data).decode(),
-                                               detail=it.detail)
+                                               detail=it.detail, multi_image=it.multi_image)
                                     for it in items])
         headers = {REQUEST_ID_HEADER: request_id, **_JSON, **self.internal_headers}
         try:

@@ -126,9 +126,10 @@ class Generation:
 
     def _image(self, item: MMItem, pending: frozenset[str]) -> ImageRef:
         if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
-            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), detail=item.detail)
+            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), detail=item.detail,
+                            multi_image=item.multi_image)
         return ImageRef(mm_hash=item.mm_hash, source=self.sources[item.mm_hash], pending=item.mm_hash in pending,
-                        cached=item.mm_hash in self.cached, detail=item.detail)
+                        cached=item.mm_hash in self.cached, detail=item.detail, multi_image=item.multi_image)
 
     async def events(self) -> AsyncIterator[Event]:
         """The decoder's events; before the first token a lost decoder means a retry on another one."""

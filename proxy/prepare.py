@@ -6,7 +6,7 @@ from typing import Any
 
 from epd_common.errors import APIError, bad_request
 from epd_contracts.generate import Detail, GenerateRequest, ImageRef, ResponseFormat, ToolChoice
-from epd_contracts.hashing import mm_hash
+from epd_contracts.hashing import mm_hash, multi_image_item
 from epd_contracts.sampling import SamplingParams
 from proxy.config import ProxyConfig
 from proxy.media import load_image_bytes
@@ -89,9 +89,10 @@ def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], 
     return messages, images
 
 
-def _load_images(images: list[tuple[str, str, str]], cfg: ProxyConfig, deadline: float | None) -> list[MMItem]:
+def _load_images(images: list[tuple[str, str, str]], cfg: ProxyConfig, deadline: float | None,
+                 multi_image: bool = False) -> list[MMItem]:
     """Fetch and check each image (a URL repeated in the request is fetched once), hashed server-side; the
-    detail is part of the hash ("low" is encoded at another resolution)."""
+    detail is part of the hash ("low" is encoded at another resolution), and so is `multi_image`."""
     loaded: dict[tuple[str, str], MMItem] = {}
     data_of: dict[str, bytes] = {}
     items: list[MMItem] = []
@@ -101,13 +102,16 @@ def _load_images(images: list[tuple[str, str, str]], cfg: ProxyConfig, deadline:
             if url not in data_of:
                 data_of[url] = load_image_bytes(url, param, cfg, deadline)
             data = data_of[url]
-            loaded[key] = MMItem(mm_hash=mm_hash(data, key[1]), data=data, detail=key[1])
+            loaded[key] = MMItem(mm_hash=mm_hash(data, key[1], multi_image), data=data, detail=key[1],
+                                 multi_image=multi_image)
         items.append(loaded[key])
     return items
 
 
-def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None) -> PreparedChat:
-    """Check the request and load its images; raises APIError (4xx) naming the bad part.
+def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None,
+                 family: str | None = None) -> PreparedChat:
+    """Check the request and load its images; raises APIError (4xx) naming the bad part. `family`: the fleet's
+    model family (whether images of a multi-image prompt are encoded apart: epd_contracts.hashing).
 
     Blocking (images may be downloaded under cfg's media rules, see proxy.media): run it in a worker thread.
     """
@@ -115,6 +119,7 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
     features = req.features()
     _check_image_count(req, cfg)
     messages, images = _render_messages(req)
-    return PreparedChat(messages=messages, items=_load_images(images, cfg, deadline), sampling=sampling,
+    items = _load_images(images, cfg, deadline, multi_image_item(family, len(images)))
+    return PreparedChat(messages=messages, items=items, sampling=sampling,
                         response_format=features.response_format, tools=features.tools,
                         tool_choice=features.tool_choice)

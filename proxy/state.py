@@ -70,9 +70,11 @@ class ProxyState:
         if not req.num_images():
             return prepare_chat(req, self.cfg)
         deadline = time.monotonic() + self.cfg.media_fetch_deadline
+        identity = self.started.workers.identity if self.started is not None else None
+        family = identity.get("family") if identity else None
         if has_remote_images(req):
-            return await self.fetch_slots.run(deadline, prepare_chat, req, self.cfg, deadline)
-        return await asyncio.to_thread(prepare_chat, req, self.cfg, deadline)
+            return await self.fetch_slots.run(deadline, prepare_chat, req, self.cfg, deadline, family)
+        return await asyncio.to_thread(prepare_chat, req, self.cfg, deadline, family)
 
 
 def proxy_state(request: Request) -> ProxyState:

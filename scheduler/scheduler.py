@@ -20,6 +20,7 @@ class MMItem:
     mm_hash: str
     data: bytes  # image file bytes
     detail: Detail = "auto"  # image_url.detail: "low" is encoded at the minimum resolution (and hashed apart)
+    multi_image: bool = False  # one of several images of its prompt, for a family where that matters (hashed apart)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.producer import ECProducer
@@ -18,6 +18,7 @@ from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_builders.tiny import FAMILIES
 from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.hashing import MULTI_IMAGE_FAMILIES, multi_image_item
 from epd_models.chat import chat_template, image_edges, render
 from epd_models.halves import LanguageHalf, VisionHalf
 from tests.factories import make_image
@@ -41,7 +42,8 @@ def _prompt(lm: LanguageHalf, vision: VisionHalf, model_dir: Path, case: str) ->
     template = chat_template(lm.tokenizer, model_dir)
     ids = render(lm.tokenizer, _messages(len(images)), template, image_edges=image_edges(lm))
     plain = render(lm.tokenizer, _messages(len(images)), template)  # the processor writes the edges itself
-    features = _through_connector(vision.encode(images)) if images else []
+    multi = multi_image_item(lm.config.model_type, len(images))  # LLaVA-OneVision: base tiles only
+    features = _through_connector(vision.encode(images, multi_image=multi)) if images else []
     return build_prompt(lm, ids, features), images, str(lm.tokenizer.decode(plain))
 
 
@@ -52,7 +54,9 @@ def _argmax(logits: torch.Tensor) -> int:
 def _reference(model_dir: Path, prompt_text: str, images: list, device: str) -> list[int]:
     proc = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval().to(device)
-    inputs = proc(text=[prompt_text], images=images or None, return_tensors="pt").to(device)
+    # one prompt's images, nested where the family counts the images per prompt (LLaVA-OneVision)
+    nested = [images] if images and AutoConfig.from_pretrained(model_dir).model_type in MULTI_IMAGE_FAMILIES else images
+    inputs = proc(text=[prompt_text], images=nested or None, return_tensors="pt").to(device)
     cfg = GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = model.generate(**inputs, generation_config=cfg)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
