@@ -150,7 +150,7 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
     half = lm if lm is not None else await asyncio.to_thread(
         LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device)
     check = state.embedding_check = EmbeddingCheck(half)
-    state.identity.update(model_identity(half.model_dir))
+    state.identity.update(model_identity(half.model_dir, cfg.model))
     inline = None
     if cfg.aggregated:
         vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)

@@ -79,11 +79,11 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
             data = base64.b64decode(item.data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise bad_request(f"items[{i}].data is not valid base64: {exc}", param=f"items.{i}.data") from exc
-        computed = mm_hash(data, item.detail)
+        computed = mm_hash(data, item.detail, item.multi_image)
         if item.mm_hash is not None and item.mm_hash != computed:
             raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (epd_contracts.hashing)",
                               param=f"items.{i}.mm_hash", code="hash_mismatch")
-        out.append(ScheduledEncoderInput(computed, data, item.detail))
+        out.append(ScheduledEncoderInput(computed, data, item.detail, item.multi_image))
     return out
 
 
@@ -156,7 +156,7 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         w = state.worker = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
         freeze_startup_heap()
         state.metrics = EncoderMetrics(state.registry, w.producer.stats)
-        state.identity = model_identity(w.vision.model_dir)
+        state.identity = model_identity(w.vision.model_dir, cfg.model)
         logger.info("encoder ready: model=%s device=%s dtype=%s ec_address=%s", cfg.model, w.vision.device,
                     str(w.vision.dtype).removeprefix("torch."), w.producer.address)
         yield

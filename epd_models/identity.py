@@ -3,20 +3,37 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoConfig
 
-def model_identity(model_dir: str | Path) -> dict[str, Any]:
-    """{family, fingerprint, hidden_size} of the checkpoint in model_dir.
+
+def served_name(model: str) -> str:
+    """The name clients send for a --model: 'demo' and 'bench' as they are, a path or hub id by its last part.
+
+    NOTE: the same rule as proxy.workers.served_name, which the proxy applies to /health `model`; the proxy may
+    not import epd_models (the torch-free-front import contract), so the three lines live in both places.
+    """
+    return model if model in ("demo", "bench") else os.path.basename(os.path.normpath(model))
+
+
+def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str, Any]:
+    """{family, served_name, fingerprint, hidden_size} of the checkpoint in model_dir, served as --model `model`
+    (None: the directory itself).
 
     The fingerprint is a hash of config.json's canonical JSON: the same checkpoint gives the same value on every
     host and path; an encoder and a decoder whose fingerprints differ must not be paired (their embeddings
-    would be read by the wrong language model).
+    would be read by the wrong language model). The served name is only what clients call it: two workers
+    that name one checkpoint differently still pair. hidden_size is the language model's (the width of an
+    image's rows on the connector).
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
-    text = config.get("text_config") or {}
-    hidden = text.get("hidden_size", config.get("hidden_size"))
-    return {"family": str(config.get("model_type", "unknown")), "fingerprint": hashlib.sha256(canonical).hexdigest()[:16],
-            "hidden_size": int(hidden) if hidden is not None else None}
+    # NOTE: from the config class, not the JSON: a checkpoint may leave out a default (llava-1.5-7b-hf's
+    # text_config has no hidden_size: LlamaConfig's 4096)
+    hidden = AutoConfig.from_pretrained(model_dir).get_text_config().hidden_size
+    return {"family": str(config.get("model_type", "unknown")),
+            "served_name": served_name(str(model_dir) if model is None else model),
+            "fingerprint": hashlib.sha256(canonical).hexdigest()[:16], "hidden_size": int(hidden)}

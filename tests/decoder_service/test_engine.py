@@ -73,5 +73,5 @@ def test_a_prompt_too_long_for_the_model_is_refused_before_the_gather(engine: En
 def test_health_reports_the_model_identity(decoder: tuple[str, DecoderState]) -> None:
     url, ref = decoder
     body = httpx.get(f"{url}/health").json()
-    assert body["model_identity"] == model_identity(ref.engine.lm.model_dir)
+    assert body["model_identity"] == model_identity(ref.engine.lm.model_dir, ref.cfg.model)
     assert body["model_identity"]["hidden_size"] == 64 and body["model_identity"]["family"] == "llava"

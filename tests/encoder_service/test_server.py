@@ -101,7 +101,8 @@ def test_vision_error_is_a_500_of_that_call_and_the_executor_goes_on(
 def test_health_reports_model_identity(client: tuple[TestClient, EncoderWorker], vision: VisionHalf) -> None:
     c, _ = client
     body = c.get("/health").json()
-    assert body["model_identity"] == model_identity(vision.model_dir)
+    assert body["model_identity"] == model_identity(vision.model_dir, "demo")  # served as EncoderConfig's --model
+    assert body["model_identity"]["family"] == "qwen2_vl" and body["model_identity"]["served_name"] == "demo"
 
 
 def test_cli_refuses_to_start_without_keys(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
