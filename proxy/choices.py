@@ -26,11 +26,11 @@ class Choice:
     usage: Usage | None = None
 
     def add(self, ev: Event) -> None:
+        self.logprobs.extend(ev.logprobs or ())  # `done` carries those of tokens that ended with no text
         if ev.type == "done":
             self.finish_reason, self.usage = ev.finish_reason or "stop", ev.usage
             return
         self.text.append(ev.text)
-        self.logprobs.extend(ev.logprobs or ())
         for delta in ev.tool_calls or ():
             call = self.calls.setdefault(delta.index, {"id": "", "type": "function",
                                                        "function": {"name": "", "arguments": ""}})

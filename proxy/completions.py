@@ -98,7 +98,11 @@ class TextCompletion:
         return self._object([{"text": ev.text, "index": ev.index, "logprobs": logprobs, "finish_reason": None}])
 
     def finish_chunk(self, ev: Event) -> dict[str, Any]:
-        return self._object([{"text": "", "index": ev.index, "logprobs": None,
+        """The choice's last chunk, with the logprobs of tokens that ended with no text (a held-back last token)."""
+        logprobs = None
+        if self.logprobs and ev.logprobs:
+            logprobs = legacy_logprobs(ev.logprobs, self.offsets.get(ev.index, 0))
+        return self._object([{"text": "", "index": ev.index, "logprobs": logprobs,
                               "finish_reason": _finish_reason(ev.finish_reason)}])
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,9 @@ class Completion:
         return self.chunk(delta, index=ev.index, logprobs=chat_logprobs(ev.logprobs) if ev.logprobs else None)
 
     def finish_chunk(self, ev: Event) -> dict[str, Any]:
-        return self.chunk({}, chat_finish_reason(ev.finish_reason), index=ev.index)
+        """The choice's last chunk, with the logprobs of tokens that ended with no text (a held-back last token)."""
+        return self.chunk({}, chat_finish_reason(ev.finish_reason), index=ev.index,
+                          logprobs=chat_logprobs(ev.logprobs) if ev.logprobs else None)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,

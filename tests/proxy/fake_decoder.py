@@ -41,13 +41,16 @@ def script(body: dict[str, Any], cached_tokens: int = 0) -> list[dict[str, Any]]
                 continue
             token = words(i)[step]
             ev: dict[str, Any] = {"type": "delta", "index": i, "text": token}
-            if k is not None:
+            if k is not None and step < 2:
                 ev["logprobs"] = [entry(token, k)]
             events.append(ev)
     usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 3, "total_tokens": PROMPT_TOKENS + 3,
              "cached_tokens": cached_tokens}
     reason = "tool_calls" if calls else "length"
-    events += [{"type": "done", "index": i, "finish_reason": reason, "usage": usage} for i in range(n)]
+    for i in range(n):  # as the decoder does for a last token whose text came with the flush: its logprobs in `done`
+        last = [entry(words(i)[2], k)] if k is not None and not calls else None
+        events.append({"type": "done", "index": i, "finish_reason": reason, "usage": usage,
+                       **({"logprobs": last} if last else {})})
     return events
 
 
