@@ -25,7 +25,7 @@ class FakeVision:
         self.second_missed = second_missed
         self.calls = 0
 
-    def encode(self, images: list[Any], detail: str = "auto") -> list[ImageFeatures]:
+    def encode(self, images: list[Any], detail: str = "auto", multi_image: bool = False) -> list[ImageFeatures]:
         self.calls += 1
         assert self.second_missed.wait(timeout=30)
         return [ImageFeatures(embeds=torch.ones(4, 8)) for _ in images]
@@ -68,8 +68,9 @@ def test_concurrent_requests_with_the_same_new_image_encode_it_once() -> None:
 
     threads = [threading.Thread(target=run, name=name) for name in ("first", "second")]
     threads[0].start()
-    while vision.calls == 0:  # the first request is inside the vision forward
+    while vision.calls == 0 and threads[0].is_alive():  # the first request is inside the vision forward
         threads[0].join(timeout=0.01)
+    assert vision.calls == 1, "the first request never reached the vision forward"
     threads[1].start()
     for t in threads:
         t.join(timeout=60)
@@ -85,7 +86,7 @@ class ScriptedVision:
         self.calls = 0
         self.details: list[str] = []
 
-    def encode(self, images: list[Any], detail: str = "auto") -> list[ImageFeatures]:
+    def encode(self, images: list[Any], detail: str = "auto", multi_image: bool = False) -> list[ImageFeatures]:
         self.calls += 1
         self.details.append(detail)
         if self.fail_with is not None:
