@@ -102,7 +102,9 @@ class Sequence:
         if self.echo:
             self.job.emit(Event(type="delta", index=self.index, text=self.echo))
             self.echo = ""
-        if token in self.stop_ids:  # EOS or a stop_token_ids entry: not emitted
+        if token in self.stop_ids:  # EOS or a stop_token_ids entry: not emitted, nor its logprobs
+            if self.entries:
+                self.entries.pop()
             return "stop"
         self._send(self.detok.add(token))
         if self.detok.stopped or (self.guide is not None and self.guide.terminated):
@@ -118,6 +120,8 @@ class Sequence:
             self._send(self.detok.flush())
             if self.parser is not None:
                 self._send("", final=True)
+        if self.detok.stopped:  # the held-back tokens' text was cut with the stop string: so are their logprobs
+            self.entries = []
         if reason == "stop" and self.parser is not None and self.parser.num_calls:
             reason = "tool_calls"
         prompt = self.job.prompt
@@ -129,6 +133,7 @@ class Sequence:
                       total_tokens=prompt.num_tokens + self.num_generated,
                       num_image_tokens=sum(im.num_tokens for im in prompt.images),
                       cached_tokens=self.job.work.cached_tokens)
+        # what is left: tokens that ended with no text of their own (a held-back last token), sent with `done`
         self.job.emit(Event(type="done", index=self.index, finish_reason=reason,  # type: ignore[arg-type]
                             usage=usage, logprobs=self._take_entries() or None))
 

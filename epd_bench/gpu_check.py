@@ -204,11 +204,12 @@ def run_tests(run: Run) -> None:
     with run.step("tests", "pytest.log") as rec:
         xml = run.work / "pytest.xml"
         selection = SMOKE_TESTS if run.args.smoke else TESTS
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection,
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_timeout", *selection,
                "--device", run.args.device, f"--junitxml={xml}"]
         rec["command"] = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " + shlex.join(["python", *cmd[1:-1]])
-        # NOTE: no third-party pytest plugins: these tests need none, and under `filterwarnings = error` a plugin
-        # that warns at import (anyio 4.14's under pytest 9.2 does) stops the whole session
+        # NOTE: no third-party pytest plugins but pytest-timeout (pyproject's `timeout` option is unknown without it,
+        # an error under --strict-config): under `filterwarnings = error` a plugin that warns at import (anyio
+        # 4.14's under pytest 9.2 does) stops the whole session
         env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
         rec["exit_code"] = run_logged(cmd, run.work / "pytest.log", run.timeout(LIMITS.tests), env)
         if not xml.exists():

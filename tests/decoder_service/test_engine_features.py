@@ -72,6 +72,19 @@ def test_a_stop_token_id_ends_the_choice_unemitted(engine: Engine) -> None:
     assert out.texts.get(0, "") == expected.rstrip("\ufffd")  # an unfinished character is never sent
 
 
+def test_the_stop_tokens_logprobs_are_not_sent_and_every_other_tokens_are(engine: Engine) -> None:
+    """As its text: the token that stopped the choice has no entry; each token before it has one (in a delta, or in
+    `done` when its text never came, e.g. a held-back half character)."""
+    prompt = text_prompt(engine, 4)
+    ids = list(generate(engine.lm, prompt, lambda logits: int(torch.argmax(logits)), 12, eos_ids=set()))
+    first = ids.index(ids[4])
+    work = Work(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(ids[4],),
+                                       logprobs=0))
+    _, events = run_work(engine, work)
+    entries = [entry for e in events for entry in (e.logprobs or [])]
+    assert len(entries) == first  # the stop token is the (first + 1)-th generated
+
+
 def test_echo_sends_the_prompt_first_in_every_choice(engine: Engine) -> None:
     out, events = request(engine, prompt="the red circle", echo=True,
                           sampling=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, n=2))
