@@ -37,6 +37,7 @@ class EmbeddingCheck:
         self.fixed = spec.fixed_tokens(cfg) if spec.fixed_tokens is not None else None
         self.image_id = lm.image_token_id
         self.layout = layout_ids(lm.tokenizer, spec.layout_tokens, spec.layout_text)
+        self.allowed = self.layout | {self.image_id}  # what a span may hold
         self.deepstack = deepstack_layers(cfg)
 
     def __call__(self, out: ImageFeatures) -> str | None:
@@ -55,8 +56,7 @@ class EmbeddingCheck:
     def _span(self, out: ImageFeatures) -> str | None:
         if out.span is None:
             return "no span: this model's images have layout tokens around them" if self.layout else None
-        allowed = self.layout | {self.image_id}
-        if any(t not in allowed for t in out.span):
+        if any(t not in self.allowed for t in out.span):
             return "the span holds tokens that are not this model's image layout"
         if sum(1 for t in out.span if t == self.image_id) != out.num_tokens:
             return f"the span's image tokens != the {out.num_tokens} embedding rows"

@@ -127,7 +127,8 @@ class FamilyAdapter:
                       kwargs: dict[str, Any]) -> list[ImageFeatures]:
         out = processor(text=[processor.image_token] * len(images), images=images, add_special_tokens=False,
                         return_tensors="pt", padding=True, **kwargs)
-        spans = [_core(ids[mask.bool()].tolist(), processor.tokenizer)
+        added = set(processor.tokenizer.added_tokens_decoder)  # built anew on each access: once per batch
+        spans = [_core(ids[mask.bool()].tolist(), added)
                  for ids, mask in zip(out["input_ids"], out["attention_mask"], strict=True)]
         weight = next(vision.parameters())
         inputs = {k: _to(out[k], weight) for k in self.spec.feature_inputs if k in out}
@@ -207,10 +208,9 @@ def _rows(features: Any) -> torch.Tensor:
     return features.reshape(-1, features.shape[-1])
 
 
-def _core(span: list[int], tokenizer: Any) -> list[int]:
+def _core(span: list[int], added: set[int]) -> list[int]:
     """The span without the plain text the processor writes around it (Gemma 3's "\\n\\n"): from its first added
     token to its last. The decoder writes that text itself, so it tokenizes with its neighbours as it should."""
-    added = set(tokenizer.added_tokens_decoder)
     first = next((i for i, t in enumerate(span) if t in added), 0)
     last = next((i for i in range(len(span) - 1, -1, -1) if span[i] in added), len(span) - 1)
     return span[first : last + 1]

@@ -8,7 +8,7 @@ from transformers import Idefics3Config, Idefics3Processor, LlamaConfig
 from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-from epd_builders.families.common import Built, special_ids
+from epd_builders.families.common import Built, text_sizes
 from epd_builders.tokenizer import train_tokenizer
 
 TILE, PATCH, SCALE = 32, 8, 2
@@ -25,10 +25,7 @@ def build(spec: Any) -> Built:
     cfg = Idefics3Config(
         vision_config=Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=2, image_size=TILE, patch_size=PATCH),
-        text_config=LlamaConfig(vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
-                                num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads,
-                                num_key_value_heads=spec.kv_heads, max_position_embeddings=4096,
-                                tie_word_embeddings=False, **special_ids(tok)),
+        text_config=LlamaConfig(**text_sizes(spec, tok)),
         image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=SCALE, tie_word_embeddings=False,
     )
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": LONGEST_EDGE}, max_image_size={"longest_edge": TILE})

@@ -7,7 +7,7 @@ from transformers import InternVLConfig, PreTrainedTokenizerFast, Qwen2Config
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
-from epd_builders.families.common import Built, special_ids
+from epd_builders.families.common import Built, text_sizes
 from epd_builders.tokenizer import train_tokenizer
 from epd_models.processors import InternVLImageProcessorOnly
 
@@ -31,10 +31,7 @@ def build(spec: Any) -> Built:
     cfg = InternVLConfig(
         vision_config=InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=2, image_size=[TILE, TILE], patch_size=[PATCH, PATCH]),
-        text_config=Qwen2Config(vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
-                                num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads,
-                                num_key_value_heads=spec.kv_heads, max_position_embeddings=4096,
-                                tie_word_embeddings=False, **special_ids(tok)),
+        text_config=Qwen2Config(**text_sizes(spec, tok)),
         image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=TOKENS_PER_TILE,
         downsample_ratio=0.5, tie_word_embeddings=False,
     )

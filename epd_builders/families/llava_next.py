@@ -6,7 +6,7 @@ from typing import Any
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextProcessor
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-from epd_builders.families.common import Built, special_ids
+from epd_builders.families.common import Built, text_sizes
 from epd_builders.tokenizer import train_tokenizer
 
 TILE, PATCH = 32, 8  # 16 patches per tile (the CLS token is dropped by the "default" strategy)
@@ -19,10 +19,7 @@ def build(spec: Any) -> Built:
     cfg = LlavaNextConfig(
         vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                        image_size=TILE, patch_size=PATCH, projection_dim=32),
-        text_config=LlamaConfig(vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
-                                num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads,
-                                num_key_value_heads=spec.kv_heads, max_position_embeddings=4096,
-                                tie_word_embeddings=False, **special_ids(tok)),
+        text_config=LlamaConfig(**text_sizes(spec, tok)),
         image_token_index=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=PINPOINTS,
         vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
     )

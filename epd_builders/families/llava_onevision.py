@@ -10,7 +10,7 @@ import torch
 from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 
-from epd_builders.families.common import Built, special_ids
+from epd_builders.families.common import Built, text_sizes
 from epd_builders.tokenizer import train_tokenizer
 from epd_models.processors import LlavaOnevisionImageProcessorOnly
 
@@ -24,10 +24,7 @@ def build(spec: Any) -> Built:
     cfg = LlavaOnevisionConfig(
         vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, image_size=TILE, patch_size=PATCH),
-        text_config=Qwen2Config(vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
-                                num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads,
-                                num_key_value_heads=spec.kv_heads, max_position_embeddings=4096,
-                                tie_word_embeddings=False, **special_ids(tok)),
+        text_config=Qwen2Config(**text_sizes(spec, tok)),
         image_token_index=tok.convert_tokens_to_ids("<image>"), video_token_index=tok.convert_tokens_to_ids("<|video_pad|>"),
         image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1, vision_feature_select_strategy="full",
         tie_word_embeddings=False,

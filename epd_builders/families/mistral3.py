@@ -8,7 +8,7 @@ import torch
 from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-from epd_builders.families.common import Built, special_ids
+from epd_builders.families.common import Built, text_sizes
 from epd_builders.tokenizer import train_tokenizer
 from epd_models.pixtral_processor import PixtralProcessorPil
 
@@ -23,11 +23,7 @@ def build(spec: Any) -> Built:
     cfg = Mistral3Config(
         vision_config=PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=2, image_size=LONGEST_EDGE, patch_size=PATCH),
-        text_config=MistralConfig(vocab_size=len(tok), hidden_size=spec.text_hidden,
-                                  intermediate_size=spec.text_hidden * 2, num_hidden_layers=spec.text_layers,
-                                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=head_dim,
-                                  max_position_embeddings=4096, sliding_window=None, tie_word_embeddings=False,
-                                  **special_ids(tok)),
+        text_config=MistralConfig(**text_sizes(spec, tok), head_dim=head_dim, sliding_window=None),
         image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=MERGE, vision_feature_layer=-1,
         tie_word_embeddings=False,
     )

@@ -8,7 +8,7 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTe
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from epd_builders.families.common import Built, special_ids
+from epd_builders.families.common import Built, text_sizes
 from epd_builders.tokenizer import train_tokenizer
 from epd_models.processors import Qwen2_5_VLImageProcessorOnly, Qwen2VLImageProcessorOnly
 
@@ -20,9 +20,7 @@ def build(spec: Any) -> Built:
     head_dim = spec.text_hidden // spec.heads
     third = head_dim // 2 // 3
     text_kwargs: dict[str, Any] = dict(
-        vocab_size=len(tok), hidden_size=spec.text_hidden, intermediate_size=spec.text_hidden * 2,
-        num_hidden_layers=spec.text_layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=False, **special_ids(tok),
+        **text_sizes(spec, tok),
         rope_parameters={
             "rope_type": "default", "rope_theta": 1e4,
             "mrope_section": [head_dim // 2 - 2 * third, third, third],  # sum == head_dim // 2
