@@ -16,7 +16,7 @@ from connector.tensors.errors import MissingEmbeddings
 from connector.tensors.frames import WireItem
 from connector.tensors.producer import ECProducer
 from connector.tensors.replies import get_reply, parse_get_reply
-from epd_contracts.ec import GetItem, GetReply, GetRequest
+from epd_contracts.ec import MAX_SPAN_IDS, GetItem, GetReply, GetRequest
 from epd_contracts.embeddings import SPAN_ID_BYTES, ImageFeatures
 
 TIMEOUT_S = 5.0
@@ -107,6 +107,10 @@ def _hostile() -> Iterator[tuple[str, GetItem, list[memoryview]]]:
     yield "deepstack frame without shape", msgspec.structs.replace(item, deepstack_shape=None), [embeds, deep]
     wrong = msgspec.structs.replace(item, deepstack_shape=[LAYERS * TOKENS, 1, WIDTH])  # same bytes, other rows
     yield "deepstack rows do not match the embeddings", wrong, [embeds, deep]
+    # the span (the image's prompt tokens) is bounded on decode, before any tensor is built
+    yield "span past its bound", msgspec.structs.replace(item, span=[7] * (MAX_SPAN_IDS + 1)), [embeds, deep]
+    yield "span with a negative id", msgspec.structs.replace(item, span=[7, -1, 9]), [embeds, deep]
+    yield "span with an id past int32", msgspec.structs.replace(item, span=[7, 2**31, 9]), [embeds, deep]
 
 
 HOSTILE = {name: (item, frames) for name, item, frames in _hostile()}
