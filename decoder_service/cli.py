@@ -30,6 +30,10 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
                         "exits with status 70")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of gathered embeddings this decoder keeps (LRU)")
+    p.add_argument("--prefix-cache-bytes", type=int, default=d.prefix_cache_bytes,
+                   help="bytes of prompt-prefix K/V kept for reuse by later requests (LRU; 0 turns it off)")
+    p.add_argument("--prefix-block-size", type=int, default=d.prefix_block_size,
+                   help="tokens per cached K/V block; a prefix is reused in whole blocks")
     g = p.add_argument_group("connector limits (ZeroMQ consumer)")
     g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
                    help="tensor bytes of one reply from an encoder; a larger reply is refused before it is decoded")

@@ -20,6 +20,8 @@ class DecoderConfig(HttpLimits):
     max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings
+    prefix_cache_bytes: int = 1 << 30  # K/V of prompt prefixes kept for reuse (LRU, allocated as used); 0: off
+    prefix_block_size: int = 16  # tokens per cached K/V block (a prefix is reused in whole blocks)
     ec_max_reply_bytes: int = 1 << 30  # tensor bytes of one ZeroMQ reply (at least one whole item); more: refused
     ec_max_message_bytes: int = 1 << 30  # bytes of one tensor frame; a producer sending more is disconnected
     ec_max_items_per_get: int = 256  # hashes asked of one producer per get (at most the encoders' limit)
@@ -46,6 +48,7 @@ class DecoderConfig(HttpLimits):
         assert self.gather_timeout > 0, "gather_timeout must be > 0"
         assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"
         assert self.engine_stall_timeout > 0, "engine_stall_timeout must be > 0"
+        assert self.prefix_cache_bytes >= 0 and self.prefix_block_size >= 1, "prefix cache: bytes >= 0, block >= 1"
         if self.max_body_bytes == 0:  # frozen: the resolved default is set once, here
             auto = 16 * (20 << 20) * 4 // 3 + (1 << 20) if self.aggregated else 80 << 20
             object.__setattr__(self, "max_body_bytes", auto)

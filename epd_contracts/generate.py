@@ -13,6 +13,8 @@ MAX_HASH_CHARS = 256  # a real mm_hash has 64
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 MAX_SCHEMA_BYTES = 64 * 1024  # a response_format or tool schema, as JSON; compiling is bounded by this size
 MAX_PROMPT_TOKEN_IDS = 1 << 20  # a /v1/completions prompt given as token ids (the context bounds it again)
+MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt: requests with different salts never share cached K/V
+MAX_PREFIX_KEY_CHARS = 64  # one routing key of `prefix_keys` (the proxy sends 32 hex characters)
 Detail = Literal["auto", "low", "high"]  # image_url.detail
 
 
@@ -64,6 +66,12 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, o
     # OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}]
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_TOOLS)] = msgspec.field(default_factory=list)
     tool_choice: ToolChoice = msgspec.field(default_factory=ToolChoice)
+    # prefix caching: K/V reused only between requests with the same salt (vLLM's cache_salt; "" is everyone's)
+    cache_salt: Annotated[str, msgspec.Meta(max_length=MAX_CACHE_SALT_CHARS)] = ""
+    # routing hints, not trusted for correctness: the proxy's key of each message prefix (messages[:1], [:2], ...),
+    # which the decoder reports in /health while it holds the K/V of a request that carried them
+    prefix_keys: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PREFIX_KEY_CHARS)]],
+                           msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         """The proxy's caps on content parts, held again here (a caller may reach /generate directly)."""
@@ -85,7 +93,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int
     total_tokens: int
     num_image_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens not computed for this request (images whose embeddings were held)
+    # prompt tokens not computed for this request: K/V reused from the prefix cache, plus the tokens of images past
+    # that prefix whose embeddings were already held (their vision work was skipped)
+    cached_tokens: int = 0
 
 
 class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):
