@@ -7,6 +7,10 @@ n > 1 (one prompt, n choices): the prompt is prefilled once in one row; the row 
 row of its own from then on, all starting from the same last-position logits. Copying L columns costs a
 fraction of prefilling L tokens again (epd_bench/n_prefill.py measures both).
 
+Prefix cache (with `prefix`): `add` copies the longest cached prefix of the prompt's chain into the row's slot
+and starts its prefill after it (always leaving the last prompt token to compute: its logits start decoding); a
+prompt that completes gives its full blocks to the cache, and `donate` gives a finishing row's generated ones.
+
 Fault isolation: a row whose prefill chunk raises, or whose forward fails when run alone, is reported in
 `failed` (when the caller passes one) and the other rows carry on. A batched decode that raises cannot say
 which row broke it, so every row is then decoded alone once (same K/V columns, written again), and only
@@ -21,6 +25,8 @@ from typing import Any
 
 import torch
 
+from decoder_service.prefix_cache import PrefixCache
+from decoder_service.prefix_hash import PrefixChain
 from decoder_service.prompt import Prompt
 from decoder_service.scheduler import SchedulerOutput
 from decoder_service.slots import Plan, SlotCache
@@ -46,6 +52,8 @@ class Row:
     state: Any = None  # the family's per-prompt prefill state (FamilyAdapter.prefill_state), None for most
     length: int = 0  # positions written into the slot
     forks: list[Hashable] = field(default_factory=list)  # keys of the rows its K/V is copied into once prefilled
+    chain: PrefixChain | None = None  # the prompt's prefix-cache keys (None: not cached)
+    route_keys: tuple[str, ...] = ()  # the proxy's prefix keys, reported while this row's K/V is cached
 
     @property
     def prefilled(self) -> bool:
@@ -55,10 +63,12 @@ class Row:
 class BatchRunner:
     """Sequences live in slots 0..n-1 (packed); callers choose tokens and decide when a sequence ends."""
 
-    def __init__(self, lm: LanguageHalf, max_slots: int, max_len: int, chunk: int = 64):
+    def __init__(self, lm: LanguageHalf, max_slots: int, max_len: int, chunk: int = 64, prefix_bytes: int = 0,
+                 prefix_block: int = 16):
         self.lm, self.chunk = lm, chunk
         dtype = next(lm.module.parameters()).dtype
         self.cache = SlotCache(lm.config.get_text_config(), max_slots, max_len, dtype, lm.device)
+        self.prefix = PrefixCache(self.cache, prefix_bytes, prefix_block) if prefix_bytes > 0 else None
         self.rows: list[Row] = []  # index == slot
         self.num_prefilled_tokens = 0  # prompt tokens run through prefill forwards (a fork prefills none)
 
@@ -87,16 +97,53 @@ class BatchRunner:
         return RunnerOutput(logits, failed)
 
     @torch.inference_mode()
-    def add(self, key: Hashable, prompt: Prompt, forks: Iterable[Hashable] = ()) -> None:
-        """A row for `prompt`; with `forks`, that many more slots are reserved for copies of its prefilled K/V."""
+    def add(self, key: Hashable, prompt: Prompt, forks: Iterable[Hashable] = (), chain: PrefixChain | None = None,
+            route_keys: Iterable[str] = ()) -> int:
+        """A row for `prompt`; with `forks`, that many more slots are reserved for copies of its prefilled K/V.
+        Returns the prompt tokens taken from the prefix cache (with `chain`), which are not prefilled."""
         forks = list(forks)
         assert self.num_free_slots >= 1 + len(forks), "no free slot"
         assert prompt.num_tokens < self.cache.max_len, "prompt does not fit the cache"
         positions, delta = self.lm.position_ids(prompt.input_ids, prompt.images)
         embeds = self.lm.embed(prompt.input_ids, prompt.images)
         state = self.lm.prefill_state(prompt.input_ids, prompt.images)
-        self.cache.clear(len(self.rows))  # what an earlier occupant left there (possibly non-finite) is gone
-        self.rows.append(Row(key, prompt, embeds, positions, delta, state, forks=forks))
+        slot = len(self.rows)
+        self.cache.clear(slot)  # what an earlier occupant left there (possibly non-finite) is gone
+        chain = chain if self.prefix is not None and chain is not None else None
+        row = Row(key, prompt, embeds, positions, delta, state, forks=forks, chain=chain, route_keys=tuple(route_keys))
+        row.length = self._reuse(slot, row)
+        self.rows.append(row)
+        return row.length
+
+    def _reuse(self, slot: int, row: Row) -> int:
+        """Copy the longest cached prefix into the slot; the position its prefill starts from."""
+        if self.prefix is None or row.chain is None:
+            return 0
+        b = self.prefix.block_size
+        held = min(self.prefix.match(row.chain.keys), (row.prompt.num_tokens - 1) // b)  # the last token is computed
+        start = self.lm.adapter.chunk_end(row.state, 0, held * b)  # e.g. Gemma 3: not inside an image
+        self.prefix.load(slot, row.chain.keys[: -(-start // b)])
+        self.prefix.record(start)
+        return start
+
+    def donate(self, key: Hashable, generated: list[int]) -> None:
+        """A finishing row gives the cache its blocks of the prompt followed by the tokens it fed back."""
+        slot = next((i for i, r in enumerate(self.rows) if r.key == key), None)
+        if self.prefix is None or slot is None or (row := self.rows[slot]).chain is None or not row.prefilled:
+            return
+        fed = row.length - row.prompt.num_tokens
+        self._store(slot, row, row.chain.extend(generated[:fed]))
+
+    def _store(self, slot: int, row: Row, keys: tuple[bytes, ...]) -> None:
+        """The cache is an optimisation: failing to fill it is logged, and never fails the request."""
+        assert self.prefix is not None
+        try:
+            held = self.prefix.store(slot, keys)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for a copy: the row carries on uncached
+            logger.warning("prefix cache: could not keep %d block(s) (%s: %s)", len(keys), type(exc).__name__, exc)
+            return
+        if held and row.route_keys:
+            self.prefix.note_routes(row.route_keys, keys[held - 1])
 
     @torch.inference_mode()
     def prefill(self, budget: int, failed: Failed | None = None) -> dict[Hashable, torch.Tensor]:
@@ -114,6 +161,8 @@ class BatchRunner:
                     budget -= n
                     if row.prefilled:
                         done.update(dict.fromkeys([row.key, *row.forks], logits))
+                        if row.chain is not None:
+                            self._store(slot, row, row.chain.keys)
                         self._fork(slot, row)
                         self._release_prompt(row)
             except Exception as exc:
@@ -139,7 +188,8 @@ class BatchRunner:
         for i in range(1, n + 1):
             self.cache.copy(slot, slot + i, row.length)
         self.rows[slot + 1 : slot + 1] = [Row(key, row.prompt, row.embeds, row.positions, row.rope_delta, None,
-                                              row.length) for key in row.forks]
+                                              row.length, chain=row.chain, route_keys=row.route_keys)
+                                          for key in row.forks]
         row.forks = []
 
     def _prefill_chunk(self, slot: int, row: Row, budget: int) -> tuple[int, torch.Tensor]:

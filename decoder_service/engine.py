@@ -60,10 +60,14 @@ class Engine:
         self.eos_ids = eos_token_ids(lm)
         self.max_model_len = cfg.max_model_len or int(lm.config.get_text_config().max_position_embeddings)
         self.vocab_size = int(lm.module.lm_head.out_features)
-        self.preparer = Preparer(lm, self.max_model_len, self.vocab_size, cfg.max_num_seqs, self.eos_ids)
+        self.preparer = Preparer(lm, self.max_model_len, self.vocab_size, cfg.max_num_seqs, self.eos_ids,
+                                 cfg.prefix_block_size if cfg.prefix_cache_bytes else 0)
         self._jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet taken by the engine thread
         self.runner = BatchRunner(lm, cfg.max_num_seqs, self.max_model_len,
-                                  chunk=cfg.max_prefill_tokens * IDLE_PREFILL_FACTOR)
+                                  chunk=cfg.max_prefill_tokens * IDLE_PREFILL_FACTOR,
+                                  prefix_bytes=cfg.prefix_cache_bytes, prefix_block=cfg.prefix_block_size)
+        if self.runner.prefix is not None:
+            metrics.prefix_stats = self.runner.prefix.stats
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
                                          device=lm.device, tokens=TokenTable(lm.tokenizer))
         self.scheduler = Scheduler(self.runner, cfg.max_prefill_tokens, new_sequence)  # engine thread only
@@ -82,6 +86,11 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    def prefix_summary(self) -> dict[str, object]:
+        """/health's view of the prefix cache (what the proxy routes conversations by)."""
+        prefix = self.runner.prefix
+        return prefix.summary() if prefix is not None else {"enabled": False}
 
     def problem(self) -> tuple[str, str] | None:
         """(code, reason) when the engine cannot serve: its thread died, or no loop iteration for too long."""

@@ -1,10 +1,11 @@
 """Prometheus metrics of one decoder worker."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from epd_common.metrics import CONSUMER_KEYS, LATENCY_BUCKETS, cache_gauges
 
@@ -24,3 +25,25 @@ class DecoderMetrics:
         self.waiting = Gauge("epd_decoder_waiting", "Requests queued or running", registry=registry)
         cache_gauges(registry, "epd_ec_consumer_cache", "Gathered-embedding cache", cache_stats)
         cache_gauges(registry, "epd_ec_consumer", "Connector consumer", cache_stats, CONSUMER_KEYS)
+        self.prefix_stats: Callable[[], dict[str, int]] = dict  # the engine's prefix cache, once it runs one
+        registry.register(_PrefixCollector(self))
+
+
+_PREFIX_COUNTERS = (("hits", "Admitted prompts that reused cached K/V"),
+                    ("misses", "Admitted prompts that found none to reuse"),
+                    ("evicted_blocks", "K/V blocks evicted to make room"),
+                    ("tokens_saved", "Prompt tokens not prefilled: their K/V was reused"))
+
+
+class _PrefixCollector:
+    """The prefix cache's counters, read at scrape time (the engine thread only adds to plain ints)."""
+
+    def __init__(self, metrics: DecoderMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.metrics.prefix_stats()
+        for key, doc in _PREFIX_COUNTERS:
+            yield CounterMetricFamily(f"epd_decoder_prefix_cache_{key}", doc, value=stats.get(key, 0))
+        yield GaugeMetricFamily("epd_decoder_prefix_cache_bytes", "Bytes of K/V blocks held",
+                                value=stats.get("bytes", 0))

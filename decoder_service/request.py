@@ -6,6 +6,7 @@ running stream. Whatever cannot run is a 400 naming the field, before the reques
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 from jinja2 import TemplateError
 
 from decoder_service.grammar import CompiledGuide, GuideCompiler, GuideError, spec_for
+from decoder_service.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.prompt import Prompt, build_prompt
 from epd_common.errors import bad_request
 from epd_contracts.embeddings import ImageFeatures
@@ -38,14 +40,27 @@ class Work:
     guide: CompiledGuide | None = None  # each choice makes its own matcher at admission
     tools: ToolFormat | None = None  # each choice parses its output with its own parser
     echo: str = ""  # completions with echo: the prompt's text, each choice's first delta
-    cached_tokens: int = 0  # prompt tokens of images whose embeddings were already held
+    held_image_positions: tuple[int, ...] = ()  # sorted prompt positions of the image tokens of held images
+    chain: PrefixChain | None = None  # the prompt's prefix-cache keys (None: the cache is off, or not cacheable)
+    route_keys: tuple[str, ...] = ()  # the proxy's prefix keys (routing hints, reported in /health)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of images whose embeddings were already held (no vision work for this request)."""
+        return len(self.held_image_positions)
+
+    def held_image_tokens_from(self, position: int) -> int:
+        """Tokens of held images at `position` or later (those before it came from the prefix cache)."""
+        return len(self.held_image_positions) - bisect.bisect_left(self.held_image_positions, position)
 
 
 class Preparer:
     """What an engine checks and builds for each request, on the caller's thread (thread-safe)."""
 
-    def __init__(self, lm: LanguageHalf, max_model_len: int, vocab_size: int, max_num_seqs: int, eos_ids: set[int]):
+    def __init__(self, lm: LanguageHalf, max_model_len: int, vocab_size: int, max_num_seqs: int, eos_ids: set[int],
+                 prefix_block: int = 0):
         self.lm, self.max_model_len, self.vocab_size = lm, max_model_len, vocab_size
+        self.prefix_block = prefix_block  # tokens per prefix-cache block; 0: the cache is off
         self.max_num_seqs, self.eos_ids = max_num_seqs, eos_ids
         self.template = chat_template(lm.tokenizer, lm.model_dir)
         self.image_edges = image_edges(lm)  # Gemma 3's "\n\n" around each image, written before tokenizing
@@ -65,9 +80,28 @@ class Preparer:
             prompt = build_prompt(self.lm, ids, [features for features, _ in images])
         except ValueError as exc:  # placeholder count does not match the images
             raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
-        cached = sum(f.num_tokens for (f, hit), ref in zip(images, req.images, strict=True) if hit or ref.cached)
         echo = self._echo_text(req, ids) if req.echo else ""
-        return Work(prompt, self._fit(prompt, params), guide, tools, echo, cached)
+        held, chain = self._image_tokens(req, prompt, [hit or ref.cached for (_, hit), ref in zip(images, req.images,
+                                                                                                   strict=True)])
+        return Work(prompt, self._fit(prompt, params), guide, tools, echo, held, chain, tuple(req.prefix_keys))
+
+    def _image_tokens(self, req: GenerateRequest, prompt: Prompt,
+                      held: list[bool]) -> tuple[tuple[int, ...], PrefixChain | None]:
+        """The positions of held images' tokens, and the prompt's prefix-cache chain (images named by mm_hash)."""
+        ids: list[int] = prompt.input_ids[0].tolist()
+        sizes = [im.num_tokens for im in prompt.images]
+        positions = [i for i, t in enumerate(ids) if t == self.lm.image_token_id] if sizes else []
+        mine: list[int] = []
+        start = 0
+        for size, is_held in zip(sizes, held, strict=True):
+            if is_held:
+                mine += positions[start : start + size]
+            start += size
+        chain = None
+        if self.prefix_block:
+            chain = prompt_chain(ids, self.prefix_block, req.cache_salt, self.lm.image_token_id,
+                                 [(ref.mm_hash, size) for ref, size in zip(req.images, sizes, strict=True)])
+        return tuple(mine), chain
 
     def _check_sampling(self, req: GenerateRequest, params: SamplingParams) -> None:
         if params.n > self.max_num_seqs:

@@ -67,7 +67,10 @@ class Scheduler:
         return SchedulerOutput(decode=feed, prefill_budget=budget)
 
     def finish(self, key: int, reason: str) -> None:
-        """Free the slot, then send the choice's last text and `done` (its job's one error event if that fails)."""
+        """Free the slot (a choice that ended well gives its K/V to the prefix cache first), then send the choice's
+        last text and `done` (its job's one error event if that fails)."""
+        if reason in ("stop", "length"):
+            self.runner.donate(key, self.running[key].generated)
         seq = self._drop(key, reason)
         try:
             seq.finish(reason)
@@ -109,7 +112,8 @@ class Scheduler:
             request_id_var.set(job.request_id)
             try:  # its samplers (seeds), guides, embedding merge and positions: its failure is its own
                 seqs = [self.new_sequence(job, i) for i in range(job.params.n)]
-                self.runner.add(keys[0], job.prompt, forks=keys[1:])
+                job.reused_tokens = self.runner.add(keys[0], job.prompt, forks=keys[1:], chain=job.work.chain,
+                                                    route_keys=job.work.route_keys)
             except Exception as exc:
                 self.finished["error"] += 1
                 job.fail(exc, "admission")

@@ -40,6 +40,12 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each chosen token (engine side)
     errored: bool = False  # its one error event is sent: nothing follows it
+    reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set at admission)
+
+    @property
+    def cached_tokens(self) -> int:
+        """usage's cached_tokens: the reused prefix, and the tokens of held images past it (no vision work)."""
+        return self.reused_tokens + self.work.held_image_tokens_from(self.reused_tokens)
 
     @property
     def prompt(self) -> Prompt:
@@ -86,6 +92,7 @@ class Sequence:
         self.entries: list[TokenLogprob] = []  # logprobs of tokens whose text is not sent yet
         self.echo = work.echo  # completions' echo: the prompt's text, sent before the first token's
         self.num_generated = 0
+        self.generated: list[int] = []  # every chosen token (the prefix cache keeps the ones fed back)
         self.last = job.arrival
         self.pending: int | None = None
 
@@ -93,6 +100,7 @@ class Sequence:
         """Take the token `sampler.choose` picked (read back by the caller, with `logprobs`: its sampler's packed
         logprobs, when the caller read them back too); returns the finish reason if done."""
         self.sampler.accept(token)  # a grammar that refuses it raises: this request fails
+        self.generated.append(token)
         if (entry := self.sampler.logprob_entry(token, logprobs)) is not None:
             self.entries.append(entry)
         now = time.perf_counter()
@@ -132,7 +140,7 @@ class Sequence:
         usage = Usage(prompt_tokens=prompt.num_tokens, completion_tokens=self.num_generated,
                       total_tokens=prompt.num_tokens + self.num_generated,
                       num_image_tokens=sum(im.num_tokens for im in prompt.images),
-                      cached_tokens=self.job.work.cached_tokens)
+                      cached_tokens=self.job.cached_tokens)
         # what is left: tokens that ended with no text of their own (a held-back last token), sent with `done`
         self.job.emit(Event(type="done", index=self.index, finish_reason=reason,  # type: ignore[arg-type]
                             usage=usage, logprobs=self._take_entries() or None))

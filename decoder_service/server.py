@@ -141,7 +141,7 @@ async def health(request: Request) -> dict[str, object]:
     cfg = state.cfg
     return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": state.identity,
             "aggregated": cfg.aggregated, "waiting": engine.num_waiting, "running": engine.num_running,
-            "pid": os.getpid(), "loaded": loaded}
+            "pid": os.getpid(), "loaded": loaded, "prefix_cache": engine.prefix_summary()}
 
 
 async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: FatalHandler) -> Watchdog:

@@ -50,4 +50,8 @@ def test_200_concurrent_streams_all_complete_with_their_single_run_output(
     for i, (text, done) in enumerate(together):
         expected_text, expected_done = alone[i % (NUM_PROMPTS * 7)]
         assert done["type"] == "done" and done["finish_reason"] == "length"
-        assert (text, done["usage"]) == (expected_text, expected_done["usage"]), f"request {i} differs"
+        # cached_tokens differ by design: a prompt seen before reuses its cached prefix
+        usage, expected_usage = ({k: v for k, v in u.items() if k != "cached_tokens"}
+                                 for u in (done["usage"], expected_done["usage"]))
+        assert (text, usage) == (expected_text, expected_usage), f"request {i} differs"
+    assert engine.runner.prefix is not None and engine.runner.prefix.hits > 0  # the repeats did reuse K/V
