@@ -1,0 +1,43 @@
+"""Block keys name everything a block's K/V depends on, and nothing a client can fake."""
+from __future__ import annotations
+
+from decoder_service.prefix_hash import prompt_chain
+
+IMG = 99  # the image token id
+B = 4
+
+
+def test_keys_follow_the_tokens_the_pictures_and_the_salt() -> None:
+    ids = [1, 2, 3, 4, 5, IMG, IMG, IMG, IMG, 6, 7, 8, 9]  # blocks: [1..4] [5 I I I] [I 6 7 8] + tail [9]
+    red = prompt_chain(ids, B, "", IMG, [("red", 4)])
+    blue = prompt_chain(ids, B, "", IMG, [("blue", 4)])
+    salted = prompt_chain(ids, B, "tenant", IMG, [("red", 4)])
+    fake = prompt_chain(ids, B, "", IMG)  # the same ids typed as text (a completions prompt): no image named
+    assert red is not None and blue is not None and salted is not None and fake is not None
+    assert len(red.keys) == 3 and red.tail == (9,)
+    assert red.keys[0] == blue.keys[0] == fake.keys[0]  # the text before the image is shared
+    assert len({red.keys[1], blue.keys[1], fake.keys[1]}) == 3  # from the image on, never
+    assert not set(salted.keys) & set(red.keys)
+
+
+def test_which_image_rows_a_block_holds_is_part_of_its_key() -> None:
+    """Two images whose rows split differently over the same ids (2 + 3 vs 3 + 2 rows) differ in every block after
+    the split, even with the same two mm_hashes."""
+    ids = [1, IMG, IMG, IMG, IMG, IMG, 2, 3]
+    a = prompt_chain(ids, B, "", IMG, [("x", 2), ("y", 3)])
+    b = prompt_chain(ids, B, "", IMG, [("x", 3), ("y", 2)])
+    assert a is not None and b is not None and a.keys[0] != b.keys[0]
+
+
+def test_image_rows_that_do_not_add_up_are_not_cached() -> None:
+    assert prompt_chain([1, IMG, IMG, 2], B, "", IMG, [("x", 3)]) is None
+
+
+def test_extending_with_generated_tokens_equals_the_longer_prompt_and_stops_at_an_image_tail() -> None:
+    prompt, generated = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]
+    chain = prompt_chain(prompt, B)
+    longer = prompt_chain(prompt + generated, B)
+    assert chain is not None and longer is not None
+    assert chain.extend(generated) == longer.keys and chain.extend([]) == chain.keys
+    tail_image = prompt_chain([1, 2, 3, 4, IMG], B, "", IMG, [("x", 1)])
+    assert tail_image is not None and not tail_image.extendable and tail_image.extend([5, 6, 7]) == tail_image.keys
