@@ -108,7 +108,8 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         startup_timeout=args.startup_timeout, log_level=args.log_level, pipeline_encode=args.pipeline_encode,
         aggregated=args.aggregated, api_key=args.api_key, internal_key=args.internal_key,
         dynamic_registration=args.dynamic_registration, health_interval=args.health_interval,
-        health_timeout=args.health_timeout, health_failures=args.health_failures, curve=curve,
+        health_timeout=args.health_timeout, health_failures=args.health_failures,
+        prefix_affinity=args.prefix_affinity, affinity_load_gap=args.affinity_load_gap, curve=curve,
     )
 
 

@@ -11,7 +11,7 @@ from epd_common.cli import add_http_flags, add_log_level, env_flag, new_parser
 from proxy.config import ProxyConfig
 
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
-                  "--restart-window", "--restart-backoff", "--restart-backoff-max")
+                  "--restart-window", "--restart-backoff", "--restart-backoff-max", "--prefix-cache-bytes")
 ATTACH_FLAGS = ("--encode-servers-urls", "--decode-servers-urls", "--prefill-servers-urls", "--dynamic-registration",
                 "--insecure", "--ec-curve-key", "--ec-curve-server-key")
 NO_PREFILL = ("disable", "none", "")  # vLLM's spellings of "E + PD": no separate prefill stage
@@ -29,6 +29,14 @@ def no_prefill(value: str) -> str:
     raise argparse.ArgumentTypeError(
         f"{value!r}: a separate prefill stage is not supported; EPD serves E + PD (each decoder prefills its own "
         "requests). Pass disable, none or \"\" (as vLLM's proxy takes them), or leave the flag out")
+
+
+def non_negative(value: str) -> int:
+    """An int flag that may be 0 but not below."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
+    return number
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -86,7 +94,19 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-timeout", type=float, default=2.0, help="seconds one probe may take")
     p.add_argument("--health-failures", type=int, default=3,
                    help="failed probes in a row that take a worker out (a failed call takes it out at once)")
+    _affinity_flags(p.add_argument_group("prefix affinity (routing conversations to the decoder holding their "
+                                          "prefix)"))
     _media_flags(p.add_argument_group("images"))
+
+
+def _affinity_flags(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
+                   help="choose decoders by load alone (default: a request goes to the decoder that holds the longest "
+                        "prefix of its conversation, within --affinity-load-gap of the least-loaded one)")
+    g.add_argument("--affinity-load-gap", type=non_negative, default=4,
+                   help="generations in flight a decoder holding a request's prefix may have beyond the least-loaded "
+                        "decoder and still get it; past that the request goes where there is room (0: affinity "
+                        "only breaks ties of load)")
 
 
 def _media_flags(g: argparse._ActionsContainer) -> None:
@@ -119,6 +139,9 @@ def _launcher_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--restart-backoff", type=float, default=1.0,
                    help="seconds before the first restart of a worker that exited; doubles per restart in the window")
     g.add_argument("--restart-backoff-max", type=float, default=30.0, help="longest wait before a restart (seconds)")
+    g.add_argument("--prefix-cache-bytes", type=non_negative, default=None,
+                   help="bytes of prompt-prefix K/V each spawned decoder keeps for reuse (its --prefix-cache-bytes; "
+                        "0 turns the cache off) (default: the decoder's own default)")
 
 
 def _attach_flags(g: argparse._ActionsContainer) -> None:

@@ -21,11 +21,16 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
     devices = _devices(num_encoders + args.num_decoders)
     enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0", *common, *devices[i]],
                        keys.env("encoder")) for i in range(num_encoders)]
-    dec_flags = [*common, "--aggregated"] if args.aggregated else common
+    dec_flags = [*common, *(["--aggregated"] if args.aggregated else []), *_prefix_cache_flags(args)]
     dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *devices[num_encoders + i]], keys.env("decoder"))
            for i in range(args.num_decoders)]
     group.wait_healthy(args.startup_timeout)
     return tuple(w.url for w in enc), tuple(w.url for w in dec)
+
+
+def _prefix_cache_flags(args: argparse.Namespace) -> list[str]:
+    """--prefix-cache-bytes for the decoders when given; else each keeps its own default."""
+    return [] if args.prefix_cache_bytes is None else ["--prefix-cache-bytes", str(args.prefix_cache_bytes)]
 
 
 def _devices(num_workers: int) -> list[list[str]]:

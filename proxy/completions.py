@@ -23,8 +23,9 @@ from epd_contracts.limits import MAX_MODEL_NAME_CHARS
 from epd_contracts.sampling import MAX_N
 from proxy.choices import Choices, legacy_logprobs
 from proxy.generation import Generation
+from proxy.prefix_keys import prompt_keys
 from proxy.prepare import PreparedChat, check_model
-from proxy.protocol import StreamOptions
+from proxy.protocol import CacheSalt, StreamOptions
 from proxy.sampling_fields import contract_sampling, not_sampling, refuse
 from proxy.state import ProxyState, proxy_state
 from proxy.streaming import respond
@@ -47,6 +48,7 @@ class CompletionRequest(BaseModel):
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
+    cache_salt: CacheSalt = None
 
     def one_prompt(self) -> str | list[int]:
         """The prompt; a list of several prompts is refused (one generation per request here)."""
@@ -67,7 +69,9 @@ class CompletionRequest(BaseModel):
                            "compute", param="echo", code="unsupported_parameter")
         sampling = contract_sampling(self.model_extra or {}, self.n, self.logprobs, DEFAULT_MAX_TOKENS)
         refuse(unsupported_parameter(not_sampling(self.model_extra or {})))
-        return PreparedChat(messages=[], items=[], sampling=sampling, prompt=self.one_prompt(), echo=bool(self.echo))
+        prompt, salt = self.one_prompt(), self.cache_salt or ""
+        return PreparedChat(messages=[], items=[], sampling=sampling, prompt=prompt, echo=bool(self.echo),
+                            cache_salt=salt, prefix_keys=prompt_keys(prompt, salt))
 
 
 @dataclass

@@ -38,6 +38,10 @@ class ProxyConfig(HttpLimits):
     health_interval: float = 2.0  # seconds between probes of each worker's /health
     health_timeout: float = 2.0  # seconds one probe may take
     health_failures: int = 3  # failed probes in a row that take a worker out
+    # prefix affinity (proxy/affinity.py): a conversation goes to the decoder holding its longest prompt prefix
+    # unless that decoder has more than `affinity_load_gap` generations in flight over the least-loaded one
+    prefix_affinity: bool = True
+    affinity_load_gap: int = 4
     curve: CurveConfig | None = None  # CURVE keys for the proxy's connector links (cache events, snapshots)
 
     def __post_init__(self) -> None:
@@ -47,6 +51,7 @@ class ProxyConfig(HttpLimits):
         elif not self.decode_urls or not (self.encode_urls or self.aggregated):
             raise ValueError("the proxy needs at least one decoder URL and, unless aggregated, one encoder URL")
         assert self.health_interval > 0 and self.health_timeout > 0 and self.health_failures >= 1
+        assert self.affinity_load_gap >= 0, "affinity_load_gap must be >= 0"
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
         assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
             "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"

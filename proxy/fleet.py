@@ -6,7 +6,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -71,7 +71,9 @@ class Fleet:
         self.index = FleetCacheIndex(cfg.curve)
         self.scheduler = Scheduler()
         self.workers = Workers(client, cfg.health_interval, cfg.health_timeout, cfg.health_failures,
-                               on_up=self._on_up, on_down=self._on_down)
+                               on_up=self._on_up, on_down=self._on_down,
+                               load_gap=cfg.affinity_load_gap if cfg.prefix_affinity else None,
+                               on_route=lambda route: metrics.affinity_routed.labels(route).inc())
         self._calls: set[asyncio.Task[None]] = set()  # encode calls run detached from any one client
         self.internal_headers = {"Authorization": f"Bearer {cfg.internal_key}"} if cfg.internal_key else {}
         metrics.watch(self)
@@ -261,11 +263,14 @@ class Fleet:
 
     # decoding
 
-    def acquire_decoder(self, exclude: set[str]) -> Worker:
-        return self.workers.acquire_decoder(exclude)
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = ()) -> Worker:
+        return self.workers.acquire_decoder(exclude, prefix_keys)
 
-    def release_decoder(self, worker: Worker) -> None:
+    def release_decoder(self, worker: Worker, finished_keys: Sequence[str] = ()) -> None:
+        """The generation is over; `finished_keys`: it finished there, so the decoder holds their K/V now."""
         worker.load -= 1
+        if finished_keys:
+            worker.prefixes.finished(finished_keys)
 
     def decoder_failed(self, worker: Worker, reason: str, mark_down: bool) -> None:
         self.metrics.failovers.labels("decoder").inc()

@@ -31,10 +31,11 @@ class Generation:
         self.resp: httpx.Response | None = None
         self.sources: dict[str, str] = {}
         self.cached: frozenset[str] = frozenset()  # items an encoder already held: not encoded for this request
+        self.finished = False  # the decoder sent a `done` and no error: it holds this prompt's K/V (affinity)
 
     async def open(self, sources: dict[str, str], pending: frozenset[str] = frozenset(),
                    cached: frozenset[str] | None = None) -> None:
-        """Open the stream on the least-loaded healthy decoder, moving to the next one if it fails.
+        """Open the stream on a healthy decoder (proxy/affinity.py), moving to the next one if it fails.
 
         `pending` items are still being encoded: the decoder's gather waits for them (pipelined mode). `cached`
         items were skipped by the scheduler (the decoder counts their tokens as cached_tokens).
@@ -44,7 +45,7 @@ class Generation:
             self.cached = cached
         while True:
             try:
-                decoder = self.decoder = self.fleet.acquire_decoder(self.tried)  # APIError 503 once all failed
+                decoder = self.decoder = self.fleet.acquire_decoder(self.tried, self.chat.prefix_keys)  # 503: all failed
             except APIError:
                 if self.answered is not None:  # no other decoder: the answer is the request's own error
                     raise self.answered from None
@@ -143,14 +144,19 @@ class Generation:
                     yield _lost(exc)
                     return
                 continue
-            yield first
+            yield self._seen(first)
             try:
                 async for line in lines:
                     if line:
-                        yield _decode_event(line)
+                        yield self._seen(_decode_event(line))
             except httpx.HTTPError as exc:
-                yield _lost(exc)
+                yield self._seen(_lost(exc))
             return
+
+    def _seen(self, event: Event) -> Event:
+        if event.type != "delta":  # an error is the stream's last event: it undoes an earlier choice's `done`
+            self.finished = event.type == "done"
+        return event
 
     async def _reopen(self, reason: str) -> bool:
         assert self.decoder is not None
@@ -173,7 +179,7 @@ class Generation:
 
     def _release(self) -> None:
         if self.decoder is not None:
-            self.fleet.release_decoder(self.decoder)
+            self.fleet.release_decoder(self.decoder, self.chat.prefix_keys if self.finished else ())
             self.decoder = None
 
     async def close(self) -> None:

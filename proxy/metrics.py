@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epd_common.metrics import LATENCY_BUCKETS
+from proxy.affinity import ROUTES
 
 if TYPE_CHECKING:
     from proxy.fleet import Fleet
@@ -41,6 +42,12 @@ class ProxyMetrics:
         for role in ("encoder", "decoder"):  # exported as 0 from the start, so dashboards and alerts see them
             self.failovers.labels(role)
             self.workers_marked_down.labels(role)
+        self.affinity_routed = Counter("epd_proxy_affinity_routed",
+                                       "Decoder choices by prefix affinity: hit (to the decoder holding the longest "
+                                       "prefix), overloaded (it was too busy), miss (no decoder held any)",
+                                       ["result"], registry=registry)
+        for result in ROUTES:
+            self.affinity_routed.labels(result)
         self.encoder_outstanding = Gauge("epd_proxy_encoder_items_outstanding",
                                          "Images sent to encoders and not finished (the proxy's encoder queue depth)",
                                          registry=registry)

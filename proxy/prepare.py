@@ -10,6 +10,7 @@ from epd_contracts.hashing import mm_hash, multi_image_item
 from epd_contracts.sampling import SamplingParams
 from proxy.config import ProxyConfig
 from proxy.media import load_image_bytes
+from proxy.prefix_keys import chat_prefix_keys
 from proxy.protocol import ChatCompletionRequest, ImagePart, Message
 from scheduler.scheduler import MMItem
 
@@ -26,11 +27,13 @@ class PreparedChat:
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    cache_salt: str = ""  # vLLM's cache_salt: no K/V is shared with requests of another salt
+    prefix_keys: list[str] = field(default_factory=list)  # proxy/prefix_keys.py: routing, and the decoder's /health
 
     def request(self, images: list[ImageRef]) -> GenerateRequest:
         return GenerateRequest(messages=self.messages, prompt=self.prompt, echo=self.echo, images=images,
                                sampling=self.sampling, response_format=self.response_format, tools=self.tools,
-                               tool_choice=self.tool_choice)
+                               tool_choice=self.tool_choice, cache_salt=self.cache_salt, prefix_keys=self.prefix_keys)
 
 
 def check_model(model: str, served: str | None) -> None:
@@ -120,6 +123,8 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
     _check_image_count(req, cfg)
     messages, images = _render_messages(req)
     items = _load_images(images, cfg, deadline, multi_image_item(family, len(images)))
+    salt = req.cache_salt or ""
     return PreparedChat(messages=messages, items=items, sampling=sampling,
                         response_format=features.response_format, tools=features.tools,
-                        tool_choice=features.tool_choice)
+                        tool_choice=features.tool_choice, cache_salt=salt,
+                        prefix_keys=chat_prefix_keys(messages, [it.mm_hash for it in items], features.tools, salt))

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from epd_common.errors import bad_request
-from epd_contracts.generate import MAX_SCHEMA_BYTES, MAX_TOOLS, ResponseFormat, ToolChoice
+from epd_contracts.generate import MAX_CACHE_SALT_CHARS, MAX_SCHEMA_BYTES, MAX_TOOLS, ResponseFormat, ToolChoice
 from epd_contracts.limits import MAX_MESSAGES, MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PARTS_PER_MESSAGE, parts_error
 from epd_contracts.sampling import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from proxy.sampling_fields import contract_sampling, not_sampling, refuse, sampling_schema
@@ -63,6 +63,11 @@ class Message(BaseModel):
     name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant turns
     tool_call_id: str | None = Field(default=None, max_length=MAX_NAME_CHARS)  # tool turns: the call answered
+
+
+# vLLM's cache_salt: prefix-cached K/V is shared only between requests with the same salt (none: everyone's)
+CacheSalt = Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS,
+                                        description="requests share cached prompt K/V only with the same salt")]
 
 
 class StreamOptions(BaseModel):
@@ -145,6 +150,7 @@ class ChatCompletionRequest(BaseModel):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    cache_salt: CacheSalt = None
     # the sampling fields (proxy/sampling_fields.py) are read from the extra fields by sampling(), checked by the contract alone
 
     @field_validator("messages")

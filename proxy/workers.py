@@ -5,7 +5,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from epd_common.errors import APIError
+from proxy.affinity import HeldPrefixes, Route, choose, least_loaded
 
 logger = logging.getLogger("epd.proxy")
 T = TypeVar("T")
@@ -88,6 +89,7 @@ class Worker:
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when marked down: in-flight calls give up
     reason: str = "not probed yet"
     logged_at: float = float("-inf")  # monotonic time its unreachability was last logged (rate limit)
+    prefixes: HeldPrefixes = field(default_factory=HeldPrefixes)  # decoders: prompt prefixes it holds (affinity)
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "load": self.load,
@@ -121,12 +123,16 @@ class Workers:
 
     Pairing: the first healthy worker that reports a `model_identity` fixes the fleet's; a worker whose
     identity differs is never taken into service (logged with both). A worker that reports none is
-    unknown: taken, with a warning (older workers and test fakes report none)."""
+    unknown: taken, with a warning (older workers and test fakes report none).
+
+    Decoders are chosen by prefix affinity (proxy/affinity.py) within `load_gap` of the least-loaded one; a
+    `load_gap` of None: by load alone. `on_route` hears how each choice was made (the affinity metric)."""
 
     def __init__(self, client: httpx.AsyncClient, interval: float, timeout: float, failures_to_down: int,
-                 on_up: Callable[[Worker], None], on_down: Callable[[Worker], None]):
+                 on_up: Callable[[Worker], None], on_down: Callable[[Worker], None], load_gap: int | None = None,
+                 on_route: Callable[[Route], None] | None = None):
         self.client, self.interval, self.timeout, self.failures_to_down = client, interval, timeout, failures_to_down
-        self.on_up, self.on_down = on_up, on_down
+        self.on_up, self.on_down, self.load_gap, self.on_route = on_up, on_down, load_gap, on_route
         self.by_url: dict[str, Worker] = {}
         self.identity: dict[str, Any] | None = None  # the fleet's model, fixed by its first healthy worker
         self.model_name: str | None = None  # served_name of the first healthy worker's /health `model`
@@ -186,6 +192,7 @@ class Workers:
 
     async def probe(self, worker: Worker) -> bool:
         """One GET /health; True if healthy now."""
+        mark = worker.prefixes.probe_started()
         try:
             resp = await self.client.get(f"{worker.url}/health", timeout=self.timeout)
             ok, info = resp.status_code == 200, (resp.json() if resp.status_code == 200 else {})
@@ -202,6 +209,8 @@ class Workers:
             return False
         if ok:
             worker.failures, worker.info = 0, dict(info)
+            if worker.role == "decoder":
+                worker.prefixes.update(info.get("prefix_cache"), mark)
             if self.model_name is None and isinstance(info.get("model"), str):
                 self.model_name = served_name(info["model"])
             if not worker.healthy:
@@ -248,12 +257,18 @@ class Workers:
                 return f"no healthy {role} ({reasons})"
         return None
 
-    def acquire_decoder(self, exclude: set[str]) -> Worker:
-        """The healthy decoder with the fewest generations in flight, not in `exclude`; its load goes up by one."""
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = ()) -> Worker:
+        """A healthy decoder not in `exclude`, by prefix affinity for a request with `prefix_keys` (by load alone
+        when affinity is off); its load goes up by one."""
         candidates = [w for w in self.healthy("decoder") if w.url not in exclude]
         if not candidates:
             raise APIError(503, "no healthy decoder is available", code="decoder_unavailable")
-        worker = min(candidates, key=lambda w: w.load)
+        if self.load_gap is None:
+            worker = least_loaded(candidates)
+        else:
+            worker, route = choose(candidates, prefix_keys, self.load_gap)
+            if self.on_route is not None:
+                self.on_route(route)
         worker.load += 1
         return worker
 

@@ -206,3 +206,39 @@ def test_a_stopped_group_restarts_nothing() -> None:
     group.stop()
     group.check(w, 0.0)
     assert w.restart_at is None and w.proc.returncode == 3
+
+
+class RecordingGroup:
+    """Records what spawn_workers would start."""
+
+    def __init__(self) -> None:
+        self.spawned: list[tuple[str, list[str]]] = []
+
+    def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str],
+              env: dict[str, str] | None = None) -> Worker:
+        self.spawned.append((role, extra))
+        return type("Spawned", (), {"url": f"http://{host}:{len(self.spawned)}"})()
+
+    def wait_healthy(self, timeout: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("given", [None, "0", "1048576"])
+def test_prefix_cache_bytes_goes_to_the_spawned_decoders_only_when_given(given: str | None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from decoder_service.cli import parse_args as decoder_args
+    from decoder_service.config import DecoderConfig
+
+    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
+    monkeypatch.setenv("EPD_INSECURE", "1")
+    _, args = parse_args(["--num-decoders", "2", *(["--prefix-cache-bytes", given] if given else [])])
+    group = RecordingGroup()
+    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    decoders = [extra for role, extra in group.spawned if role == "decoder"]
+    encoders = [extra for role, extra in group.spawned if role == "encoder"]
+    assert len(decoders) == 2 and all("--prefix-cache-bytes" not in extra for extra in encoders)
+    expected = DecoderConfig().prefix_cache_bytes if given is None else int(given)
+    for extra in decoders:
+        assert ("--prefix-cache-bytes" in extra) == (given is not None)
+        assert decoder_args([a for a in extra if a != "--device" and not a.startswith("cuda:")]) \
+            .prefix_cache_bytes == expected

@@ -107,3 +107,29 @@ def test_vllm_prefill_servers_urls_meaning_no_prefill_stage_is_accepted(value: s
 def test_a_real_prefill_url_is_a_clear_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     err = usage_error(parse_args, [*ATTACH, "--prefill-servers-urls", "http://p:8100"], capsys)
     assert "argument --prefill-servers-urls" in err and "separate prefill stage is not supported" in err
+
+
+def test_prefix_affinity_flags_work_in_both_modes_and_reach_the_proxy_config() -> None:
+    from epd_launcher.cli import _config
+
+    for mode in ([], ["--model", "demo"], ATTACH):
+        _, args = parse_args(mode)
+        cfg = _config(args, ("http://e:1",), ("http://d:2",), None, None)
+        assert cfg.prefix_affinity and cfg.affinity_load_gap == 4  # the defaults
+        _, args = parse_args([*mode, "--no-prefix-affinity", "--affinity-load-gap", "0"])
+        cfg = _config(args, ("http://e:1",), ("http://d:2",), None, None)
+        assert not cfg.prefix_affinity and cfg.affinity_load_gap == 0
+
+
+@pytest.mark.parametrize("argv", [["--affinity-load-gap", "-1"], ["--prefix-cache-bytes", "-5"],
+                                  ["--affinity-load-gap", "many"]])
+def test_negative_or_non_numeric_affinity_and_cache_sizes_are_usage_errors(argv: list[str],
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert f"argument {argv[0]}" in usage_error(parse_args, argv, capsys)
+
+
+def test_prefix_cache_bytes_is_a_launcher_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(["--prefix-cache-bytes", "0"])[1].prefix_cache_bytes == 0
+    assert parse_args([])[1].prefix_cache_bytes is None  # not given: the decoders keep their own default
+    err = usage_error(parse_args, [*ATTACH, "--prefix-cache-bytes", "1024"], capsys)
+    assert "launcher-mode flags (--prefix-cache-bytes)" in err

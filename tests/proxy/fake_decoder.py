@@ -55,20 +55,28 @@ def script(body: dict[str, Any], cached_tokens: int = 0) -> list[dict[str, Any]]
 
 
 class FakeDecoder(LoopbackServer):
-    """GET /health: a healthy decoder serving "demo"; POST /generate: `script`'s events as NDJSON."""
+    """GET /health: a healthy decoder serving "demo"; POST /generate: `script`'s events as NDJSON.
 
-    def __init__(self, cached_tokens: int = 0) -> None:
+    With `held` (a list, not None) it keeps a prefix cache, as the real decoder reports it: /health's
+    prefix_cache.keys are `held`, to which each request's prefix_keys are added once it is answered."""
+
+    def __init__(self, cached_tokens: int = 0, held: list[str] | None = None) -> None:
         self.bodies: list[dict[str, Any]] = []
-        self.cached_tokens = cached_tokens
+        self.cached_tokens, self.held = cached_tokens, held
         fake = self
 
         class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                self.send_body(200, json.dumps({"status": "ok", "model": "demo", "model_identity": IDENTITY}).encode())
+                health = {"status": "ok", "model": "demo", "model_identity": IDENTITY}
+                if fake.held is not None:
+                    health["prefix_cache"] = {"enabled": True, "block_size": 16, "keys": list(fake.held)}
+                self.send_body(200, json.dumps(health).encode())
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
                 fake.bodies.append(body)
+                if fake.held is not None:
+                    fake.held.extend(body.get("prefix_keys", []))
                 lines = "".join(json.dumps(ev) + "\n" for ev in script(body, fake.cached_tokens))
                 self.send_body(200, lines.encode(), "application/x-ndjson")
 

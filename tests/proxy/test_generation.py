@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
@@ -51,14 +51,16 @@ class FakeFleet:
         self.encode_calls: list[tuple[list[str], bool]] = []
         self.opened: list[tuple[str, dict[str, Any]]] = []
         self.failed: list[tuple[str, bool]] = []
+        self.released: list[tuple[str, list[str]]] = []  # (decoder, the keys it was told it holds now)
         self.cfg = type("Cfg", (), {"aggregated": False})()
         self.metrics = type("M", (), {"retries": type("C", (), {"inc": lambda self: None})()})()
 
-    def acquire_decoder(self, exclude: set[str]) -> Worker:
-        return self.workers.acquire_decoder(exclude)
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = ()) -> Worker:
+        return self.workers.acquire_decoder(exclude, prefix_keys)
 
-    def release_decoder(self, worker: Worker) -> None:
+    def release_decoder(self, worker: Worker, finished_keys: Sequence[str] = ()) -> None:
         worker.load -= 1
+        self.released.append((worker.url, list(finished_keys)))
 
     def decoder_failed(self, worker: Worker, reason: str, mark_down: bool) -> None:
         self.failed.append((worker.url, mark_down))
@@ -165,3 +167,21 @@ def test_an_unreadable_event_becomes_an_error_event_that_ends_the_stream(bad: st
     error = events[position]
     assert error["type"] == "error" and "unreadable event" in error["message"]
     assert events[:position] == [delta("hi")] * position
+
+
+def test_only_a_generation_that_finished_tells_its_decoder_holds_the_prompt() -> None:
+    chat = PreparedChat(messages=CHAT.messages, items=CHAT.items, sampling=CHAT.sampling, prefix_keys=["k0"])
+
+    async def released(script: dict[str, list[Any]]) -> list[tuple[str, list[str]]]:
+        fleet = FakeFleet(script)
+        gen = Generation(fleet, chat, "rid")  # type: ignore[arg-type]
+        await gen.open(SOURCES)
+        [ev async for ev in gen.events()]
+        await gen.close()
+        return fleet.released
+
+    assert asyncio.run(released({"d0": [WorkerFailed("ConnectError")], "d1": [FakeStream([delta("x"), DONE])]})) \
+        == [("d0", []), ("d1", ["k0"])]
+    assert asyncio.run(released({"d0": [FakeStream([delta("x")], drop=True)]})) == [("d0", [])]
+    error = {"type": "error", "message": "engine failed"}
+    assert asyncio.run(released({"d0": [FakeStream([delta("x"), DONE, error])]})) == [("d0", [])]
