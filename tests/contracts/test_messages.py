@@ -34,6 +34,11 @@ def test_generate_request_round_trips() -> None:
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}', "max_tokens"),
     (b'{"messages": [{"role": "user", "content": [' + b",".join([b"{}"] * (MAX_PARTS_PER_MESSAGE + 1)) + b"]}]}",
      "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "cache_salt": "' + b"s" * 257 + b'"}', "cache_salt"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "prefix_keys": ["' + b"k" * 65 + b'"]}', "prefix_keys.0"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "prefix_keys": [""]}', "prefix_keys.0"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "prefix_keys": [' + b",".join([b'"k"'] * 100_000) + b"]}",
+     "prefix_keys"),
     (b"{not json", None),
 ])
 def test_generate_request_refusals_name_the_field(body: bytes, param: str | None) -> None:
