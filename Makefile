@@ -15,7 +15,7 @@ NUM_DECODERS ?= 1
 # more disagg-epd-proxy flags for make run, e.g. ARGS="--aggregated --log-level debug"
 ARGS ?=
 
-.PHONY: install run test lint demo-model bench clean
+.PHONY: install run test lint demo-model bench bench-prefix clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ $(TSERVE_VENV)/.installed:
 
 bench: install $(TSERVE_VENV)/.installed
 	$(BIN)/python -m epd_bench.compare $(BENCH_ARGS)
+	$(BIN)/python -m epd_bench.prefix_compare $(BENCH_PREFIX_ARGS)
+
+# The decoder's prefix cache on and off, EPD and aggregated, on bench-lm (docs/BENCHMARKS.md, prefix-bench section);
+# about 6 minutes on 2 cores
+bench-prefix: install
+	$(BIN)/python -m epd_bench.prefix_compare $(BENCH_PREFIX_ARGS)
 
 # On a machine with a GPU (a .venv with a CUDA torch): the parity and device tests on cuda, then EPD and the
 # aggregated decoder side by side; about 5 minutes. Writes runs/gpu-check/gpu_check.{md,json} and logs.tar.gz.

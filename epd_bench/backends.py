@@ -7,7 +7,9 @@
   `--aggregated` decoder accepts; text-only requests work with any decoder.
 
 TTFT is the time to the first chunk carrying generated text: the proxy sends an empty role chunk
-before generation starts, and counting that (as vLLM's client does) would time nothing.
+before generation starts, and counting that (as vLLM's client does) would time nothing. A request is
+its sample's system message, then `history` (earlier turns of a multi-turn conversation), then the
+sample's own user turn; the answer's usage gives prompt, output and cached prompt tokens.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class RequestInput:
     temperature: float = 0.0
     api_key: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    history: tuple[dict[str, Any], ...] = ()  # OpenAI messages between the system message and this turn
 
 
 @dataclass
@@ -40,6 +43,8 @@ class RequestOutput:
     generated_text: str = ""
     prompt_tokens: int = 0  # from the server's usage; 0 when it reports none
     output_tokens: int = 0  # usage.completion_tokens, else the number of text chunks
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens the server reused
+    turn: int = 1  # 1-based turn of its conversation (1 outside the multi-turn workload)
     ttft: float = 0.0  # seconds
     itl: list[float] = field(default_factory=list)  # seconds between consecutive text chunks
     latency: float = 0.0  # seconds, request sent -> last byte
@@ -70,6 +75,8 @@ class _Timer:
         self.out.latency = time.perf_counter() - self.start
         self.out.prompt_tokens = int((usage or {}).get("prompt_tokens", 0))
         self.out.output_tokens = int((usage or {}).get("completion_tokens", 0)) or self.chunks
+        details = (usage or {}).get("prompt_tokens_details") or {}  # OpenAI's place; the decoder's is top level
+        self.out.cached_tokens = int(details.get("cached_tokens", (usage or {}).get("cached_tokens", 0)) or 0)
         self.out.success = self.out.output_tokens > 0
         if self.chunks == 0:  # tokens but no visible text (e.g. all special): the answer came at the end
             self.out.ttft = self.out.latency
@@ -81,11 +88,21 @@ def _headers(inp: RequestInput) -> dict[str, str]:
     return {"Authorization": f"Bearer {inp.api_key}"} if inp.api_key else {}
 
 
+def user_message(sample: SampleRequest) -> dict[str, Any]:
+    """The sample's user turn: its images, then its text."""
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in sample.images]
+    content.append({"type": "text", "text": sample.prompt})
+    return {"role": "user", "content": content}
+
+
+def chat_messages(inp: RequestInput) -> list[dict[str, Any]]:
+    system = [{"role": "system", "content": inp.sample.system}] if inp.sample.system else []
+    return [*system, *inp.history, user_message(inp.sample)]
+
+
 def _chat_body(inp: RequestInput) -> dict[str, Any]:
-    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in inp.sample.images]
-    content.append({"type": "text", "text": inp.sample.prompt})
     body: dict[str, Any] = {
-        "model": inp.model, "messages": [{"role": "user", "content": content}], "stream": True,
+        "model": inp.model, "messages": chat_messages(inp), "stream": True,
         "stream_options": {"include_usage": True}, "max_tokens": inp.sample.output_len,
         "temperature": inp.temperature,
     }
@@ -136,15 +153,21 @@ async def openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestOu
 
 
 def _decoder_body(inp: RequestInput) -> dict[str, Any]:
-    images = []
-    for url in inp.sample.images:
-        b64 = url.split(",", 1)[1]
+    """The chat messages with every image part replaced by {"type": "image"} and its bytes sent inline."""
+    images: list[dict[str, Any]] = []
+
+    def part(p: dict[str, Any]) -> dict[str, Any]:
+        if p["type"] != "image_url":
+            return p
+        b64 = p["image_url"]["url"].split(",", 1)[1]
         images.append({"mm_hash": hashlib.sha256(b64.encode()).hexdigest(), "data": b64})
-    content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
-    content.append({"type": "text", "text": inp.sample.prompt})
+        return {"type": "image"}
+
+    messages = [m if isinstance(m["content"], str) else {**m, "content": [part(p) for p in m["content"]]}
+                for m in chat_messages(inp)]
     sampling = {"max_tokens": inp.sample.output_len, "temperature": inp.temperature, "ignore_eos": inp.ignore_eos,
                 **inp.extra_body}  # the decoder's sampling contract (epd_contracts.sampling)
-    return {"messages": [{"role": "user", "content": content}], "images": images, "sampling": sampling}
+    return {"messages": messages, "images": images, "sampling": sampling}
 
 
 async def _read_ndjson(lines: AsyncIterator[str], timer: _Timer) -> None:

@@ -2,7 +2,9 @@
 
 Every image is random noise (so no two distinct images share bytes, and therefore an `mm_hash`); a
 "repeated" image is the very same bytes as one an earlier request sent, which is what lets an
-embedding cache skip it. The whole dataset is a pure function of its spec and seed.
+embedding cache skip it. With `system_prompt_len` every request also carries the same system message
+(the `shared-prefix` workload, which a prefix cache serves from its cache). The whole dataset is a pure
+function of its spec and seed.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-# NOTE: plain, common words: most tokenizers give about one token per word for these
+# NOTE: plain, common words: most tokenizers give about one token per word for these (the bench models' small
+# BPE about 3.5)
 WORDS = (
     "the a of and to in is it that was for on are with as his they be at one have this from or had by "
     "word but what some we can out other were all there when up use your how said an each she which do "
@@ -41,12 +44,14 @@ class DatasetSpec:
     repeat_ratio: float = 0.0  # share of image slots that reuse an image an earlier request sent
     image_format: str = "jpeg"
     seed: int = 0
+    system_prompt_len: int = 0  # words of the system message every request carries (0: none)
 
     def __post_init__(self) -> None:
         assert 0.0 <= self.repeat_ratio <= 1.0, "repeat_ratio must be in [0, 1]"
         assert 0.0 <= self.range_ratio < 1.0, "range_ratio must be in [0, 1)"
         assert self.image_format in ("jpeg", "png"), "image_format is jpeg or png"
         assert self.num_prompts >= 0 and self.images_per_request >= 0, "counts must be >= 0"
+        assert self.system_prompt_len >= 0, "system_prompt_len must be >= 0"
 
 
 @dataclass(frozen=True)
@@ -55,9 +60,23 @@ class SampleRequest:
     images: tuple[str, ...]  # data: URLs, in order
     image_ids: tuple[int, ...]  # which distinct image each one is (a repeat shares its id)
     output_len: int
+    system: str = ""  # the system message's text; "" sends none
 
 
-def _length(rng: random.Random, base: int, ratio: float) -> int:
+def random_words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def system_prompt(spec: DatasetSpec, warm_up: bool = False) -> str:
+    """The system message of every request ("" when system_prompt_len is 0); warm-ups get one of their own.
+
+    NOTE: drawn from its own generator, so adding a system prompt leaves the rest of the dataset as it was."""
+    if spec.system_prompt_len == 0:
+        return ""
+    return random_words(random.Random(f"system-{spec.seed}-{warm_up}"), spec.system_prompt_len)
+
+
+def draw_length(rng: random.Random, base: int, ratio: float) -> int:
     lo, hi = int(base * (1 - ratio)), int(base * (1 + ratio))
     return max(1, rng.randint(lo, hi)) if hi > lo else max(1, base)
 
@@ -71,7 +90,7 @@ def noise_image(spec: DatasetSpec, image_id: int) -> str:
     return f"data:image/{spec.image_format};base64,{base64.b64encode(buf.getvalue()).decode()}"
 
 
-class _ImagePicker:
+class ImagePicker:
     """Per image slot: a repeat of an earlier image with probability repeat_ratio, else a new one."""
 
     def __init__(self, spec: DatasetSpec, rng: random.Random, first_id: int):
@@ -96,19 +115,20 @@ class _ImagePicker:
 
 
 def build_dataset(spec: DatasetSpec, num_warmups: int = 0) -> tuple[list[SampleRequest], list[SampleRequest]]:
-    """(warm-up requests, measured requests). Warm-ups use their own images, never seen again."""
+    """(warm-up requests, measured requests). Warm-ups use their own images and system prompt, never seen again."""
     rng = random.Random(spec.seed)
-    warm_picker = _ImagePicker(spec, random.Random(spec.seed + 1), first_id=1_000_000_000)
-    picker = _ImagePicker(spec, rng, first_id=0)
+    warm_picker = ImagePicker(spec, random.Random(spec.seed + 1), first_id=1_000_000_000)
+    picker = ImagePicker(spec, rng, first_id=0)
 
-    def sample(p: _ImagePicker, allow_repeats: bool) -> SampleRequest:
-        words = " ".join(rng.choice(WORDS) for _ in range(_length(rng, spec.input_len, spec.range_ratio)))
-        ids = p.pick(spec.images_per_request, allow_repeats)
+    def sample(p: ImagePicker, warm_up: bool) -> SampleRequest:
+        words = random_words(rng, draw_length(rng, spec.input_len, spec.range_ratio))
+        ids = p.pick(spec.images_per_request, allow_repeats=not warm_up)
         return SampleRequest(prompt=words, images=tuple(p.urls[i] for i in ids), image_ids=ids,
-                             output_len=_length(rng, spec.output_len, spec.range_ratio))
+                             output_len=draw_length(rng, spec.output_len, spec.range_ratio),
+                             system=system_prompt(spec, warm_up))
 
-    warmups = [sample(warm_picker, allow_repeats=False) for _ in range(num_warmups)]
-    return warmups, [sample(picker, allow_repeats=True) for _ in range(spec.num_prompts)]
+    warmups = [sample(warm_picker, warm_up=True) for _ in range(num_warmups)]
+    return warmups, [sample(picker, warm_up=False) for _ in range(spec.num_prompts)]
 
 
 def repeat_share(requests: list[SampleRequest]) -> float:

@@ -1,4 +1,8 @@
-"""epd-bench's summary of a run: throughput, goodput and latency statistics, named as `vllm bench serve` names them."""
+"""epd-bench's summary of a run: throughput, goodput and latency statistics, named as `vllm bench serve` names them.
+
+Besides vLLM's fields: cached prompt tokens (what a prefix or embedding cache let the server skip), and the
+multi-turn workload's split of TTFT by turn (turn 1 has no history to reuse; turns 2+ resend it all).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,6 +29,12 @@ class BenchmarkMetrics:
     output_throughput: float  # output tokens/s
     total_token_throughput: float  # (prompt + output) tokens/s
     latency: dict[str, dict[str, float]] = field(default_factory=dict)  # metric -> mean/median/std/pXX, ms
+    mean_cached_tokens: float = 0.0  # usage.prompt_tokens_details.cached_tokens, per successful request
+    # successful requests by turn (None: no such request; every request is turn 1 outside multi-turn)
+    mean_ttft_ms_turn1: float | None = None
+    mean_ttft_ms_turn2plus: float | None = None
+    mean_cached_tokens_turn2plus: float | None = None
+    mean_prompt_tokens_turn2plus: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         flat: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "latency"}
@@ -57,6 +67,19 @@ def is_good(out: RequestOutput, slos_ms: dict[str, float]) -> bool:
     return out.success and all(values[name] * 1000.0 <= limit for name, limit in slos_ms.items())
 
 
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def turn_means(ok: list[RequestOutput]) -> dict[str, float | None]:
+    """BenchmarkMetrics' per-turn fields for these successful requests."""
+    later = [o for o in ok if o.turn >= 2]
+    return {"mean_ttft_ms_turn1": _mean([o.ttft * 1000.0 for o in ok if o.turn == 1]),
+            "mean_ttft_ms_turn2plus": _mean([o.ttft * 1000.0 for o in later]),
+            "mean_cached_tokens_turn2plus": _mean([float(o.cached_tokens) for o in later]),
+            "mean_prompt_tokens_turn2plus": _mean([float(o.prompt_tokens) for o in later])}
+
+
 def calculate_metrics(outputs: list[RequestOutput], duration: float, percentiles: list[float],
                       slos_ms: dict[str, float] | None = None,
                       selected: tuple[str, ...] = LATENCY_METRICS) -> BenchmarkMetrics:
@@ -71,6 +94,7 @@ def calculate_metrics(outputs: list[RequestOutput], duration: float, percentiles
         request_throughput=len(ok) / duration, request_goodput=goodput,
         output_throughput=total_out / duration, total_token_throughput=(total_in + total_out) / duration,
         latency={m: _stats(samples[m], percentiles) for m in selected},
+        mean_cached_tokens=_mean([float(o.cached_tokens) for o in ok]) or 0.0, **turn_means(ok),
     )
 
 
@@ -106,6 +130,13 @@ def format_report(m: BenchmarkMetrics, title: str = "Serving Benchmark Result") 
         row("Request goodput (req/s):", m.request_goodput)
     row("Output token throughput (tok/s):", m.output_throughput)
     row("Total token throughput (tok/s):", m.total_token_throughput)
+    row("Mean cached prompt tokens:", m.mean_cached_tokens)
+    if m.mean_ttft_ms_turn2plus is not None:
+        lines.append(f"{' Multi-turn ':-^60}")
+        row("Mean TTFT, turn 1 (ms):", m.mean_ttft_ms_turn1 or 0.0)
+        row("Mean TTFT, turns 2+ (ms):", m.mean_ttft_ms_turn2plus)
+        row("Mean prompt tokens, turns 2+:", m.mean_prompt_tokens_turn2plus or 0.0)
+        row("Mean cached prompt tokens, turns 2+:", m.mean_cached_tokens_turn2plus or 0.0)
     for metric, stats in m.latency.items():
         lines.append(f"{' ' + METRIC_TITLES[metric] + ' ':-^60}")
         for stat, value in stats.items():

@@ -291,10 +291,10 @@ def render_section(summary: dict[str, Any], plot_paths: dict[str, list[Path]], d
     return "\n".join(lines)
 
 
-def replace_section(text: str, section: str) -> str:
-    """Swap the marked section; with no markers yet, put it after the title and intro (before the first ##)."""
-    if BEGIN in text and END in text:
-        return re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: section, text, count=1, flags=re.S)
+def replace_section(text: str, section: str, begin: str = BEGIN, end: str = END) -> str:
+    """Swap the section marked begin..end; with no markers yet, put it after the title and intro (before the first ##)."""
+    if begin in text and end in text:
+        return re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: section, text, count=1, flags=re.S)
     head, sep, rest = text.partition("\n## ")
     return f"{head.rstrip()}\n\n{section}\n\n## {rest}" if sep else f"{text.rstrip()}\n\n{section}\n"
 

@@ -2,6 +2,13 @@
 
     epd-bench --base-url http://127.0.0.1:8000 --model bench --num-prompts 50 \\
               --images-per-request 2 --repeat-ratio 0.5 --request-rate 2 --save-result --plot plots/
+    epd-bench --base-url ... --dataset multi-turn --conversations 8 --turns 4 --max-concurrency 4
+    epd-bench --base-url ... --dataset shared-prefix --system-prompt-len 300 --max-concurrency 4
+
+Datasets: `random` (independent prompts, images optionally repeated), `multi-turn` (conversations that
+resend their history with the server's answers, interleaved up to --max-concurrency; see
+epd_bench/conversations.py) and `shared-prefix` (`random` where every request starts with the same
+system message of --system-prompt-len words; no images unless asked).
 
 Flags follow `vllm bench serve` where the same thing exists. Requests are sent at Poisson times
 (`--request-rate`, gamma-distributed gaps with `--burstiness` != 1; `inf`: all at once), optionally
@@ -18,6 +25,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -27,6 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from epd_bench.backends import BACKENDS, RequestInput, RequestOutput
+from epd_bench.conversations import MultiTurnSpec, build_conversations, run_conversations
 from epd_bench.dataset import DatasetSpec, SampleRequest, build_dataset, repeat_share
 from epd_bench.metrics import (
     LATENCY_METRICS,
@@ -36,6 +45,8 @@ from epd_bench.metrics import (
     parse_goodput,
     tpot,
 )
+
+DATASETS = ("random", "multi-turn", "shared-prefix")
 
 
 def arrival_offsets(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -103,7 +114,6 @@ async def _warm_up(client: httpx.AsyncClient, inputs: list[RequestInput], backen
 async def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], BenchmarkMetrics]:
     """Run the whole benchmark described by parsed flags; returns the result JSON and its metrics."""
     spec = dataset_spec(args)
-    warm, samples = build_dataset(spec, args.num_warmups)
     url = _base_url(args)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -112,39 +122,71 @@ async def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Benchmark
         if model is None and args.backend == "openai-chat":
             model = await _served_model(client, url, args.api_key)
 
-        def inputs(batch: list[SampleRequest]) -> list[RequestInput]:
-            return [RequestInput(url=url, model=model or "", sample=s, ignore_eos=args.ignore_eos,
-                                 temperature=args.temperature, api_key=args.api_key, extra_body=args.extra_body)
-                    for s in batch]
+        def request(s: SampleRequest, history: tuple[dict[str, Any], ...] = ()) -> RequestInput:
+            return RequestInput(url=url, model=model or "", sample=s, ignore_eos=args.ignore_eos,
+                                temperature=args.temperature, api_key=args.api_key, extra_body=args.extra_body,
+                                history=history)
 
-        await _warm_up(client, inputs(warm), args.backend)
-        offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)
-        outputs, duration = await _send_all(client, inputs(samples), offsets, args)
+        if isinstance(spec, MultiTurnSpec):
+            outputs, duration, samples = await _run_multi_turn(client, spec, request, args)
+        else:
+            warm, samples = build_dataset(spec, args.num_warmups)
+            await _warm_up(client, [request(s) for s in warm], args.backend)
+            offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)
+            outputs, duration = await _send_all(client, [request(s) for s in samples], offsets, args)
     metrics = calculate_metrics(outputs, duration, args.metric_percentiles, args.goodput, args.percentile_metrics)
     return _result(args, url, model, spec, samples, outputs, metrics.to_json()), metrics
 
 
-def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+async def _run_multi_turn(client: httpx.AsyncClient, spec: MultiTurnSpec,
+                          request: Callable[[SampleRequest, tuple[dict[str, Any], ...]], RequestInput],
+                          args: argparse.Namespace) -> tuple[list[RequestOutput], float, list[SampleRequest]]:
+    """Warm up with one-turn conversations, then run the conversations; conversations start at the arrival times."""
+    warm, conversations = build_conversations(spec, args.num_warmups)
+    await _warm_up(client, [request(c.turns[0], ()) for c in warm], args.backend)
+    func = BACKENDS[args.backend]
+    bar = tqdm(total=spec.conversations * spec.turns, disable=args.disable_tqdm, file=sys.stderr, desc="turns")
+
+    async def send(sample: SampleRequest, history: tuple[dict[str, Any], ...]) -> RequestOutput:
+        out: RequestOutput = await func(client, request(sample, history))
+        return out
+
+    offsets = arrival_offsets(len(conversations), args.request_rate, args.burstiness, args.seed)
+    try:
+        outputs, duration = await run_conversations(conversations, offsets, args.max_concurrency, send,
+                                                    on_done=lambda: bar.update(1))
+    finally:
+        bar.close()
+    return outputs, duration, [s for c in conversations for s in c.turns]
+
+
+def dataset_spec(args: argparse.Namespace) -> DatasetSpec | MultiTurnSpec:
     width, height = args.image_size
-    return DatasetSpec(num_prompts=args.num_prompts, input_len=args.random_input_len,
+    spec = DatasetSpec(num_prompts=args.num_prompts, input_len=args.random_input_len,
                        output_len=args.random_output_len, range_ratio=args.random_range_ratio,
                        images_per_request=args.images_per_request, image_width=width, image_height=height,
-                       repeat_ratio=args.repeat_ratio, image_format=args.image_format, seed=args.seed)
+                       repeat_ratio=args.repeat_ratio, image_format=args.image_format, seed=args.seed,
+                       system_prompt_len=args.system_prompt_len)
+    if args.dataset == "multi-turn":
+        return MultiTurnSpec(spec, args.conversations, args.turns)
+    return spec
 
 
-def _result(args: argparse.Namespace, url: str, model: str | None, spec: DatasetSpec, samples: list[SampleRequest],
-            outputs: list[RequestOutput], metrics: dict[str, Any]) -> dict[str, Any]:
+def _result(args: argparse.Namespace, url: str, model: str | None, spec: DatasetSpec | MultiTurnSpec,
+            samples: list[SampleRequest], outputs: list[RequestOutput], metrics: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "base_url": url,
-        "model_id": model, "label": args.label, "num_prompts": args.num_prompts,
+        "model_id": model, "label": args.label, "num_prompts": len(samples),
         "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
-        "dataset": spec.__dict__, "repeat_share": repeat_share(samples), "goodput_slos_ms": args.goodput,
+        "dataset_name": args.dataset, "dataset": spec.to_json() if isinstance(spec, MultiTurnSpec) else spec.__dict__,
+        "repeat_share": repeat_share(samples), "goodput_slos_ms": args.goodput,
         **metrics,
         "input_lens": [o.prompt_tokens for o in outputs], "output_lens": [o.output_tokens for o in outputs],
         "ttfts": [o.ttft for o in outputs], "tpots": [tpot(o) for o in outputs], "itls": [o.itl for o in outputs],
         "e2els": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
         "successes": [o.success for o in outputs], "errors": [o.error for o in outputs],
+        "turns": [o.turn for o in outputs], "cached_tokens": [o.cached_tokens for o in outputs],
     }
     if args.save_detailed:
         result["generated_texts"] = [o.generated_text for o in outputs]
@@ -200,12 +242,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=None, help="the `model` to send (default: the first of GET /v1/models)")
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (env OPENAI_API_KEY)")
     t.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for a response or a chunk")
-    d = p.add_argument_group("random multimodal dataset")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", choices=DATASETS, default="random",
+                   help="random: independent prompts; multi-turn: conversations resending their history; "
+                        "shared-prefix: random, every request with the same system message")
     d.add_argument("--num-prompts", type=int, default=100)
-    d.add_argument("--random-input-len", type=int, default=32, help="words of text per prompt (~1 token each)")
+    d.add_argument("--random-input-len", type=int, default=32,
+                   help="words of text per prompt (multi-turn: per question; ~1 token each, ~3.5 for bench models)")
     d.add_argument("--random-output-len", type=int, default=64, help="max_tokens per request")
     d.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
-    d.add_argument("--images-per-request", type=int, default=1)
+    d.add_argument("--images-per-request", type=int, default=None,
+                   help="default 1 (multi-turn: in the first turn), shared-prefix 0")
+    d.add_argument("--system-prompt-len", type=int, default=None,
+                   help="words of the system message every request carries; default 0, shared-prefix 256")
+    d.add_argument("--conversations", type=int, default=None,
+                   help="multi-turn: conversations (default: --num-prompts / --turns, rounded up)")
+    d.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     d.add_argument("--image-size", type=_image_size, default=(224, 224), help="N or WxH pixels")
     d.add_argument("--image-format", choices=["jpeg", "png"], default="jpeg")
     d.add_argument("--repeat-ratio", type=float, default=0.0,
@@ -218,8 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (Poisson); inf: all at once")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
-    load.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    load.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one first, not measured")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="at most this many requests (multi-turn: conversations) in flight; "
+                           "--request-rate sets when conversations start")
+    load.add_argument("--num-warmups", type=int, default=0,
+                      help="requests (multi-turn: one-turn conversations) sent one by one first, not measured")
     load.add_argument("--disable-tqdm", action="store_true")
     r = p.add_argument_group("results")
     r.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
@@ -237,6 +292,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dataset_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the flags whose default depends on --dataset, and check the dataset's own flags."""
+    shared = args.dataset == "shared-prefix"
+    if args.images_per_request is None:
+        args.images_per_request = 0 if shared else 1
+    if args.system_prompt_len is None:
+        args.system_prompt_len = 256 if shared else 0
+    if shared and args.system_prompt_len < 1:
+        p.error("--dataset shared-prefix needs --system-prompt-len >= 1")
+    if args.turns < 1:
+        p.error("--turns must be >= 1")
+    if args.conversations is None:
+        args.conversations = -(-args.num_prompts // args.turns)
+    for flag in ("num_prompts", "images_per_request", "system_prompt_len", "conversations"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
@@ -250,6 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-concurrency must be >= 1")
     if not 0.0 <= args.repeat_ratio <= 1.0:
         p.error("--repeat-ratio must be in [0, 1]")
+    _dataset_defaults(p, args)
     args.percentile_metrics = tuple(args.percentile_metrics)
     return args
 

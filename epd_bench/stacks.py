@@ -86,16 +86,20 @@ def _proxy(model_name: str, flags: tuple[str, ...]) -> ProcSpec:
     return _proc("proxy", argv, port, None, None)
 
 
-def aggregated(model_dir: Path, cores: int, pin: bool) -> SystemSpec:
+def aggregated(model_dir: Path, cores: int, pin: bool, decoder_flags: tuple[str, ...] = (),
+               name: str = "aggregated") -> SystemSpec:
+    """decoder_flags: more epd-decoder flags (e.g. `--prefix-cache-bytes 0`); name: the system's, in the results."""
     port = free_port()
     dec = _proc("decoder", _py("decoder_service.cli", "--model", str(model_dir), "--host", HOST, "--port",
-                               str(port), "--aggregated", "--log-level", "warning"),
+                               str(port), "--aggregated", "--log-level", "warning", *decoder_flags),
                 port, tuple(range(cores)) if pin else None, cores)
-    return SystemSpec("aggregated", (dec, _proxy("bench", ("--aggregated", "--decode-servers-urls", dec.url))),
+    return SystemSpec(name, (dec, _proxy("bench", ("--aggregated", "--decode-servers-urls", dec.url))),
                       "bench", decoder_url=dec.url)
 
 
-def epd(model_dir: Path, num_encoders: int, cores: int, pin: bool, decoder_all_cores: bool = False) -> SystemSpec:
+def epd(model_dir: Path, num_encoders: int, cores: int, pin: bool, decoder_all_cores: bool = False,
+        decoder_flags: tuple[str, ...] = (), name: str = "") -> SystemSpec:
+    """As aggregated(); name defaults to epd-<N>enc."""
     dec_cores, enc_cores = core_layout(num_encoders, cores)
     if decoder_all_cores:  # "overlap" pinning: encoders as in "split", the decoder may use every core
         dec_cores = tuple(range(cores))
@@ -108,10 +112,10 @@ def epd(model_dir: Path, num_encoders: int, cores: int, pin: bool, decoder_all_c
         encs.append(_proc(f"encoder{i}", argv, port, cpus if pin else None, len(cpus) if pin else threads_none))
     port = free_port()
     dec = _proc("decoder", _py("decoder_service.cli", "--model", str(model_dir), "--host", HOST, "--port",
-                               str(port), "--log-level", "warning"),
+                               str(port), "--log-level", "warning", *decoder_flags),
                 port, dec_cores if pin else None, len(dec_cores) if pin else threads_none)
     proxy = _proxy("bench", ("--encode-servers-urls", *(e.url for e in encs), "--decode-servers-urls", dec.url))
-    return SystemSpec(f"epd-{num_encoders}enc", (*encs, dec, proxy), "bench", decoder_url=dec.url)
+    return SystemSpec(name or f"epd-{num_encoders}enc", (*encs, dec, proxy), "bench", decoder_url=dec.url)
 
 
 def transformers_serve(exe: Path, model_dir: Path, eos_id: int, cores: int, pin: bool) -> SystemSpec:

@@ -1,9 +1,12 @@
-"""The "bench" model: a random LLaVA whose vision tower costs what a real one does, with a small LM.
+"""The "bench" models: random LLaVAs whose vision tower costs what a real one does.
 
 The vision tower is ViT-B/16 at 224x224 (CLIP hidden 768, 12 layers, 12 heads, MLP 3072: about 86M
-parameters, 196 image tokens per image); the LM is a 4-layer Llama with hidden 256, so on a CPU the
-encoder dominates time to first token the way it does for a real VLM, and decode stays cheap. The
-weights are random (no download, nothing to train): the benchmarks need the cost, not the answers.
+parameters, 196 image tokens per image). In `bench` the LM is a 4-layer Llama with hidden 256, so on a
+CPU the encoder dominates time to first token the way it does for a real VLM, and decode stays cheap.
+`bench-lm` has the same tower and an 8-layer Llama with hidden 512 (about 25M parameters): there a long
+prompt's prefill costs many times a request's fixed overhead (HTTP hops, a scheduler step), which is what
+a prefix cache saves and what `python -m epd_bench.prefix_compare` measures. The weights are random (no
+download, nothing to train): the benchmarks need the cost, not the answers.
 Built once into a cache directory (`$EPD_CACHE_DIR`, else `$XDG_CACHE_HOME/epd`, else `~/.cache/epd`)
 and reused; the directory name carries a digest of the spec, so a changed spec builds afresh.
 """
@@ -62,6 +65,11 @@ class BenchSpec:
 
 
 BENCH_SPEC = BenchSpec()
+# NOTE: sized so that, on 2 CPU cores, a 700-token first turn (system prompt, image, question) prefills in
+# about 1 s while a 1-word prompt's TTFT stays near 50 ms; 4 query heads share each K/V head, so a token's
+# K/V is 8 KiB and a decoder's preallocated slots stay small
+BENCH_LM_SPEC = BenchSpec(text_hidden=512, text_intermediate=1536, text_layers=8, text_heads=8, text_kv_heads=2)
+PRESETS: dict[str, BenchSpec] = {"bench": BENCH_SPEC, "bench-lm": BENCH_LM_SPEC}
 
 
 def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
@@ -104,17 +112,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "epd"
 
 
-def bench_model_dir(spec: BenchSpec = BENCH_SPEC) -> Path:
-    return cache_root() / "models" / f"bench-{spec.digest}"
+def bench_model_dir(spec: BenchSpec = BENCH_SPEC, name: str = "bench") -> Path:
+    return cache_root() / "models" / f"{name}-{spec.digest}"
 
 
-def ensure_bench_model(spec: BenchSpec = BENCH_SPEC) -> Path:
-    """The cached build of spec, building it first (a few seconds) if absent.
+def ensure_bench_model(spec: BenchSpec = BENCH_SPEC, name: str = "bench") -> Path:
+    """The cached build of spec (named `name` in the cache), building it first (seconds) if absent.
 
     NOTE: built in a temp dir beside the target and renamed into place, so a process that finds the
     directory always finds a whole model, even when two processes build at once.
     """
-    target = bench_model_dir(spec)
+    target = bench_model_dir(spec, name)
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -136,9 +144,11 @@ def ensure_bench_model(spec: BenchSpec = BENCH_SPEC) -> Path:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epd_builders.bench_model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="bench")
     p.add_argument("--out", type=Path, default=None, help="build here instead of the cache directory")
     args = p.parse_args(argv)
-    path = build_bench(BENCH_SPEC, args.out) if args.out else ensure_bench_model()
+    spec = PRESETS[args.preset]
+    path = build_bench(spec, args.out) if args.out else ensure_bench_model(spec, args.preset)
     print(path)
 
 

@@ -5,16 +5,16 @@ from pathlib import Path
 
 
 def resolve_model(name: str) -> Path:
-    """'demo' -> the bundled demo model; 'bench' -> the cached benchmark model (built on first use);
-    a directory -> itself; else a hub id (needs a network)."""
+    """'demo' -> the bundled demo model; 'bench' or 'bench-lm' -> a cached benchmark model (built on first
+    use; epd_builders/bench_model.py); a directory -> itself; else a hub id (needs a network)."""
     if name == "demo":
         from epd_models.demo import ensure_demo_model
 
         return ensure_demo_model()
-    if name == "bench":
-        from epd_builders.bench_model import ensure_bench_model
+    if name in ("bench", "bench-lm"):
+        from epd_builders.bench_model import PRESETS, ensure_bench_model
 
-        return ensure_bench_model()
+        return ensure_bench_model(PRESETS[name], name)
     path = Path(name).expanduser()
     if path.is_dir():
         return path
@@ -23,4 +23,4 @@ def resolve_model(name: str) -> Path:
 
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
     except Exception as exc:  # offline, unknown repo, ...
-        raise FileNotFoundError(f"model {name!r} is neither 'demo', 'bench', a local directory, nor a reachable hub id: {exc}") from exc
+        raise FileNotFoundError(f"model {name!r} is neither 'demo', 'bench', 'bench-lm', a local directory, nor a reachable hub id: {exc}") from exc

@@ -25,6 +25,7 @@ class FakeBehaviour:
     done_line: bool = True  # end with `data: [DONE]` (transformers serve does not)
     fail_every: int = 0  # answer every n-th request with a 500
     model: str = "fake-model"
+    tag_answers: bool = False  # answers read "r<request number>t<i> ...", so a test can tell them apart
 
 
 @dataclass
@@ -41,7 +42,7 @@ def _app(fake: FakeServer) -> FastAPI:
     app = FastAPI()
     b = fake.behaviour
 
-    async def tokens(n: int) -> AsyncIterator[str]:
+    async def tokens(n: int, tag: str = "") -> AsyncIterator[str]:
         fake.in_flight += 1
         fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
         try:
@@ -49,7 +50,7 @@ def _app(fake: FakeServer) -> FastAPI:
             for i in range(n):
                 if i:
                     await asyncio.sleep(b.itl_s)
-                yield f"t{i} "
+                yield f"{tag}t{i} "
         finally:
             fake.in_flight -= 1
 
@@ -64,17 +65,19 @@ def _app(fake: FakeServer) -> FastAPI:
         fake.auth.append(request.headers.get("authorization"))
         if b.fail_every and len(fake.bodies) % b.fail_every == 0:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
-        n = int(body["max_tokens"])
+        n, tag = int(body["max_tokens"]), f"r{len(fake.bodies)}" if b.tag_answers else ""
+        messages = body["messages"]
+        images = sum(1 for m in messages if isinstance(m["content"], list)
+                     for part in m["content"] if part["type"] == "image_url")
 
         async def sse() -> AsyncIterator[bytes]:
             chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
             yield f"data: {json.dumps(chunk)}\n\n".encode()  # before generation, as the EPD proxy does
-            async for text in tokens(n):
+            async for text in tokens(n, tag):
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': text}}]})}\n\n".encode()
-            if b.usage:
-                usage = {"prompt_tokens": 10 + 100 * sum(1 for part in body["messages"][0]["content"]
-                                                         if part["type"] == "image_url"),
-                         "completion_tokens": n, "total_tokens": n + 10}
+            if b.usage:  # every message before the last counts as 10 cached tokens (as if a prefix cache held it)
+                usage = {"prompt_tokens": 10 * len(messages) + 100 * images, "completion_tokens": n,
+                         "total_tokens": n + 10, "prompt_tokens_details": {"cached_tokens": 10 * (len(messages) - 1)}}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
             if b.done_line:
                 yield b"data: [DONE]\n\n"
