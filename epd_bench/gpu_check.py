@@ -5,7 +5,8 @@
 Steps, each under its own timeout inside the whole run's deadline (--budget); a failed step is recorded and the
 next one still runs:
   env          python, torch, CUDA and the versions of the packages that matter; the GPU (nvidia-smi)
-  tests        tests/models/test_parity.py and test_device.py through pytest with --device
+  tests        tests/models/test_parity.py, test_device.py, test_deepstack.py and test_prefix_parity.py through
+               pytest with --device
   model        the `bench` model (epd_builders/bench_model.py); --smoke: a tiny LLaVA
   structured, n-prefill
                the OpenAI-feature benchmarks on the device: constrained / free decoding at 16 streams
@@ -48,7 +49,8 @@ from epd_bench.gpu_check_report import render_md
 from epd_bench.stacks import Running, SystemSpec, aggregated, epd
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ("tests/models/test_parity.py", "tests/models/test_device.py", "tests/models/test_deepstack.py")
+TESTS = ("tests/models/test_parity.py", "tests/models/test_device.py", "tests/models/test_deepstack.py",
+         "tests/models/test_prefix_parity.py")
 SMOKE_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or slot_cache")
 PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "fastapi", "starlette", "uvicorn", "pydantic",
            "pydantic_core", "msgspec", "pyzmq", "regex", "typing_extensions")
