@@ -1,4 +1,4 @@
-"""Chat messages -> token ids with each image placeholder replaced by the image's span (its family's tokens)."""
+"""Chat messages -> token ids with each image (video) placeholder replaced by the item's span (its family's tokens)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,14 +6,14 @@ from dataclasses import dataclass
 import torch
 
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.base import splice_spans
+from epd_models.base import splice_media
 from epd_models.halves import LanguageHalf
 
 
 @dataclass(frozen=True)
 class Prompt:
     input_ids: torch.Tensor  # (1, L) int64, placeholders expanded
-    images: list[ImageFeatures]
+    images: list[ImageFeatures]  # images and videos, in prompt order
 
     @property
     def num_tokens(self) -> int:
@@ -21,6 +21,15 @@ class Prompt:
 
 
 def build_prompt(lm: LanguageHalf, ids: list[int], images: list[ImageFeatures]) -> Prompt:
-    spans = [im.span if im.span is not None else [lm.image_token_id] * im.num_tokens for im in images]
-    expanded = splice_spans(ids, lm.placeholder_id, spans)
+    """`images`: the prompt's images and videos in the order of their placeholders (a video's is the family's
+    video token, e.g. Qwen's <|video_pad|>, which the chat template writes between <|vision_start|> and
+    <|vision_end|>); ValueError when they do not match the placeholders or the model takes no video."""
+    if any(im.is_video for im in images) and lm.video_token_id is None:
+        raise ValueError("this model takes no video input")
+    spans = [im.span if im.span is not None else [_token(lm, im)] * im.num_tokens for im in images]
+    expanded = splice_media(ids, lm.placeholder_id, lm.video_token_id, spans, [im.is_video for im in images])
     return Prompt(input_ids=torch.tensor([expanded], dtype=torch.long), images=images)
+
+
+def _token(lm: LanguageHalf, item: ImageFeatures) -> int:
+    return lm.video_token_id if item.is_video and lm.video_token_id is not None else lm.image_token_id

@@ -28,6 +28,8 @@ DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "
 Shape = Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_NDIM)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Span = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SPAN_IDS)]
+MAX_SECOND_PER_GRID_T = 1e6  # a video's seconds per temporal patch; finite and > 0 (NaN and inf are refused)
+SecondsPerPatch = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECOND_PER_GRID_T)]
 EventKind = Literal["stored", "evicted", "heartbeat"]
 
 
@@ -64,7 +66,8 @@ class SnapshotRequest(_Header, tag="snapshot"):
 
 class GetItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     """One requested item; a found one describes its tensor frames (`frame`, `deepstack_frame` index the frames
-    after the header; both tensors have `dtype`). `span`: the image's prompt tokens (ImageFeatures.span)."""
+    after the header; both tensors have `dtype`). `span`: the image's prompt tokens (ImageFeatures.span);
+    `second_per_grid_t`: set for a video only (ImageFeatures.second_per_grid_t), omitted for an image."""
 
     mm_hash: Hash
     found: bool = False
@@ -78,6 +81,7 @@ class GetItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw
     span: Span | None = None
     deepstack_shape: Shape | None = None
     deepstack_frame: NonNegative | None = None
+    second_per_grid_t: SecondsPerPatch | None = None
 
 
 class GetReply(_Header, tag="get_reply"):

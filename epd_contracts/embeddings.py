@@ -1,10 +1,11 @@
-"""One image's embeddings: what a vision half returns, the connector carries and the LM merges.
+"""One image's (or video's) embeddings: what a vision half returns, the connector carries and the LM merges.
 
 Torch-free at import (the tensor type is named for the type checker only), so the contracts package stays
 importable by the proxy. The key an item is stored under (its mm_hash) travels beside it, never inside it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,10 @@ class ImageFeatures:
     placeholder (LLaVA-NeXT's any-resolution tokens, InternVL's `<img>`...`</img>`, Pixtral's `[IMG_BREAK]`
     rows, Idefics3's `<row_i_col_j>` tiles, Gemma 3's `<start_of_image>`...`<end_of_image>`); its image-token
     positions take the rows of `embeds` in order. None: `num_tokens` image tokens (LLaVA-1.5, Qwen2-VL).
+
+    A video is the same item with `second_per_grid_t` set (epd_models/video.py): its rows go to the family's
+    video token instead (span None: `num_tokens` video tokens, in place of the prompt's one video placeholder),
+    its `grid_thw` has t > 1 temporal patches, and Qwen2.5-VL spaces their M-RoPE temporal positions by it.
     """
 
     embeds: torch.Tensor  # (num_tokens, text_hidden), any device until a producer saves it (then CPU)
@@ -29,6 +34,8 @@ class ImageFeatures:
     span: tuple[int, ...] | None = None
     # Qwen3-VL: (K, num_tokens, text_hidden), the features added after LM layers 0..K-1 at the image's positions
     deepstack: torch.Tensor | None = None
+    # videos only: the seconds one temporal patch spans (temporal_patch_size / sampled fps); None: an image
+    second_per_grid_t: float | None = None
 
     def __post_init__(self) -> None:
         if getattr(self.embeds, "dim", None) is None or self.embeds.dim() < 1:
@@ -37,6 +44,13 @@ class ImageFeatures:
             raise ValueError(f"grid_thw must have 3 ints, got {self.grid_thw!r}")
         if self.deepstack is not None and getattr(self.deepstack, "dim", None) is None:
             raise ValueError(f"deepstack must be a tensor, got {type(self.deepstack).__name__}")
+        spg = self.second_per_grid_t
+        if spg is not None and not (isinstance(spg, (int, float)) and math.isfinite(spg) and spg > 0):
+            raise ValueError(f"second_per_grid_t must be a finite number > 0, got {spg!r}")
+
+    @property
+    def is_video(self) -> bool:
+        return self.second_per_grid_t is not None
 
     @property
     def num_tokens(self) -> int:
@@ -50,4 +64,5 @@ class ImageFeatures:
 
     def with_tensors(self, embeds: torch.Tensor, deepstack: torch.Tensor | None) -> ImageFeatures:
         """The same item over other tensors (moved or made contiguous)."""
-        return ImageFeatures(embeds=embeds, grid_thw=self.grid_thw, span=self.span, deepstack=deepstack)
+        return ImageFeatures(embeds=embeds, grid_thw=self.grid_thw, span=self.span, deepstack=deepstack,
+                             second_per_grid_t=self.second_per_grid_t)

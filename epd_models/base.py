@@ -14,6 +14,10 @@ image tokens' positions. So the generic path is:
 A family's own code is only where it really differs (a `FamilySpec`'s fields and the hooks below): M-RoPE
 positions (Qwen), DeepStack injection (Qwen3-VL), bidirectional attention inside an image (Gemma 3), plain-text
 edges around the span (Gemma 3).
+
+Videos (Qwen2-VL, Qwen2.5-VL so far: epd_models/video.py) take the same path: `encode_video` gives one item whose
+rows go to the family's video token (`merge_image_embeds` with `video_token_id`), spliced at the prompt's video
+placeholder (`splice_media`), its M-RoPE positions from its grid (epd_models/mrope.py).
 """
 from __future__ import annotations
 
@@ -27,10 +31,13 @@ from torch import nn
 from transformers import AutoModel
 
 from epd_contracts.embeddings import ImageFeatures
+from epd_models.video import VIDEO_FAMILIES
 
 if TYPE_CHECKING:
     from PIL import Image
     from transformers import PretrainedConfig
+
+    from epd_models.video import VideoInputs
 
 
 class LanguageModules(nn.Module):
@@ -148,6 +155,18 @@ class FamilyAdapter:
                 deepstack=torch.stack([d[i] for d in per_layer]) if per_layer else None))
         return feats
 
+    def encode_video(self, vision: nn.Module, cfg: PretrainedConfig, video: VideoInputs) -> ImageFeatures:
+        """One video's rows (its grid and seconds per temporal patch with them) via the model's
+        `get_video_features`, from the inputs epd_models/video.py made as the family's video processor would."""
+        if self.name not in VIDEO_FAMILIES:
+            raise ValueError(f"video input is not supported for {self.name} checkpoints (only {VIDEO_FAMILIES})")
+        weight = next(vision.parameters())
+        grid = torch.tensor([video.video_grid_thw])
+        res = vision.get_video_features(  # type: ignore[operator]
+            pixel_values_videos=_to(video.pixel_values_videos, weight), video_grid_thw=grid.to(weight.device))
+        return ImageFeatures(embeds=_rows(res.pooler_output), grid_thw=video.video_grid_thw,
+                             second_per_grid_t=video.second_per_grid_t)
+
     # decoder half
 
     def build_language(self, cfg: PretrainedConfig) -> LanguageModules:
@@ -157,6 +176,14 @@ class FamilyAdapter:
     def image_token_id(self, cfg: PretrainedConfig) -> int:
         found = getattr(cfg, "image_token_id", None)
         return int(found if found is not None else cfg.image_token_index)
+
+    def video_token_id(self, cfg: PretrainedConfig) -> int | None:
+        """The token a video's rows take, which is also its prompt placeholder (Qwen's <|video_pad|>); None: the
+        family has no video token."""
+        found = getattr(cfg, "video_token_id", None)
+        if found is None or int(found) in (self.image_token_id(cfg), self.placeholder_id(cfg)):
+            return None
+        return int(found)
 
     def placeholder_id(self, cfg: PretrainedConfig) -> int:
         """The token the chat template writes once per image (Gemma 3: <start_of_image>, else the image token)."""
@@ -223,31 +250,56 @@ def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int]) 
 
 def splice_spans(ids: list[int], placeholder_id: int, spans: Sequence[Sequence[int]]) -> list[int]:
     """Replace the i-th image placeholder with spans[i]."""
-    num_found = ids.count(placeholder_id)
-    if num_found != len(spans):
-        raise ValueError(f"prompt has {num_found} image placeholders but {len(spans)} images were given")
+    return splice_media(ids, placeholder_id, None, spans, [False] * len(spans))
+
+
+def splice_media(ids: list[int], placeholder_id: int, video_placeholder_id: int | None,
+                 spans: Sequence[Sequence[int]], is_video: Sequence[bool]) -> list[int]:
+    """Replace the prompt's image and video placeholders, in prompt order, with the items' spans: the i-th
+    placeholder takes spans[i], and it must be of item i's kind (is_video[i]). The items' order is the prompt's,
+    which is also the order their rows are merged and their M-RoPE grids are read in."""
+    kinds = [tok == video_placeholder_id for tok in ids if tok == placeholder_id or tok == video_placeholder_id]
+    if kinds != list(is_video):
+        found, given = _count(kinds, " image placeholders", " video placeholders"), _count(is_video, " images", " videos")
+        order = " (in another order)" if sorted(kinds) == sorted(is_video) else ""
+        raise ValueError(f"prompt has {found} but {given} were given{order}")
     out: list[int] = []
     it = iter(spans)
     for tok in ids:
-        if tok == placeholder_id:
+        if tok == placeholder_id or tok == video_placeholder_id:
             out.extend(next(it))
         else:
             out.append(tok)
     return out
 
 
-def merge_image_embeds(
-    inputs_embeds: torch.Tensor, input_ids: torch.Tensor, image_token_id: int, images: list[ImageFeatures]
-) -> torch.Tensor:
-    """Scatter image embeddings into the image-token rows of inputs_embeds (1, L, H).
+def _count(is_video: Sequence[bool], images: str, videos: str) -> str:
+    num_videos = sum(1 for v in is_video if v)
+    text = f"{len(is_video) - num_videos}{images}"
+    return f"{text} and {num_videos}{videos}" if num_videos else text
 
-    input_ids and the features may be host tensors (the features come from the connector in CPU memory):
-    the check runs where the ids are, and the mask and features move to inputs_embeds' device in one copy each.
+
+def merge_image_embeds(
+    inputs_embeds: torch.Tensor, input_ids: torch.Tensor, image_token_id: int, images: list[ImageFeatures],
+    video_token_id: int | None = None,
+) -> torch.Tensor:
+    """Scatter image (and video) embeddings into the image-token (video-token) rows of inputs_embeds (1, L, H).
+
+    The items are in prompt order (splice_media), so one scatter over both kinds' positions puts every row
+    where it belongs. input_ids and the features may be host tensors (the features come from the connector in
+    CPU memory): the checks run where the ids are, and the mask and features move to inputs_embeds' device in
+    one copy each.
     """
     if not images:
         return inputs_embeds
     is_image = input_ids == image_token_id
     feats = torch.cat([im.embeds for im in images])
+    video_rows = sum(im.num_tokens for im in images if im.is_video)
+    if video_rows:
+        assert video_token_id is not None, "video features for a model without a video token"
+        is_video = input_ids == video_token_id
+        assert int(is_video.sum()) == video_rows, "video placeholder count != video tokens"
+        is_image = is_image | is_video
     assert int(is_image.sum()) == feats.shape[0], "placeholder count != image tokens"
     mask = is_image.to(inputs_embeds.device, non_blocking=True).unsqueeze(-1).expand_as(inputs_embeds)
     feats = feats.to(inputs_embeds.device, inputs_embeds.dtype, non_blocking=True)

@@ -13,6 +13,7 @@ from epd_models.base import FamilyAdapter, merge_image_embeds
 from epd_models.meta import meta_parameters
 from epd_models.processors import load_processor, register_processors
 from epd_models.registry import adapter_for
+from epd_models.video import VIDEO_FAMILIES, VideoSettings, video_inputs, video_settings
 from epd_models.weights import load_filtered
 
 if TYPE_CHECKING:
@@ -83,6 +84,14 @@ class VisionHalf:
         self.module.to(self.device, self.dtype)
         self.processor = load_processor(self.model_dir)
         self.image_processor = self.processor.image_processor
+        self._video_settings: VideoSettings | None = None  # read on the first video
+
+    @property
+    def video_settings(self) -> VideoSettings:
+        """The checkpoint's video processor settings (epd_models/video.py), read once."""
+        if self._video_settings is None:
+            self._video_settings = video_settings(self.model_dir, self.image_processor)
+        return self._video_settings
 
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], detail: str = "auto", multi_image: bool = False) -> list[ImageFeatures]:
@@ -90,6 +99,18 @@ class VisionHalf:
         if not images:
             return []
         return _to_cpu(self.adapter.encode(self.module, self.processor, self.config, images, detail, multi_image))
+
+    @torch.inference_mode()
+    def encode_video(self, frames: list[Image.Image], fps: float, max_pixels: int | None = None,
+                     max_bytes: int | None = None) -> ImageFeatures:
+        """One video's CPU features from its sampled frames at `fps` frames per second (epd_models/video.py:
+        `max_pixels` overrides the checkpoint's per-frame budget, `max_bytes` bounds the pixel tensor; a frame
+        list that cannot be made into the family's video inputs raises VideoError, a ValueError)."""
+        if self.adapter.name not in VIDEO_FAMILIES:  # before any pixel work
+            raise ValueError(f"video input is not supported for {self.adapter.name} checkpoints")
+        kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
+        inputs = video_inputs(self.image_processor, self.video_settings, frames, fps, max_pixels=max_pixels, **kwargs)
+        return _to_cpu([self.adapter.encode_video(self.module, self.config, inputs)])[0]
 
 
 class LanguageHalf:
@@ -115,11 +136,12 @@ class LanguageHalf:
         self.generation_config = _generation_config(self.model_dir)
         self.image_token_id = self.adapter.image_token_id(self.config)
         self.placeholder_id = self.adapter.placeholder_id(self.config)  # what the chat template writes per image
+        self.video_token_id = self.adapter.video_token_id(self.config)  # a video's rows and its placeholder
 
     def embed(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> torch.Tensor:
-        """(1, L) ids (any device) and CPU image features -> (1, L, H) embeddings on self.device."""
+        """(1, L) ids (any device) and CPU image (and video) features -> (1, L, H) embeddings on self.device."""
         embeds = self.module.language_model.embed_tokens(self.to_device(input_ids))
-        return merge_image_embeds(embeds, input_ids, self.image_token_id, images)
+        return merge_image_embeds(embeds, input_ids, self.image_token_id, images, self.video_token_id)
 
     def position_ids(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> tuple[torch.Tensor, int]:
         """Prefill positions on self.device (computed on the CPU from CPU ids) and the decode rope delta."""

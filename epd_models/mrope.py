@@ -1,5 +1,9 @@
 """Qwen's multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): text advances all 3 axes; an image spans (t, h, w)
-of its merged patch grid. The same algorithm as the families' `get_rope_index` (checked against it in tests)."""
+of its merged patch grid. The same algorithm as the families' `get_rope_index` (checked against it in tests).
+
+A video (Qwen2-VL, Qwen2.5-VL) is a run of video tokens over a grid with t > 1 temporal patches; Qwen2.5-VL
+spaces their temporal positions by `tokens_per_second * second_per_grid_t` (truncated, as its
+`get_vision_position_ids` does in float32), Qwen2-VL by 1 (its config has no tokens_per_second)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,22 +23,26 @@ class MRopeAdapter(FamilyAdapter):
     ) -> tuple[torch.Tensor, int]:
         merge = cfg.vision_config.spatial_merge_size
         ids = input_ids.view(-1).tolist()
-        image_id = self.image_token_id(cfg)
-        grids = iter(im.grid_thw for im in images)
+        image_id, video_id = self.image_token_id(cfg), self.video_token_id(cfg)
+        media = {image_id} if video_id is None else {image_id, video_id}
+        items = iter(images)
         chunks: list[torch.Tensor] = []
         pos, i = 0, 0
         while i < len(ids):
-            if ids[i] != image_id:
+            if ids[i] not in media:
                 j = i
-                while j < len(ids) and ids[j] != image_id:
+                while j < len(ids) and ids[j] not in media:
                     j += 1
                 chunks.append(torch.arange(pos, pos + j - i).view(1, -1).expand(3, -1))
                 pos += j - i
             else:
-                grid = next(grids)
+                item = next(items)
+                grid = item.grid_thw
                 assert grid is not None, "Qwen image features need grid_thw"
+                assert item.is_video == (ids[i] == video_id), "an image's features at a video's tokens, or back"
                 t, h, w = grid[0], grid[1] // merge, grid[2] // merge
-                tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+                temporal = _temporal(cfg, item, t)
+                tt, hh, ww = torch.meshgrid(temporal, torch.arange(h), torch.arange(w), indexing="ij")
                 chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
                 pos += max(h, w)
                 j = i + t * h * w
@@ -45,6 +53,17 @@ class MRopeAdapter(FamilyAdapter):
 
     def decode_position_ids(self, past_len: int, rope_delta: int) -> torch.Tensor:
         return torch.full((3, 1, 1), past_len + rope_delta, dtype=torch.long)
+
+
+def _temporal(cfg: PretrainedConfig, item: ImageFeatures, t: int) -> torch.Tensor:
+    """The temporal positions of an item's t patches: 0..t-1, or for a Qwen2.5-VL video
+    floor(k * tokens_per_second * second_per_grid_t) computed as `get_vision_position_ids` does (the processor's
+    second_per_grid_ts is a float32 tensor, so the product is float32 before the cast)."""
+    per_second = getattr(cfg.vision_config, "tokens_per_second", None)
+    if item.second_per_grid_t is None or per_second is None:
+        return torch.arange(t)
+    interval = per_second * torch.tensor(item.second_per_grid_t, dtype=torch.float32)
+    return (torch.arange(t) * interval).long()
 
 
 def qwen_low_detail(image_processor: object) -> dict[str, object]:

@@ -1,6 +1,12 @@
 """Small factories shared by tests."""
 from __future__ import annotations
 
+import io
+from fractions import Fraction
+from typing import cast
+
+import av
+import numpy as np
 from PIL import Image, ImageDraw
 
 
@@ -15,3 +21,33 @@ def make_image(width: int, height: int, color: str = "red", shape: str = "circle
     else:
         draw.polygon([(width // 2, box[1]), (box[0], box[3]), (box[2], box[3])], fill=color)
     return img
+
+
+def make_video(num_frames: int = 10, width: int = 96, height: int = 48, fps: float = 10, codec: str = "libx264",
+               container: str = "mp4", num_streams: int = 1) -> bytes:
+    """A clip, encoded with PyAV, whose frame i shows a red square 8 pixels wide at x = 4 * i on grey, so a decoded
+    frame tells which frame it is (frame_number). `num_streams` copies of the video stream are muxed side by side."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        streams = [cast(av.VideoStream, out.add_stream(codec, rate=Fraction(fps).limit_denominator(1000)))
+                   for _ in range(num_streams)]
+        for s in streams:
+            s.width, s.height, s.pix_fmt = width, height, "yuvj420p" if codec == "mjpeg" else "yuv420p"
+            s.codec_context.options = {"preset": "ultrafast"} if codec == "libx264" else {}
+        for i in range(num_frames):
+            pixels = np.full((height, width, 3), 128, np.uint8)
+            pixels[height // 4: 3 * height // 4, 4 * i: 4 * i + 8] = (255, 0, 0)
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            for s in streams:
+                out.mux(s.encode(frame))
+        for s in streams:
+            out.mux(s.encode())
+    return buf.getvalue()
+
+
+def frame_number(img: Image.Image, source_width: int = 96) -> int:
+    """Which frame of make_video `img` is, from where its red square is (the frame may have been downscaled)."""
+    rgb = np.asarray(img.convert("RGB")).astype(np.int32)
+    redness = (rgb[..., 0] - rgb[..., 1]).clip(0).sum(axis=0)
+    centre = np.nonzero(redness > redness.max() / 2)[0].mean() * source_width / img.width
+    return round((centre - 3.5) / 4)

@@ -88,4 +88,5 @@ class WireItem:
                        dtype=dtype_name(f.embeds), shape=list(f.embeds.shape), frame=frame,
                        span=None if f.span is None else list(f.span),
                        deepstack_shape=None if deepstack is None else list(deepstack.shape),
-                       deepstack_frame=None if deepstack is None else frame + 1)
+                       deepstack_frame=None if deepstack is None else frame + 1,
+                       second_per_grid_t=f.second_per_grid_t)

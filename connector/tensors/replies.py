@@ -47,7 +47,8 @@ def parse_get_reply(header: GetReply, buffers: list[memoryview]) -> dict[str, Im
             raise WireError(f"get_reply item {item.mm_hash[:64]!r}: num_tokens does not match shape {item.shape}")
         deepstack = _deepstack(item, buffers)
         found[item.mm_hash] = ImageFeatures(frame_tensor(buffers[item.frame], item.dtype, item.shape), item.grid_thw,
-                                            span=None if item.span is None else tuple(item.span), deepstack=deepstack)
+                                            span=None if item.span is None else tuple(item.span), deepstack=deepstack,
+                                            second_per_grid_t=item.second_per_grid_t)
     return found
 
 

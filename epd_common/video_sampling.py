@@ -1,0 +1,86 @@
+"""Which frames of a video to decode: the sampling rules of transformers' video processors, without torch.
+
+transformers 5.24's video processors need torchvision (which cannot be installed here), so their
+``sample_frames`` rules are restated here, each citing the code it mirrors; tests/test_video_sampling.py runs the
+transformers source of each rule (with torch) against these. Where transformers would fail (fps and num_frames
+both given, more frames than the rule allows, zero frames) these raise VideoError, so a request gets a 400.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from epd_common.video import VideoError, VideoInfo
+
+
+def sample_indices(info: VideoInfo, fps: float | None = None, num_frames: int | None = None, min_frames: int = 4,
+                   max_frames: int = 768, multiple_of: int = 1) -> list[int]:
+    """Frame indices to decode, by the rule of transformers 5.24 ``Qwen2VLVideoProcessor.sample_frames``.
+
+    (models/qwen2_vl/video_processing_qwen2_vl.py; Qwen2.5-VL uses the same processor.) `multiple_of` is the
+    processor's ``temporal_patch_size``. With `num_frames`: rounded (Python's round) to a multiple, not clamped.
+    With `fps`: ``total / video_fps * fps`` clamped to [min_frames, min(max_frames, total) floored to a multiple],
+    then floored to a multiple. With neither: every frame (transformers means that, but raises a TypeError before;
+    its processors default to fps=2). Indices are ``torch.arange(0, total, total / n).int()``,
+    i.e. float32 values truncated, computed here with numpy. Where transformers would fail (both given, more frames
+    than the video has, or zero frames: a ZeroDivisionError there) this raises VideoError.
+    """
+    if fps is not None and num_frames is not None:
+        raise VideoError("num_frames and fps are mutually exclusive")
+    total = info.num_frames
+    if num_frames is not None:
+        n = round(num_frames / multiple_of) * multiple_of
+    elif fps is not None:
+        top = math.floor(min(max_frames, total) / multiple_of) * multiple_of
+        wanted = min(max(total / info.fps * fps, min_frames), top, total)
+        n = math.floor(wanted / multiple_of) * multiple_of
+    else:
+        return list(range(total))
+    _check_sample_count(n, total)
+    step = total / n
+    size = math.ceil(total / step)  # torch.arange's length, which can be n + 1
+    return [int(v) for v in (np.arange(size, dtype=np.float64) * step).astype(np.float32)]
+
+
+def sample_indices_linspace(info: VideoInfo, fps: float | None = None, num_frames: int | None = None,
+                            min_frames: int = 4, max_frames: int = 768) -> list[int]:
+    """Frame indices by the rule of transformers 5.24 ``Qwen3VLVideoProcessor.sample_frames``.
+
+    (models/qwen3_vl/video_processing_qwen3_vl.py.) With `fps`: ``int(total / video_fps * fps)`` clamped to
+    [min_frames, max_frames] and to the frame count; with neither: every frame clamped the same way;
+    `num_frames` is used as given. Indices are ``np.linspace(0, total - 1, n).round()`` (half to even), so a
+    video shorter than n frames has frames repeated; the processor itself pads the frames to a multiple of its
+    temporal_patch_size. Unlike transformers, n over both the frame count and max_frames is refused (a request's
+    num_frames must not make an unbounded list).
+    """
+    if fps is not None and num_frames is not None:
+        raise VideoError("num_frames and fps are mutually exclusive")
+    total = info.num_frames
+    if num_frames is None and fps is not None:
+        num_frames = min(max(int(total / info.fps * fps), min_frames), max_frames, total)
+    n = num_frames if num_frames is not None else min(max(total, min_frames), max_frames)
+    _check_sample_count(n, max(total, max_frames))  # n > total repeats frames, as in transformers
+    return [int(v) for v in np.linspace(0, total - 1, n).round().astype(int)]
+
+
+def sample_indices_uniform(info: VideoInfo, fps: float | None = None, num_frames: int | None = None) -> list[int]:
+    """Frame indices by transformers 5.24 ``default_sample_indices_fn`` (video_utils.py; the default
+    ``BaseVideoProcessor.sample_frames``, used by LLaVA-OneVision): ``arange(n) * total // n``, where `fps` gives
+    ``n = max(1, int(total / video_fps * fps))``; with neither, every frame."""
+    if fps is not None and num_frames is not None:
+        raise VideoError("num_frames and fps are mutually exclusive")
+    total = info.num_frames
+    if num_frames is None and fps is not None:
+        num_frames = max(1, int(total / info.fps * fps))
+    if num_frames is None:
+        return list(range(total))
+    _check_sample_count(num_frames, total)
+    return [i * total // num_frames for i in range(num_frames)]
+
+
+def _check_sample_count(n: int, most: int) -> None:
+    if n < 1:
+        raise VideoError("the sampling settings select no frame of this video")
+    if n > most:
+        raise VideoError(f"cannot sample {n} frames from this video (at most {most})")
