@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -183,6 +184,29 @@ def run_workloads(up: list[Running], args: argparse.Namespace, run_dir: Path) ->
     return {"results": results, "commands": commands, "overhead": overhead}
 
 
+def start_measure_stop(specs: list[SystemSpec], run_dir: Path, started: float,
+                       measure: Callable[[list[Running]], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Start every system at once (start-up overlaps), `measure` those that came up, stop them all (also on Ctrl-C
+    during start-up: no worker outlives the comparison); (what was measured with `startup_s`, why any was left out)."""
+    skipped: dict[str, str] = {}
+    running = [Running(spec, run_dir / "logs") for spec in specs]
+    try:
+        up = wait_all(running, run_dir / "logs", skipped)
+        startup_s = round(time.monotonic() - started, 1)
+        print(f"[{time.strftime('%H:%M:%S')}] up after {startup_s} s: {[r.spec.name for r in up]}; "
+              f"left out: {list(skipped)}", flush=True)
+        return {**measure(up), "startup_s": startup_s}, skipped
+    finally:
+        for r in running:
+            r.stop()
+
+
+def systems_summary(specs: list[SystemSpec], skipped: dict[str, str]) -> dict[str, Any]:
+    """Each started system's processes as run (cores, threads, command line), for the summary and the docs."""
+    return {s.name: [{"name": p.name, "cpus": p.cpus, "threads": p.threads, "command": p.shell()} for p in s.procs]
+            for s in specs if s.name not in skipped}
+
+
 def resolve_model(name: str) -> Path:
     """The checkpoint dir, via a child process so this one never imports torch."""
     out = subprocess.run([sys.executable, "-c", "import sys; from epd_models.resolve import resolve_model; "
@@ -199,25 +223,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.pinning != "none" and shutil.which("taskset") is None:
         print("taskset not found: running unpinned (--pinning none)", flush=True)
         args.pinning = "none"
-    specs, skipped = build_systems(args, model_dir)
-    running = [Running(spec, run_dir / "logs") for spec in specs]  # all at once: start-up overlaps
-    try:
-        up = wait_all(running, run_dir / "logs", skipped)
-        startup_s = round(time.monotonic() - started, 1)
-        print(f"[{time.strftime('%H:%M:%S')}] up after {startup_s} s: {[r.spec.name for r in up]}; "
-              f"left out: {list(skipped)}", flush=True)
-        measured = run_workloads(up, args, run_dir)
-    finally:  # also on Ctrl-C during start-up: no worker outlives the comparison
-        for r in running:
-            r.stop()
+    specs, not_started = build_systems(args, model_dir)
+    measured, skipped = start_measure_stop(specs, run_dir, started, lambda up: run_workloads(up, args, run_dir))
+    skipped.update(not_started)
     summary = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": args.model, "model_dir": str(model_dir),
                "cores": len(os.sched_getaffinity(0)), "load_before": load_before, "load_after": os.getloadavg(),
                "pinning": args.pinning, "scale": args.scale, "rounds": args.rounds, "skipped": skipped,
-               "systems": {s.name: [{"name": p.name, "cpus": p.cpus, "threads": p.threads, "command": p.shell()}
-                                    for p in s.procs] for s in specs if s.name not in skipped},
+               "systems": systems_summary(specs, skipped),
                "workloads": {w.name: {"title": w.title} for w in WORKLOADS if w.name in args.workloads},
                "overhead_title": OVERHEAD.title,
-               **measured, "startup_s": startup_s, "wall_s": round(time.monotonic() - started, 1)}
+               **measured, "wall_s": round(time.monotonic() - started, 1)}
     summary["targets"] = [t.__dict__ | {"met": t.met} for t in report.targets(summary)]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(report.targets_text(summary))

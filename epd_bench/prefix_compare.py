@@ -27,7 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from epd_bench import prefix_report
-from epd_bench.compare import Workload, epd_bench_cmd, num_prompts, resolve_model, run_epd_bench, run_workload, wait_all
+from epd_bench.compare import (
+    Workload,
+    epd_bench_cmd,
+    num_prompts,
+    resolve_model,
+    run_epd_bench,
+    run_workload,
+    start_measure_stop,
+    systems_summary,
+)
 from epd_bench.prefix_report import MODES, system_name
 from epd_bench.stacks import Running, SystemSpec, aggregated, epd
 
@@ -126,22 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model(args.model)
     pin = args.pinning != "none" and shutil.which("taskset") is not None
     specs = build_systems(model_dir, args.modes, len(os.sched_getaffinity(0)), pin)
-    skipped: dict[str, str] = {}
-    running = [Running(spec, run_dir / "logs") for spec in specs]  # all at once: start-up overlaps
-    try:
-        up = wait_all(running, run_dir / "logs", skipped)
-        print(f"[{time.strftime('%H:%M:%S')}] up after {time.monotonic() - started:.1f} s: "
-              f"{[r.spec.name for r in up]}; left out: {list(skipped)}", flush=True)
-        measured = measure(up, args, run_dir)
-    finally:  # also on Ctrl-C during start-up: no worker outlives the comparison
-        for r in running:
-            r.stop()
+    measured, skipped = start_measure_stop(specs, run_dir, started, lambda up: measure(up, args, run_dir))
     summary = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": args.model, "model_dir": str(model_dir),
                "model_info": model_info(model_dir), "cores": len(os.sched_getaffinity(0)),
                "load_before": load_before, "load_after": os.getloadavg(), "pinning": "split" if pin else "none",
                "scale": args.scale, "rounds": args.rounds, "skipped": skipped,
-               "systems": {s.name: [{"name": p.name, "cpus": p.cpus, "threads": p.threads, "command": p.shell()}
-                                    for p in s.procs] for s in specs if s.name not in skipped},
+               "systems": systems_summary(specs, skipped),
                "workloads": {w.name: {"title": w.title} for w in WORKLOADS if w.name in args.workloads},
                **measured, "wall_s": round(time.monotonic() - started, 1)}
     summary["targets"] = [t.__dict__ | {"met": t.met} for t in prefix_report.targets(summary)]

@@ -9,6 +9,10 @@ import av
 import numpy as np
 from PIL import Image, ImageDraw
 
+from connector.tensors.consumer import ECConsumer
+from connector.tensors.producer import ECProducer
+from epd_contracts.embeddings import ImageFeatures
+
 
 def make_image(width: int, height: int, color: str = "red", shape: str = "circle") -> Image.Image:
     img = Image.new("RGB", (width, height), (128, 128, 128))
@@ -51,3 +55,18 @@ def frame_number(img: Image.Image, source_width: int = 96) -> int:
     redness = (rgb[..., 0] - rgb[..., 1]).clip(0).sum(axis=0)
     centre = np.nonzero(redness > redness.max() / 2)[0].mean() * source_width / img.width
     return round((centre - 3.5) / 4)
+
+
+def through_connector(features: list[ImageFeatures]) -> list[ImageFeatures]:
+    """Items saved in a real ECProducer and gathered back by an ECConsumer over ZeroMQ (what a decoder receives)."""
+    producer, consumer = ECProducer(), ECConsumer()
+    producer.start()
+    try:
+        hashes = [f"h{i}" for i in range(len(features))]
+        for h, f in zip(hashes, features, strict=True):
+            producer.save_caches(h, f)
+        got = consumer.gather(hashes, {h: producer.address for h in hashes}, timeout=5.0)
+        return [got[h] for h in hashes]
+    finally:
+        consumer.close()
+        producer.close()

@@ -10,18 +10,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
-from connector.tensors.consumer import ECConsumer
-from connector.tensors.producer import ECProducer
 from decoder_service.batch import BatchRunner
 from decoder_service.embedding_check import EmbeddingCheck
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_builders.tiny import FAMILIES
-from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.hashing import MULTI_IMAGE_FAMILIES, multi_image_item
 from epd_models.chat import chat_template, image_edges, render
 from epd_models.halves import LanguageHalf, VisionHalf
-from tests.factories import make_image
+from tests.factories import make_image, through_connector
 
 NUM_NEW = 16
 CASES = {
@@ -43,7 +40,7 @@ def _prompt(lm: LanguageHalf, vision: VisionHalf, model_dir: Path, case: str) ->
     ids = render(lm.tokenizer, _messages(len(images)), template, image_edges=image_edges(lm))
     plain = render(lm.tokenizer, _messages(len(images)), template)  # the processor writes the edges itself
     multi = multi_image_item(lm.config.model_type, len(images))  # LLaVA-OneVision: base tiles only
-    features = _through_connector(vision.encode(images, multi_image=multi)) if images else []
+    features = through_connector(vision.encode(images, multi_image=multi)) if images else []
     return build_prompt(lm, ids, features), images, str(lm.tokenizer.decode(plain))
 
 
@@ -60,20 +57,6 @@ def _reference(model_dir: Path, prompt_text: str, images: list, device: str) -> 
     cfg = GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = model.generate(**inputs, generation_config=cfg)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
-def _through_connector(features: list[ImageFeatures]) -> list[ImageFeatures]:
-    producer, consumer = ECProducer(), ECConsumer()
-    producer.start()
-    try:
-        hashes = [f"h{i}" for i in range(len(features))]
-        for h, f in zip(hashes, features, strict=True):
-            producer.save_caches(h, f)
-        got = consumer.gather(hashes, {h: producer.address for h in hashes}, timeout=5.0)
-        return [got[h] for h in hashes]
-    finally:
-        consumer.close()
-        producer.close()
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -20,14 +20,12 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, GenerationConfig
 
-from connector.tensors.consumer import ECConsumer
-from connector.tensors.producer import ECProducer
 from decoder_service.generate import generate
 from decoder_service.prompt import build_prompt
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.halves import LanguageHalf, VisionHalf
 from epd_models.video import VideoError, VideoInputs, VideoSettings, video_inputs, video_settings
-from tests.factories import make_image
+from tests.factories import make_image, through_connector
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 NUM_NEW = 16
@@ -58,20 +56,6 @@ def _text(parts: str) -> str:
 
 def _ids(lm: LanguageHalf, text: str) -> list[int]:
     return list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _through_connector(features: list[ImageFeatures]) -> list[ImageFeatures]:
-    producer, consumer = ECProducer(), ECConsumer()
-    producer.start()
-    try:
-        hashes = [f"h{i}" for i in range(len(features))]
-        for h, f in zip(hashes, features, strict=True):
-            producer.save_caches(h, f)
-        got = consumer.gather(hashes, {h: producer.address for h in hashes}, timeout=5.0)
-        return [got[h] for h in hashes]
-    finally:
-        consumer.close()
-        producer.close()
 
 
 def _reference(h: Halves, text: str, video: VideoInputs, image: Image.Image | None = None) -> tuple[list[int], Any]:
@@ -106,7 +90,7 @@ def test_split_video_path_matches_generate(halves: dict[str, Halves], family: st
     frames = _frames()
     video = video_inputs(h.vision.image_processor, h.vision.video_settings, frames, FPS)
     assert video.video_grid_thw == (3, 8, 12) and video.second_per_grid_t == pytest.approx(2 / 3)
-    [feat] = _through_connector([h.vision.encode_video(frames, FPS)])
+    [feat] = through_connector([h.vision.encode_video(frames, FPS)])
     assert feat.second_per_grid_t == video.second_per_grid_t and feat.grid_thw == (3, 8, 12)  # carried on the wire
     with torch.no_grad():
         rows = h.model.model.get_video_features(video.pixel_values_videos, torch.tensor([video.video_grid_thw]))
@@ -131,7 +115,7 @@ def test_video_and_image_in_one_prompt(halves: dict[str, Halves], family: str) -
     h = halves[family]
     frames, image = _frames()[:4], make_image(112, 168, "orange")
     video = video_inputs(h.vision.image_processor, h.vision.video_settings, frames, FPS)
-    items = _through_connector([h.vision.encode([image])[0], h.vision.encode_video(frames, FPS)])
+    items = through_connector([h.vision.encode([image])[0], h.vision.encode_video(frames, FPS)])
     text = _text(IMAGE + "and" + VIDEO)
     ours, _ = _greedy(h.lm, _ids(h.lm, text), items)
     assert ours == _reference(h, text, video, image)[0]
