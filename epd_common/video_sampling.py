@@ -8,10 +8,93 @@ both given, more frames than the rule allows, zero frames) these raise VideoErro
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 from epd_common.video import VideoError, VideoInfo
+
+Sampler = Literal["qwen2", "qwen3", "uniform"]  # sample_indices, sample_indices_linspace, sample_indices_uniform
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """A family's video sampling settings, from its checkpoint's video processor config (epd_models/
+    video_config.py reads them). Workers report them in /health `model_identity.video` as a dict; the proxy plans
+    with them and an encoder checks its chunks with its own."""
+
+    sampler: Sampler
+    temporal_patch: int  # frames per temporal patch (1: every frame is its own, LLaVA-OneVision)
+    min_pixels: int  # per-frame pixel bounds of the resize
+    max_pixels: int
+    fps: float | None = 2.0  # the processor's default sampling rate; None: its num_frames, else every frame
+    num_frames: int | None = None  # the processor's default frame count (when fps is None)
+    min_frames: int = 4
+    max_frames: int = 768
+
+    def __post_init__(self) -> None:
+        if self.sampler not in ("qwen2", "qwen3", "uniform"):
+            raise ValueError(f"unknown video sampler {self.sampler!r}")
+        for name in ("temporal_patch", "min_pixels", "max_pixels", "min_frames", "max_frames"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"VideoConfig.{name} must be an int >= 1, got {value!r}")
+        if self.fps is not None and not (isinstance(self.fps, (int, float)) and math.isfinite(self.fps)
+                                         and self.fps > 0):
+            raise ValueError(f"VideoConfig.fps must be a finite number > 0, got {self.fps!r}")
+        if self.num_frames is not None and (isinstance(self.num_frames, bool) or self.num_frames < 1):
+            raise ValueError(f"VideoConfig.num_frames must be >= 1, got {self.num_frames!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> VideoConfig:
+        """From a worker's /health (ValueError when it is not one)."""
+        if not isinstance(data, dict):
+            raise ValueError("a video config must be an object")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"not a video config: {exc}") from exc
+
+
+def target_frames(config: VideoConfig, info: VideoInfo, fps: float | None = None, num_frames: int | None = None,
+                  max_frames: int | None = None) -> int:
+    """The sampler's frame count for `info`: a request's `num_frames` as given, else the count its `fps` (or the
+    config's fps, or the config's num_frames) gives by the family's rule, clamped to `max_frames` (the server's
+    limit) like the rule clamps to its own. frame_indices(config, info, n) gives the frames."""
+    if fps is not None and num_frames is not None:
+        raise VideoError("num_frames and fps are mutually exclusive")
+    if num_frames is not None:
+        return num_frames
+    top = min(config.max_frames, max_frames or config.max_frames)
+    rate = fps if fps is not None else config.fps
+    total, t = info.num_frames, config.temporal_patch
+    if rate is None:
+        n = min(config.num_frames if config.num_frames is not None else total, top)
+        return max(t, n // t * t) if config.sampler == "qwen2" else max(1, n)
+    if config.sampler == "qwen2":  # sample_indices with fps
+        most = math.floor(min(top, total) / t) * t
+        return max(t, math.floor(min(max(total / info.fps * rate, config.min_frames), most, total) / t) * t)
+    if config.sampler == "qwen3":  # sample_indices_linspace with fps
+        return max(1, min(max(int(total / info.fps * rate), config.min_frames), top, total))
+    return max(1, min(int(total / info.fps * rate), top))  # sample_indices_uniform with fps
+
+
+def frame_indices(config: VideoConfig, info: VideoInfo, num_frames: int) -> list[int]:
+    """The frames the family's rule samples for the frame count `num_frames` (VideoError when it cannot)."""
+    if config.sampler == "qwen2":
+        return sample_indices(info, num_frames=num_frames, multiple_of=config.temporal_patch)
+    if config.sampler == "qwen3":
+        return sample_indices_linspace(info, num_frames=num_frames, max_frames=config.max_frames)
+    return sample_indices_uniform(info, num_frames=num_frames)
+
+
+def sampled_fps(info: VideoInfo, num_sampled: int) -> float:
+    """Frames per second of the sampled sequence (transformers' VideoMetadata.sampled_fps)."""
+    return num_sampled / info.num_frames * info.fps
 
 
 def sample_indices(info: VideoInfo, fps: float | None = None, num_frames: int | None = None, min_frames: int = 4,

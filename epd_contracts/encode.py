@@ -6,6 +6,7 @@ from typing import Annotated
 import msgspec
 
 from epd_contracts.generate import MAX_HASH_CHARS, Detail
+from epd_contracts.video import VideoPart
 
 
 class EncodeItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -20,6 +21,9 @@ class EncodeItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     # the image is one of several in its prompt, for a family where that changes its tokens (LLaVA-OneVision);
     # part of the mm_hash (epd_contracts.hashing.multi_image_item)
     multi_image: bool = False
+    # the bytes are a video file and the item is these sampled frames of it (epd_contracts/video.py): its mm_hash
+    # is epd_contracts.video.part_hash(bytes, video); detail and multi_image stay at their defaults
+    video: VideoPart | None = None
 
 
 class EncodeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

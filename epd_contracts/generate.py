@@ -8,6 +8,7 @@ import msgspec
 from epd_contracts.limits import MAX_MESSAGES, MAX_TOTAL_PARTS, parts_error
 from epd_contracts.sampling import SamplingParams
 from epd_contracts.validation import FieldError
+from epd_contracts.video import MAX_VIDEO_FRAMES, VideoPart
 
 MAX_HASH_CHARS = 256  # a real mm_hash has 64
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
@@ -18,8 +19,20 @@ MAX_PREFIX_KEY_CHARS = 64  # one routing key of `prefix_keys` (the proxy sends 3
 Detail = Literal["auto", "low", "high"]  # image_url.detail
 
 
+class ChunkRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """One chunk of a video (epd_contracts/video.py): its hash and where its embeddings are (ImageRef's fields)."""
+
+    mm_hash: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HASH_CHARS)]
+    source: str = ""
+    pending: bool = False
+    cached: bool = False
+
+
 class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
-    """One image of a generate request: its hash, and where its embeddings are (or, aggregated, its bytes)."""
+    """One image (or video) of a generate request: its hash, and where its embeddings are (or, aggregated, its
+    bytes). A video has `video` set: in EPD mode its embeddings are the rows of its `chunks` in order (empty:
+    one chunk, this ref's own mm_hash and source); aggregated, `data` is the video file and the decoder encodes
+    frames [0, video.total) itself."""
 
     mm_hash: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HASH_CHARS)]
     source: str = ""  # ZeroMQ address of the encoder that holds it (EPD mode)
@@ -28,6 +41,13 @@ class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     cached: bool = False  # its embeddings were already held somewhere (not encoded for this request): cached_tokens
     detail: Detail = "auto"  # aggregated mode: the resolution to encode at ("low": the processor's minimum)
     multi_image: bool = False  # encoded as one of several images of its prompt (epd_contracts.hashing)
+    video: VideoPart | None = None  # a video: its sampling (whole video: first 0, count = total)
+    chunks: Annotated[list[ChunkRef], msgspec.Meta(max_length=MAX_VIDEO_FRAMES)] = msgspec.field(
+        default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.chunks and self.video is None:
+            raise FieldError("images", "only a video has chunks")
 
 
 class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):

@@ -1,6 +1,7 @@
 """The two halves of a VLM, each loaded from the same checkpoint without the other's weights."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,10 +103,14 @@ class VisionHalf:
 
     @torch.inference_mode()
     def encode_video(self, frames: list[Image.Image], fps: float, max_pixels: int | None = None,
-                     max_bytes: int | None = None) -> ImageFeatures:
-        """One video's CPU features from its sampled frames at `fps` frames per second (epd_models/video.py:
-        `max_pixels` overrides the checkpoint's per-frame budget, `max_bytes` bounds the pixel tensor; a frame
-        list that cannot be made into the family's video inputs raises VideoError, a ValueError)."""
+                     max_bytes: int | None = None, frame_times: Sequence[float] | None = None,
+                     last: bool = True) -> ImageFeatures:
+        """One video's (or one chunk of a video's) CPU features from its sampled frames at `fps` frames per second
+        (epd_models/video.py: `max_pixels` overrides the checkpoint's per-frame budget, `max_bytes` bounds the
+        pixel tensor; a frame list that cannot be made into the family's video inputs raises VideoError, a
+        ValueError). `frame_times`: each frame's time in the source video in seconds (index / video fps), for a
+        family that writes timestamps (Qwen3-VL); `last`: the frames end the video (LLaVA-OneVision's newline
+        row is the last chunk's); a chunk is whole temporal patches except a last one."""
         if self.adapter.name not in VIDEO_FAMILIES:  # before any pixel work
             raise ValueError(f"video input is not supported for {self.adapter.name} checkpoints")
         kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from epd_contracts.generate import Detail
+from epd_contracts.video import VideoPart
 from scheduler.cache_view import CacheView, holds
 
 
@@ -21,6 +22,7 @@ class MMItem:
     data: bytes  # image file bytes
     detail: Detail = "auto"  # image_url.detail: "low" is encoded at the minimum resolution (and hashed apart)
     multi_image: bool = False  # one of several images of its prompt, for a family where that matters (hashed apart)
+    video: VideoPart | None = None  # a video chunk: `data` is the video file, this its frames (epd_contracts/video)
 
 
 @dataclass

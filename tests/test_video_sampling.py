@@ -23,7 +23,15 @@ import transformers
 from transformers.video_utils import default_sample_indices_fn
 
 from epd_common.video import VideoError, VideoInfo
-from epd_common.video_sampling import sample_indices, sample_indices_linspace, sample_indices_uniform
+from epd_common.video_sampling import (
+    VideoConfig,
+    frame_indices,
+    sample_indices,
+    sample_indices_linspace,
+    sample_indices_uniform,
+    sampled_fps,
+    target_frames,
+)
 
 TOTALS = [1, 2, 3, 4, 5, 7, 8, 10, 17, 30, 31, 49, 60, 97, 121, 299, 300, 301, 997, 1799, 3600, 36000]
 VIDEO_FPS = [1.0, 7.5, 23.976, 25.0, 29.97, 30.0, 60.0]
@@ -138,3 +146,43 @@ def test_more_frames_than_the_video_has_are_refused() -> None:
         sample_indices(info(10, 30.0), num_frames=12)
     with pytest.raises(VideoError, match="no frame"):
         sample_indices(info(1, 30.0), fps=2.0, multiple_of=2)  # transformers divides by zero here
+
+
+CONFIGS = [VideoConfig("qwen2", 2, 3136, 200_704), VideoConfig("qwen3", 2, 4096, 200_000, min_frames=4, max_frames=64),
+           VideoConfig("uniform", 1, 1, 10_000, fps=None, num_frames=None),
+           VideoConfig("uniform", 1, 1, 10_000, fps=1.0)]
+RULES = {"qwen2": lambda c, i, f: sample_indices(i, fps=f, min_frames=c.min_frames, max_frames=c.max_frames,
+                                                 multiple_of=c.temporal_patch),
+         "qwen3": lambda c, i, f: sample_indices_linspace(i, fps=f, min_frames=c.min_frames, max_frames=c.max_frames),
+         "uniform": lambda c, i, f: sample_indices_uniform(i, fps=f)}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.sampler}-{c.fps}")
+@pytest.mark.parametrize("total,video_fps", [(8, 4.0), (30, 30.0), (97, 24.0), (300, 29.97), (5, 1.0), (2000, 60.0)])
+def test_a_planned_count_gives_the_frames_the_rule_gives_for_the_rate(config: VideoConfig, total: int,
+                                                                       video_fps: float) -> None:
+    """What the proxy plans (a frame count) and the encoder redoes from it are the family's own frames for the
+    rate: the count is all the hash needs to name them."""
+    video = info(total, video_fps)
+    expected = ours(lambda: RULES[config.sampler](config, video, config.fps))
+    if config.fps is None and total > config.max_frames:  # "every frame", clamped as a rate is
+        expected = sample_indices_uniform(video, num_frames=config.max_frames)
+    assert ours(lambda: frame_indices(config, video, target_frames(config, video))) == expected
+
+
+def test_the_server_limit_clamps_a_rate_and_never_a_given_count() -> None:
+    config, video = CONFIGS[0], info(3000, 30.0)  # 100 s at 2 fps: 200 frames
+    assert target_frames(config, video) == 200
+    assert target_frames(config, video, max_frames=33) == 32  # whole temporal patches
+    assert target_frames(config, video, num_frames=40, max_frames=33) == 40  # the caller refuses it (400)
+    assert len(frame_indices(config, video, 32)) == 32 and sampled_fps(video, 32) == pytest.approx(0.32)
+
+
+def test_a_config_from_a_worker_is_checked() -> None:
+    assert VideoConfig.from_dict(CONFIGS[1].as_dict()) == CONFIGS[1]
+    for bad in ([], {"sampler": "qwen9", "temporal_patch": 2, "min_pixels": 1, "max_pixels": 2},
+                {"sampler": "qwen2", "temporal_patch": 0, "min_pixels": 1, "max_pixels": 2},
+                {"sampler": "qwen2", "temporal_patch": 2, "min_pixels": 1, "max_pixels": 2, "fps": float("nan")},
+                {"sampler": "qwen2", "temporal_patch": 2, "min_pixels": 1, "max_pixels": 2, "evil": 1}):
+        with pytest.raises(ValueError):
+            VideoConfig.from_dict(bad)
