@@ -9,6 +9,12 @@ Trust: the cache key of an image is computed here from its bytes (`epd_contracts
 under. Faults: an image that cannot be preprocessed is that request's 400; a vision forward that fails is that
 request's 500 (`encode_failed`); features that do not fit this decoder's LM (`check`) are its 500
 (`invalid_embeddings`) and are not cached. Nothing here ends the process or another request.
+
+A video (an ImageRef with `video`: the whole video's sampling, first 0 and count = total, no chunks) is encoded
+whole through the same CachingEncoder video path the encoder worker takes, keyed by
+`epd_contracts.video.part_hash` of its bytes and sampling (the video's hash), under this decoder's VideoLimits; a
+video that cannot be used is a 400 with the code the encoder would answer (invalid_video, video_too_large,
+video_plan_mismatch, video_not_supported).
 """
 from __future__ import annotations
 
@@ -19,10 +25,12 @@ from collections.abc import Mapping
 
 from connector.tensors.cache import EmbeddingCache
 from epd_common.errors import APIError, bad_request
+from epd_common.video import VideoLimits
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import ImageRef
 from epd_contracts.hashing import mm_hash
-from epd_models.encode import CachingEncoder, Check, EmbeddingsRefused, Encoded, UndecodableImage
+from epd_contracts.video import VideoPart, part_hash
+from epd_models.encode import CachingEncoder, Check, EmbeddingsRefused, Encoded, UndecodableImage, UndecodableVideo
 from epd_models.halves import VisionHalf
 
 logger = logging.getLogger("epd.decoder")
@@ -47,8 +55,10 @@ class InlineCache(EmbeddingCache[ImageFeatures]):
 class InlineEncoder(CachingEncoder):
     """Encodes each distinct image once (cached by the mm_hash of its bytes); one vision forward at a time."""
 
-    def __init__(self, vision: VisionHalf, cache_bytes: int, max_image_pixels: int, check: Check | None = None):
-        super().__init__(vision, InlineCache(cache_bytes), max_image_pixels=max_image_pixels, check=check)
+    def __init__(self, vision: VisionHalf, cache_bytes: int, max_image_pixels: int, check: Check | None = None,
+                 video_limits: VideoLimits | None = None):
+        super().__init__(vision, InlineCache(cache_bytes), max_image_pixels=max_image_pixels, check=check,
+                         video_limits=video_limits)
 
     def features(self, images: list[ImageRef]) -> list[ImageFeatures]:
         """Features for each image in order; raises an APIError (4xx or 5xx) that ends this request only."""
@@ -57,24 +67,38 @@ class InlineEncoder(CachingEncoder):
     def features_and_hits(self, images: list[ImageRef]) -> list[tuple[ImageFeatures, bool]]:
         """(features, was already cached here) for each image in order: the hits are usage's cached_tokens."""
         data = [self._bytes(i, im) for i, im in enumerate(images)]
-        hashes = [mm_hash(d, im.detail, im.multi_image) for d, im in zip(data, images, strict=True)]
+        hashes = [self._hash(i, d, im) for i, (d, im) in enumerate(zip(data, images, strict=True))]
         for i, (im, h) in enumerate(zip(images, hashes, strict=True)):
             if im.mm_hash and im.mm_hash != h:
-                raise bad_request(f"images[{i}].mm_hash does not match the image bytes", param=f"images.{i}.mm_hash",
+                what = "video bytes and sampling" if im.video is not None else "image bytes"
+                raise bad_request(f"images[{i}].mm_hash does not match the {what}", param=f"images.{i}.mm_hash",
                                   code="hash_mismatch")
         details = {h: im.detail for h, im in zip(hashes, images, strict=True) if im.detail != "auto"}
         multi = {h for h, im in zip(hashes, images, strict=True) if im.multi_image}
-        done = self._encode_request(hashes, data, details, multi)
+        videos = {h: im.video for h, im in zip(hashes, images, strict=True) if im.video is not None}
+        done = self._encode_request(hashes, data, details, multi, videos)
         return [(done[h].features, done[h].cached) for h in hashes]
 
+    def _hash(self, index: int, data: bytes, im: ImageRef) -> str:
+        """What the item is cached under: an image's mm_hash, or a whole video's hash (its one part's)."""
+        if im.video is None:
+            return mm_hash(data, im.detail, im.multi_image)
+        if im.chunks or im.video.first != 0 or not im.video.last:
+            raise bad_request(f"images[{index}] is a video in chunks; an aggregated decoder encodes whole videos",
+                              param=f"images.{index}.video")
+        return part_hash(data, im.video)
+
     def _encode_request(self, hashes: list[str], data: list[bytes], details: Mapping[str, str],
-                        multi: set[str]) -> dict[str, Encoded]:
+                        multi: set[str], videos: Mapping[str, VideoPart]) -> dict[str, Encoded]:
         """`encode`, its failures turned into this request's APIError."""
         try:
-            return self.encode(dict(zip(hashes, data, strict=True)), details, multi)
+            return self.encode(dict(zip(hashes, data, strict=True)), details, multi, videos)
         except UndecodableImage as exc:
             i = hashes.index(exc.mm_hash)
             raise bad_request(f"images[{i}]: {exc}", param=f"images.{i}.data", code="invalid_image") from exc
+        except UndecodableVideo as exc:
+            i = hashes.index(exc.mm_hash)
+            raise bad_request(f"images[{i}]: {exc}", param=f"images.{i}.data", code=exc.code) from exc
         except EmbeddingsRefused as exc:
             logger.error("inline encoder output refused: %s", exc.reasons)
             raise APIError(500, "image embeddings do not fit this model: " + "; ".join(exc.reasons.values()),

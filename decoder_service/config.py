@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
 from epd_common.server import HttpLimits
+from epd_common.video import VideoLimits
+
+DEFAULT_LIMITS = VideoLimits()
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,10 @@ class DecoderConfig(HttpLimits):
     ec_max_items_per_get: int = 256  # hashes asked of one producer per get (at most the encoders' limit)
     aggregated: bool = False  # also load the vision half and encode images sent inline (no encoders)
     max_image_pixels: int = 40_000_000  # aggregated mode: larger images get a 400
+    # aggregated mode: videos (epd_common.video.VideoLimits; one video's bytes are bounded by max_body_bytes)
+    max_video_duration: float = DEFAULT_LIMITS.max_duration_s  # seconds; longer: 400 video_too_large
+    max_video_frames: int = DEFAULT_LIMITS.max_frames  # sampled frames of one video; more: 400 video_too_large
+    max_video_frame_pixels: int = DEFAULT_LIMITS.max_pixels_per_frame  # source frame width * height
     engine_stall_timeout: float = 120.0  # seconds the engine loop may go without an iteration; then 503 + exit
     log_level: str = "info"
     internal_key: str | None = field(default=None, repr=False)  # Bearer key /generate requires
@@ -48,6 +55,8 @@ class DecoderConfig(HttpLimits):
         assert self.gather_timeout > 0, "gather_timeout must be > 0"
         assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"
         assert self.engine_stall_timeout > 0, "engine_stall_timeout must be > 0"
+        assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels) >= 1, \
+            "max_video_duration, max_video_frames and max_video_frame_pixels must be > 0"
         assert self.prefix_cache_bytes >= 0 and self.prefix_block_size >= 1, "prefix cache: bytes >= 0, block >= 1"
         if self.max_body_bytes == 0:  # frozen: the resolved default is set once, here
             auto = 16 * (20 << 20) * 4 // 3 + (1 << 20) if self.aggregated else 80 << 20

@@ -7,6 +7,9 @@ that request at best, and fill the decoder's cache with unusable items at worst.
 - the span (the image's prompt tokens): only this family's image token and layout tokens (InternVL's `<img>`,
   Pixtral's `[IMG_BREAK]`, Idefics3's `<row_i_col_j>`, ...) and layout text, with exactly num_tokens image
   tokens; a family with layout tokens must send one;
+- a video (or a chunk of one: `second_per_grid_t` set): only for a model with a video token; its span, if any,
+  holds exactly num_tokens video tokens and besides them only layout tokens, the vision start / end tokens and
+  time stamps "<t seconds>" (Qwen3-VL's groups, one per temporal patch), each stamp checked as text;
 - num_tokens == what the family yields where it is fixed (LLaVA-1.5); for M-RoPE families (Qwen) t*h*w / merge**2
   of its grid_thw (which must be there, positive, and divisible by the merge size);
 - DeepStack features (Qwen3-VL): present, of shape (layers, num_tokens, width) and the embeddings' dtype;
@@ -25,6 +28,9 @@ from epd_contracts.embeddings import ImageFeatures
 from epd_models.halves import LanguageHalf
 from epd_models.mrope import MRopeAdapter
 
+_STAMP = re.compile(r"<\d{1,7}(\.\d)? seconds>")  # a video's time stamp (Qwen3-VL writes f"<{t:.1f} seconds>")
+_MAX_STAMP_TOKENS = 16
+
 
 class EmbeddingCheck:
     """`check(out) -> reason | None` for ECConsumer(check=...) and the aggregated InlineEncoder."""
@@ -35,9 +41,12 @@ class EmbeddingCheck:
         self.width = int(lm.module.language_model.embed_tokens.embedding_dim)
         self.merge: int | None = cfg.vision_config.spatial_merge_size if isinstance(lm.adapter, MRopeAdapter) else None
         self.fixed = spec.fixed_tokens(cfg) if spec.fixed_tokens is not None else None
-        self.image_id = lm.image_token_id
+        self.image_id, self.video_id = lm.image_token_id, lm.video_token_id
+        self.tokenizer, self.vocab = lm.tokenizer, len(lm.tokenizer)
         self.layout = layout_ids(lm.tokenizer, spec.layout_tokens, spec.layout_text)
         self.allowed = self.layout | {self.image_id}  # what a span may hold
+        edges = (getattr(cfg, "vision_start_token_id", None), getattr(cfg, "vision_end_token_id", None))
+        self.video_markup = self.layout | {int(t) for t in edges if t is not None}  # besides its tokens and stamps
         self.deepstack = deepstack_layers(cfg)
 
     def __call__(self, out: ImageFeatures) -> str | None:
@@ -46,7 +55,10 @@ class EmbeddingCheck:
             return f"expected a 2-D floating tensor, got {e.dtype} of shape {tuple(e.shape)}"
         if e.shape[1] != self.width:
             return f"width {e.shape[1]} != this model's embedding width {self.width} (an encoder of another model?)"
-        for reason in (self._span(out), self._count(out), self._deepstack(out)):
+        if out.is_video and self.video_id is None:
+            return "a video's embeddings, but this model takes no video"
+        span = self._video_span(out) if out.is_video else self._span(out)
+        for reason in (span, self._count(out), self._deepstack(out)):
             if reason is not None:
                 return reason
         if not bool(torch.isfinite(e).all()) or (out.deepstack is not None and not bool(torch.isfinite(out.deepstack).all())):
@@ -61,6 +73,29 @@ class EmbeddingCheck:
         if sum(1 for t in out.span if t == self.image_id) != out.num_tokens:
             return f"the span's image tokens != the {out.num_tokens} embedding rows"
         return None
+
+    def _video_span(self, out: ImageFeatures) -> str | None:
+        if out.span is None:
+            return None
+        if sum(1 for t in out.span if t == self.video_id) != out.num_tokens:
+            return f"the span's video tokens != the {out.num_tokens} embedding rows"
+        text: list[int] = []  # the run of plain tokens being read: a time stamp
+        for t in (*out.span, -1):  # -1: the end, which ends the last run
+            if t == self.video_id or t in self.video_markup or t == -1:
+                if text and not self._is_stamp(text):
+                    return "the span holds tokens that are not this model's video layout"
+                text = []
+            elif t == self.image_id or not 0 <= t < self.vocab or len(text) == _MAX_STAMP_TOKENS:
+                return "the span holds tokens that are not this model's video layout"
+            else:
+                text.append(t)
+        return None
+
+    def _is_stamp(self, ids: list[int]) -> bool:
+        try:
+            return _STAMP.fullmatch(str(self.tokenizer.decode(ids))) is not None
+        except (OverflowError, TypeError, ValueError):  # ids the tokenizer does not have
+            return False
 
     def _count(self, out: ImageFeatures) -> str | None:
         expected = self.fixed

@@ -40,12 +40,13 @@ from decoder_service.readback import read_back, read_back_rows
 from decoder_service.request import Preparer, Work
 from decoder_service.scheduler import IDLE_PREFILL_FACTOR, Scheduler
 from decoder_service.sequence import Job, Sequence
+from decoder_service.video_gather import Gathered, plan_gather
 from epd_common.errors import APIError
 from epd_common.logs import request_id_var
-from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
+from epd_models.video_config import video_config
 
 logger = logging.getLogger("epd.decoder")
 _MAX_HEARTBEAT_S = 1.0  # an idle engine still marks progress this often (the stall clock never sees idleness)
@@ -60,6 +61,7 @@ class Engine:
         self.eos_ids = eos_token_ids(lm)
         self.max_model_len = cfg.max_model_len or int(lm.config.get_text_config().max_position_embeddings)
         self.vocab_size = int(lm.module.lm_head.out_features)
+        self.video_config = video_config(lm.model_dir, lm.adapter.name)  # None: the model takes no video
         self.preparer = Preparer(lm, self.max_model_len, self.vocab_size, cfg.max_num_seqs, self.eos_ids,
                                  cfg.prefix_block_size if cfg.prefix_cache_bytes else 0)
         self._jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet taken by the engine thread
@@ -129,25 +131,26 @@ class Engine:
         self._jobs.put(None)
         self._thread.join(timeout=timeout)
 
-    def _gather(self, req: GenerateRequest) -> list[tuple[ImageFeatures, bool]]:
-        """Each image's embeddings, and whether this decoder already held them (a cache hit: cached_tokens)."""
+    def _gather(self, req: GenerateRequest) -> list[Gathered]:
+        """Each image's (video's) embeddings, and which of its rows were already held (cached_tokens). Videos are
+        gathered as their chunks, with the images, and assembled (decoder_service/video_gather.py)."""
         if not req.images:
             return []
         if self.inline is not None:
-            return self.inline.features_and_hits(req.images)
-        hashes = [im.mm_hash for im in req.images]
+            return [Gathered.of(f, hit) for f, hit in self.inline.features_and_hits(req.images)]
+        plan = plan_gather(req.images, self.video_config, self.lm.video_token_id is not None)
         start = time.perf_counter()
         try:
-            got = self.consumer.gather(hashes, {im.mm_hash: im.source for im in req.images}, self.cfg.gather_timeout,
-                                       wait_for=[im.mm_hash for im in req.images if im.pending])
-        except MissingEmbeddings as exc:
+            got = self.consumer.gather(plan.hashes, plan.sources, self.cfg.gather_timeout, wait_for=plan.pending)
+        except MissingEmbeddings as exc:  # by the hash of each image or video chunk not found
             raise APIError(409, str(exc), param="images", code="missing_embeddings",
                            extra={"missing": exc.missing}) from exc
         except InvalidEmbeddings as exc:  # the encoder that sent them runs another model (or is broken)
             raise APIError(502, str(exc), param="images", code="invalid_embeddings",
                            extra={"refused": exc.reasons}) from exc
         self.metrics.gather.observe(time.perf_counter() - start)
-        return [(got[h], False) for h in hashes]  # the proxy marks images held before (ImageRef.cached)
+        # the proxy marks images and chunks held before (ImageRef.cached, ChunkRef.cached)
+        return plan.assemble(got, self.video_config.temporal_patch if self.video_config is not None else 1)
 
     def _run(self) -> None:
         try:

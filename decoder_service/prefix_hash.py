@@ -6,6 +6,9 @@ token before it (the chain), the pictures behind its image tokens (two pictures 
 `mm_hash`), and the positions (M-RoPE positions are a function of the tokens and the images' grids, which their
 `mm_hash` fixes). The chain starts from the request's `cache_salt`: different salts never share a block.
 
+A video's tokens (the video token's) are named the same way by the video's hash, which fixes its bytes and
+sampling, hence its rows, grid and time steps (epd_contracts/video.py), however it was cut into chunks.
+
 blake2b with a 128-bit digest: finding two prompts with one key (to read or poison another user's prefix) takes
 about 2^64 hashes. A chain costs ~1 µs per block, built on the request's worker thread, off the engine's.
 """
@@ -60,10 +63,12 @@ def root_of(salt: str) -> bytes:
 
 
 def prompt_chain(ids: Sequence[int], block_size: int, salt: str = "", image_token_id: int | None = None,
-                 images: Sequence[tuple[str, int]] = ()) -> PrefixChain | None:
-    """The chain of a prompt whose image tokens (id `image_token_id`) take the rows of `images` ((mm_hash, number of
-    rows) each) in order. None when the prompt's image tokens do not add up to the images' rows: not cached."""
-    positions = [i for i, t in enumerate(ids) if t == image_token_id] if images else []
+                 images: Sequence[tuple[str, int]] = (), video_token_id: int | None = None) -> PrefixChain | None:
+    """The chain of a prompt whose image tokens (id `image_token_id`, and video tokens: `video_token_id`) take the
+    rows of `images` ((mm_hash, number of rows) each, images and videos in prompt order) in order. None when the
+    prompt's image and video tokens do not add up to the items' rows: not cached."""
+    media = {image_token_id, video_token_id} - {None}
+    positions = [i for i, t in enumerate(ids) if t in media] if images else []
     if len(positions) != sum(n for _, n in images):
         return None
     starts = [0]  # index of each image's first row among all image tokens

@@ -17,8 +17,8 @@ from jinja2 import TemplateError
 from decoder_service.grammar import CompiledGuide, GuideCompiler, GuideError, spec_for
 from decoder_service.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.prompt import Prompt, build_prompt
+from decoder_service.video_gather import Gathered
 from epd_common.errors import bad_request
-from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
 from epd_models.chat import PromptTooLong, chat_template, image_edges, render
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from epd_models.guide_spec import GuideSpec
     from epd_models.halves import LanguageHalf
 
-Gather = Callable[[GenerateRequest], list[tuple[ImageFeatures, bool]]]  # (features, was cached) per image
+Gather = Callable[[GenerateRequest], list[Gathered]]  # per image (video): its features and which rows were held
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,14 @@ class Work:
     guide: CompiledGuide | None = None  # each choice makes its own matcher at admission
     tools: ToolFormat | None = None  # each choice parses its output with its own parser
     echo: str = ""  # completions with echo: the prompt's text, each choice's first delta
-    held_image_positions: tuple[int, ...] = ()  # sorted prompt positions of the image tokens of held images
+    held_image_positions: tuple[int, ...] = ()  # sorted prompt positions of the held image (video) rows' tokens
     chain: PrefixChain | None = None  # the prompt's prefix-cache keys (None: the cache is off, or not cacheable)
     route_keys: tuple[str, ...] = ()  # the proxy's prefix keys (routing hints, reported in /health)
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens of images whose embeddings were already held (no vision work for this request)."""
+        """Tokens of images (and video chunks) whose embeddings were already held (no vision work for this
+        request)."""
         return len(self.held_image_positions)
 
     def held_image_tokens_from(self, position: int) -> int:
@@ -77,30 +78,35 @@ class Preparer:
         guide = self._guide(req, tools)
         images = gather(req)
         try:
-            prompt = build_prompt(self.lm, ids, [features for features, _ in images])
+            prompt = build_prompt(self.lm, ids, [g.features for g in images])
         except ValueError as exc:  # placeholder count does not match the images
             raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
         echo = self._echo_text(req, ids) if req.echo else ""
-        held, chain = self._image_tokens(req, prompt, [hit or ref.cached for (_, hit), ref in zip(images, req.images,
-                                                                                                   strict=True)])
-        return Work(prompt, self._fit(prompt, params), guide, tools, echo, held, chain, tuple(req.prefix_keys))
+        held = [((0, g.features.num_tokens),) if ref.cached else g.held
+                for g, ref in zip(images, req.images, strict=True)]
+        positions, chain = self._image_tokens(req, prompt, held)
+        return Work(prompt, self._fit(prompt, params), guide, tools, echo, positions, chain, tuple(req.prefix_keys))
 
     def _image_tokens(self, req: GenerateRequest, prompt: Prompt,
-                      held: list[bool]) -> tuple[tuple[int, ...], PrefixChain | None]:
-        """The positions of held images' tokens, and the prompt's prefix-cache chain (images named by mm_hash)."""
+                      held: list[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, ...], PrefixChain | None]:
+        """The positions of held rows' tokens (`held`: per item, [start, end) ranges of its rows), and the prompt's
+        prefix-cache chain (images and videos named by mm_hash). An item's rows are its tokens of the image
+        token or the video token, in prompt order (where merge_image_embeds puts them)."""
         ids: list[int] = prompt.input_ids[0].tolist()
         sizes = [im.num_tokens for im in prompt.images]
-        positions = [i for i, t in enumerate(ids) if t == self.lm.image_token_id] if sizes else []
+        media = {self.lm.image_token_id, self.lm.video_token_id} - {None}
+        positions = [i for i, t in enumerate(ids) if t in media] if sizes else []
         mine: list[int] = []
         start = 0
-        for size, is_held in zip(sizes, held, strict=True):
-            if is_held:
-                mine += positions[start : start + size]
+        for size, ranges in zip(sizes, held, strict=True):
+            for a, b in ranges:
+                mine += positions[start + a : start + min(b, size)]
             start += size
         chain = None
         if self.prefix_block:
             chain = prompt_chain(ids, self.prefix_block, req.cache_salt, self.lm.image_token_id,
-                                 [(ref.mm_hash, size) for ref, size in zip(req.images, sizes, strict=True)])
+                                 [(ref.mm_hash, size) for ref, size in zip(req.images, sizes, strict=True)],
+                                 video_token_id=self.lm.video_token_id)
         return tuple(mine), chain
 
     def _check_sampling(self, req: GenerateRequest, params: SamplingParams) -> None:
@@ -113,14 +119,16 @@ class Preparer:
 
     def _check_images(self, req: GenerateRequest) -> None:
         """Where an image's tokens depend on how many images the prompt has (LLaVA-OneVision), every image must
-        have been encoded for this prompt: as one of several exactly when there are several."""
+        have been encoded for this prompt: as one of several exactly when there are several. Videos are not
+        counted (its processor counts the images only) and are never multi_image."""
         if not self.lm.adapter.spec.multi_image_variant:
             return
-        several = len(req.images) > 1
+        count = sum(1 for im in req.images if im.video is None)
         for i, im in enumerate(req.images):
+            several = count > 1 and im.video is None
             if im.multi_image != several:
                 raise bad_request(f"images[{i}].multi_image must be {str(several).lower()} for this model: the prompt "
-                                  f"has {len(req.images)} image(s)", param=f"images.{i}.multi_image")
+                                  f"has {count} image(s)", param=f"images.{i}.multi_image")
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         bad = [i for i in ids if i >= self.vocab_size]

@@ -32,6 +32,7 @@ from epd_contracts.validation import ContractError, decode_json
 from epd_models.halves import LanguageHalf, VisionHalf, loaded_summary
 from epd_models.identity import model_identity
 from epd_models.resolve import resolve_model
+from epd_models.video_config import video_limits
 
 logger = logging.getLogger("epd.decoder")
 router = APIRouter()
@@ -154,7 +155,8 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
     inline = None
     if cfg.aggregated:
         vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)
-        inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, check)
+        inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, check,
+                               video_limits(cfg, cfg.max_body_bytes))
     engine = state.engine = Engine(half, state.consumer, cfg, state.metrics, inline)
     logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, KV slots %d x %d positions = "
                 "%.1f MiB", cfg.model, half.device, str(half.dtype).removeprefix("torch."), engine.max_model_len,

@@ -7,6 +7,9 @@ from connector.control.security import CurveConfig
 from connector.tensors.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
 from connector.tensors.waiters import MAX_PARKED
 from epd_common.server import HttpLimits
+from epd_common.video import VideoLimits
+
+DEFAULT_LIMITS = VideoLimits()
 
 MAX_ITEMS_PER_REQUEST = 64  # the proxy sends at most its --max-images-per-request (16) per call
 MAX_ENCODE_BYTES = 320 << 20  # decoded image bytes per /encode: 16 images at the proxy's 20 MiB cap
@@ -27,7 +30,11 @@ class EncoderConfig(HttpLimits):
     max_batch_size: int = 16  # images per vision forward
     max_image_pixels: int = 40_000_000
     max_items_per_request: int = MAX_ITEMS_PER_REQUEST  # items per /encode; more get a 400
-    max_encode_bytes: int = MAX_ENCODE_BYTES  # decoded image bytes per /encode; more get a 413
+    max_encode_bytes: int = MAX_ENCODE_BYTES  # decoded image (and video) bytes per /encode; more get a 413
+    # videos (epd_common.video.VideoLimits; one video's bytes are bounded by max_encode_bytes)
+    max_video_duration: float = DEFAULT_LIMITS.max_duration_s  # seconds; longer: 400 video_too_large
+    max_video_frames: int = DEFAULT_LIMITS.max_frames  # sampled frames of one video; more: 400 video_too_large
+    max_video_frame_pixels: int = DEFAULT_LIMITS.max_pixels_per_frame  # source frame width * height
     ec_max_items_per_get: int = MAX_ITEMS_PER_GET  # hashes one ZeroMQ get may ask for; more get an error reply
     ec_max_reply_bytes: int = MAX_REPLY_BYTES  # tensor bytes of one get reply; items past it are answered not found
     ec_max_parked_gets: int = MAX_PARKED  # gets waiting for items still encoding; more are answered at once
@@ -51,6 +58,8 @@ class EncoderConfig(HttpLimits):
         assert self.ec_cache_bytes > 0, "ec_cache_bytes must be > 0"
         assert self.max_items_per_request >= 1 and self.max_encode_bytes >= 1, \
             "max_items_per_request and max_encode_bytes must be >= 1"
+        assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels) >= 1, \
+            "max_video_duration, max_video_frames and max_video_frame_pixels must be > 0"
         assert min(self.ec_max_items_per_get, self.ec_max_reply_bytes, self.ec_max_parked_gets,
                    self.ec_max_parked_hashes) >= 1, "ec_max_* limits must be >= 1"
         super().__post_init__()

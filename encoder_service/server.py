@@ -28,9 +28,12 @@ from epd_common.server import freeze_startup_heap
 from epd_contracts.encode import EncodeRequest, EncodeResponse
 from epd_contracts.hashing import mm_hash
 from epd_contracts.validation import ContractError, decode_json
+from epd_contracts.video import part_hash
+from epd_models.encode import UndecodableVideo
 from epd_models.halves import VisionHalf, loaded_summary
 from epd_models.identity import model_identity
 from epd_models.resolve import resolve_model
+from epd_models.video_config import video_limits
 
 logger = logging.getLogger("epd.encoder")
 router = APIRouter()
@@ -79,11 +82,14 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
             data = base64.b64decode(item.data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise bad_request(f"items[{i}].data is not valid base64: {exc}", param=f"items.{i}.data") from exc
-        computed = mm_hash(data, item.detail, item.multi_image)
+        if item.video is not None and (item.detail != "auto" or item.multi_image):
+            raise bad_request(f"items[{i}] is a video: detail and multi_image are for images",
+                              param=f"items.{i}.video")
+        computed = mm_hash(data, item.detail, item.multi_image) if item.video is None else part_hash(data, item.video)
         if item.mm_hash is not None and item.mm_hash != computed:
-            raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (epd_contracts.hashing)",
-                              param=f"items.{i}.mm_hash", code="hash_mismatch")
-        out.append(ScheduledEncoderInput(computed, data, item.detail, item.multi_image))
+            raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (epd_contracts.hashing, "
+                              "epd_contracts.video for a video)", param=f"items.{i}.mm_hash", code="hash_mismatch")
+        out.append(ScheduledEncoderInput(computed, data, item.detail, item.multi_image, item.video))
     return out
 
 
@@ -93,7 +99,8 @@ def build_worker(cfg: EncoderConfig) -> EncoderWorker:
                           curve=cfg.curve, advertise_host=cfg.ec_advertise_host,
                           max_items_per_get=cfg.ec_max_items_per_get, max_reply_bytes=cfg.ec_max_reply_bytes,
                           max_parked_gets=cfg.ec_max_parked_gets, max_parked_hashes=cfg.ec_max_parked_hashes).start()
-    return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels)
+    return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels,
+                         video_limits(cfg, cfg.max_encode_bytes))
 
 
 async def _read(request: Request) -> EncodeRequest:
@@ -122,6 +129,10 @@ async def encode(request: Request) -> Response:
     except ImageError as exc:
         m.requests.labels("400").inc()
         raise bad_request(str(exc), param="image", code="invalid_image") from exc
+    except UndecodableVideo as exc:
+        m.requests.labels("400").inc()
+        index = next(i for i, it in enumerate(items) if it.mm_hash == exc.mm_hash)
+        raise bad_request(str(exc), param=f"items.{index}.data", code=exc.code) from exc
     except Exception as exc:  # noqa: BLE001 - one call's failure is that call's own error; the executor goes on
         logger.exception("encode failed")
         m.requests.labels("500").inc()

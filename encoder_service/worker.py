@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from connector.tensors.producer import ECProducer
+from epd_common.video import VideoLimits
 from epd_contracts.encode import EncodedItem
+from epd_contracts.video import VideoPart
 from epd_models.encode import CachingEncoder, Encoded
 from epd_models.halves import VisionHalf
 
@@ -15,6 +17,7 @@ class ScheduledEncoderInput:
     data: bytes  # the image file's bytes, as the client sent them
     detail: str = "auto"  # image_url.detail (part of mm_hash)
     multi_image: bool = False  # one of several images of its prompt, for a family where that matters (part of mm_hash)
+    video: VideoPart | None = None  # the bytes are a video and the item these sampled frames of it (part of mm_hash)
 
 
 def _describe(mm_hash: str, out: Encoded) -> EncodedItem:
@@ -26,8 +29,8 @@ class EncoderWorker(CachingEncoder):
     """A caching encoder whose store is the connector's producer: what it encodes, decoders can gather."""
 
     def __init__(self, vision: VisionHalf, producer: ECProducer, max_batch_size: int = 16,
-                 max_image_pixels: int = 40_000_000):
-        super().__init__(vision, producer, max_batch_size, max_image_pixels)
+                 max_image_pixels: int = 40_000_000, video_limits: VideoLimits | None = None):
+        super().__init__(vision, producer, max_batch_size, max_image_pixels, video_limits=video_limits)
         self.producer = producer
 
     def execute_mm_encoder(self, scheduled_encoder_inputs: list[ScheduledEncoderInput]) -> list[EncodedItem]:
@@ -36,5 +39,6 @@ class EncoderWorker(CachingEncoder):
             return []
         done = self.encode({item.mm_hash: item.data for item in scheduled_encoder_inputs},
                            {item.mm_hash: item.detail for item in scheduled_encoder_inputs if item.detail != "auto"},
-                           {item.mm_hash for item in scheduled_encoder_inputs if item.multi_image})
+                           {item.mm_hash for item in scheduled_encoder_inputs if item.multi_image},
+                           {item.mm_hash: item.video for item in scheduled_encoder_inputs if item.video is not None})
         return [_describe(item.mm_hash, done[item.mm_hash]) for item in scheduled_encoder_inputs]

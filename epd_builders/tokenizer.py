@@ -31,7 +31,7 @@ _TEMPLATE = (
     "{%- macro body(content) -%}"
     "{%- if content is string -%}{{ content }}"
     "{%- elif content -%}{%- for c in content -%}"
-    "{%- if c['type'] in ('image', 'image_url') -%}{{ '@IMAGE@' }}"
+    "{%- if c['type'] in ('image', 'image_url') -%}{{ '@IMAGE@' }}@VIDEO@"
     "{%- elif c['type'] == 'text' -%}{{ c['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
@@ -56,7 +56,7 @@ _TEMPLATE = (
     "{{ '<|im_start|>' + m['role'] + '\\n' }}"
     "{%- if m['content'] is string -%}{{ m['content'] }}"
     "{%- else -%}{%- for c in m['content'] -%}"
-    "{%- if c['type'] in ('image', 'image_url') -%}{{ '@IMAGE@' }}"
+    "{%- if c['type'] in ('image', 'image_url') -%}{{ '@IMAGE@' }}@VIDEO@"
     "{%- elif c['type'] == 'text' -%}{{ c['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{ '<|im_end|>\\n' }}"
@@ -66,8 +66,22 @@ _TEMPLATE = (
 )
 
 
-def chat_template(image_markup: str) -> str:
-    return _TEMPLATE.replace("@IMAGE@", image_markup)
+VIDEO_TOKEN = "<|video_pad|>"  # every tiny checkpoint's video token (config video_token_id, where it takes video)
+
+
+def chat_template(image_markup: str, video_markup: str | None = None) -> str:
+    """The template, writing `image_markup` for each image part and `video_markup` for each video part (None:
+    video parts are not rendered, as before videos existed: the demo model's committed template)."""
+    video = "" if video_markup is None else (
+        "{%- elif c['type'] in ('video', 'video_url') -%}{{ " + json.dumps(video_markup) + " }}")
+    return _TEMPLATE.replace("@IMAGE@", image_markup).replace("@VIDEO@", video)
+
+
+def video_markup(image_token: str, image_markup: str) -> str | None:
+    """What a video part renders to: the image markup with the image token swapped for the video token (Qwen:
+    <|vision_start|><|video_pad|><|vision_end|>, as its templates write a video; "<image>" -> "<|video_pad|>"),
+    or None where the markup does not hold the image token (Gemma 3's <start_of_image>: no video)."""
+    return image_markup.replace(image_token, VIDEO_TOKEN) if image_token in image_markup else None
 
 
 def corpus() -> list[str]:
@@ -78,7 +92,8 @@ def corpus() -> list[str]:
 
 
 def train_tokenizer(image_token: str, image_markup: str, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Train a small BPE and wrap it with the attributes processors read (image_token, ...)."""
+    """Train a small BPE and wrap it with the attributes processors read (image_token, ...); its chat template
+    renders video parts as `video_markup` makes them."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -94,6 +109,6 @@ def train_tokenizer(image_token: str, image_markup: str, vocab_size: int = 512) 
         bos_token="<|endoftext|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": image_token, "video_token": "<|video_pad|>"},
-        chat_template=chat_template(image_markup),
+        extra_special_tokens={"image_token": image_token, "video_token": VIDEO_TOKEN},
+        chat_template=chat_template(image_markup, video_markup(image_token, image_markup)),
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 from connector.control.curve_flags import add_curve_flags
 from epd_common.cli import add_http_flags, add_log_level, env_flag, new_parser
+from epd_contracts.video import MAX_VIDEO_FRAMES
 from proxy.config import ProxyConfig
 
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
@@ -36,6 +37,30 @@ def non_negative(value: str) -> int:
     number = int(value)
     if number < 0:
         raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
+    return number
+
+
+def positive(value: str) -> int:
+    """An int flag that must be >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return number
+
+
+def positive_seconds(value: str) -> float:
+    """A float flag that must be > 0 (and finite)."""
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value}: must be a number > 0")
+    return number
+
+
+def video_frames(value: str) -> int:
+    """--max-video-frames: 1 .. the contract's MAX_VIDEO_FRAMES."""
+    number = int(value)
+    if not 1 <= number <= MAX_VIDEO_FRAMES:
+        raise argparse.ArgumentTypeError(f"{value}: must be in 1..{MAX_VIDEO_FRAMES}")
     return number
 
 
@@ -97,6 +122,7 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     _affinity_flags(p.add_argument_group("prefix affinity (routing conversations to the decoder holding their "
                                           "prefix)"))
     _media_flags(p.add_argument_group("images"))
+    _video_flags(p.add_argument_group("videos (video_url parts; URLs are loaded under the image flags' rules)"))
 
 
 def _affinity_flags(g: argparse._ActionsContainer) -> None:
@@ -126,6 +152,24 @@ def _media_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--max-concurrent-fetches", type=int, default=16,
                    help="http(s) image downloads at once over all requests; a request that gets no slot within "
                         "its --media-fetch-deadline gets a 503")
+
+
+def _video_flags(g: argparse._ActionsContainer) -> None:
+    defaults = ProxyConfig.__dataclass_fields__
+    g.add_argument("--max-videos-per-request", type=non_negative, default=defaults["max_videos_per_request"].default,
+                   help="more videos get a 400 too_many_videos, counted before any is loaded")
+    g.add_argument("--max-video-bytes", type=positive, default=defaults["max_video_bytes"].default,
+                   help="bytes of one video file (default 64 MiB)")
+    g.add_argument("--max-video-duration", type=positive_seconds, default=defaults["max_video_duration"].default,
+                   help="seconds of one video")
+    g.add_argument("--max-video-frames", type=video_frames, default=defaults["max_video_frames"].default,
+                   help="frames sampled from one video: a sampling rate that would take more is clamped to it, a "
+                        "request's mm_processor_kwargs.num_frames above it gets a 400")
+    g.add_argument("--max-video-frame-pixels", type=positive, default=defaults["max_video_frame_pixels"].default,
+                   help="width x height of the video's own frames (before any resize)")
+    g.add_argument("--video-chunk-frames", type=positive, default=defaults["video_chunk_frames"].default,
+                   help="sampled frames per chunk, the part of a video one encoder encodes (rounded down to whole "
+                        "temporal patches): a longer video is spread over the encoders")
 
 
 def _launcher_flags(g: argparse._ActionsContainer) -> None:

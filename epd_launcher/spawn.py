@@ -19,13 +19,21 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
     wh = args.worker_host
     common = ["--log-level", args.log_level]
     devices = _devices(num_encoders + args.num_decoders)
-    enc = [group.spawn("encoder", model, wh, threads, ["--ec-bind", f"tcp://{wh}:0", *common, *devices[i]],
-                       keys.env("encoder")) for i in range(num_encoders)]
+    enc = [group.spawn("encoder", model, wh, threads,
+                       ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *devices[i]], keys.env("encoder"))
+           for i in range(num_encoders)]
     dec_flags = [*common, *(["--aggregated"] if args.aggregated else []), *_prefix_cache_flags(args)]
     dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *devices[num_encoders + i]], keys.env("decoder"))
            for i in range(args.num_decoders)]
     group.wait_healthy(args.startup_timeout)
     return tuple(w.url for w in enc), tuple(w.url for w in dec)
+
+
+def _video_flags(args: argparse.Namespace) -> list[str]:
+    """The proxy's video limits for the encoders, which probe each video again: a video the proxy takes is not
+    refused there."""
+    return ["--max-video-duration", str(args.max_video_duration), "--max-video-frames", str(args.max_video_frames),
+            "--max-video-frame-pixels", str(args.max_video_frame_pixels)]
 
 
 def _prefix_cache_flags(args: argparse.Namespace) -> list[str]:

@@ -15,9 +15,10 @@ A family's own code is only where it really differs (a `FamilySpec`'s fields and
 positions (Qwen), DeepStack injection (Qwen3-VL), bidirectional attention inside an image (Gemma 3), plain-text
 edges around the span (Gemma 3).
 
-Videos (Qwen2-VL, Qwen2.5-VL so far: epd_models/video.py) take the same path: `encode_video` gives one item whose
-rows go to the family's video token (`merge_image_embeds` with `video_token_id`), spliced at the prompt's video
-placeholder (`splice_media`), its M-RoPE positions from its grid (epd_models/mrope.py).
+Videos (epd_models/video.py: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision) take the same path: a family's
+`encode_video` gives one item (a whole video, or a chunk of its frames) whose rows go to the family's video token
+(`merge_image_embeds` with `video_token_id`), spliced at the prompt's video placeholder (`splice_media`; Qwen3-VL's
+span holds its time stamps), its M-RoPE positions from its grid (epd_models/mrope.py).
 """
 from __future__ import annotations
 
@@ -31,13 +32,12 @@ from torch import nn
 from transformers import AutoModel
 
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.video import VIDEO_FAMILIES
 
 if TYPE_CHECKING:
     from PIL import Image
     from transformers import PretrainedConfig
 
-    from epd_models.video import VideoInputs
+    from epd_models.video import VideoClip, VideoSettings
 
 
 class LanguageModules(nn.Module):
@@ -155,17 +155,12 @@ class FamilyAdapter:
                 deepstack=torch.stack([d[i] for d in per_layer]) if per_layer else None))
         return feats
 
-    def encode_video(self, vision: nn.Module, cfg: PretrainedConfig, video: VideoInputs) -> ImageFeatures:
-        """One video's rows (its grid and seconds per temporal patch with them) via the model's
-        `get_video_features`, from the inputs epd_models/video.py made as the family's video processor would."""
-        if self.name not in VIDEO_FAMILIES:
-            raise ValueError(f"video input is not supported for {self.name} checkpoints (only {VIDEO_FAMILIES})")
-        weight = next(vision.parameters())
-        grid = torch.tensor([video.video_grid_thw])
-        res = vision.get_video_features(  # type: ignore[operator]
-            pixel_values_videos=_to(video.pixel_values_videos, weight), video_grid_thw=grid.to(weight.device))
-        return ImageFeatures(embeds=_rows(res.pooler_output), grid_thw=video.video_grid_thw,
-                             second_per_grid_t=video.second_per_grid_t)
+    def encode_video(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, settings: VideoSettings,
+                     clip: VideoClip) -> ImageFeatures:
+        """One video's (or one chunk's) rows, with what the decoder needs besides (its grid, seconds per temporal
+        patch, span, DeepStack features), from the frames as the family's video processor and the model's
+        `get_video_features` would make them (epd_models/video.py). Families that take video override this."""
+        raise ValueError(f"video input is not supported for {self.name} checkpoints")
 
     # decoder half
 

@@ -6,6 +6,13 @@ taking it: a call that waited may find its images encoded by the one before), ch
 If anything fails, the store is told which items will not come (`mark_failed`), so a decoder already waiting
 for them (a pipelined gather) hears it now, not at its timeout.
 
+Videos (items with a VideoPart: a whole video, or a chunk of its sampled frames; epd_contracts/video.py) take the
+same path one at a time: outside the lock, where images are decoded, the bytes are probed under `video_limits`,
+the frame indices are recomputed from the part's frame count with this checkpoint's own VideoConfig
+(epd_models/video_config.py) and checked against the part's plan (its total and fps: else `video_plan_mismatch`),
+and only the part's frames are decoded; under the lock each part is one `VisionHalf.encode_video`. A video that
+cannot be used raises UndecodableVideo naming its item and the 400 code it gets.
+
 The store is the encoder's connector producer, or the aggregated decoder's own cache: this module imports
 neither, only the four methods it needs (`EmbeddingStore`).
 """
@@ -20,8 +27,13 @@ from typing import Protocol
 from PIL import Image
 
 from epd_common.images import ImageError, load_image
+from epd_common.video import VideoError, VideoInfo, VideoLimits, VideoTooLargeError, decode_frames, probe_video
+from epd_common.video_sampling import VideoConfig, frame_indices, sampled_fps
 from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.video import VideoPart
 from epd_models.halves import VisionHalf
+from epd_models.video import VideoError as VideoInputsError
+from epd_models.video_config import video_config
 
 logger = logging.getLogger("epd.encoder")
 Check = Callable[[ImageFeatures], "str | None"]  # a reason to refuse an embedding, or None
@@ -47,6 +59,24 @@ class UndecodableImage(ImageError):
         self.mm_hash = mm_hash
 
 
+class UndecodableVideo(VideoError):
+    """An item's bytes are not a video this encoder can use as asked; `code` is the 400's error code
+    (invalid_video, video_too_large, video_plan_mismatch, video_not_supported), `mm_hash` names the item."""
+
+    def __init__(self, mm_hash: str, message: str, code: str = "invalid_video"):
+        super().__init__(message)
+        self.mm_hash, self.code = mm_hash, code
+
+
+@dataclass(frozen=True)
+class VideoFrames:
+    """A video item's decoded frames, ready for the vision half."""
+
+    part: VideoPart
+    frames: list[Image.Image]
+    times: list[float]  # each frame's time in the source video, in seconds
+
+
 class EmbeddingsRefused(Exception):
     """The check refused encoded items (mm_hash -> why); none of their batch was stored."""
 
@@ -65,34 +95,51 @@ class CachingEncoder:
     """Encodes what `store` does not hold yet, one vision forward at a time; counts what it did."""
 
     def __init__(self, vision: VisionHalf, store: EmbeddingStore, max_batch_size: int = 16,
-                 max_image_pixels: int = 40_000_000, check: Check | None = None):
+                 max_image_pixels: int = 40_000_000, check: Check | None = None,
+                 video_limits: VideoLimits | None = None):
         self.vision, self.store, self.check = vision, store, check
         self.max_batch_size, self.max_image_pixels = max_batch_size, max_image_pixels
+        self.video_limits = video_limits or VideoLimits()
         self.num_encoded = 0  # items that went through the vision tower
         self.num_already_cached = 0  # items asked for that were already held
         self._lock = threading.Lock()
+        self._video_config: tuple[VideoConfig | None] | None = None  # read on the first video
+
+    @property
+    def video_config(self) -> VideoConfig | None:
+        """This checkpoint's video sampling settings (None: it takes no video), read once."""
+        if self._video_config is None:
+            self._video_config = (video_config(self.vision.model_dir, self.vision.adapter.name),)
+        return self._video_config[0]
 
     def encode(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None,
-               multi_image: Collection[str] = ()) -> dict[str, Encoded]:
-        """Each item's features by mm_hash. Raises UndecodableImage, EmbeddingsRefused, or what the vision raised.
+               multi_image: Collection[str] = (), videos: Mapping[str, VideoPart] | None = None) -> dict[str, Encoded]:
+        """Each item's features by mm_hash. Raises UndecodableImage, UndecodableVideo, EmbeddingsRefused, or what
+        the vision raised.
 
         `details`: mm_hash -> image_url.detail for items not at "auto" (their hash already says so: epd_contracts.
         hashing); `multi_image`: the items encoded as one of several images of their prompt (the same); items of
-        one detail and multi_image are batched together.
+        one detail and multi_image are batched together. `videos`: mm_hash -> VideoPart for the items that are
+        videos (their hash is epd_contracts.video.part_hash of the bytes and the part), each encoded on its own.
         """
+        videos = videos or {}
         done = self._held(items)
         todo = {h: data for h, data in items.items() if h not in done}
         if not todo:
             return done
         try:
-            images = {h: self._load(h, data) for h, data in todo.items()}
+            images = {h: self._load(h, data) for h, data in todo.items() if h not in videos}
+            clips = {h: self._frames(h, data, videos[h]) for h, data in todo.items() if h in videos}
             with self._lock:
-                done.update(self._held([h for h in images if self.store.has_cache_item(h)]))  # no miss counted twice
+                done.update(self._held([h for h in todo if self.store.has_cache_item(h)]))  # no miss counted twice
                 groups = _by_detail([h for h in images if h not in done], details or {}, multi_image)
                 for (detail, multi), hashes in groups.items():
                     for start in range(0, len(hashes), self.max_batch_size):
                         batch = {h: images[h] for h in hashes[start : start + self.max_batch_size]}
                         done.update(self._encode_batch(batch, detail, multi))
+                for h, clip in clips.items():
+                    if h not in done:
+                        done.update(self._encode_video(h, clip))
         except BaseException:
             self.store.mark_failed([h for h in todo if h not in done])
             raise
@@ -109,20 +156,79 @@ class CachingEncoder:
         except ImageError as exc:
             raise UndecodableImage(mm_hash, exc) from exc
 
+    def _frames(self, mm_hash: str, data: bytes, part: VideoPart) -> VideoFrames:
+        """Probe the video, check the part's plan against this checkpoint's sampling, decode the part's frames."""
+        config = self.video_config
+        if config is None:
+            raise UndecodableVideo(mm_hash, f"video input is not supported for {self.vision.adapter.name} "
+                                            "checkpoints", "video_not_supported")
+        limits = self.video_limits
+        try:
+            if part.total > limits.max_frames:
+                raise VideoTooLargeError(f"{part.total} sampled frames; the limit is {limits.max_frames}")
+            info = probe_video(data, limits)
+            wanted = part_indices(config, info, part, mm_hash)
+            frames = decode_frames(data, wanted, limits)
+        except UndecodableVideo:
+            raise
+        except VideoError as exc:
+            code = "video_too_large" if isinstance(exc, VideoTooLargeError) else "invalid_video"
+            raise UndecodableVideo(mm_hash, str(exc), code) from exc
+        return VideoFrames(part, frames, [i / info.fps for i in wanted])
+
+    def _encode_video(self, mm_hash: str, clip: VideoFrames) -> dict[str, Encoded]:
+        """Encode, check and store one video part (under the lock)."""
+        sampling = clip.part.sampling
+        try:
+            out = self.vision.encode_video(clip.frames, sampling.fps, sampling.max_pixels, frame_times=clip.times,
+                                           last=clip.part.last, total_frames=clip.part.total)
+        except VideoInputsError as exc:  # frames the family's video inputs cannot be made of (size, pixel budget)
+            raise UndecodableVideo(mm_hash, str(exc)) from exc
+        return self._store({mm_hash: out}, "video part")
+
     def _encode_batch(self, images: dict[str, Image.Image], detail: str = "auto",
                       multi_image: bool = False) -> dict[str, Encoded]:
         """Encode, check and store one batch (under the lock)."""
         # the vision half runs on its device and hands back CPU tensors (one copy per batch): the connector
         # sends their memory as ZeroMQ frames without copying
         outs = dict(zip(images, self.vision.encode(list(images.values()), detail, multi_image), strict=True))
+        return self._store(outs, "item")
+
+    def _store(self, outs: dict[str, ImageFeatures], kind: str) -> dict[str, Encoded]:
+        """Check and store what was encoded (under the lock): all of it, or none if the check refuses any."""
         refused = {h: why for h, out in outs.items() if self.check is not None and (why := self.check(out))}
         if refused:
             raise EmbeddingsRefused(refused)
         for h, out in outs.items():
             self.store.save_caches(h, out)
         self.num_encoded += len(outs)
-        logger.info("encoded %d item(s)", len(outs))
+        logger.info("encoded %d %s(s)", len(outs), kind)
         return {h: Encoded(out, cached=False) for h, out in outs.items()}
+
+
+def part_indices(config: VideoConfig, info: VideoInfo, part: VideoPart, mm_hash: str = "") -> list[int]:
+    """The source frame indices of `part`, by this checkpoint's sampling rule for the video `info` describes;
+    UndecodableVideo (video_plan_mismatch) when the part's plan is not what that rule gives: another
+    number of sampled frames or another sampled fps (the proxy sampled with other settings, or another video),
+    or a chunk that does not start and end on whole temporal patches (only the video's last chunk may end
+    short)."""
+    sampling = part.sampling
+    try:
+        indices = frame_indices(config, info, sampling.num_frames)
+    except VideoError as exc:
+        raise UndecodableVideo(mm_hash, f"the video's plan does not fit it: {exc}", "video_plan_mismatch") from exc
+    if len(indices) != part.total:
+        raise UndecodableVideo(mm_hash, f"sampling {sampling.num_frames} frames of this video gives {len(indices)} "
+                                        f"frames here, not the plan's {part.total}", "video_plan_mismatch")
+    here = sampled_fps(info, len(indices))
+    if abs(here - sampling.fps) > 1e-6 * sampling.fps:
+        raise UndecodableVideo(mm_hash, f"the sampled frames are at {here:.6g} fps here, not the plan's "
+                                        f"{sampling.fps:.6g}", "video_plan_mismatch")
+    t = config.temporal_patch
+    if part.first % t or (part.count % t and not part.last):
+        raise UndecodableVideo(mm_hash, f"frames [{part.first}, {part.first + part.count}) are not whole temporal "
+                                        f"patches of {t} frames", "video_plan_mismatch")
+    return indices[part.first : part.first + part.count]
 
 
 def _by_detail(hashes: list[str], details: Mapping[str, str],

@@ -14,7 +14,7 @@ from epd_models.base import FamilyAdapter, merge_image_embeds
 from epd_models.meta import meta_parameters
 from epd_models.processors import load_processor, register_processors
 from epd_models.registry import adapter_for
-from epd_models.video import VIDEO_FAMILIES, VideoSettings, video_inputs, video_settings
+from epd_models.video import DEFAULT_MAX_BYTES, VIDEO_FAMILIES, VideoClip, VideoSettings, video_settings
 from epd_models.weights import load_filtered
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class VisionHalf:
     def video_settings(self) -> VideoSettings:
         """The checkpoint's video processor settings (epd_models/video.py), read once."""
         if self._video_settings is None:
-            self._video_settings = video_settings(self.model_dir, self.image_processor)
+            self._video_settings = video_settings(self.model_dir, self.image_processor, self.adapter.name)
         return self._video_settings
 
     @torch.inference_mode()
@@ -104,18 +104,28 @@ class VisionHalf:
     @torch.inference_mode()
     def encode_video(self, frames: list[Image.Image], fps: float, max_pixels: int | None = None,
                      max_bytes: int | None = None, frame_times: Sequence[float] | None = None,
-                     last: bool = True) -> ImageFeatures:
+                     last: bool = True, total_frames: int | None = None) -> ImageFeatures:
         """One video's (or one chunk of a video's) CPU features from its sampled frames at `fps` frames per second
-        (epd_models/video.py: `max_pixels` overrides the checkpoint's per-frame budget, `max_bytes` bounds the
-        pixel tensor; a frame list that cannot be made into the family's video inputs raises VideoError, a
-        ValueError). `frame_times`: each frame's time in the source video in seconds (index / video fps), for a
-        family that writes timestamps (Qwen3-VL); `last`: the frames end the video (LLaVA-OneVision's newline
-        row is the last chunk's); a chunk is whole temporal patches except a last one."""
+        (epd_models/video.py: `max_pixels` overrides the checkpoint's pixel budget (its video processor's
+        size["longest_edge"]: per frame for Qwen2, over the whole video for Qwen3-VL, unused by LLaVA-OneVision's
+        fixed frame size), `max_bytes` bounds the pixel tensors; frames that cannot be made into the family's
+        video inputs raise VideoError, a ValueError).
+
+        A chunk is frames [first, first + n) of the video's sampled frames, whole temporal patches except the
+        video's last chunk, and its features are exactly those frames' rows of the whole video's, so the decoder
+        concatenates the chunks: `frame_times` is each frame's time in the source video in seconds (index / video
+        fps; Qwen3-VL's time stamps: needed for a chunk, else frame k is at k / fps), `last` says the frames end
+        the video (the temporal padding; LLaVA-OneVision's newline row), `total_frames` is the whole video's
+        sampled frame count (Qwen3-VL sizes every frame by it: needed for a chunk; None: the frames are the
+        whole video, or its last chunk when the family does not need it)."""
         if self.adapter.name not in VIDEO_FAMILIES:  # before any pixel work
             raise ValueError(f"video input is not supported for {self.adapter.name} checkpoints")
-        kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
-        inputs = video_inputs(self.image_processor, self.video_settings, frames, fps, max_pixels=max_pixels, **kwargs)
-        return _to_cpu([self.adapter.encode_video(self.module, self.config, inputs)])[0]
+        settings = self.video_settings
+        if settings.pixels_per_video and not last and total_frames is None:
+            raise ValueError(f"a chunk of a {self.adapter.name} video needs the video's total_frames")
+        clip = VideoClip(frames, fps, max_pixels, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes,
+                         None if frame_times is None else tuple(frame_times), total_frames, last)
+        return _to_cpu([self.adapter.encode_video(self.module, self.processor, self.config, settings, clip)])[0]
 
 
 class LanguageHalf:

@@ -3,29 +3,39 @@ of its merged patch grid. The same algorithm as the families' `get_rope_index` (
 
 A video (Qwen2-VL, Qwen2.5-VL) is a run of video tokens over a grid with t > 1 temporal patches; Qwen2.5-VL
 spaces their temporal positions by `tokens_per_second * second_per_grid_t` (truncated, as its
-`get_vision_position_ids` does in float32), Qwen2-VL by 1 (its config has no tokens_per_second)."""
+`get_vision_position_ids` does in float32), Qwen2-VL by 1 (its config has no tokens_per_second). Qwen3-VL writes
+each temporal patch of a video as its own group between time stamps, positioned like an image of one temporal
+patch (epd_models/qwen3_vl.py: `item_runs`).
+
+This module also holds the Qwen families' video encoding (`encode_video`): their video processor's inputs
+(epd_models/video.py) through the model's `get_video_features`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.base import FamilyAdapter
+from epd_models.base import FamilyAdapter, _rows, _to
+from epd_models.video import qwen_video_inputs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from epd_models.video import VideoClip, VideoInputs, VideoSettings
+
+Run = tuple[torch.Tensor, int, int, bool]  # one run of media tokens: temporal positions, merged h, merged w, video
 
 
 class MRopeAdapter(FamilyAdapter):
     def position_ids(
         self, cfg: PretrainedConfig, input_ids: torch.Tensor, images: list[ImageFeatures]
     ) -> tuple[torch.Tensor, int]:
-        merge = cfg.vision_config.spatial_merge_size
         ids = input_ids.view(-1).tolist()
         image_id, video_id = self.image_token_id(cfg), self.video_token_id(cfg)
         media = {image_id} if video_id is None else {image_id, video_id}
-        items = iter(images)
+        runs = iter([run for item in images for run in self.item_runs(cfg, item)])
         chunks: list[torch.Tensor] = []
         pos, i = 0, 0
         while i < len(ids):
@@ -36,23 +46,42 @@ class MRopeAdapter(FamilyAdapter):
                 chunks.append(torch.arange(pos, pos + j - i).view(1, -1).expand(3, -1))
                 pos += j - i
             else:
-                item = next(items)
-                grid = item.grid_thw
-                assert grid is not None, "Qwen image features need grid_thw"
-                assert item.is_video == (ids[i] == video_id), "an image's features at a video's tokens, or back"
-                t, h, w = grid[0], grid[1] // merge, grid[2] // merge
-                temporal = _temporal(cfg, item, t)
+                temporal, h, w, is_video = next(runs)
+                assert is_video == (ids[i] == video_id), "an image's features at a video's tokens, or back"
                 tt, hh, ww = torch.meshgrid(temporal, torch.arange(h), torch.arange(w), indexing="ij")
                 chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
                 pos += max(h, w)
-                j = i + t * h * w
+                j = i + len(temporal) * h * w
             i = j
         positions = torch.cat(chunks, dim=1)
         delta = int(positions.max()) + 1 - len(ids)
         return positions.view(3, 1, -1), delta
 
+    def item_runs(self, cfg: PretrainedConfig, item: ImageFeatures) -> list[Run]:
+        """The runs of media tokens an item takes in the prompt, in order: one (its whole grid) for Qwen2."""
+        grid = item.grid_thw
+        assert grid is not None, "Qwen image features need grid_thw"
+        merge = cfg.vision_config.spatial_merge_size
+        return [(_temporal(cfg, item, grid[0]), grid[1] // merge, grid[2] // merge, item.is_video)]
+
     def decode_position_ids(self, past_len: int, rope_delta: int) -> torch.Tensor:
         return torch.full((3, 1, 1), past_len + rope_delta, dtype=torch.long)
+
+    def encode_video(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, settings: VideoSettings,
+                     clip: VideoClip) -> ImageFeatures:
+        """Qwen2-VL / Qwen2.5-VL: the rows, grid and seconds per temporal patch."""
+        video = qwen_video_inputs(processor.image_processor, settings, clip)
+        res = video_features(vision, video)
+        return ImageFeatures(embeds=_rows(res.pooler_output), grid_thw=video.video_grid_thw,
+                             second_per_grid_t=video.second_per_grid_t)
+
+
+def video_features(vision: nn.Module, video: VideoInputs) -> Any:
+    """The model's `get_video_features` on one video's inputs, on the vision's device and dtype."""
+    weight = next(vision.parameters())
+    grid = torch.tensor([video.video_grid_thw], device=weight.device)
+    return vision.get_video_features(  # type: ignore[operator]
+        pixel_values_videos=_to(video.pixel_values_videos, weight), video_grid_thw=grid)
 
 
 def _temporal(cfg: PretrainedConfig, item: ImageFeatures, t: int) -> torch.Tensor:

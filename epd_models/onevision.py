@@ -2,7 +2,12 @@
 images is its base tile only (the processor writes fewer tokens, and the model skips the other tiles).
 
 The encoder cannot see the prompt, so it is told (`multi_image`, part of the image's mm_hash) and encodes the image
-as the first of a two-image prompt, which is exactly what the family does for every image of such a prompt."""
+as the first of a two-image prompt, which is exactly what the family does for every image of such a prompt.
+
+A video (epd_models/video_onevision.py) is its frames through SigLIP one by one, 2x2 bilinear pooling and one
+`image_newline` row after the last frame (`get_video_features`); its prompt layout is one video token per row
+(`LlavaOnevisionProcessor.replace_video_token`), in place of the one the chat template writes. A chunk that does
+not end the video leaves the newline row to the last one."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -12,10 +17,13 @@ from torch import nn
 
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.base import FamilyAdapter, _to
+from epd_models.video_onevision import frame_pixels
 
 if TYPE_CHECKING:
     from PIL import Image
     from transformers import PretrainedConfig
+
+    from epd_models.video import VideoClip, VideoSettings
 
 
 class OnevisionAdapter(FamilyAdapter):
@@ -36,3 +44,17 @@ class OnevisionAdapter(FamilyAdapter):
             batch_num_images=torch.tensor([2])).pooler_output
         rows = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
         return ImageFeatures(embeds=rows, span=None if span == [span[0]] * len(span) else tuple(span))
+
+    def encode_video(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, settings: VideoSettings,
+                     clip: VideoClip) -> ImageFeatures:
+        """The frames' pooled rows, and the newline row when the clip ends the video. No grid (1-D positions);
+        second_per_grid_t is a frame's seconds (one frame a temporal step) and marks the item as a video."""
+        side = cfg.vision_config.image_size
+        if settings.frame_size != (side, side):
+            raise ValueError(f"the video processor's frame size {settings.frame_size} is not the vision tower's "
+                             f"input ({side}, {side})")
+        pixels = frame_pixels(processor.image_processor, settings, clip)
+        weight = next(vision.parameters())
+        rows = vision.get_video_features(  # type: ignore[operator]
+            pixel_values_videos=_to(pixels[None], weight)).pooler_output[0]
+        return ImageFeatures(embeds=rows if clip.last else rows[:-1], second_per_grid_t=1 / clip.fps)

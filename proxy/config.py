@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
 from epd_common.server import HttpLimits
+from epd_common.video import VideoLimits
+from epd_contracts.video import MAX_VIDEO_FRAMES
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,13 @@ class ProxyConfig(HttpLimits):
     max_image_bytes: int = 20 << 20  # one decoded image file
     # the HTTP server's limits (max_body_bytes, timeouts, connections) are inherited from HttpLimits
     max_image_pixels: int = 40_000_000
+    # videos (proxy/video.py): each one is probed (headers and packets, no frame decoded) under these limits
+    max_videos_per_request: int = 4
+    max_video_bytes: int = 64 << 20  # one video file
+    max_video_duration: float = 600.0  # seconds
+    max_video_frames: int = 256  # frames sampled from one video (a request's num_frames above it: 400)
+    max_video_frame_pixels: int = VideoLimits.max_pixels_per_frame  # source frame width * height
+    video_chunk_frames: int = 16  # sampled frames per chunk: the unit one encoder encodes (whole temporal patches)
     # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
     allowed_local_media_path: str | None = None  # file:// URLs only under this directory
     allowed_media_domains: tuple[str, ...] = ()  # hosts (names or IPs) fetched even if they resolve privately
@@ -53,6 +62,11 @@ class ProxyConfig(HttpLimits):
         assert self.health_interval > 0 and self.health_timeout > 0 and self.health_failures >= 1
         assert self.affinity_load_gap >= 0, "affinity_load_gap must be >= 0"
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
+        assert self.max_videos_per_request >= 0, "max_videos_per_request must be >= 0"
+        assert self.max_video_bytes >= 1 and self.max_video_duration > 0 and self.max_video_frame_pixels >= 1, \
+            "max_video_bytes, max_video_duration and max_video_frame_pixels must be > 0"
+        assert 1 <= self.max_video_frames <= MAX_VIDEO_FRAMES, f"max_video_frames must be in 1..{MAX_VIDEO_FRAMES}"
+        assert self.video_chunk_frames >= 1, "video_chunk_frames must be >= 1"
         assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
             "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"
         super().__post_init__()

@@ -1,14 +1,15 @@
-"""http(s) image downloads with an SSRF guard.
+"""http(s) media downloads (images, videos) with an SSRF guard.
 
 The host is resolved once and every address it resolves to must be public (not loopback, private,
 link-local -- which includes the 169.254.169.254 cloud metadata address --, unspecified, multicast, reserved
 or otherwise non-global); the connection goes to the address that was checked, so a second DNS answer cannot
 rebind it to an internal one. Hosts named in ``ProxyConfig.allowed_media_domains`` skip the address check
 (but are still pinned). Redirects are followed by hand, at most ``MAX_REDIRECTS``, and each target is checked
-by the same rules before it is contacted. The body is capped at ``max_image_bytes`` while it is read.
+by the same rules before it is contacted. The body is capped at its kind's byte limit (``MediaKind.max_bytes``:
+--max-image-bytes, --max-video-bytes) while it is read.
 
 Time is bounded twice: each download by ``TOTAL_TIMEOUT_FACTOR`` x ``media_fetch_timeout`` (400), and all of a
-request's images by the request's deadline (``media_fetch_deadline``, 408), both enforced inside the reading
+request's media by the request's deadline (``media_fetch_deadline``, 408), both enforced inside the reading
 thread (per-read timeouts shortened to what is left, the clock checked after every chunk), so a download stops
 when its time is up instead of reading on in the background. ``proxy/fetch_slots.py`` caps the downloads
 running at once over all requests, on threads of their own, so slow hosts cannot take the threads others need.
@@ -47,20 +48,43 @@ METADATA_HOSTS = frozenset({
     "metadata", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal",
     "metadata.azure.internal", "metadata.tencentyun.com", "metadata.oraclecloud.com",
 })
-# Generic binary types some servers use for images; accepted because the bytes are then identified by content
-# (open_image accepts only a recognised image format), so nothing but an image gets through either way.
+# Generic binary types some servers use for media; accepted because the bytes are then identified by content
+# (open_image accepts only a recognised image format, probe_video only an allowed container and codec), so nothing
+# but an image (a video) gets through either way.
 _GENERIC_CONTENT_TYPES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
 
 
+# a reason a media reference is refused -> its error code, by the media kind's name
+_CODES = {"invalid_url": "invalid_{}_url", "forbidden": "{}_url_forbidden", "failed": "{}_fetch_failed",
+          "too_large": "{}_too_large", "invalid": "invalid_{}", "timeout": "{}_fetch_timeout"}
+
+
 class MediaError(Exception):
-    """An image reference we refuse; load_image_bytes turns it into an error (400 unless `status` says
-    otherwise) naming the request field."""
+    """A media reference we refuse; proxy.media turns it into an error (400 unless `status` says otherwise)
+    naming the request field."""
 
     def __init__(self, code: str, message: str, status: int = 400):
         super().__init__(message)
         self.code, self.message, self.status = code, message, status
+
+
+@dataclass(frozen=True)
+class MediaKind:
+    """What a URL is loaded as: its name (in messages and error codes: image_too_large, invalid_video_url, ...),
+    the byte cap of one file, and the media types taken from a server or a data: URL (``<name>/*``)."""
+
+    name: str  # "image" or "video"
+    max_bytes: int
+
+    @property
+    def accept(self) -> str:
+        return f"{self.name}/*"
+
+    def error(self, reason: str, message: str, status: int = 400) -> MediaError:
+        """The MediaError for `reason` (a key of _CODES): e.g. "too_large" -> code video_too_large."""
+        return MediaError(_CODES[reason].format(self.name), message, status)
 
 
 @dataclass(frozen=True)
@@ -69,50 +93,51 @@ class Deadline:
 
     at: float
     of_request: bool  # the request's media deadline (a 408), not the download's own time limit (a 400)
+    kind: MediaKind
 
     def remaining(self) -> float:
         return self.at - time.monotonic()
 
     def error(self, url: httpx.URL) -> MediaError:
+        k = self.kind.name
         if self.of_request:
-            return MediaError("image_fetch_timeout", "the request's images were not loaded within the media fetch "
-                                                     f"deadline (still fetching from {_host(url)!r})", status=408)
-        return MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}")
+            return self.kind.error("timeout", f"the request's media were not loaded within the media fetch deadline "
+                                              f"(still fetching {k} from {_host(url)!r})", status=408)
+        return self.kind.error("failed", f"timed out fetching {k} from {_host(url)!r}")
 
 
-def download_deadline(cfg: ProxyConfig, request_deadline: float | None) -> Deadline:
+def download_deadline(cfg: ProxyConfig, request_deadline: float | None, kind: MediaKind) -> Deadline:
     """The earlier of the download's own limit and the request's deadline (if any)."""
     own = time.monotonic() + TOTAL_TIMEOUT_FACTOR * cfg.media_fetch_timeout
     if request_deadline is not None and request_deadline <= own:
-        return Deadline(request_deadline, of_request=True)
-    return Deadline(own, of_request=False)
+        return Deadline(request_deadline, of_request=True, kind=kind)
+    return Deadline(own, of_request=False, kind=kind)
 
 
-def fetch_http_image(url: str, cfg: ProxyConfig, request_deadline: float | None = None) -> bytes:
-    """GET an image, following redirects by hand so each hop is checked before any connection is made."""
-    deadline = download_deadline(cfg, request_deadline)
-    target = parse_http_url(url)
+def fetch_http(url: str, kind: MediaKind, cfg: ProxyConfig, request_deadline: float | None = None) -> bytes:
+    """GET an image or a video, following redirects by hand so each hop is checked before any connection is made."""
+    deadline = download_deadline(cfg, request_deadline, kind)
+    target = parse_http_url(url, kind)
     for _ in range(MAX_REDIRECTS + 1):
-        addresses = check_fetch_target(target, cfg)
+        addresses = check_fetch_target(target, cfg, kind)
         outcome = fetch_once(target, addresses, cfg, deadline)
         if isinstance(outcome, bytes):
             return outcome
         target = outcome
-    raise MediaError("image_fetch_failed", f"more than {MAX_REDIRECTS} redirects fetching image from "
-                                           f"{_host(target)!r}")
+    raise kind.error("failed", f"more than {MAX_REDIRECTS} redirects fetching {kind.name} from {_host(target)!r}")
 
 
-def parse_http_url(url: str) -> httpx.URL:
+def parse_http_url(url: str, kind: MediaKind) -> httpx.URL:
     try:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as exc:
-        raise MediaError("invalid_image_url", "image URL is not a valid URL") from exc
+        raise kind.error("invalid_url", f"{kind.name} URL is not a valid URL") from exc
     if parsed.scheme not in ("http", "https") or not _valid_host(parsed.raw_host.decode("ascii")):
-        raise MediaError("invalid_image_url", "image URL must be http(s)://host/... with a valid host name")
+        raise kind.error("invalid_url", f"{kind.name} URL must be http(s)://host/... with a valid host name")
     return parsed
 
 
-def check_fetch_target(url: httpx.URL, cfg: ProxyConfig) -> list[IPAddress]:
+def check_fetch_target(url: httpx.URL, cfg: ProxyConfig, kind: MediaKind) -> list[IPAddress]:
     """Resolve the URL's host and return the addresses that may be connected to, refusing non-public ones.
 
     Runs before any connection. A host listed in cfg.allowed_media_domains (exact, case-insensitive; names or
@@ -122,27 +147,27 @@ def check_fetch_target(url: httpx.URL, cfg: ProxyConfig) -> list[IPAddress]:
     names = _host_names(url)
     allowed = not names.isdisjoint(_allowed_hosts(cfg))
     if not allowed and not names.isdisjoint(METADATA_HOSTS):
-        raise MediaError("image_url_forbidden", f"image host {_host(url)!r} is a cloud metadata service")
-    addresses = resolve(url)
+        raise kind.error("forbidden", f"{kind.name} host {_host(url)!r} is a cloud metadata service")
+    addresses = resolve(url, kind)
     if not allowed and not all(is_public_address(a) for a in addresses):
-        raise MediaError("image_url_forbidden",
-                         f"image host {_host(url)!r} resolves to a non-public address (loopback, private, "
-                         "link-local or reserved); the server must list it in --allowed-media-domains")
+        raise kind.error("forbidden", f"{kind.name} host {_host(url)!r} resolves to a non-public address (loopback, "
+                                      "private, link-local or reserved); the server must list it in "
+                                      "--allowed-media-domains")
     return addresses
 
 
-def resolve(url: httpx.URL) -> list[IPAddress]:
+def resolve(url: httpx.URL, kind: MediaKind) -> list[IPAddress]:
     """All addresses the URL's host resolves to (an IP literal resolves to itself, in any inet_aton form)."""
     host = url.raw_host.decode("ascii")
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise MediaError("image_fetch_failed", f"cannot resolve image host {_host(url)!r}") from exc
+        raise kind.error("failed", f"cannot resolve {kind.name} host {_host(url)!r}") from exc
     addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos
                                    if info[0] in (socket.AF_INET, socket.AF_INET6)))
     if not addresses:
-        raise MediaError("image_fetch_failed", f"cannot resolve image host {_host(url)!r}")
+        raise kind.error("failed", f"cannot resolve {kind.name} host {_host(url)!r}")
     return addresses
 
 
@@ -170,14 +195,15 @@ def _address_forms(ip: IPAddress) -> list[IPAddress]:
     return [ip]
 
 
-def pinned_request(url: httpx.URL, address: IPAddress, timeout: float) -> httpx.Request:
+def pinned_request(url: httpx.URL, address: IPAddress, timeout: float, accept: str) -> httpx.Request:
     """A GET for `url` that connects to `address` (the one that was checked) instead of resolving again.
 
     The URL's host is replaced by the address; the Host header keeps the original name (and port), and for
     https the `sni_hostname` extension makes httpcore send the original name as SNI and verify the
-    certificate against it. `timeout` applies to the connect and to each read and write.
+    certificate against it. `timeout` applies to the connect and to each read and write; `accept` is the
+    Accept header (the kind's media types).
     """
-    headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*", "Accept-Encoding": "identity",
+    headers = {"Host": url.netloc.decode("ascii"), "Accept": accept, "Accept-Encoding": "identity",
                "User-Agent": "epd-proxy"}
     extensions: dict[str, Any] = {"timeout": httpx.Timeout(timeout).as_dict()}
     if url.scheme == "https" and not _is_ip_literal(url.raw_host.decode("ascii")):
@@ -186,7 +212,7 @@ def pinned_request(url: httpx.URL, address: IPAddress, timeout: float) -> httpx.
 
 
 def fetch_once(url: httpx.URL, addresses: list[IPAddress], cfg: ProxyConfig, deadline: Deadline) -> bytes | httpx.URL:
-    """One hop: the image bytes, or the (not yet checked) URL a redirect points to.
+    """One hop: the file's bytes, or the (not yet checked) URL a redirect points to.
 
     Tries the checked addresses in turn while they refuse the connection (a name with an AAAA record on an
     IPv4-only network); never any address that was not checked.
@@ -201,9 +227,9 @@ def fetch_once(url: httpx.URL, addresses: list[IPAddress], cfg: ProxyConfig, dea
     except httpx.TimeoutException as exc:
         if deadline.remaining() <= 0.05:  # the read timeout was cut to the deadline: that is what ran out
             raise deadline.error(url) from exc
-        raise MediaError("image_fetch_failed", f"timed out fetching image from {_host(url)!r}") from exc
+        raise deadline.kind.error("failed", f"timed out fetching {deadline.kind.name} from {_host(url)!r}") from exc
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise MediaError("image_fetch_failed", f"could not fetch image from {_host(url)!r}") from exc
+        raise deadline.kind.error("failed", f"could not fetch {deadline.kind.name} from {_host(url)!r}") from exc
 
 
 def fetch_from(url: httpx.URL, address: IPAddress, cfg: ProxyConfig, deadline: Deadline) -> bytes | httpx.URL:
@@ -217,17 +243,17 @@ def fetch_from(url: httpx.URL, address: IPAddress, cfg: ProxyConfig, deadline: D
     remaining = deadline.remaining()
     if remaining <= 0:
         raise deadline.error(url)
-    request = pinned_request(url, address, min(cfg.media_fetch_timeout, remaining))
+    request = pinned_request(url, address, min(cfg.media_fetch_timeout, remaining), deadline.kind.accept)
     with httpx.HTTPTransport(verify=tls_context(), retries=0) as transport:
         response = transport.handle_request(request)
         try:
-            return _read_response(url, response, cfg.max_image_bytes, deadline)
+            return _read_response(url, response, deadline)
         finally:
             response.close()
 
 
 def tls_context() -> ssl.SSLContext:
-    """The context that verifies https image hosts: httpx's default CA bundle (certifi), or SSL_CERT_FILE /
+    """The context that verifies https media hosts: httpx's default CA bundle (certifi), or SSL_CERT_FILE /
     SSL_CERT_DIR when set. Built once per CA setting, not per fetch: loading the bundle takes ~50 ms of CPU."""
     return _tls_context_for(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
 
@@ -238,58 +264,60 @@ def _tls_context_for(cert_file: str | None, cert_dir: str | None) -> ssl.SSLCont
     return httpx.create_ssl_context()
 
 
-def _read_response(url: httpx.URL, response: httpx.Response, max_bytes: int,
-                   deadline: Deadline) -> bytes | httpx.URL:
+def _read_response(url: httpx.URL, response: httpx.Response, deadline: Deadline) -> bytes | httpx.URL:
+    kind = deadline.kind
     if response.status_code in _REDIRECTS:
-        return redirect_target(url, response)
+        return redirect_target(url, response, kind)
     if response.status_code != 200:
-        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} answered HTTP {response.status_code}")
-    check_content_type(url, response)
+        raise kind.error("failed", f"{kind.name} host {_host(url)!r} answered HTTP {response.status_code}")
+    check_content_type(url, response, kind)
     declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise MediaError("image_too_large", f"image is larger than {max_bytes} bytes")
-    return read_capped(url, response, max_bytes, deadline)
+    if declared.isdigit() and int(declared) > kind.max_bytes:
+        raise kind.error("too_large", f"{kind.name} is larger than {kind.max_bytes} bytes")
+    return read_capped(url, response, deadline)
 
 
-def redirect_target(url: httpx.URL, response: httpx.Response) -> httpx.URL:
+def redirect_target(url: httpx.URL, response: httpx.Response, kind: MediaKind) -> httpx.URL:
     """Where a redirect points, resolved against the original (not the pinned) URL; only http(s) targets."""
+    host = f"{kind.name} host {_host(url)!r}"
     location = response.headers.get("location")
     if not location:
-        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} sent a redirect without a Location")
+        raise kind.error("failed", f"{host} sent a redirect without a Location")
     scheme = urlsplit(location).scheme.lower()
     if scheme not in ("", "http", "https"):
-        raise MediaError("image_url_forbidden", f"image host {_host(url)!r} redirected to a non-http(s) URL")
+        raise kind.error("forbidden", f"{host} redirected to a non-http(s) URL")
     try:
         target = url.join(location)
     except httpx.InvalidURL as exc:
-        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} redirected to an invalid URL") from exc
+        raise kind.error("failed", f"{host} redirected to an invalid URL") from exc
     if target.scheme not in ("http", "https"):
-        raise MediaError("image_url_forbidden", f"image host {_host(url)!r} redirected to a non-http(s) URL")
+        raise kind.error("forbidden", f"{host} redirected to a non-http(s) URL")
     if not _valid_host(target.raw_host.decode("ascii")):
-        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} redirected to an invalid URL")
+        raise kind.error("failed", f"{host} redirected to an invalid URL")
     return target
 
 
-def check_content_type(url: httpx.URL, response: httpx.Response) -> None:
-    """image/* is accepted; so are application/octet-stream and a missing type, because the bytes must then
-    be a recognised image anyway (open_image identifies them by content). Anything else (text/html, JSON
-    error pages, ...) is refused before the body is read."""
+def check_content_type(url: httpx.URL, response: httpx.Response, kind: MediaKind) -> None:
+    """The kind's types (image/*, video/*) are accepted; so are application/octet-stream and a missing type,
+    because the bytes are then identified by content anyway. Anything else (text/html, JSON error pages, ...) is
+    refused before the body is read."""
     content_type = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if not (content_type.startswith("image/") or content_type in _GENERIC_CONTENT_TYPES):
-        raise MediaError("invalid_image", f"image URL on {_host(url)!r} returned {content_type!r}, not an image")
+    if not (content_type.startswith(f"{kind.name}/") or content_type in _GENERIC_CONTENT_TYPES):
+        raise kind.error("invalid", f"{kind.name} URL on {_host(url)!r} returned {content_type!r}, not {kind.accept}")
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # we asked for identity; decoding could expand far past the cap
-        raise MediaError("image_fetch_failed", f"image host {_host(url)!r} sent a {encoding!r}-encoded body")
+        raise kind.error("failed", f"{kind.name} host {_host(url)!r} sent a {encoding!r}-encoded body")
 
 
-def read_capped(url: httpx.URL, response: httpx.Response, max_bytes: int, deadline: Deadline) -> bytes:
-    """The body as it arrives, abandoned as soon as it passes max_bytes or the overall deadline."""
+def read_capped(url: httpx.URL, response: httpx.Response, deadline: Deadline) -> bytes:
+    """The body as it arrives, abandoned as soon as it passes the kind's byte cap or the overall deadline."""
+    kind = deadline.kind
     chunks: list[bytes] = []
     size = 0
     for chunk in response.iter_raw():
         size += len(chunk)
-        if size > max_bytes:
-            raise MediaError("image_too_large", f"image is larger than {max_bytes} bytes")
+        if size > kind.max_bytes:
+            raise kind.error("too_large", f"{kind.name} is larger than {kind.max_bytes} bytes")
         if deadline.remaining() <= 0:
             raise deadline.error(url)
         chunks.append(chunk)

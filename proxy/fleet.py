@@ -65,6 +65,14 @@ def failover_error(err: APIError, failures: tuple[Failure, ...]) -> APIError:
     return err
 
 
+def encode_calls(items: list[MMItem]) -> list[list[MMItem]]:
+    """An encoder's share of a schedule as /encode calls: its images in one call, each video chunk in a call of its
+    own (each chunk carries the whole video file: several in one body would multiply it past the encoder's body
+    limit; apart, they also run at once)."""
+    images = [it for it in items if it.video is None]
+    return ([images] if images else []) + [[it] for it in items if it.video is not None]
+
+
 class Fleet:
     def __init__(self, cfg: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics):
         self.cfg, self.client, self.metrics = cfg, client, metrics
@@ -156,7 +164,8 @@ class Fleet:
         and wait until every item is stored somewhere; returns mm_hash -> ZeroMQ address."""
         start = time.perf_counter()
         for name, todo in plan.scheduled_encoder_inputs.items():
-            self._start_call(name, todo, request_id, ())
+            for call in encode_calls(todo):
+                self._start_call(name, call, request_id, ())
         sources = dict(plan.sources)
         for h, result in plan.waits.items():
             sources[h] = await asyncio.shield(asyncio.wrap_future(result))
@@ -222,7 +231,7 @@ class Fleet:
         except APIError as err:  # no encoder is left
             self.scheduler.settle(failed.encoder, owed, failover_error(err, failures))
             return "", []
-        calls = list(out.scheduled_encoder_inputs.items())
+        calls = [(name, call) for name, todo in out.scheduled_encoder_inputs.items() for call in encode_calls(todo)]
         for name, todo in calls[1:]:
             self._start_call(name, todo, request_id, failures)
         return calls[0] if calls else ("", [])
@@ -232,7 +241,7 @@ class Fleet:
         if worker is None:
             raise WorkerFailed("deregistered")
         body = EncodeRequest(items=[EncodeItem(mm_hash=it.mm_hash, data=base64.b64encode(it.data).decode(),
-                                               detail=it.detail, multi_image=it.multi_image)
+                                               detail=it.detail, multi_image=it.multi_image, video=it.video)
                                     for it in items])
         headers = {REQUEST_ID_HEADER: request_id, **_JSON, **self.internal_headers}
         try:

@@ -10,9 +10,10 @@ import httpx
 import msgspec
 
 from epd_common.errors import APIError
-from epd_contracts.generate import Event, ImageRef
+from epd_contracts.generate import ChunkRef, Event, ImageRef
 from proxy.fleet import Fleet, WorkerFailed
 from proxy.prepare import PreparedChat
+from proxy.video import VideoItem
 from proxy.workers import Worker, WorkerDown, until_down
 from scheduler.scheduler import MMItem
 
@@ -71,7 +72,7 @@ class Generation:
         """A gather miss re-encodes the missing items and retries once on the same decoder."""
         assert self.decoder is not None
         for attempt in (0, 1):
-            body = self.chat.request([self._image(it, pending) for it in self.chat.items])
+            body = self.chat.request([self._ref(it, pending) for it in self.chat.items])
             try:
                 self.resp = await self.fleet.open_generation(self.decoder, body, self.request_id)
                 return
@@ -83,7 +84,7 @@ class Generation:
                 self.fleet.metrics.retries.inc()
                 missing = set(exc.extra.get("missing", []))
                 logger.warning("decoder missed %d embedding(s); re-encoding", len(missing))
-                redo = [it for it in self.chat.items if it.mm_hash in missing]
+                redo = [it for it in self.chat.encodes if it.mm_hash in missing]  # a video's lost chunks
                 self.cached -= missing  # encoded again for this request
                 self.sources = {**self.sources, **await self.fleet.encode(redo, self.request_id, skip_cached=False)}
                 pending = frozenset()
@@ -102,13 +103,13 @@ class Generation:
 
     async def open_encoded(self) -> None:
         """Encode every item first (the scheduler skips those held already), then open the decoder stream."""
-        plan = self.fleet.plan(self.chat.items)
+        plan = self.fleet.plan(self.chat.encodes)
         await self.open(await self.fleet.execute(plan, self.request_id), cached=frozenset(plan.skipped))
 
     async def open_pipelined(self) -> None:
         """Schedule the encodes, then open the decoder stream while they run; an encode error wins. If an
         encoder fails over, the stream (waiting on the dead encoder) is reopened with the new sources."""
-        plan = self.fleet.plan(self.chat.items)
+        plan = self.fleet.plan(self.chat.encodes)
         encodes = asyncio.create_task(self.fleet.execute(plan, self.request_id))
         opening = asyncio.create_task(self.open(plan.sources, plan.pending, frozenset(plan.skipped)))
         try:
@@ -125,12 +126,24 @@ class Generation:
         await self.close_stream()
         await self.open(sources)
 
-    def _image(self, item: MMItem, pending: frozenset[str]) -> ImageRef:
+    def _ref(self, item: MMItem | VideoItem, pending: frozenset[str]) -> ImageRef:
+        """The decoder's reference to one image or video: where its embeddings are, or (aggregated) its bytes."""
+        if isinstance(item, VideoItem):
+            return self._video(item, pending)
         if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
             return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), detail=item.detail,
                             multi_image=item.multi_image)
         return ImageRef(mm_hash=item.mm_hash, source=self.sources[item.mm_hash], pending=item.mm_hash in pending,
                         cached=item.mm_hash in self.cached, detail=item.detail, multi_image=item.multi_image)
+
+    def _video(self, item: VideoItem, pending: frozenset[str]) -> ImageRef:
+        """A video: named by its hash, with its whole sampled part; its embeddings are its chunks' in order, each
+        found like an image's (aggregated: the file, which the decoder samples and encodes itself)."""
+        if self.fleet.cfg.aggregated:
+            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), video=item.video)
+        chunks = [ChunkRef(mm_hash=c.mm_hash, source=self.sources[c.mm_hash], pending=c.mm_hash in pending,
+                           cached=c.mm_hash in self.cached) for c in item.chunks]
+        return ImageRef(mm_hash=item.mm_hash, video=item.video, chunks=chunks)
 
     async def events(self) -> AsyncIterator[Event]:
         """The decoder's events; before the first token a lost decoder means a retry on another one."""

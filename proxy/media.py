@@ -1,15 +1,17 @@
-"""Image references in a request -> checked image bytes.
+"""Image and video references in a request -> checked bytes.
 
-An image_url may be:
+An image_url or video_url may be:
 
-* a ``data:`` URL (base64 payload);
+* a ``data:`` URL (base64 payload, media type ``image/*`` or ``video/*`` as the part's kind, or none);
 * an ``http(s)://`` URL, fetched with an SSRF guard (``proxy/fetch.py``);
 * a ``file://`` URL, only when ``ProxyConfig.allowed_local_media_path`` is set and the real path (symlinks
   and ``..`` resolved) lies under it.
 
-Whatever the source, the bytes are capped at ``max_image_bytes`` while they are read (never read unbounded)
-and must pass the header-only check of ``epd_common.images.open_image`` (format allow-list, pixel limit).
-Error messages name the problem and at most the URL's host; resolved addresses and OS errors are not shown.
+Whatever the source, the bytes are capped at the kind's limit (``max_image_bytes``, ``max_video_bytes``) while
+they are read (never read unbounded). An image must then pass the header-only check of
+``epd_common.images.open_image`` (format allow-list, pixel limit); a video is probed by ``proxy/video.py``.
+Error codes are the kind's (``image_too_large``, ``invalid_video_url``, ...: ``MediaKind.error``). Error messages
+name the problem and at most the URL's host; resolved addresses and OS errors are not shown.
 """
 from __future__ import annotations
 
@@ -23,24 +25,41 @@ from urllib.parse import unquote, urlsplit
 from epd_common.errors import APIError, bad_request
 from epd_common.images import ImageError, ImageTooLargeError, open_image
 from proxy.config import ProxyConfig
-from proxy.fetch import MediaError, fetch_http_image
-from proxy.protocol import ChatCompletionRequest, ImagePart
+from proxy.fetch import MediaError, MediaKind, fetch_http
+from proxy.protocol import ChatCompletionRequest, ImagePart, VideoURLPart
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
 
 
-def load_image_bytes(url: str, param: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
-    """An image_url's bytes, fetched under cfg's media rules and checked to be an image we accept.
+def image_kind(cfg: ProxyConfig) -> MediaKind:
+    return MediaKind("image", cfg.max_image_bytes)
 
-    `deadline` (time.monotonic()) is when all of the request's images must be loaded. Raises APIError 400 with
-    `param` and one of the codes: invalid_image_url, image_url_forbidden, image_fetch_failed, image_too_large,
-    invalid_image; or 408 image_fetch_timeout when the deadline passes during a download.
+
+def video_kind(cfg: ProxyConfig) -> MediaKind:
+    return MediaKind("video", cfg.max_video_bytes)
+
+
+def load_media_bytes(url: str, kind: MediaKind, param: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
+    """A media URL's bytes, fetched under cfg's media rules and capped at the kind's byte limit (not yet checked to
+    be an image or a video: load_image_bytes, proxy.video do that).
+
+    `deadline` (time.monotonic()) is when all of the request's media must be loaded. Raises APIError 400 with
+    `param` and one of the kind's codes: invalid_<kind>_url, <kind>_url_forbidden, <kind>_fetch_failed,
+    <kind>_too_large, invalid_<kind> (a server's content type); or 408 <kind>_fetch_timeout when the deadline
+    passes during a download.
     """
     try:
-        data = read_image_source(url, cfg, deadline)
-        open_image(data, cfg.max_image_pixels)
+        return read_source(url, kind, cfg, deadline)
     except MediaError as exc:
         raise APIError(exc.status, exc.message, param=param, code=exc.code) from exc
+
+
+def load_image_bytes(url: str, param: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
+    """An image_url's bytes (load_media_bytes), checked to be an image we accept: 400 image_too_large (pixels)
+    or invalid_image otherwise."""
+    data = load_media_bytes(url, image_kind(cfg), param, cfg, deadline)
+    try:
+        open_image(data, cfg.max_image_pixels)
     except ImageTooLargeError as exc:
         raise bad_request(str(exc), param, code="image_too_large") from exc
     except ImageError as exc:
@@ -48,90 +67,103 @@ def load_image_bytes(url: str, param: str, cfg: ProxyConfig, deadline: float | N
     return data
 
 
-def has_remote_images(req: ChatCompletionRequest) -> bool:
-    """Whether any image of the request is an http(s) URL (a download: it needs a fetch slot)."""
-    return any(isinstance(p, ImagePart) and p.image_url.url[:8].lower().startswith(("http://", "https://"))
-               for m in req.messages if isinstance(m.content, list) for p in m.content)
+def remote_kinds(req: ChatCompletionRequest) -> set[str]:
+    """The kinds ("image", "video") of the request's http(s) URLs (downloads: they need a fetch slot)."""
+    kinds: set[str] = set()
+    for m in req.messages:
+        for p in m.content if isinstance(m.content, list) else ():
+            if isinstance(p, ImagePart) and _is_http(p.image_url.url):
+                kinds.add("image")
+            elif isinstance(p, VideoURLPart) and _is_http(p.video_url.url):
+                kinds.add("video")
+    return kinds
 
 
-def read_image_source(url: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
+def _is_http(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
+def read_source(url: str, kind: MediaKind, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
     """Dispatch on the URL scheme; anything but data:, http(s): and file: is refused."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return decode_data_url(url, cfg.max_image_bytes)
+        return decode_data_url(url, kind)
     if scheme in ("http", "https"):
-        return fetch_http_image(url, cfg, deadline)
+        return fetch_http(url, kind, cfg, deadline)
     if scheme == "file":
-        return read_file_image(url, cfg)
-    raise MediaError("invalid_image_url", "image_url.url must be a data:, http(s):// or file:// URL")
+        return read_file(url, kind, cfg)
+    raise kind.error("invalid_url", f"{kind.name}_url.url must be a data:, http(s):// or file:// URL")
 
 
 # --- data: URLs ---------------------------------------------------------------------------------------------
 
-def decode_data_url(url: str, max_bytes: int) -> bytes:
-    """data:[<mime>][;base64],<payload> -> bytes, refusing what is malformed or too large (before decoding)."""
+def decode_data_url(url: str, kind: MediaKind) -> bytes:
+    """data:[<mime>][;base64],<payload> -> bytes, refusing what is malformed, of another media type or too large
+    (before decoding)."""
+    k = kind.name
     m = _DATA_URL.match(url)
     if m is None or not m.group("b64"):
-        raise MediaError("invalid_image_url", "image data URL must be base64 (data:image/<fmt>;base64,...)")
+        raise kind.error("invalid_url", f"{k} data URL must be base64 (data:{k}/<fmt>;base64,...)")
     mime = (m.group("mime") or "").lower()
-    if mime and not mime.startswith("image/"):
-        raise MediaError("invalid_image_url", f"data URL media type {mime!r} is not an image")
+    if mime and not mime.startswith(f"{k}/"):
+        raise kind.error("invalid_url", f"data URL media type {mime!r} is not {kind.accept}")
     payload = url[m.end():]
-    if len(payload) * 3 // 4 > max_bytes:
-        raise MediaError("image_too_large", f"image is larger than {max_bytes} bytes")
+    if len(payload) * 3 // 4 > kind.max_bytes:
+        raise kind.error("too_large", f"{k} is larger than {kind.max_bytes} bytes")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise MediaError("invalid_image_url", f"image data URL is not valid base64: {exc}") from exc
+        raise kind.error("invalid_url", f"{k} data URL is not valid base64: {exc}") from exc
 
 
 # --- file:// URLs -------------------------------------------------------------------------------------------
 
-def read_file_image(url: str, cfg: ProxyConfig) -> bytes:
+def read_file(url: str, kind: MediaKind, cfg: ProxyConfig) -> bytes:
     """A local file, only from under cfg.allowed_local_media_path (checked on the fully resolved path)."""
     if not cfg.allowed_local_media_path:
-        raise MediaError("image_url_forbidden", "file:// image URLs are not enabled on this server")
+        raise kind.error("forbidden", f"file:// {kind.name} URLs are not enabled on this server")
     root = os.path.realpath(cfg.allowed_local_media_path)
-    path = os.path.realpath(file_url_path(url))  # symlinks and '..' resolved before the containment check
+    path = os.path.realpath(file_url_path(url, kind))  # symlinks and '..' resolved before the containment check
     if os.path.commonpath([root, path]) != root:
-        raise MediaError("image_url_forbidden", "file:// image URL is outside the allowed media directory")
-    return read_regular_file(path, cfg.max_image_bytes)
+        raise kind.error("forbidden", f"file:// {kind.name} URL is outside the allowed media directory")
+    return read_regular_file(path, kind)
 
 
-def file_url_path(url: str) -> str:
+def file_url_path(url: str, kind: MediaKind) -> str:
     """file:///abs/path or file://localhost/abs/path -> /abs/path (percent-decoded); other hosts are refused."""
     parts = urlsplit(url)
     if parts.netloc.lower() not in ("", "localhost"):
-        raise MediaError("invalid_image_url", "file:// image URLs must name a local path (file:///path)")
+        raise kind.error("invalid_url", f"file:// {kind.name} URLs must name a local path (file:///path)")
     path = unquote(parts.path)
     if not path.startswith("/") or "\0" in path:
-        raise MediaError("invalid_image_url", "file:// image URL must hold an absolute path")
+        raise kind.error("invalid_url", f"file:// {kind.name} URL must hold an absolute path")
     return path
 
 
-def read_regular_file(path: str, max_bytes: int) -> bytes:
-    """Read at most max_bytes + 1 bytes of a regular file.
+def read_regular_file(path: str, kind: MediaKind) -> bytes:
+    """Read at most kind.max_bytes + 1 bytes of a regular file.
 
     O_NONBLOCK so a FIFO cannot block the open; O_NOFOLLOW so a symlink swapped in after the containment
     check is not followed; devices, FIFOs and directories are refused by fstat before reading.
     """
+    k, max_bytes = kind.name, kind.max_bytes
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
     except FileNotFoundError as exc:
-        raise MediaError("image_fetch_failed", "image file not found") from exc
+        raise kind.error("failed", f"{k} file not found") from exc
     except OSError as exc:
-        raise MediaError("image_fetch_failed", "image file cannot be read") from exc
+        raise kind.error("failed", f"{k} file cannot be read") from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise MediaError("image_fetch_failed", "image file URL does not name a regular file")
+            raise kind.error("failed", f"{k} file URL does not name a regular file")
         if info.st_size > max_bytes:
-            raise MediaError("image_too_large", f"image is larger than {max_bytes} bytes")
+            raise kind.error("too_large", f"{k} is larger than {max_bytes} bytes")
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(max_bytes + 1)
     finally:
         os.close(fd)
     if len(data) > max_bytes:  # the file grew after fstat
-        raise MediaError("image_too_large", f"image is larger than {max_bytes} bytes")
+        raise kind.error("too_large", f"{k} is larger than {max_bytes} bytes")
     return data

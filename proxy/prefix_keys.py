@@ -4,8 +4,8 @@ cache, and reports key_i in its /health while it does (proxy/affinity.py routes 
 A chat request has one key per message prefix, a hash chain: key_0 = H(salt, tools, message_0) and
 key_i = H(key_{i-1}, message_i), so key_i names the whole of messages[:i+1] and a conversation's follow-up repeats
 its earlier keys. A message is hashed as (role, parts, tool_calls, tool_call_id): text parts by their text, image
-parts by their image's mm_hash (the same picture hits, a different picture never does; a string content is one text
-part). The salt is vLLM's cache_salt: requests with different salts share no key, as they share no K/V.
+parts by their image's mm_hash (the same picture hits, a different picture never does), video parts by their video's
+hash (its bytes and its sampling: epd_contracts.video.video_hash); a string content is one text part. The salt is vLLM's cache_salt: requests with different salts share no key, as they share no K/V.
 
 A /v1/completions prompt has one key, of the whole prompt (text or token ids): an identical prompt finds the decoder
 that served it; a prompt that only extends another one does not (prefixes of a text are not at message bounds).
@@ -31,11 +31,12 @@ def _key(fields: Any) -> str:
     return h.hexdigest()
 
 
-def _canonical(message: dict[str, Any], images: Iterator[str]) -> tuple[Any, ...]:
-    """(role, parts, tool_calls, tool_call_id) of one decoder message; each image part takes the next mm_hash."""
+def _canonical(message: dict[str, Any], media: Iterator[str]) -> tuple[Any, ...]:
+    """(role, parts, tool_calls, tool_call_id) of one decoder message; each image or video part takes the next
+    hash."""
     content = message.get("content")
     if isinstance(content, list):
-        parts: list[Any] = [{"image": next(images, "")} if p.get("type") == "image" else p.get("text", "")
+        parts: list[Any] = [{p["type"]: next(media, "")} if p.get("type") in ("image", "video") else p.get("text", "")
                             for p in content]
     else:
         parts = [content or ""]
@@ -44,13 +45,13 @@ def _canonical(message: dict[str, Any], images: Iterator[str]) -> tuple[Any, ...
 
 def chat_prefix_keys(messages: Sequence[dict[str, Any]], mm_hashes: Sequence[str], tools: Sequence[dict[str, Any]],
                      salt: str = "") -> list[str]:
-    """key_i of messages[:i+1] for each i; `messages` as the decoder gets them (image parts are {"type": "image"},
-    in the order of `mm_hashes`)."""
-    images = iter(mm_hashes)
+    """key_i of messages[:i+1] for each i; `messages` as the decoder gets them (image and video parts are
+    {"type": "image"} / {"type": "video"}, their hashes in that order in `mm_hashes`)."""
+    media = iter(mm_hashes)
     keys: list[str] = []
     for i, message in enumerate(messages):
         head: tuple[Any, ...] = ("chat", salt, tools) if i == 0 else (keys[-1],)
-        keys.append(_key((*head, _canonical(message, images))))
+        keys.append(_key((*head, _canonical(message, media))))
     return keys
 
 

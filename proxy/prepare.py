@@ -1,17 +1,21 @@
-"""A validated chat request -> decoder messages (one image marker per image) + the images, hashed."""
+"""A validated chat request -> decoder messages (one marker per image and video) + the images and videos, hashed
+(videos planned in chunks: proxy/video.py)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from epd_common.errors import APIError, bad_request
+from epd_common.video_sampling import VideoConfig
 from epd_contracts.generate import Detail, GenerateRequest, ImageRef, ResponseFormat, ToolChoice
 from epd_contracts.hashing import mm_hash, multi_image_item
 from epd_contracts.sampling import SamplingParams
 from proxy.config import ProxyConfig
 from proxy.media import load_image_bytes
 from proxy.prefix_keys import chat_prefix_keys
-from proxy.protocol import ChatCompletionRequest, ImagePart, Message
+from proxy.protocol import ChatCompletionRequest, ImagePart, Message, VideoURLPart
+from proxy.video import VideoItem, check_sampling, load_videos
 from scheduler.scheduler import MMItem
 
 
@@ -19,8 +23,9 @@ from scheduler.scheduler import MMItem
 class PreparedChat:
     """One request as the decoder gets it, less where its images are (that is the generation's part)."""
 
-    messages: list[dict[str, Any]]  # image parts replaced by {"type": "image"}; empty for a completions prompt
-    items: list[MMItem]  # images in order of appearance (may repeat)
+    messages: list[dict[str, Any]]  # image / video parts replaced by {"type": "image"} / {"type": "video"}; empty
+    # for a completions prompt
+    items: list[MMItem | VideoItem]  # images and videos in order of appearance (may repeat)
     sampling: SamplingParams  # the decoder's sampling contract
     prompt: str | list[int] | None = None  # /v1/completions: the prompt, instead of messages
     echo: bool = False  # /v1/completions: the prompt comes first in the answer
@@ -29,6 +34,11 @@ class PreparedChat:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     cache_salt: str = ""  # vLLM's cache_salt: no K/V is shared with requests of another salt
     prefix_keys: list[str] = field(default_factory=list)  # proxy/prefix_keys.py: routing, and the decoder's /health
+
+    @property
+    def encodes(self) -> list[MMItem]:
+        """What the encoders are asked for: each image, and each chunk of each video, in prompt order."""
+        return [c for it in self.items for c in (it.chunks if isinstance(it, VideoItem) else (it,))]
 
     def request(self, images: list[ImageRef]) -> GenerateRequest:
         return GenerateRequest(messages=self.messages, prompt=self.prompt, echo=self.echo, images=images,
@@ -43,12 +53,29 @@ def check_model(model: str, served: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _check_image_count(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
-    """Counted before anything is fetched or decoded, so a request with 300 images costs nothing."""
-    num_images = req.num_images()
+def _check_media_counts(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
+    """Counted before anything is fetched or decoded, so a request with 300 images (or videos) costs nothing."""
+    num_images, num_videos = req.num_images(), req.num_videos()
     if num_images > cfg.max_images_per_request:
         raise bad_request(f"request has {num_images} images; the maximum is {cfg.max_images_per_request}",
                           param="messages", code="too_many_images")
+    if num_videos > cfg.max_videos_per_request:
+        raise bad_request(f"request has {num_videos} videos; the maximum is {cfg.max_videos_per_request}",
+                          param="messages", code="too_many_videos")
+
+
+class MediaRef(NamedTuple):
+    """An image or video part of the request, before anything is loaded."""
+
+    kind: str  # "image" or "video"
+    part: str  # the request field of the part: messages.<i>.content.<j>
+    url: str
+    detail: str = "auto"  # image_url.detail
+
+    @property
+    def param(self) -> str:
+        """The request field of its URL (errors name it)."""
+        return f"{self.part}.{self.kind}_url.url"
 
 
 def _tool_fields(i: int, msg: Message) -> dict[str, Any]:
@@ -66,13 +93,13 @@ def _tool_fields(i: int, msg: Message) -> dict[str, Any]:
     return out
 
 
-def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
-    """Decoder messages with an image marker per image, and the (param, url, detail) of each image in order.
+def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+    """Decoder messages with a marker per image and per video, and each image and video in order.
 
-    No I/O: the whole request is checked for shape before the first image is fetched.
+    No I/O: the whole request is checked for shape before the first image or video is fetched.
     """
     messages: list[dict[str, Any]] = []
-    images: list[tuple[str, str, str]] = []
+    media: list[MediaRef] = []
     for i, msg in enumerate(req.messages):
         tool = _tool_fields(i, msg)
         if not isinstance(msg.content, list):
@@ -80,26 +107,28 @@ def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], 
             continue
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(msg.content):
-            if isinstance(part, ImagePart):
+            if isinstance(part, (ImagePart, VideoURLPart)):
+                kind, where = "image" if isinstance(part, ImagePart) else "video", f"messages.{i}.content.{j}"
                 if msg.role != "user":
-                    raise bad_request("images are only allowed in user messages", f"messages.{i}.content.{j}")
-                images.append((f"messages.{i}.content.{j}.image_url.url", part.image_url.url,
-                               part.image_url.detail or "auto"))
-                parts.append({"type": "image"})
+                    raise bad_request(f"{kind}s are only allowed in user messages", where)
+                media.append(MediaRef("image", where, part.image_url.url, part.image_url.detail or "auto")
+                             if isinstance(part, ImagePart) else MediaRef("video", where, part.video_url.url))
+                parts.append({"type": kind})
             else:
                 parts.append({"type": "text", "text": part.text})
         messages.append({"role": msg.role, "content": parts, **tool})
-    return messages, images
+    return messages, media
 
 
-def _load_images(images: list[tuple[str, str, str]], cfg: ProxyConfig, deadline: float | None,
+def _load_images(images: list[MediaRef], cfg: ProxyConfig, deadline: float | None,
                  multi_image: bool = False) -> list[MMItem]:
     """Fetch and check each image (a URL repeated in the request is fetched once), hashed server-side; the
     detail is part of the hash ("low" is encoded at another resolution), and so is `multi_image`."""
     loaded: dict[tuple[str, str], MMItem] = {}
     data_of: dict[str, bytes] = {}
     items: list[MMItem] = []
-    for param, url, detail in images:
+    for image in images:
+        param, url, detail = image.param, image.url, image.detail
         key: tuple[str, Detail] = (url, "low" if detail == "low" else "auto")
         if key not in loaded:
             if url not in data_of:
@@ -111,18 +140,33 @@ def _load_images(images: list[tuple[str, str, str]], cfg: ProxyConfig, deadline:
     return items
 
 
-def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None,
-                 family: str | None = None) -> PreparedChat:
-    """Check the request and load its images; raises APIError (4xx) naming the bad part. `family`: the fleet's
-    model family (whether images of a multi-image prompt are encoded apart: epd_contracts.hashing).
+def _load_media(media: list[MediaRef], req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None,
+                family: str | None, video: VideoConfig | None) -> list[MMItem | VideoItem]:
+    """The images and the planned videos, in prompt order; the videos' sampling settings are checked (and a model
+    without video refused) before anything is loaded."""
+    images = [m for m in media if m.kind == "image"]
+    videos = [m for m in media if m.kind == "video"]
+    sampling = check_sampling(req.mm_processor_kwargs, video, cfg, videos[0].part) if videos else None
+    loaded: dict[str, Iterator[MMItem | VideoItem]] = {"image": iter(_load_images(images, cfg, deadline, multi_image_item(family, len(images)))),
+              "video": iter(load_videos([(m.param, m.url) for m in videos], cfg, deadline, sampling) if sampling
+                            else [])}
+    return [next(loaded[m.kind]) for m in media]
 
-    Blocking (images may be downloaded under cfg's media rules, see proxy.media): run it in a worker thread.
+
+def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None,
+                 family: str | None = None, video: VideoConfig | None = None) -> PreparedChat:
+    """Check the request and load its images and videos; raises APIError (4xx) naming the bad part. `family`: the
+    fleet's model family (whether images of a multi-image prompt are encoded apart: epd_contracts.hashing);
+    `video`: the fleet's video settings (None: the model takes no video, a request with one is a 400).
+
+    Blocking (media may be downloaded under cfg's media rules, see proxy.media; videos are probed): run it in a
+    worker thread.
     """
     sampling = req.sampling()  # refuses unsupported fields before any image is fetched
     features = req.features()
-    _check_image_count(req, cfg)
-    messages, images = _render_messages(req)
-    items = _load_images(images, cfg, deadline, multi_image_item(family, len(images)))
+    _check_media_counts(req, cfg)
+    messages, media = _render_messages(req)
+    items = _load_media(media, req, cfg, deadline, family, video)
     salt = req.cache_salt or ""
     return PreparedChat(messages=messages, items=items, sampling=sampling,
                         response_format=features.response_format, tools=features.tools,

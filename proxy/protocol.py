@@ -35,8 +35,31 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
-# any other part type (input_audio, file, video_url, refusal, ...) is a 400 naming the part
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(BaseModel):
+    url: str
+
+
+class VideoURLPart(BaseModel):
+    """vLLM's video part: {"type": "video_url", "video_url": {"url": ...}} (proxy/video.py plans it)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+# any other part type (input_audio, file, refusal, ...) is a 400 naming the part
+ContentPart = Annotated[TextPart | ImagePart | VideoURLPart, Field(discriminator="type")]
+
+
+class MMProcessorKwargs(BaseModel):
+    """vLLM's `mm_processor_kwargs`, as far as it is honoured here: a request's video sampling, within the server's
+    limits (checked by proxy/video.py against --max-video-frames and the model's pixel bounds). Any other key is a
+    400 naming it; fps and num_frames together are a 400 (transformers refuses them too)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    fps: float | None = Field(default=None, gt=0, description="frames per second to sample from each video")
+    num_frames: int | None = Field(default=None, ge=1, description="frames to sample from each video")
+    max_pixels: int | None = Field(default=None, ge=1, description="pixel budget of each sampled frame")
 
 
 _NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's pattern for function and json_schema names
@@ -151,6 +174,7 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     cache_salt: CacheSalt = None
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # vLLM's extension: the videos' sampling
     # the sampling fields (proxy/sampling_fields.py) are read from the extra fields by sampling(), checked by the contract alone
 
     @field_validator("messages")
@@ -163,6 +187,10 @@ class ChatCompletionRequest(BaseModel):
 
     def num_images(self) -> int:
         return sum(isinstance(p, ImagePart) for m in self.messages if isinstance(m.content, list) for p in m.content)
+
+    def num_videos(self) -> int:
+        return sum(isinstance(p, VideoURLPart) for m in self.messages if isinstance(m.content, list)
+                   for p in m.content)
 
     def sampling(self) -> SamplingParams:
         """The decoder's sampling contract; raises APIError 400 `invalid_request` naming a field outside it, or

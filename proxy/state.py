@@ -15,11 +15,12 @@ from epd_common.errors import APIError
 from proxy.config import ProxyConfig
 from proxy.fetch_slots import FetchSlots
 from proxy.fleet import Fleet
-from proxy.media import has_remote_images
+from proxy.media import remote_kinds
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import PreparedChat, prepare_chat
 from proxy.protocol import ChatCompletionRequest
 from proxy.signals import Interrupted, unless_signalled
+from proxy.video import fleet_video_config
 
 logger = logging.getLogger("epd.proxy")
 
@@ -65,16 +66,21 @@ class ProxyState:
             self.fetch_slots.close()  # downloads still running are not waited for
 
     async def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
-        """Text alone is cheap: no thread hop. Images are loaded within --media-fetch-deadline: downloads on a
-        fetch slot (threads of their own, a cap shared by all requests), data and file images on asyncio's pool."""
-        if not req.num_images():
+        """Text alone is cheap: no thread hop. Images and videos are loaded (videos probed) within
+        --media-fetch-deadline, never on the event loop: downloads on a fetch slot (threads of their own, a cap
+        shared by all requests), data and file URLs on asyncio's pool. The fleet's model identity says its family
+        and its video settings (proxy/video.py)."""
+        if not req.num_images() and not req.num_videos():
             return prepare_chat(req, self.cfg)
         deadline = time.monotonic() + self.cfg.media_fetch_deadline
         identity = self.started.workers.identity if self.started is not None else None
         family = identity.get("family") if identity else None
-        if has_remote_images(req):
-            return await self.fetch_slots.run(deadline, prepare_chat, req, self.cfg, deadline, family)
-        return await asyncio.to_thread(prepare_chat, req, self.cfg, deadline, family)
+        args = (req, self.cfg, deadline, family, fleet_video_config(identity))
+        kinds = remote_kinds(req)
+        if kinds:
+            code = "video_fetch_timeout" if kinds == {"video"} else "image_fetch_timeout"
+            return await self.fetch_slots.run(deadline, prepare_chat, *args, timeout_code=code)
+        return await asyncio.to_thread(prepare_chat, *args)
 
 
 def proxy_state(request: Request) -> ProxyState:

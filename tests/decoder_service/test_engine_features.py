@@ -15,6 +15,7 @@ from decoder_service.engine import Engine
 from decoder_service.generate import generate
 from decoder_service.grammar import GuideError
 from decoder_service.request import Work
+from decoder_service.video_gather import Gathered
 from epd_common.errors import APIError
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import GenerateRequest, ImageRef, ResponseFormat, ToolChoice
@@ -117,7 +118,8 @@ def test_ids_outside_the_vocabulary_and_echo_with_logprobs_are_400s(engine: Engi
 def test_cached_tokens_count_images_held_before_and_decoder_cache_hits(engine: Engine) -> None:
     hidden = int(engine.lm.config.get_text_config().hidden_size)
     refs = [ImageRef(mm_hash="held", cached=True), ImageRef(mm_hash="hit"), ImageRef(mm_hash="new")]
-    gathered = [(ImageFeatures(embeds=torch.zeros(n, hidden)), hit) for n, hit in ((4, False), (6, True), (3, False))]
+    gathered = [Gathered.of(ImageFeatures(embeds=torch.zeros(n, hidden)), hit)
+                for n, hit in ((4, False), (6, True), (3, False))]
     messages = [{"role": "user", "content": [*({"type": "image"} for _ in refs), {"type": "text", "text": "hi"}]}]
     work = engine.preparer.prepare(GenerateRequest(messages=messages, images=refs), lambda req: gathered)
     assert work.cached_tokens == 10

@@ -145,7 +145,8 @@ OUT_OF_CONTRACT = [
     ({"min_p": 1.5}, "min_p"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]}, "messages.0.content.0"),
-    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
+     "messages.0.content.0.video_url.url"),  # a known part without its url
 ]
 NON_FINITE = [(field, text) for field in ("temperature", "top_p", "frequency_penalty", "presence_penalty")
               for text in ("NaN", "Infinity", "-Infinity")]

@@ -242,3 +242,44 @@ def test_prefix_cache_bytes_goes_to_the_spawned_decoders_only_when_given(given: 
         assert ("--prefix-cache-bytes" in extra) == (given is not None)
         assert decoder_args([a for a in extra if a != "--device" and not a.startswith("cuda:")]) \
             .prefix_cache_bytes == expected
+
+
+def test_video_flags_map_to_the_proxy_config_with_its_defaults() -> None:
+    _, args = parse_args([])
+    cfg = _config(args, ("http://e",), ("http://d",), None, None)
+    default = ProxyConfig(encode_urls=("http://e",), decode_urls=("http://d",))
+    names = ("max_videos_per_request", "max_video_bytes", "max_video_duration", "max_video_frames",
+             "max_video_frame_pixels", "video_chunk_frames")
+    assert [getattr(cfg, n) for n in names] == [getattr(default, n) for n in names] == \
+        [4, 64 << 20, 600.0, 256, 1920 * 1080 * 2, 16]
+    _, args = parse_args(["--max-videos-per-request", "0", "--max-video-bytes", "1000", "--max-video-duration", "2.5",
+                          "--max-video-frames", "8", "--max-video-frame-pixels", "640", "--video-chunk-frames", "4"])
+    cfg = _config(args, ("http://e",), ("http://d",), None, None)
+    assert [getattr(cfg, n) for n in names] == [0, 1000, 2.5, 8, 640, 4]
+
+
+@pytest.mark.parametrize("flag,value", [("--max-video-frames", "0"), ("--max-video-frames", "4097"),
+                                        ("--max-video-duration", "0"), ("--max-video-duration", "inf"),
+                                        ("--video-chunk-frames", "0"), ("--max-video-bytes", "-1"),
+                                        ("--max-videos-per-request", "-1")])
+def test_out_of_range_video_flags_are_usage_errors(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args([flag, value])
+    assert exc.value.code == 2 and f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_spawned_encoders_get_the_proxys_video_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder probes each video again: with the proxy's limits it refuses none the proxy took."""
+    from encoder_service.cli import parse_args as encoder_args
+
+    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
+    monkeypatch.setenv("EPD_INSECURE", "1")
+    _, args = parse_args(["--num-encoders", "2", "--max-video-duration", "1200", "--max-video-frames", "1000",
+                          "--max-video-frame-pixels", "12345"])
+    group = RecordingGroup()
+    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    encoders = [extra for role, extra in group.spawned if role == "encoder"]
+    assert len(encoders) == 2
+    for extra in encoders:
+        cfg = encoder_args(["--model", "demo", *[a for a in extra if a != "--device" and not a.startswith("cuda:")]])
+        assert (cfg.max_video_duration, cfg.max_video_frames, cfg.max_video_frame_pixels) == (1200.0, 1000, 12345)

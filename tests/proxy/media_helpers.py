@@ -165,11 +165,12 @@ def connections_made(srv: CountingServer) -> int:
 
 
 class Trickle:
-    """A route that declares a 1 MiB image, sends its first bytes, then one byte per `pause` s until released
-    (then it hangs up) or until the client hangs up; counts downloads in progress and those the client left."""
+    """A route that declares a 1 MiB image (or `content_type`), sends its first bytes, then one byte per `pause` s
+    until released (then it hangs up) or until the client hangs up; counts downloads in progress and those the
+    client left."""
 
-    def __init__(self, pause: float = 0.05) -> None:
-        self.pause, self.release = pause, threading.Event()
+    def __init__(self, pause: float = 0.05, content_type: str = "image/png") -> None:
+        self.pause, self.release, self.content_type = pause, threading.Event(), content_type
         self.active = self.abandoned = 0
         self._lock = threading.Lock()
 
@@ -178,7 +179,7 @@ class Trickle:
             self.active += 1
         try:
             h.send_response(200)
-            h.send_header("Content-Type", "image/png")
+            h.send_header("Content-Type", self.content_type)
             h.send_header("Content-Length", str(1 << 20))
             h.end_headers()
             h.wfile.write(PNG[:16])

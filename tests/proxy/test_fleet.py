@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from connector.tensors.producer import ECProducer
 from epd_common.errors import APIError
+from epd_contracts.video import VideoPart, VideoSampling
 from proxy.config import ProxyConfig
 from proxy.fleet import Fleet
 from proxy.metrics import ProxyMetrics
@@ -365,3 +366,31 @@ def test_an_unreadable_200_is_retried_once_then_every_waiting_request_gets_a_502
     results, healthy = asyncio.run(main())
     assert all(isinstance(r, APIError) and r.status == 502 and r.code == "upstream_error" for r in results), results
     assert len(encoders.calls) == 2 and all(healthy)  # retried once elsewhere; it answered, so nobody is marked down
+
+
+def chunks(*hashes: str) -> list[MMItem]:
+    """Video chunks: one file, frames [2i, 2i + 2) each."""
+    sampling = VideoSampling(num_frames=2 * len(hashes), fps=2.0, max_pixels=1 << 16)
+    return [MMItem(h, b"video", video=VideoPart(sampling=sampling, first=2 * i, count=2, total=2 * len(hashes)))
+            for i, h in enumerate(hashes)]
+
+
+def test_video_chunks_go_one_per_call_and_fail_over_chunk_by_chunk() -> None:
+    async def first_dies(url: str, hashes: list[str]) -> httpx.Response:
+        if url.endswith("9100"):
+            raise httpx.RemoteProtocolError("server disconnected")
+        return encoded(url, hashes)
+
+    encoders = Encoders(first_dies)
+
+    async def main() -> dict[str, str]:
+        async with fleet_of(encoders) as fleet:
+            return await fleet.encode([*items("img1", "img2"), *chunks("c0", "c1", "c2")], "rid")
+
+    sources = asyncio.run(main())
+    assert set(sources.values()) == {address("http://127.0.0.1:9101")} and len(sources) == 5
+    calls = [hashes for _, hashes, _ in encoders.calls]
+    assert all(len(h) == 1 for h in calls if h[0].startswith("c"))  # each chunk alone, also after failover
+    assert all(x.startswith("img") for h in calls if h[0].startswith("img") for x in h)  # images apart from chunks
+    done = [h for url, h, _ in encoders.calls if url.endswith("9101")]
+    assert sorted(x for h in done for x in h) == ["c0", "c1", "c2", "img1", "img2"]

@@ -55,6 +55,23 @@ def test_the_deadline_covers_all_images_of_a_request(slow_host: tuple[ThreadingC
     assert err.value.status == 408 and err.value.param == PARAM.replace("content.0", "content.1")
 
 
+def test_a_trickling_video_download_is_a_408_video_fetch_timeout() -> None:
+    from epd_common.video_sampling import VideoConfig
+    from tests.proxy.test_video_request import part
+    from tests.proxy.test_video_request import request as video_request
+
+    trickle = Trickle(content_type="video/mp4")
+    with running(ThreadingCountingServer()) as srv:
+        srv.routes["/slow.mp4"] = trickle
+        video = VideoConfig(sampler="qwen2", temporal_patch=2, min_pixels=1, max_pixels=1 << 20)
+        with pytest.raises(APIError) as err:
+            prepare_chat(video_request(part(srv.url("/slow.mp4"))), config(media_fetch_timeout=5.0, **ALLOW_LOOPBACK),
+                         deadline=time.monotonic() + 0.5, video=video)
+        assert wait_for(lambda: trickle.abandoned == 1 and trickle.active == 0)
+    assert (err.value.status, err.value.code) == (408, "video_fetch_timeout")
+    assert err.value.param == "messages.0.content.0.video_url.url" and "still fetching video" in err.value.message
+
+
 def test_a_silent_host_times_out_at_the_request_deadline() -> None:
     import socket
 
@@ -136,3 +153,23 @@ def test_slow_downloads_leave_data_urls_and_other_hosts_alone(
         return len(inline.items) + len(other.items), still_hanging
 
     assert asyncio.run(scenario()) == (2, num_slow)
+
+
+def test_a_load_stuck_past_its_deadline_gets_the_408_of_its_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no clock reaches (name resolution), the event loop answers one grace period after the deadline."""
+    monkeypatch.setattr("proxy.fetch_slots.GRACE_S", 0.05)
+    release = threading.Event()
+
+    async def scenario(**kw: str) -> APIError:
+        slots = FetchSlots(1)
+        with pytest.raises(APIError) as err:
+            await slots.run(time.monotonic() + 0.05, release.wait, 30, **kw)
+        slots.close()
+        return err.value
+
+    try:
+        assert asyncio.run(scenario()).code == "image_fetch_timeout"
+        err = asyncio.run(scenario(timeout_code="video_fetch_timeout"))
+    finally:
+        release.set()
+    assert (err.status, err.code) == (408, "video_fetch_timeout")

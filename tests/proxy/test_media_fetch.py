@@ -136,13 +136,13 @@ def test_the_connection_goes_to_the_address_that_was_resolved_once(
 
 def test_pinned_https_request_keeps_the_name_for_sni_and_certificate_checks() -> None:
     url = httpx.URL("https://images.example.com:8443/a.png?size=2")
-    req = fetch.pinned_request(url, ipaddress.ip_address("2606:4700::1"), 2.5)
+    req = fetch.pinned_request(url, ipaddress.ip_address("2606:4700::1"), 2.5, "image/*")
     assert str(req.url) == "https://[2606:4700::1]:8443/a.png?size=2"
     assert req.headers["host"] == "images.example.com:8443"
     assert req.extensions["sni_hostname"] == "images.example.com"
     assert req.extensions["timeout"] == {"connect": 2.5, "read": 2.5, "write": 2.5, "pool": 2.5}
     ip_url = fetch.pinned_request(httpx.URL("https://93.184.216.34/a.png"),
-                                  ipaddress.ip_address("93.184.216.34"), 2.5)
+                                  ipaddress.ip_address("93.184.216.34"), 2.5, "image/*")
     assert "sni_hostname" not in ip_url.extensions  # an IP host is checked against the certificate as is
 
 

@@ -1,0 +1,147 @@
+"""A request's videos: probed, sampled and cut into the chunks encoders take apart (epd_contracts/video.py's plan).
+
+For each video_url the proxy (torch-free, in prepare_chat's worker thread, never on the event loop):
+1. loads the bytes under the image rules with the video's own byte cap (proxy.media, --max-video-bytes);
+2. probes them (epd_common.video.probe_video: headers and packets, no frame decoded) under VideoLimits from its
+   flags, so a file too large, too long, of absurd frame size or corrupt is a 400 before any big allocation;
+3. takes the sampler's frame count from the fleet's VideoConfig (what the workers' /health reports as
+   model_identity["video"]), a request's `mm_processor_kwargs` overriding fps / num_frames / max_pixels within the
+   server's limits, the frame indices it gives and their fps, and so the video's VideoSampling and hash;
+4. cuts the sampled frames into chunks of --video-chunk-frames (whole temporal patches), each an MMItem with
+   `video` set: the scheduler dedupes, places and fails them over like images, several encoders in parallel.
+The decoder gets one ImageRef per video (its hash, the whole sampled part, the chunks in order: proxy/generation.py).
+
+Error codes (400): video_not_supported (the model takes no video), video_too_large (a limit), invalid_video (not a
+video we accept, or a sampling that selects nothing of it), too_many_videos (proxy/prepare.py); the URL's own codes
+come from proxy.media (invalid_video_url, video_url_forbidden, video_fetch_failed, 408 video_fetch_timeout).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from epd_common.errors import bad_request
+from epd_common.video import VideoError, VideoInfo, VideoLimits, VideoTooLargeError, probe_video
+from epd_common.video_sampling import VideoConfig, frame_indices, sampled_fps, target_frames
+from epd_contracts.video import VideoPart, VideoSampling, plan_chunks, video_hash
+from proxy.config import ProxyConfig
+from proxy.media import load_media_bytes, video_kind
+from proxy.protocol import MMProcessorKwargs
+from scheduler.scheduler import MMItem
+
+logger = logging.getLogger("epd.proxy")
+KWARGS = "mm_processor_kwargs"
+
+
+@dataclass(frozen=True)
+class VideoItem:
+    """One video of a prompt: what the decoder's ImageRef names (the video's hash and its whole sampled part) and
+    the chunks the scheduler places (MMItems with `video` set, in frame order; one chunk: the video's own hash)."""
+
+    mm_hash: str  # epd_contracts.video.video_hash(data, video.sampling)
+    data: bytes
+    video: VideoPart  # the whole video: first 0, count = total sampled frames
+    chunks: tuple[MMItem, ...]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request's videos are sampled: the fleet's VideoConfig and the request's own settings, checked against
+    the server's limits (None: the config's default)."""
+
+    config: VideoConfig
+    fps: float | None = None
+    num_frames: int | None = None
+    max_pixels: int | None = None
+
+
+def fleet_video_config(identity: dict[str, Any] | None) -> VideoConfig | None:
+    """The fleet's VideoConfig from its model identity's "video" (None: absent, null, or not a VideoConfig: the
+    model is taken to accept no video)."""
+    raw = identity.get("video") if identity else None
+    return None if raw is None else _video_config(json.dumps(raw, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _video_config(raw: str) -> VideoConfig | None:
+    """Parsed once per distinct config (the fleet has one), so a bad one is logged once, not per request."""
+    try:
+        return VideoConfig.from_dict(json.loads(raw))
+    except ValueError as exc:
+        logger.warning("the fleet's model_identity.video is not a video config (%s): videos are refused", exc)
+        return None
+
+
+def video_limits(cfg: ProxyConfig) -> VideoLimits:
+    """The probe's bounds from the proxy's flags (the rest: VideoLimits' defaults)."""
+    return VideoLimits(max_bytes=cfg.max_video_bytes, max_duration_s=cfg.max_video_duration,
+                       max_frames=cfg.max_video_frames, max_pixels_per_frame=cfg.max_video_frame_pixels)
+
+
+def check_sampling(kwargs: MMProcessorKwargs | None, config: VideoConfig | None, cfg: ProxyConfig,
+                   param: str) -> Sampling:
+    """A request's mm_processor_kwargs within the server's limits, checked before any video is loaded; `config`
+    None: the model takes no video (400 video_not_supported, `param` naming the first video part)."""
+    if config is None:
+        raise bad_request("this model does not take video input", param, code="video_not_supported")
+    if kwargs is None:
+        return Sampling(config)
+    if kwargs.fps is not None and kwargs.num_frames is not None:
+        raise bad_request(f"{KWARGS}: fps and num_frames are mutually exclusive; give one", KWARGS)
+    if kwargs.num_frames is not None and kwargs.num_frames > cfg.max_video_frames:
+        raise bad_request(f"{KWARGS}.num_frames: {kwargs.num_frames} frames asked for; this server samples at most "
+                          f"{cfg.max_video_frames} frames of a video", f"{KWARGS}.num_frames", code="video_too_large")
+    if kwargs.max_pixels is not None and not config.min_pixels <= kwargs.max_pixels <= config.max_pixels:
+        raise bad_request(f"{KWARGS}.max_pixels: must be within the model's [{config.min_pixels}, "
+                          f"{config.max_pixels}] pixels per frame, got {kwargs.max_pixels}", f"{KWARGS}.max_pixels")
+    return Sampling(config, kwargs.fps, kwargs.num_frames, kwargs.max_pixels)
+
+
+def load_videos(videos: list[tuple[str, str]], cfg: ProxyConfig, deadline: float | None,
+                sampling: Sampling) -> list[VideoItem]:
+    """(param, url) of each video in order -> its planned VideoItem (a URL repeated is loaded and planned once)."""
+    planned: dict[str, VideoItem] = {}
+    for param, url in videos:
+        if url not in planned:
+            data = load_media_bytes(url, video_kind(cfg), param, cfg, deadline)
+            planned[url] = plan_video(data, param, cfg, sampling)
+    return [planned[url] for _, url in videos]
+
+
+def plan_video(data: bytes, param: str, cfg: ProxyConfig, sampling: Sampling) -> VideoItem:
+    """Probe the bytes and plan the video (the steps of the module docstring); APIError 400 naming `param`."""
+    config = sampling.config
+    info = probe(data, param, cfg)
+    n = target_frames(config, info, sampling.fps, sampling.num_frames, max_frames=cfg.max_video_frames)
+    try:
+        indices = frame_indices(config, info, n)
+    except VideoError as exc:  # more frames than the video has (the request's setting), or none at all
+        asked = "num_frames" if sampling.num_frames is not None else "fps" if sampling.fps is not None else None
+        raise bad_request(f"{exc} ({info.num_frames} frames at {info.fps:g} fps)",
+                          f"{KWARGS}.{asked}" if asked else param, code="invalid_video") from exc
+    total = len(indices)
+    if total > cfg.max_video_frames:  # the rule's rounding may add one to the count asked for
+        raise bad_request(f"the sampling selects {total} frames of this video; this server samples at most "
+                          f"{cfg.max_video_frames}", param, code="video_too_large")
+    settings = VideoSampling(num_frames=n, fps=sampled_fps(info, total),
+                             max_pixels=sampling.max_pixels or config.max_pixels)
+    vh = video_hash(data, settings)
+    chunks = tuple(MMItem(mm_hash=c.mm_hash, data=data,
+                          video=VideoPart(sampling=settings, first=c.first, count=c.count, total=total))
+                   for c in plan_chunks(vh, total, config.temporal_patch, cfg.video_chunk_frames))
+    return VideoItem(mm_hash=vh, data=data, video=VideoPart(sampling=settings, first=0, count=total, total=total),
+                     chunks=chunks)
+
+
+def probe(data: bytes, param: str, cfg: ProxyConfig) -> VideoInfo:
+    """probe_video under the flags' limits: 400 video_too_large (a limit passed) or invalid_video."""
+    try:
+        return probe_video(data, video_limits(cfg))
+    except VideoTooLargeError as exc:
+        raise bad_request(str(exc), param, code="video_too_large") from exc
+    except VideoError as exc:
+        raise bad_request(str(exc), param, code="invalid_video") from exc
+
