@@ -26,7 +26,7 @@ class VideoConfig:
 
     sampler: Sampler
     temporal_patch: int  # frames per temporal patch (1: every frame is its own, LLaVA-OneVision)
-    min_pixels: int  # per-frame pixel bounds of the resize
+    min_pixels: int  # pixel bounds of the resize: per frame, or over the whole video for Qwen3-VL
     max_pixels: int
     fps: float | None = 2.0  # the processor's default sampling rate; None: its num_frames, else every frame
     num_frames: int | None = None  # the processor's default frame count (when fps is None)

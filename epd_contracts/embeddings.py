@@ -25,8 +25,11 @@ class ImageFeatures:
     positions take the rows of `embeds` in order. None: `num_tokens` image tokens (LLaVA-1.5, Qwen2-VL).
 
     A video is the same item with `second_per_grid_t` set (epd_models/video.py): its rows go to the family's
-    video token instead (span None: `num_tokens` video tokens, in place of the prompt's one video placeholder),
-    its `grid_thw` has t > 1 temporal patches, and Qwen2.5-VL spaces their M-RoPE temporal positions by it.
+    video token instead, in place of the prompt's one video placeholder. Qwen2-VL / Qwen2.5-VL: span None
+    (`num_tokens` video tokens), `grid_thw` with t temporal patches, and Qwen2.5-VL spaces their M-RoPE temporal
+    positions by `second_per_grid_t`. Qwen3-VL: a span with a `<t seconds>` time stamp and a vision group per
+    temporal patch. LLaVA-OneVision: `grid_thw` None, `second_per_grid_t` = 1 / fps. A video encoded in chunks is
+    its chunks' items concatenated (decoder_service/video_gather.py).
     """
 
     embeds: torch.Tensor  # (num_tokens, text_hidden), any device until a producer saves it (then CPU)

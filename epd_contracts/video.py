@@ -32,7 +32,7 @@ import msgspec
 
 VIDEO_HASH_TAG = b"epd-video-hash/v1\0"
 MAX_VIDEO_FRAMES = 4096  # sampled frames of one video on the wire (servers set lower limits)
-MAX_FRAME_PIXELS = 1 << 26  # a per-frame pixel budget on the wire
+MAX_FRAME_PIXELS = 1 << 26  # a pixel budget (VideoSampling.max_pixels) on the wire
 
 
 class VideoSampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -44,7 +44,9 @@ class VideoSampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # frames per second of the sampled sequence: len(indices) / total frames * the video's fps (transformers'
     # VideoMetadata.sampled_fps); Qwen2.5-VL's second_per_grid_t = temporal_patch / fps
     fps: Annotated[float, msgspec.Meta(gt=0, le=1e6)]
-    max_pixels: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAME_PIXELS)]  # per-frame pixel budget of the resize
+    # the pixel budget of the resize: per frame (Qwen2-VL, Qwen2.5-VL), over the whole video's t * h * w (Qwen3-VL),
+    # unused (LLaVA-OneVision: a fixed frame size)
+    max_pixels: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAME_PIXELS)]
 
     def tag(self) -> bytes:
         return f"frames={self.num_frames};fps={self.fps:.6g};max_pixels={self.max_pixels}\0".encode()

@@ -13,7 +13,6 @@ import base64
 import io
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from decoder_service.config import DecoderConfig
-from decoder_service.server import create_app as decoder_app
 from epd_builders.tiny import FAMILIES, TinySpec
-from epd_common.server import HttpLimits
 from epd_models.identity import model_identity, served_name
-from proxy.app import create_app as proxy_app
-from proxy.config import ProxyConfig
+from tests.e2e.answers import aggregated, logprobs, tokens
 from tests.e2e.stack import Stack, health, launched, urls_of
 from tests.factories import make_image
-from tests.hostile.http_client import served
 
 MAX_TOKENS = 6
 CASES = {  # (width, height, colour) per image
@@ -46,17 +40,6 @@ class Pair:
     model_dir: Path
     epd: Stack  # disagg-epd-proxy --model DIR, 1 encoder + 1 decoder
     aggregated: str  # base URL of the in-process aggregated proxy
-
-
-@contextmanager
-def aggregated(model_dir: Path) -> Iterator[str]:
-    """An aggregated decoder (both halves) and a proxy in front of it, each behind uvicorn in a thread."""
-    dapp = decoder_app(DecoderConfig(model=str(model_dir), aggregated=True))
-    with served(dapp, HttpLimits()) as dport:
-        pcfg = ProxyConfig(encode_urls=(), decode_urls=(f"http://127.0.0.1:{dport}",), aggregated=True,
-                           served_model_name=None)  # the name the decoder reports, as in attach mode
-        with served(proxy_app(pcfg), HttpLimits()) as pport:
-            yield f"http://127.0.0.1:{pport}"
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -83,18 +66,6 @@ def chat(base_url: str, model: str, images: list[tuple[int, int, str]]) -> dict[
     resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
-
-
-def tokens(answer: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """The generated tokens as (token, bytes): the API's token identity (ids are not exposed).
-
-    NOTE: a token that ends the answer without text (a special token, half a UTF-8 character) has no entry
-    (decoder_service/sequence.py sends entries only with text); both paths drop the same ones."""
-    return [(e["token"], tuple(e["bytes"])) for e in answer["choices"][0]["logprobs"]["content"]]
-
-
-def logprobs(answer: dict[str, Any]) -> list[float]:
-    return [e["logprob"] for e in answer["choices"][0]["logprobs"]["content"]]
 
 
 @pytest.mark.e2e
