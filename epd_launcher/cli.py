@@ -104,7 +104,7 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         max_image_pixels=args.max_image_pixels, max_videos_per_request=args.max_videos_per_request,
         max_video_bytes=args.max_video_bytes, max_video_duration=args.max_video_duration,
         max_video_frames=args.max_video_frames, max_video_frame_pixels=args.max_video_frame_pixels,
-        video_chunk_frames=args.video_chunk_frames, allowed_local_media_path=args.allowed_local_media_path,
+        video_chunk_frames=args.video_chunk_frames, max_video_fanout_bytes=args.max_video_fanout_bytes, allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=_urls(args.allowed_media_domains), media_fetch_timeout=args.media_fetch_timeout,
         media_fetch_deadline=args.media_fetch_deadline, max_concurrent_fetches=args.max_concurrent_fetches,
         worker_timeout=args.worker_timeout,

@@ -170,6 +170,9 @@ def _video_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--video-chunk-frames", type=positive, default=defaults["video_chunk_frames"].default,
                    help="sampled frames per chunk, the part of a video one encoder encodes (rounded down to whole "
                         "temporal patches): a longer video is spread over the encoders")
+    g.add_argument("--max-video-fanout-bytes", type=positive, default=defaults["max_video_fanout_bytes"].default,
+                   help="bytes one video may send to encoders over all its chunks (each chunk's call carries the "
+                        "whole file): a larger file is cut into fewer, longer chunks (default 256 MiB)")
 
 
 def _launcher_flags(g: argparse._ActionsContainer) -> None:

@@ -27,6 +27,9 @@ class ProxyConfig(HttpLimits):
     max_video_frames: int = 256  # frames sampled from one video (a request's num_frames above it: 400)
     max_video_frame_pixels: int = VideoLimits.max_pixels_per_frame  # source frame width * height
     video_chunk_frames: int = 16  # sampled frames per chunk: the unit one encoder encodes (whole temporal patches)
+    # every chunk's /encode call carries the whole file: a video gets at most this many bytes over all its chunks
+    # (a larger file is cut into fewer, longer chunks), so one upload cannot be multiplied into gigabytes of calls
+    max_video_fanout_bytes: int = 256 << 20
     # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
     allowed_local_media_path: str | None = None  # file:// URLs only under this directory
     allowed_media_domains: tuple[str, ...] = ()  # hosts (names or IPs) fetched even if they resolve privately
@@ -67,6 +70,7 @@ class ProxyConfig(HttpLimits):
             "max_video_bytes, max_video_duration and max_video_frame_pixels must be > 0"
         assert 1 <= self.max_video_frames <= MAX_VIDEO_FRAMES, f"max_video_frames must be in 1..{MAX_VIDEO_FRAMES}"
         assert self.video_chunk_frames >= 1, "video_chunk_frames must be >= 1"
+        assert self.max_video_fanout_bytes >= 1, "max_video_fanout_bytes must be >= 1"
         assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
             "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"
         super().__post_init__()

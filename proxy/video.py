@@ -131,9 +131,18 @@ def plan_video(data: bytes, param: str, cfg: ProxyConfig, sampling: Sampling) ->
     vh = video_hash(data, settings)
     chunks = tuple(MMItem(mm_hash=c.mm_hash, data=data,
                           video=VideoPart(sampling=settings, first=c.first, count=c.count, total=total))
-                   for c in plan_chunks(vh, total, config.temporal_patch, cfg.video_chunk_frames))
+                   for c in plan_chunks(vh, total, config.temporal_patch,
+                                        chunk_frames(cfg, len(data), total, config.temporal_patch)))
     return VideoItem(mm_hash=vh, data=data, video=VideoPart(sampling=settings, first=0, count=total, total=total),
                      chunks=chunks)
+
+
+def chunk_frames(cfg: ProxyConfig, size: int, total: int, temporal_patch: int) -> int:
+    """--video-chunk-frames, raised (in whole temporal patches) so that the chunks of a `size`-byte file, each
+    /encode call carrying the whole file, send at most --max-video-fanout-bytes (always at least one chunk)."""
+    most = max(1, cfg.max_video_fanout_bytes // max(1, size))
+    longest = -(-total // most)  # ceil: frames per chunk for at most `most` chunks
+    return max(cfg.video_chunk_frames, -(-longest // temporal_patch) * temporal_patch)
 
 
 def probe(data: bytes, param: str, cfg: ProxyConfig) -> VideoInfo:

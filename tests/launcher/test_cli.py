@@ -249,13 +249,14 @@ def test_video_flags_map_to_the_proxy_config_with_its_defaults() -> None:
     cfg = _config(args, ("http://e",), ("http://d",), None, None)
     default = ProxyConfig(encode_urls=("http://e",), decode_urls=("http://d",))
     names = ("max_videos_per_request", "max_video_bytes", "max_video_duration", "max_video_frames",
-             "max_video_frame_pixels", "video_chunk_frames")
+             "max_video_frame_pixels", "video_chunk_frames", "max_video_fanout_bytes")
     assert [getattr(cfg, n) for n in names] == [getattr(default, n) for n in names] == \
-        [4, 64 << 20, 600.0, 256, 1920 * 1080 * 2, 16]
+        [4, 64 << 20, 600.0, 256, 1920 * 1080 * 2, 16, 256 << 20]
     _, args = parse_args(["--max-videos-per-request", "0", "--max-video-bytes", "1000", "--max-video-duration", "2.5",
-                          "--max-video-frames", "8", "--max-video-frame-pixels", "640", "--video-chunk-frames", "4"])
+                          "--max-video-frames", "8", "--max-video-frame-pixels", "640", "--video-chunk-frames", "4",
+                          "--max-video-fanout-bytes", "5000"])
     cfg = _config(args, ("http://e",), ("http://d",), None, None)
-    assert [getattr(cfg, n) for n in names] == [0, 1000, 2.5, 8, 640, 4]
+    assert [getattr(cfg, n) for n in names] == [0, 1000, 2.5, 8, 640, 4, 5000]
 
 
 @pytest.mark.parametrize("flag,value", [("--max-video-frames", "0"), ("--max-video-frames", "4097"),

@@ -103,6 +103,17 @@ def test_chunks_hold_whole_temporal_patches_of_at_most_video_chunk_frames(
         assert item.chunks[0].mm_hash == item.mm_hash
 
 
+def test_a_large_file_is_cut_into_fewer_chunks_than_its_fanout_budget_allows() -> None:
+    """Each chunk's /encode carries the whole file: chunks x file bytes stay within --max-video-fanout-bytes."""
+    size = len(CLIP)
+    for budget, most in ((size * 4, 4), (size * 3, 3), (size * 2 + 1, 2), (size, 1), (1, 1)):
+        item = only_video(prepared(part(video_url()), cfg=config(video_chunk_frames=2, max_video_fanout_bytes=budget)))
+        assert 1 <= len(item.chunks) <= most and len(item.chunks) * size <= max(budget, size)
+        assert sum(c.video.count for c in item.chunks if c.video) == 8
+        assert all(c.video.count % 2 == 0 for c in item.chunks if c.video)  # still whole temporal patches
+    assert len(only_video(prepared(part(video_url()), cfg=config(video_chunk_frames=2))).chunks) == 4  # no cap hit
+
+
 def test_a_video_repeated_in_a_request_is_loaded_and_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import proxy.video
 
