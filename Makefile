@@ -15,7 +15,7 @@ NUM_DECODERS ?= 1
 # more disagg-epd-proxy flags for make run, e.g. ARGS="--aggregated --log-level debug"
 ARGS ?=
 
-.PHONY: install run test lint demo-model bench bench-prefix clean
+.PHONY: install run test lint demo-model bench bench-prefix bench-video clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,11 +58,17 @@ $(TSERVE_VENV)/.installed:
 bench: install $(TSERVE_VENV)/.installed
 	$(BIN)/python -m epd_bench.compare $(BENCH_ARGS)
 	$(BIN)/python -m epd_bench.prefix_compare $(BENCH_PREFIX_ARGS)
+	$(BIN)/python -m epd_bench.video_compare $(BENCH_VIDEO_ARGS)
 
 # The decoder's prefix cache on and off, EPD and aggregated, on bench-lm (docs/BENCHMARKS.md, prefix-bench section);
 # about 6 minutes on 2 cores
 bench-prefix: install
 	$(BIN)/python -m epd_bench.prefix_compare $(BENCH_PREFIX_ARGS)
+
+# TTFT of one 32-frame video, EPD with 2 encoders and with 1, on bench-video, and frames/s per encoder
+# (docs/BENCHMARKS.md, video-bench section); about 2 minutes on 2 cores
+bench-video: install
+	$(BIN)/python -m epd_bench.video_compare $(BENCH_VIDEO_ARGS)
 
 # On a machine with a GPU (a .venv with a CUDA torch): the parity and device tests on cuda, then EPD and the
 # aggregated decoder side by side; about 5 minutes. Writes runs/gpu-check/gpu_check.{md,json} and logs.tar.gz.

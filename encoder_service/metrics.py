@@ -19,6 +19,9 @@ class EncoderMetrics:
                                             registry=registry)
         self.encode_seconds = Histogram("epd_encoder_encode_seconds", "Wall time of one encode call",
                                         registry=registry)
+        self.run_seconds = Counter("epd_encoder_run_seconds", "Time the encode thread spent running encode calls "
+                                   "(waiting for the thread excluded): busy time, for frames or items per second",
+                                   registry=registry)
         self.queue_depth = Gauge("epd_encoder_queue_depth", "Encode calls waiting or running", registry=registry)
         cache_gauges(registry, "epd_ec_cache", "Embedding cache (producer side)", cache_stats)
         cache_gauges(registry, "epd_ec_producer", "Connector producer", cache_stats, PRODUCER_KEYS)

@@ -25,7 +25,7 @@ from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id
 from epd_common.images import ImageError
 from epd_common.server import freeze_startup_heap
-from epd_contracts.encode import EncodeRequest, EncodeResponse
+from epd_contracts.encode import EncodedItem, EncodeRequest, EncodeResponse
 from epd_contracts.hashing import mm_hash
 from epd_contracts.validation import ContractError, decode_json
 from epd_contracts.video import part_hash
@@ -93,6 +93,15 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
     return out
 
 
+def _timed(w: EncoderWorker, m: EncoderMetrics, items: list[ScheduledEncoderInput]) -> list[EncodedItem]:
+    """execute_mm_encoder on the encode thread, its running time counted (the wait for the thread is not)."""
+    start = time.perf_counter()
+    try:
+        return w.execute_mm_encoder(items)
+    finally:
+        m.run_seconds.inc(time.perf_counter() - start)
+
+
 def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     vision = VisionHalf(resolve_model(cfg.model), cfg.dtype, cfg.device)
     producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
@@ -125,7 +134,7 @@ async def encode(request: Request) -> Response:
     start = time.perf_counter()
     try:
         ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
-        done = await asyncio.get_running_loop().run_in_executor(state.executor, ctx.run, w.execute_mm_encoder, items)
+        done = await asyncio.get_running_loop().run_in_executor(state.executor, ctx.run, _timed, w, m, items)
     except ImageError as exc:
         m.requests.labels("400").inc()
         raise bad_request(str(exc), param="image", code="invalid_image") from exc

@@ -4,12 +4,14 @@
   SSE `data:` lines, `[DONE]` optional (transformers serve just ends the body).
 - `epd-decoder`: POST {base}/generate straight to an EPD decoder (NDJSON events, its internal API), so
   the proxy's own cost can be measured as the difference. Images go inline (`data`), which only an
-  `--aggregated` decoder accepts; text-only requests work with any decoder.
+  `--aggregated` decoder accepts; text-only requests work with any decoder; videos are not sent this way
+  (the proxy plans a video's frames; epd-bench refuses the combination).
 
 TTFT is the time to the first chunk carrying generated text: the proxy sends an empty role chunk
 before generation starts, and counting that (as vLLM's client does) would time nothing. A request is
 its sample's system message, then `history` (earlier turns of a multi-turn conversation), then the
-sample's own user turn; the answer's usage gives prompt, output and cached prompt tokens.
+sample's own user turn (videos as `video_url` parts, with `mm_processor_kwargs.num_frames` asking for every frame
+of the clip); the answer's usage gives prompt, output and cached prompt tokens.
 """
 from __future__ import annotations
 
@@ -89,10 +91,17 @@ def _headers(inp: RequestInput) -> dict[str, str]:
 
 
 def user_message(sample: SampleRequest) -> dict[str, Any]:
-    """The sample's user turn: its images, then its text."""
+    """The sample's user turn: its images, its videos (`video_url` parts, the form vLLM takes), then its text."""
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in sample.images]
+    content += [{"type": "video_url", "video_url": {"url": u}} for u in sample.videos]
     content.append({"type": "text", "text": sample.prompt})
     return {"role": "user", "content": content}
+
+
+def _video_kwargs(sample: SampleRequest) -> dict[str, Any]:
+    """`mm_processor_kwargs.num_frames` when the request carries a video (here or in its history): every frame of
+    the clip (vLLM's and EPD's request-level field; --extra-body can replace it)."""
+    return {"mm_processor_kwargs": {"num_frames": sample.video_frames}} if sample.video_frames else {}
 
 
 def chat_messages(inp: RequestInput) -> list[dict[str, Any]]:
@@ -108,7 +117,7 @@ def _chat_body(inp: RequestInput) -> dict[str, Any]:
     }
     if inp.ignore_eos:
         body["ignore_eos"] = True
-    return {**body, **inp.extra_body}
+    return {**body, **_video_kwargs(inp.sample), **inp.extra_body}
 
 
 async def _post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], inp: RequestInput,
@@ -153,10 +162,13 @@ async def openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestOu
 
 
 def _decoder_body(inp: RequestInput) -> dict[str, Any]:
-    """The chat messages with every image part replaced by {"type": "image"} and its bytes sent inline."""
+    """The chat messages with every image part replaced by {"type": "image"} and its bytes sent inline.
+    ValueError for a video (a decoder takes one only as the proxy plans it; epd-bench refuses the flags)."""
     images: list[dict[str, Any]] = []
 
     def part(p: dict[str, Any]) -> dict[str, Any]:
+        if p["type"] == "video_url":
+            raise ValueError("the epd-decoder backend sends no videos")
         if p["type"] != "image_url":
             return p
         b64 = p["image_url"]["url"].split(",", 1)[1]

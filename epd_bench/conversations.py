@@ -1,7 +1,7 @@
 """epd-bench's multi-turn workload: conversations whose every turn resends the whole history.
 
 A conversation is a system message (optional; the same in every conversation, as an application's
-would be), images in its first turn, and `turns` questions of random words. Turn k+1 sends the system
+would be), images (and videos) in its first turn, and `turns` questions of random words. Turn k+1 sends the system
 message, every earlier question and the assistant's actual answer to it, then its own question: what a
 chat client sends, and what a prefix cache serves all but the new tail of. Conversations are
 interleaved: at most `max_concurrency` are in flight, each sending its next turn as soon as the answer
@@ -18,7 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_bench.backends import RequestOutput, user_message
-from epd_bench.dataset import DatasetSpec, ImagePicker, SampleRequest, draw_length, random_words, system_prompt
+from epd_bench.dataset import (
+    DatasetSpec,
+    ImagePicker,
+    SampleRequest,
+    draw_length,
+    pick_videos,
+    random_words,
+    system_prompt,
+    video_picker,
+)
 
 # (a turn's sample, the messages before it) -> the finished request
 SendTurn = Callable[[SampleRequest, tuple[dict[str, Any], ...]], Awaitable[RequestOutput]]
@@ -57,14 +66,18 @@ def build_conversations(spec: MultiTurnSpec, num_warmups: int = 0) -> tuple[list
     warm_picker = ImagePicker(base, random.Random(base.seed + 1), first_id=1_000_000_000)
     picker = ImagePicker(base, rng, first_id=0)
 
+    videos = {True: video_picker(base, warm_up=True), False: video_picker(base, warm_up=False)}
+
     def conversation(p: ImagePicker, turns: int, warm_up: bool) -> Conversation:
         ids = p.pick(base.images_per_request, allow_repeats=False)
+        media = pick_videos(videos[warm_up], warm_up=True)  # NOTE: no repeats: new videos, like its images
         samples = []
         for k in range(turns):
             words = random_words(rng, draw_length(rng, base.input_len, base.range_ratio))
             samples.append(SampleRequest(prompt=words, images=tuple(p.urls[i] for i in ids) if k == 0 else (),
                                          image_ids=ids if k == 0 else (), system=system_prompt(base, warm_up),
-                                         output_len=draw_length(rng, base.output_len, base.range_ratio)))
+                                         output_len=draw_length(rng, base.output_len, base.range_ratio),
+                                         **(media if k == 0 else {"video_frames": media.get("video_frames", 0)})))
         return Conversation(tuple(samples))
 
     warm = [conversation(warm_picker, 1, warm_up=True) for _ in range(num_warmups)]

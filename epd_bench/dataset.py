@@ -1,10 +1,14 @@
-"""epd-bench's random multimodal dataset: prompts of random words plus random-noise images, some repeated.
+"""epd-bench's random multimodal dataset: prompts of random words plus random-noise images and short video clips,
+some repeated.
 
-Every image is random noise (so no two distinct images share bytes, and therefore an `mm_hash`); a
-"repeated" image is the very same bytes as one an earlier request sent, which is what lets an
-embedding cache skip it. With `system_prompt_len` every request also carries the same system message
-(the `shared-prefix` workload, which a prefix cache serves from its cache). The whole dataset is a pure
-function of its spec and seed.
+Every image is random noise (so no two distinct images share bytes, and therefore an `mm_hash`); every video is
+a PyAV-made clip that writes its seed and id into its pixels (epd_bench/video_clip.py), so distinct videos never
+share bytes either. A "repeated" image or video is the very same bytes as one an earlier request sent, which is
+what lets an embedding cache skip it. A request with videos asks the server for `video_frames` frames of each
+(`mm_processor_kwargs.num_frames`, what vLLM and EPD read); a clip has exactly that many frames, so the server
+samples every one. With `system_prompt_len` every request also carries the same system message (the
+`shared-prefix` workload, which a prefix cache serves from its cache). The whole dataset is a pure function of
+its spec and seed.
 """
 from __future__ import annotations
 
@@ -12,9 +16,12 @@ import base64
 import io
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from epd_bench.video_clip import check_clip_size, clip_data_url
 
 # NOTE: plain, common words: most tokenizers give about one token per word for these (the bench models' small
 # BPE about 3.5)
@@ -45,6 +52,11 @@ class DatasetSpec:
     image_format: str = "jpeg"
     seed: int = 0
     system_prompt_len: int = 0  # words of the system message every request carries (0: none)
+    videos_per_request: int = 0  # after the images; repeat_ratio applies to them as to images
+    video_frames: int = 32  # frames of each clip, all of which the request asks the server to sample
+    video_width: int = 224
+    video_height: int = 224
+    video_fps: float = 2.0  # the clip's frame rate (32 frames: a 16 s clip)
 
     def __post_init__(self) -> None:
         assert 0.0 <= self.repeat_ratio <= 1.0, "repeat_ratio must be in [0, 1]"
@@ -52,6 +64,10 @@ class DatasetSpec:
         assert self.image_format in ("jpeg", "png"), "image_format is jpeg or png"
         assert self.num_prompts >= 0 and self.images_per_request >= 0, "counts must be >= 0"
         assert self.system_prompt_len >= 0, "system_prompt_len must be >= 0"
+        assert self.videos_per_request >= 0, "videos_per_request must be >= 0"
+        if self.videos_per_request:
+            assert self.video_frames >= 1 and self.video_fps > 0, "video_frames must be >= 1 and video_fps > 0"
+            check_clip_size(self.video_width, self.video_height)
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,9 @@ class SampleRequest:
     image_ids: tuple[int, ...]  # which distinct image each one is (a repeat shares its id)
     output_len: int
     system: str = ""  # the system message's text; "" sends none
+    videos: tuple[str, ...] = ()  # data: URLs, in order, after the images
+    video_ids: tuple[int, ...] = ()  # which distinct video each one is (a repeat shares its id)
+    video_frames: int = 0  # frames asked of each video (mm_processor_kwargs.num_frames); 0: no videos
 
 
 def random_words(rng: random.Random, count: int) -> str:
@@ -98,6 +117,9 @@ class ImagePicker:
         self.seen: list[int] = []
         self.urls: dict[int, str] = {}
 
+    def make_url(self, item_id: int) -> str:
+        return noise_image(self.spec, item_id)
+
     def pick(self, count: int, allow_repeats: bool) -> tuple[int, ...]:
         ids: list[int] = []
         for _ in range(count):
@@ -110,8 +132,22 @@ class ImagePicker:
         self.seen.extend(i for i in ids if i not in self.urls)
         for i in ids:
             if i not in self.urls:
-                self.urls[i] = noise_image(self.spec, i)
+                self.urls[i] = self.make_url(i)
         return tuple(ids)
+
+
+class VideoPicker(ImagePicker):
+    """ImagePicker's rule for video slots: clip `id` of the spec's seed (epd_bench/video_clip.py)."""
+
+    def make_url(self, item_id: int) -> str:
+        s = self.spec
+        return clip_data_url(s.seed, item_id, s.video_frames, s.video_width, s.video_height, s.video_fps)
+
+
+def video_picker(spec: DatasetSpec, warm_up: bool) -> VideoPicker:
+    """The video slots' picker: its own generator, so adding videos leaves the prompts and images as they were,
+    and (for warm-ups) its own ids, never sent by a measured request."""
+    return VideoPicker(spec, random.Random(f"video-{spec.seed}-{warm_up}"), 1_000_000_000 if warm_up else 0)
 
 
 def build_dataset(spec: DatasetSpec, num_warmups: int = 0) -> tuple[list[SampleRequest], list[SampleRequest]]:
@@ -119,25 +155,34 @@ def build_dataset(spec: DatasetSpec, num_warmups: int = 0) -> tuple[list[SampleR
     rng = random.Random(spec.seed)
     warm_picker = ImagePicker(spec, random.Random(spec.seed + 1), first_id=1_000_000_000)
     picker = ImagePicker(spec, rng, first_id=0)
+    videos = {True: video_picker(spec, warm_up=True), False: video_picker(spec, warm_up=False)}
 
     def sample(p: ImagePicker, warm_up: bool) -> SampleRequest:
         words = random_words(rng, draw_length(rng, spec.input_len, spec.range_ratio))
         ids = p.pick(spec.images_per_request, allow_repeats=not warm_up)
         return SampleRequest(prompt=words, images=tuple(p.urls[i] for i in ids), image_ids=ids,
                              output_len=draw_length(rng, spec.output_len, spec.range_ratio),
-                             system=system_prompt(spec, warm_up))
+                             system=system_prompt(spec, warm_up), **pick_videos(videos[warm_up], warm_up))
 
     warmups = [sample(warm_picker, warm_up=True) for _ in range(num_warmups)]
     return warmups, [sample(picker, warm_up=False) for _ in range(spec.num_prompts)]
 
 
+def pick_videos(p: VideoPicker, warm_up: bool) -> dict[str, Any]:
+    """A request's video fields (SampleRequest keywords): none when the spec has no videos."""
+    if not p.spec.videos_per_request:
+        return {}
+    ids = p.pick(p.spec.videos_per_request, allow_repeats=not warm_up)
+    return {"videos": tuple(p.urls[i] for i in ids), "video_ids": ids, "video_frames": p.spec.video_frames}
+
+
 def repeat_share(requests: list[SampleRequest]) -> float:
-    """Share of image slots whose image an earlier request (or slot) already sent."""
-    seen: set[int] = set()
+    """Share of image and video slots whose image (video) an earlier request (or slot) already sent."""
+    seen: set[tuple[str, int]] = set()
     slots = repeats = 0
     for r in requests:
-        for i in r.image_ids:
+        for key in [("image", i) for i in r.image_ids] + [("video", i) for i in r.video_ids]:
             slots += 1
-            repeats += i in seen
-            seen.add(i)
+            repeats += key in seen
+            seen.add(key)
     return repeats / slots if slots else 0.0

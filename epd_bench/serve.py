@@ -4,11 +4,13 @@
               --images-per-request 2 --repeat-ratio 0.5 --request-rate 2 --save-result --plot plots/
     epd-bench --base-url ... --dataset multi-turn --conversations 8 --turns 4 --max-concurrency 4
     epd-bench --base-url ... --dataset shared-prefix --system-prompt-len 300 --max-concurrency 4
+    epd-bench --base-url ... --images-per-request 0 --videos-per-request 1 --video-frames 32 --max-concurrency 1
 
 Datasets: `random` (independent prompts, images optionally repeated), `multi-turn` (conversations that
 resend their history with the server's answers, interleaved up to --max-concurrency; see
 epd_bench/conversations.py) and `shared-prefix` (`random` where every request starts with the same
-system message of --system-prompt-len words; no images unless asked).
+system message of --system-prompt-len words; no images unless asked). Any of them can carry videos
+(--videos-per-request: short clips made with PyAV, --video-frames each, all of them asked for).
 
 Flags follow `vllm bench serve` where the same thing exists. Requests are sent at Poisson times
 (`--request-rate`, gamma-distributed gaps with `--burstiness` != 1; `inf`: all at once), optionally
@@ -45,6 +47,7 @@ from epd_bench.metrics import (
     parse_goodput,
     tpot,
 )
+from epd_bench.video_clip import check_clip_size
 
 DATASETS = ("random", "multi-turn", "shared-prefix")
 
@@ -166,7 +169,9 @@ def dataset_spec(args: argparse.Namespace) -> DatasetSpec | MultiTurnSpec:
                        output_len=args.random_output_len, range_ratio=args.random_range_ratio,
                        images_per_request=args.images_per_request, image_width=width, image_height=height,
                        repeat_ratio=args.repeat_ratio, image_format=args.image_format, seed=args.seed,
-                       system_prompt_len=args.system_prompt_len)
+                       system_prompt_len=args.system_prompt_len, videos_per_request=args.videos_per_request,
+                       video_frames=args.video_frames, video_width=args.video_size[0],
+                       video_height=args.video_size[1], video_fps=args.video_fps)
     if args.dataset == "multi-turn":
         return MultiTurnSpec(spec, args.conversations, args.turns)
     return spec
@@ -260,8 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     d.add_argument("--image-size", type=_image_size, default=(224, 224), help="N or WxH pixels")
     d.add_argument("--image-format", choices=["jpeg", "png"], default="jpeg")
+    d.add_argument("--videos-per-request", type=int, default=0,
+                   help="video clips per request (multi-turn: in the first turn), after the images; each a PyAV-made "
+                        "H.264 MP4 sent as a `video_url` data: URL")
+    d.add_argument("--video-frames", type=int, default=32,
+                   help="frames of each clip; the request asks for all of them (mm_processor_kwargs.num_frames)")
+    d.add_argument("--video-size", type=_image_size, default=(224, 224), help="N or WxH pixels per frame (even)")
+    d.add_argument("--video-fps", type=float, default=2.0, help="the clips' frame rate (32 frames: 16 s)")
     d.add_argument("--repeat-ratio", type=float, default=0.0,
-                   help="share of images that repeat one an earlier request sent (0..1)")
+                   help="share of images (and videos) that repeat one an earlier request sent (0..1)")
     d.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
     d.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/EPD extension) so every "
                    "answer has --random-output-len tokens")
@@ -305,9 +317,23 @@ def _dataset_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--turns must be >= 1")
     if args.conversations is None:
         args.conversations = -(-args.num_prompts // args.turns)
-    for flag in ("num_prompts", "images_per_request", "system_prompt_len", "conversations"):
+    for flag in ("num_prompts", "images_per_request", "system_prompt_len", "conversations", "videos_per_request"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.videos_per_request:
+        _video_flags(p, args)
+
+
+def _video_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.backend == "epd-decoder":
+        p.error("--videos-per-request needs the openai-chat backend (a decoder takes a video only as the proxy "
+                "plans it)")
+    if args.video_frames < 1 or not args.video_fps > 0:
+        p.error("--video-frames must be >= 1 and --video-fps > 0")
+    try:
+        check_clip_size(*args.video_size)
+    except ValueError as exc:
+        p.error(f"--video-size: {exc}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

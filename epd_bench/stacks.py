@@ -98,8 +98,8 @@ def aggregated(model_dir: Path, cores: int, pin: bool, decoder_flags: tuple[str,
 
 
 def epd(model_dir: Path, num_encoders: int, cores: int, pin: bool, decoder_all_cores: bool = False,
-        decoder_flags: tuple[str, ...] = (), name: str = "") -> SystemSpec:
-    """As aggregated(); name defaults to epd-<N>enc."""
+        decoder_flags: tuple[str, ...] = (), name: str = "", proxy_flags: tuple[str, ...] = ()) -> SystemSpec:
+    """As aggregated(); name defaults to epd-<N>enc; proxy_flags: more launcher (proxy) flags."""
     dec_cores, enc_cores = core_layout(num_encoders, cores)
     if decoder_all_cores:  # "overlap" pinning: encoders as in "split", the decoder may use every core
         dec_cores = tuple(range(cores))
@@ -114,7 +114,8 @@ def epd(model_dir: Path, num_encoders: int, cores: int, pin: bool, decoder_all_c
     dec = _proc("decoder", _py("decoder_service.cli", "--model", str(model_dir), "--host", HOST, "--port",
                                str(port), "--log-level", "warning", *decoder_flags),
                 port, dec_cores if pin else None, len(dec_cores) if pin else threads_none)
-    proxy = _proxy("bench", ("--encode-servers-urls", *(e.url for e in encs), "--decode-servers-urls", dec.url))
+    proxy = _proxy("bench", ("--encode-servers-urls", *(e.url for e in encs), "--decode-servers-urls", dec.url,
+                             *proxy_flags))
     return SystemSpec(name or f"epd-{num_encoders}enc", (*encs, dec, proxy), "bench", decoder_url=dec.url)
 
 

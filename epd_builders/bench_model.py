@@ -5,8 +5,13 @@ parameters, 196 image tokens per image). In `bench` the LM is a 4-layer Llama wi
 CPU the encoder dominates time to first token the way it does for a real VLM, and decode stays cheap.
 `bench-lm` has the same tower and an 8-layer Llama with hidden 512 (about 25M parameters): there a long
 prompt's prefill costs many times a request's fixed overhead (HTTP hops, a scheduler step), which is what
-a prefix cache saves and what `python -m epd_bench.prefix_compare` measures. The weights are random (no
-download, nothing to train): the benchmarks need the cost, not the answers.
+a prefix cache saves and what `python -m epd_bench.prefix_compare` measures. `bench-video` is a Qwen2-VL
+(the tiny builder's family, epd_builders/families/qwen.py, at other sizes) whose vision tower is ViT-B wide
+(hidden 768, MLP 3072) and 6 blocks deep, with `bench`'s small LM: a 32-frame 224x224 video is 16 temporal
+patches of 16x16 patches (1024 LM tokens), and on one CPU thread encoding it takes seconds while prefill and
+the first token take a fraction of that, so its TTFT is mostly the vision tower's, the part several encoders
+share (`python -m epd_bench.video_compare`). The weights are random (no download, nothing to train): the
+benchmarks need the cost, not the answers.
 Built once into a cache directory (`$EPD_CACHE_DIR`, else `$XDG_CACHE_HOME/epd`, else `~/.cache/epd`)
 and reused; the directory name carries a digest of the spec, so a changed spec builds afresh.
 """
@@ -26,7 +31,9 @@ import torch
 from transformers import AutoModelForImageTextToText, LlavaConfig
 from transformers.utils import logging as hf_logging
 
+from epd_builders.families import qwen
 from epd_builders.families.llava import llava_config, llava_processor
+from epd_builders.tiny import TinySpec
 from epd_builders.tokenizer import train_tokenizer
 
 hf_logging.disable_progress_bar()
@@ -64,12 +71,43 @@ class BenchSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
+@dataclass(frozen=True)
+class BenchVideoSpec:
+    """`bench-video`: a random Qwen2-VL. The vision tower's heads are the LM's count (the tiny builder has one)."""
+
+    vision_hidden: int = 768  # MLP 4x (Qwen2-VL's mlp_ratio)
+    # NOTE: 6 blocks: on one thread of a 2-core AMD EPYC an encoder does about 5 frames/s at 224x224 (12 blocks
+    # of hidden 384 would do about 10), so a 32-frame video costs one encoder about 6 s, and the rest of its TTFT
+    # (probe, prefill of ~1100 tokens, first token) about 0.4 s
+    vision_layers: int = 6
+    frame_size: int = 224  # the pixel budget of a frame is frame_size ** 2: a 224x224 frame stays 16x16 patches
+    patch: int = 14
+    text_hidden: int = 256
+    text_layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    fps: float = 2.0  # the video processor's default sampling rate (a request's num_frames overrides it)
+    visible_tokens_only: bool = True  # as BenchSpec's
+    seed: int = 0
+
+    def tiny_spec(self) -> TinySpec:
+        return TinySpec(family="qwen2_vl", text_hidden=self.text_hidden, text_layers=self.text_layers, heads=self.heads,
+                        kv_heads=self.kv_heads, vision_hidden=self.vision_hidden, vision_layers=self.vision_layers,
+                        image_size=self.frame_size, patch=self.patch, seed=self.seed)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
 BENCH_SPEC = BenchSpec()
 # NOTE: sized so that, on 2 CPU cores, a 700-token first turn (system prompt, image, question) prefills in
 # about 1 s while a 1-word prompt's TTFT stays near 50 ms; 4 query heads share each K/V head, so a token's
 # K/V is 8 KiB and a decoder's preallocated slots stay small
 BENCH_LM_SPEC = BenchSpec(text_hidden=512, text_intermediate=1536, text_layers=8, text_heads=8, text_kv_heads=2)
-PRESETS: dict[str, BenchSpec] = {"bench": BENCH_SPEC, "bench-lm": BENCH_LM_SPEC}
+BENCH_VIDEO_SPEC = BenchVideoSpec()
+PRESETS: dict[str, BenchSpec | BenchVideoSpec] = {"bench": BENCH_SPEC, "bench-lm": BENCH_LM_SPEC,
+                                                  "bench-video": BENCH_VIDEO_SPEC}
 
 
 def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
@@ -83,21 +121,47 @@ def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
     return llava_config(tok, vision, text)
 
 
-def build_bench(spec: BenchSpec, out_dir: str | Path) -> Path:
+def build_bench(spec: BenchSpec | BenchVideoSpec, out_dir: str | Path) -> Path:
     """Build the random model for spec and save model + tokenizer + processor to out_dir."""
+    if isinstance(spec, BenchVideoSpec):
+        return build_bench_video(spec, out_dir)
     out = Path(out_dir)
     torch.manual_seed(spec.seed)
     tok = train_tokenizer("<image>", "<image>")
     model = AutoModelForImageTextToText.from_config(bench_configs(spec, tok)).eval()
+    _save(model, tok, llava_processor(tok, spec.image_size, spec.patch), spec.visible_tokens_only, out)
+    return out
+
+
+def build_bench_video(spec: BenchVideoSpec, out_dir: str | Path) -> Path:
+    """The Qwen2-VL of epd_builders/families/qwen.py at spec's sizes (its chat template writes Qwen's video markup
+    for a video part), with its video processor config written out (video_preprocessor_config.json: the image
+    processor's pixel bounds and patching, sampling at spec.fps)."""
+    out = Path(out_dir)
+    torch.manual_seed(spec.seed)
+    built = qwen.build(spec.tiny_spec())
+    model = AutoModelForImageTextToText.from_config(built.config).eval()
+    _save(model, built.tokenizer, built.processor, spec.visible_tokens_only, out)
+    ip = built.processor.image_processor
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "size": dict(ip.size), "patch_size": ip.patch_size,
+             "temporal_patch_size": ip.temporal_patch_size, "merge_size": ip.merge_size,
+             "image_mean": list(ip.image_mean), "image_std": list(ip.image_std),
+             "rescale_factor": ip.rescale_factor, "do_sample_frames": True, "fps": spec.fps, "min_frames": 4,
+             "max_frames": 768}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    return out
+
+
+def _save(model: Any, tok: Any, processor: Any, visible_tokens_only: bool, out: Path) -> None:
+    """Generation ids from the tokenizer, invisible tokens muted (BenchSpec.visible_tokens_only), all saved."""
     gc = model.generation_config
     gc.bos_token_id, gc.eos_token_id, gc.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-    if spec.visible_tokens_only:
+    if visible_tokens_only:
         with torch.no_grad():
             model.lm_head.weight[invisible_token_ids(tok)] = 0.0
     model.save_pretrained(out)
-    llava_processor(tok, spec.image_size, spec.patch).save_pretrained(out)
+    processor.save_pretrained(out)
     tok.save_pretrained(out)
-    return out
 
 
 def invisible_token_ids(tok: Any) -> list[int]:
@@ -112,11 +176,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "epd"
 
 
-def bench_model_dir(spec: BenchSpec = BENCH_SPEC, name: str = "bench") -> Path:
+def bench_model_dir(spec: BenchSpec | BenchVideoSpec = BENCH_SPEC, name: str = "bench") -> Path:
     return cache_root() / "models" / f"{name}-{spec.digest}"
 
 
-def ensure_bench_model(spec: BenchSpec = BENCH_SPEC, name: str = "bench") -> Path:
+def ensure_bench_model(spec: BenchSpec | BenchVideoSpec = BENCH_SPEC, name: str = "bench") -> Path:
     """The cached build of spec (named `name` in the cache), building it first (seconds) if absent.
 
     NOTE: built in a temp dir beside the target and renamed into place, so a process that finds the

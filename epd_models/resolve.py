@@ -3,15 +3,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+BENCH_MODELS = ("bench", "bench-lm", "bench-video")  # epd_builders/bench_model.py PRESETS (not imported: torch)
+
 
 def resolve_model(name: str) -> Path:
-    """'demo' -> the bundled demo model; 'bench' or 'bench-lm' -> a cached benchmark model (built on first
-    use; epd_builders/bench_model.py); a directory -> itself; else a hub id (needs a network)."""
+    """'demo' -> the bundled demo model; 'bench', 'bench-lm' or 'bench-video' -> a cached benchmark model (built
+    on first use; epd_builders/bench_model.py); a directory -> itself; else a hub id (needs a network)."""
     if name == "demo":
         from epd_models.demo import ensure_demo_model
 
         return ensure_demo_model()
-    if name in ("bench", "bench-lm"):
+    if name in BENCH_MODELS:
         from epd_builders.bench_model import PRESETS, ensure_bench_model
 
         return ensure_bench_model(PRESETS[name], name)
@@ -23,4 +25,6 @@ def resolve_model(name: str) -> Path:
 
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
     except Exception as exc:  # offline, unknown repo, ...
-        raise FileNotFoundError(f"model {name!r} is neither 'demo', 'bench', 'bench-lm', a local directory, nor a reachable hub id: {exc}") from exc
+        known = ", ".join(repr(n) for n in ("demo", *BENCH_MODELS))
+        raise FileNotFoundError(f"model {name!r} is neither one of {known}, a local directory, nor a reachable hub "
+                                f"id: {exc}") from exc

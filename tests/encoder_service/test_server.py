@@ -154,3 +154,16 @@ def test_detail_low_encodes_at_the_minimum_resolution_under_its_own_hash(
     assert held is not None and held.num_tokens == lo["num_tokens"]
     forged = c.post("/encode", json={"items": [{**item(big, mm_hash(big)), "detail": "low"}]})
     assert forged.status_code == 400 and forged.json()["error"]["code"] == "hash_mismatch"
+
+
+def test_the_encode_thread_s_running_time_is_counted(client: tuple[TestClient, EncoderWorker]) -> None:
+    """epd_encoder_run_seconds_total: busy time of the encode thread (the bench's frames per second per encoder)."""
+    c, _ = client
+
+    def run_seconds() -> float:
+        line = next(x for x in c.get("/metrics").text.splitlines() if x.startswith("epd_encoder_run_seconds_total"))
+        return float(line.split()[-1])
+
+    before = run_seconds()
+    assert c.post("/encode", json={"items": [item(png("navy"))]}).status_code == 200
+    assert run_seconds() > before
