@@ -30,6 +30,7 @@ from epd_bench import prefix_report
 from epd_bench.compare import (
     Workload,
     epd_bench_cmd,
+    finish,
     num_prompts,
     resolve_model,
     run_epd_bench,
@@ -143,13 +144,9 @@ def main(argv: list[str] | None = None) -> None:
                "systems": systems_summary(specs, skipped),
                "workloads": {w.name: {"title": w.title} for w in WORKLOADS if w.name in args.workloads},
                **measured, "wall_s": round(time.monotonic() - started, 1)}
-    summary["targets"] = [t.__dict__ | {"met": t.met} for t in prefix_report.targets(summary)]
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(prefix_report.targets_text(summary))
-    if not args.no_docs:
-        prefix_report.write_docs(summary, args.docs)
-        print(f"regenerated {args.docs} (prefix-bench section)")
-    print(f"results: {run_dir}; wall time {summary['wall_s']} s")
+    finish(summary, run_dir, prefix_report.targets(summary), prefix_report.targets_text(summary),
+           None if args.no_docs else lambda: prefix_report.write_docs(summary, args.docs),
+           f"{args.docs} (prefix-bench section)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

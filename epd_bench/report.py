@@ -72,13 +72,22 @@ def targets(summary: dict[str, Any]) -> list[Target]:
 
 
 def targets_text(summary: dict[str, Any]) -> str:
-    rows = [f"  {t.what:<72} {'-' if t.value is None else f'{t.value:.3f}':>8}  {t.op} {t.limit:<4} "
-            f"{t.verdict().replace('*', '')}" for t in targets(summary)]
+    return format_targets(targets(summary), 72)
+
+
+def format_targets(found: list[Target], width: int = 66) -> str:
+    """The targets as a console table (what each comparison prints at its end)."""
+    rows = [f"  {t.what:<{width}} {'-' if t.value is None else f'{t.value:.3f}':>8}  {t.op} {t.limit:<4} "
+            f"{t.verdict().replace('*', '')}" for t in found]
     return "targets:\n" + "\n".join(rows)
 
 
-def _f(value: Any, digits: int = 1) -> str:
+def fmt(value: Any, digits: int = 1) -> str:
+    """A number for a docs table ("–": not measured)."""
     return "–" if value is None else f"{value:,.{digits}f}"
+
+
+_f = fmt
 
 
 def workload_table(summary: dict[str, Any], workload: str) -> list[str]:

@@ -41,6 +41,7 @@ from epd_bench.compare import (
     ROOT,
     Workload,
     epd_bench_cmd,
+    finish,
     resolve_model,
     run_epd_bench,
     start_measure_stop,
@@ -211,14 +212,9 @@ def main(argv: list[str] | None = None) -> None:
                "rounds": args.rounds, "frames": FRAMES, "frame_size": FRAME_SIZE, "chunk_frames": CHUNK_FRAMES, "skipped": skipped,
                "systems": systems_summary(specs, skipped), "workload": {"name": VIDEO.name, "title": VIDEO.title},
                **measured, "wall_s": round(time.monotonic() - started, 1)}
-    summary["targets"] = [t.__dict__ | {"met": t.met} for t in video_report.targets(summary)]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(video_report.targets_text(summary))
-    if not args.no_docs:
-        video_report.write_docs(summary, args.docs)
-        print(f"regenerated {args.docs} (video-bench section)")
-    print(f"results: {run_dir}; wall time {summary['wall_s']} s")
+    finish(summary, run_dir, video_report.targets(summary), video_report.targets_text(summary),
+           None if args.no_docs else lambda: video_report.write_docs(summary, args.docs),
+           f"{args.docs} (video-bench section)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

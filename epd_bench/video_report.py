@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from epd_bench.report import ROOT, Target, replace_section
+from epd_bench.report import ROOT, Target, format_targets, replace_section
+from epd_bench.report import fmt as _f
 
 BEGIN, END = "<!-- video-bench:begin -->", "<!-- video-bench:end -->"
 AFTER = "<!-- prefix-bench:end -->"  # where a first run puts the section
@@ -32,13 +33,7 @@ def targets(summary: dict[str, Any]) -> list[Target]:
 
 
 def targets_text(summary: dict[str, Any]) -> str:
-    rows = [f"  {t.what:<66} {'-' if t.value is None else f'{t.value:.3f}':>8}  {t.op} {t.limit:<4} "
-            f"{t.verdict().replace('*', '')}" for t in targets(summary)]
-    return "targets:\n" + "\n".join(rows)
-
-
-def _f(value: float | None, digits: int = 1) -> str:
-    return "–" if value is None else f"{value:,.{digits}f}"
+    return format_targets(targets(summary))
 
 
 def ttft_table(summary: dict[str, Any]) -> list[str]:

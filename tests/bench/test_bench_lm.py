@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModel
 
 import epd_builders.bench_model as bench_model
-from epd_builders.bench_model import BENCH_LM_SPEC, BENCH_SPEC, bench_configs
+from epd_builders.bench_model import BENCH_LM_SPEC, BENCH_SPEC, BENCH_VIDEO_SPEC, bench_configs
 from epd_builders.tokenizer import train_tokenizer
 from epd_models.resolve import resolve_model
 
@@ -31,7 +31,9 @@ def test_bench_lm_has_benchs_vision_tower_and_a_larger_lm() -> None:
     assert t.num_hidden_layers * 2 * t.num_key_value_heads * (t.hidden_size // t.num_attention_heads) * 4 == 8192
 
 
-def test_bench_lm_is_cached_apart_from_bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name,spec", [("bench-lm", BENCH_LM_SPEC), ("bench-video", BENCH_VIDEO_SPEC)])
+def test_a_bench_variant_is_cached_apart_from_bench(name: str, spec: object, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[object] = []
 
     def fake_build(spec: object, out: Path) -> Path:
@@ -41,7 +43,7 @@ def test_bench_lm_is_cached_apart_from_bench(tmp_path: Path, monkeypatch: pytest
 
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(bench_model, "build_bench", fake_build)
-    lm = resolve_model("bench-lm")
-    assert lm == tmp_path / "models" / f"bench-lm-{BENCH_LM_SPEC.digest}" and built == [BENCH_LM_SPEC]
+    variant = resolve_model(name)
+    assert variant == tmp_path / "models" / f"{name}-{spec.digest}" and built == [spec]  # type: ignore[attr-defined]
     assert resolve_model("bench") == tmp_path / "models" / f"bench-{BENCH_SPEC.digest}" and built[-1] == BENCH_SPEC
-    assert resolve_model("bench-lm") == lm and len(built) == 2
+    assert resolve_model(name) == variant and len(built) == 2

@@ -14,10 +14,8 @@ import torch
 from transformers import AutoModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-import epd_builders.bench_model as bench_model
 from epd_bench.video_clip import make_clip
 from epd_builders.bench_model import (
-    BENCH_SPEC,
     BENCH_VIDEO_SPEC,
     build_bench,
     invisible_token_ids,
@@ -27,7 +25,6 @@ from epd_common.video import VideoLimits, decode_frames
 from epd_common.video_sampling import VideoConfig
 from epd_models.chat import render
 from epd_models.halves import LanguageHalf, VisionHalf
-from epd_models.resolve import resolve_model
 from epd_models.video_config import video_config
 
 
@@ -64,19 +61,3 @@ def test_a_video_part_renders_as_qwens_video_markup_and_invisible_tokens_are_mut
     assert f"{qwen.QWEN_IMAGE_MARKUP}<|vision_start|><|video_pad|><|vision_end|>hi" in text
     muted = invisible_token_ids(lm.tokenizer)
     assert lm.tokenizer.eos_token_id in muted and torch.all(lm.module.lm_head.weight[muted] == 0)
-
-
-def test_bench_video_is_cached_apart_from_bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    built: list[object] = []
-
-    def fake_build(spec: object, out: Path) -> Path:
-        built.append(spec)
-        (out / "model.safetensors").write_bytes(b"w")
-        return out
-
-    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(bench_model, "build_bench", fake_build)
-    video = resolve_model("bench-video")
-    assert video == tmp_path / "models" / f"bench-video-{BENCH_VIDEO_SPEC.digest}" and built == [BENCH_VIDEO_SPEC]
-    assert resolve_model("bench") != video and built[-1] == BENCH_SPEC
-    assert resolve_model("bench-video") == video and len(built) == 2
