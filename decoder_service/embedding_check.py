@@ -61,7 +61,8 @@ class EmbeddingCheck:
         for reason in (span, self._count(out), self._deepstack(out)):
             if reason is not None:
                 return reason
-        if not bool(torch.isfinite(e).all()) or (out.deepstack is not None and not bool(torch.isfinite(out.deepstack).all())):
+        deepstack_finite = out.deepstack is None or bool(torch.isfinite(out.deepstack).all())
+        if not bool(torch.isfinite(e).all()) or not deepstack_finite:
             return "non-finite values (NaN or inf)"
         return None
 

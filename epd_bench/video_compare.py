@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": args.model, "model_dir": str(model_dir),
                "model_info": model_info(model_dir), "cores": len(os.sched_getaffinity(0)),
                "load_before": load_before, "load_after": os.getloadavg(), "pinning": "split" if pin else "none",
-               "rounds": args.rounds, "frames": FRAMES, "frame_size": FRAME_SIZE, "chunk_frames": CHUNK_FRAMES, "skipped": skipped,
+               "rounds": args.rounds, "frames": FRAMES, "frame_size": FRAME_SIZE, "chunk_frames": CHUNK_FRAMES,
+               "skipped": skipped,
                "systems": systems_summary(specs, skipped), "workload": {"name": VIDEO.name, "title": VIDEO.title},
                **measured, "wall_s": round(time.monotonic() - started, 1)}
     finish(summary, run_dir, video_report.targets(summary), video_report.targets_text(summary),

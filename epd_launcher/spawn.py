@@ -22,7 +22,9 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
     enc = [group.spawn("encoder", model, wh, threads,
                        ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *devices[i]], keys.env("encoder"))
            for i in range(num_encoders)]
-    dec_flags = [*common, *(["--aggregated"] if args.aggregated else []), *_prefix_cache_flags(args)]
+    # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
+    aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
+    dec_flags = [*common, *aggregated, *_prefix_cache_flags(args)]
     dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *devices[num_encoders + i]], keys.env("decoder"))
            for i in range(args.num_decoders)]
     group.wait_healthy(args.startup_timeout)

@@ -284,3 +284,24 @@ def test_spawned_encoders_get_the_proxys_video_limits(monkeypatch: pytest.Monkey
     for extra in encoders:
         cfg = encoder_args(["--model", "demo", *[a for a in extra if a != "--device" and not a.startswith("cuda:")]])
         assert (cfg.max_video_duration, cfg.max_video_frames, cfg.max_video_frame_pixels) == (1200.0, 1000, 12345)
+
+
+def test_spawned_aggregated_decoders_get_the_proxys_video_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aggregated decoder samples and encodes each video itself: the proxy's limits go to it too."""
+    from decoder_service.cli import parse_args as decoder_args
+
+    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
+    monkeypatch.setenv("EPD_INSECURE", "1")
+    _, args = parse_args(["--aggregated", "--num-decoders", "2", "--max-video-duration", "1200",
+                          "--max-video-frames", "1000", "--max-video-frame-pixels", "12345"])
+    group = RecordingGroup()
+    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    decoders = [extra for role, extra in group.spawned if role == "decoder"]
+    assert len(decoders) == 2 and not [role for role, _ in group.spawned if role == "encoder"]
+    for extra in decoders:
+        cfg = decoder_args(["--model", "demo", *[a for a in extra if a != "--device" and not a.startswith("cuda:")]])
+        assert (cfg.max_video_duration, cfg.max_video_frames, cfg.max_video_frame_pixels) == (1200.0, 1000, 12345)
+    _, args = parse_args(["--num-decoders", "1"])  # EPD mode: the decoders never see a video file
+    group = RecordingGroup()
+    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    assert not [a for role, extra in group.spawned if role == "decoder" for a in extra if a.startswith("--max-video")]
