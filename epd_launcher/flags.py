@@ -176,7 +176,8 @@ def _video_flags(g: argparse._ActionsContainer) -> None:
 
 
 def _launcher_flags(g: argparse._ActionsContainer) -> None:
-    g.add_argument("--model", default="demo", help="'demo', 'bench', a checkpoint directory, or a hub id")
+    g.add_argument("--model", default="demo", help="'demo', a built-in bench model ('bench', 'bench-lm', "
+                   "'bench-video'), a checkpoint directory, or a hub id")
     g.add_argument("--num-encoders", type=int, default=1, help="encoder processes to spawn")
     g.add_argument("--num-decoders", type=int, default=1, help="decoder processes to spawn")
     g.add_argument("--worker-host", default="127.0.0.1", help="address the spawned workers bind")
