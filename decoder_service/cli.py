@@ -31,7 +31,11 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
                    help="seconds the engine loop may make no progress; then /health answers 503 and the process "
                         "exits with status 70")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
-                   help="bytes of gathered embeddings this decoder keeps (LRU)")
+                   help="bytes of gathered embeddings this decoder keeps (LRU; items mapped from an encoder's "
+                        "shared memory count too, and are unmapped when evicted)")
+    p.add_argument("--ec-shm", choices=("auto", "off"), default=d.ec_shm,
+                   help="auto: map the embeddings of encoders on this host from shared memory (no copy; checked "
+                        "by a probe, socket otherwise); off: always receive them over ZeroMQ")
     p.add_argument("--prefix-cache-bytes", type=int, default=d.prefix_cache_bytes,
                    help="bytes of prompt-prefix K/V kept for reuse by later requests (LRU; 0 turns it off)")
     p.add_argument("--prefix-block-size", type=int, default=d.prefix_block_size,

@@ -22,7 +22,8 @@ class DecoderConfig(HttpLimits):
     max_num_seqs: int = 32  # sequences decoded together (KV slots preallocated for each)
     max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
-    ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings
+    ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings (shared-memory items mapped count too)
+    ec_shm: str = "auto"  # auto: map same-host encoders' shared memory after a probe; off: socket only
     prefix_cache_bytes: int = 1 << 30  # K/V of prompt prefixes kept for reuse (LRU, allocated as used); 0: off
     prefix_block_size: int = 16  # tokens per cached K/V block (a prefix is reused in whole blocks)
     ec_max_reply_bytes: int = 1 << 30  # tensor bytes of one ZeroMQ reply (at least one whole item); more: refused
@@ -53,6 +54,7 @@ class DecoderConfig(HttpLimits):
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_model_len >= 0, "max_model_len must be >= 0"
         assert self.gather_timeout > 0, "gather_timeout must be > 0"
+        assert self.ec_shm in ("auto", "off"), f"ec_shm must be auto or off, got {self.ec_shm!r}"
         assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"
         assert self.engine_stall_timeout > 0, "engine_stall_timeout must be > 0"
         assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels) >= 1, \

@@ -172,7 +172,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
     registry = CollectorRegistry()
     consumer = ECConsumer(cache_bytes=cfg.ec_cache_bytes, curve=cfg.curve, check=lambda out: state.check_embedding(out),
                           max_message_bytes=cfg.ec_max_message_bytes, max_reply_bytes=cfg.ec_max_reply_bytes,
-                          max_items_per_get=cfg.ec_max_items_per_get)
+                          max_items_per_get=cfg.ec_max_items_per_get, shm=cfg.ec_shm == "auto")
     state = DecoderState(cfg, consumer, DecoderMetrics(registry, consumer.stats))
 
     @asynccontextmanager

@@ -20,7 +20,12 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="host other machines reach this encoder's ZeroMQ endpoints at (needed when --ec-bind is "
                         "tcp://0.0.0.0:PORT) (default: the bound address)")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
-                   help="bytes of embeddings this encoder keeps (LRU; in-flight items are never evicted)")
+                   help="bytes of embeddings this encoder keeps (LRU; in-flight items are never evicted); this "
+                        "also bounds its shared memory")
+    p.add_argument("--ec-shm", choices=("auto", "off"), default=d.ec_shm,
+                   help="auto: hold each embedding in its own shared-memory segment (memfd, nothing in /dev/shm) "
+                        "that decoders on this host map without a copy (others use ZeroMQ); off: heap and ZeroMQ "
+                        "only")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="images per vision forward")
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
                    help="width x height above this is refused before decoding")

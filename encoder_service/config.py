@@ -25,7 +25,8 @@ class EncoderConfig(HttpLimits):
     port: int = 8100
     ec_bind: str = "tcp://127.0.0.1:0"  # ZeroMQ endpoint the producer serves embeddings on
     ec_events_bind: str | None = None  # ZeroMQ PUB endpoint for cache events; None: beside ec_bind
-    ec_cache_bytes: int = 1 << 30
+    ec_cache_bytes: int = 1 << 30  # bytes of held embeddings, shared-memory segments included
+    ec_shm: str = "auto"  # auto: hold embeddings in shared memory same-host decoders map; off: heap, socket only
     ec_advertise_host: str | None = None  # host decoders and proxies reach the ZeroMQ endpoints at (0.0.0.0 binds)
     max_batch_size: int = 16  # images per vision forward
     max_image_pixels: int = 40_000_000
@@ -56,6 +57,7 @@ class EncoderConfig(HttpLimits):
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_batch_size >= 1, "max_batch_size must be >= 1"
         assert self.ec_cache_bytes > 0, "ec_cache_bytes must be > 0"
+        assert self.ec_shm in ("auto", "off"), f"ec_shm must be auto or off, got {self.ec_shm!r}"
         assert self.max_items_per_request >= 1 and self.max_encode_bytes >= 1, \
             "max_items_per_request and max_encode_bytes must be >= 1"
         assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels) >= 1, \

@@ -107,7 +107,8 @@ def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
                           curve=cfg.curve, advertise_host=cfg.ec_advertise_host,
                           max_items_per_get=cfg.ec_max_items_per_get, max_reply_bytes=cfg.ec_max_reply_bytes,
-                          max_parked_gets=cfg.ec_max_parked_gets, max_parked_hashes=cfg.ec_max_parked_hashes).start()
+                          max_parked_gets=cfg.ec_max_parked_gets, max_parked_hashes=cfg.ec_max_parked_hashes,
+                          shm=cfg.ec_shm == "auto").start()
     return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels,
                          video_limits(cfg, cfg.max_encode_bytes))
 

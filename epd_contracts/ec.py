@@ -16,6 +16,9 @@ MAX_NDIM = 8
 MAX_SPAN_IDS = 1 << 17  # token ids of one image's span (a 4k image in the largest layouts is ~20k)
 MAX_TOKEN_ID = (1 << 31) - 1
 HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
+SHM_TAG_BYTES = 16  # random bytes heading every shared-memory segment; a handle must name them
+MAX_PID = (1 << 22)  # Linux's pid_max ceiling
+MAX_FD = (1 << 30)  # file descriptor numbers a handle may name (RLIMIT_NOFILE is far lower)
 # wire dtype name -> bytes per element; a closed table, so no dtype name is ever evaluated
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
@@ -31,6 +34,7 @@ Span = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SPAN_IDS)]
 MAX_SECOND_PER_GRID_T = 1e6  # a video's seconds per temporal patch; finite and > 0 (NaN and inf are refused)
 SecondsPerPatch = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECOND_PER_GRID_T)]
 EventKind = Literal["stored", "evicted", "heartbeat"]
+ShmTag = Annotated[bytes, msgspec.Meta(min_length=SHM_TAG_BYTES, max_length=SHM_TAG_BYTES)]
 
 
 class _Header(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -42,11 +46,17 @@ class _Header(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_d
 
 class GetRequest(_Header, tag="get"):
     """Embeddings by mm_hash; items in `wait` may still be encoding, and the producer holds the reply up to
-    `wait_ms` (capped at MAX_WAIT_MS) for them."""
+    `wait_ms` (capped at MAX_WAIT_MS) for them. `shm`: the consumer has probed this producer (ShmProbe) and
+    maps its shared memory, so found items held there may be answered with a handle instead of frames."""
 
     hashes: list[Hash]
     wait: list[Hash] = []
     wait_ms: NonNegative = 0
+    shm: bool = False
+
+
+class ShmProbe(_Header, tag="shm_probe"):
+    """Can this consumer map the producer's shared memory? Answered by a ShmProbeReply with a probe segment."""
 
 
 class HasRequest(_Header, tag="has"):
@@ -64,9 +74,22 @@ class SnapshotRequest(_Header, tag="snapshot"):
 # replies
 
 
+class ShmHandle(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A producer's shared-memory segment, opened by a same-host consumer at /proc/<pid>/fd/<fd>.
+
+    The segment is `size` bytes: `tag` (SHM_TAG_BYTES random bytes, checked after mapping: fd numbers are reused,
+    the tag is not), then the embeddings, then the DeepStack features if any (connector/tensors/shm.py)."""
+
+    pid: Annotated[int, msgspec.Meta(gt=0, le=MAX_PID)]
+    fd: Annotated[int, msgspec.Meta(ge=0, le=MAX_FD)]
+    tag: ShmTag
+    size: NonNegative
+
+
 class GetItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     """One requested item; a found one describes its tensor frames (`frame`, `deepstack_frame` index the frames
-    after the header; both tensors have `dtype`). `span`: the image's prompt tokens (ImageFeatures.span);
+    after the header; both tensors have `dtype`), or, answering a `shm` get, the shared-memory segment holding
+    both (`shm`, and no frames). `span`: the image's prompt tokens (ImageFeatures.span);
     `second_per_grid_t`: set for a video only (ImageFeatures.second_per_grid_t), omitted for an image."""
 
     mm_hash: Hash
@@ -82,6 +105,7 @@ class GetItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw
     deepstack_shape: Shape | None = None
     deepstack_frame: NonNegative | None = None
     second_per_grid_t: SecondsPerPatch | None = None
+    shm: ShmHandle | None = None
 
 
 class GetReply(_Header, tag="get_reply"):
@@ -104,6 +128,14 @@ class SnapshotReply(_Header, tag="snapshot_reply"):
     hashes: list[Hash]
 
 
+class ShmProbeReply(_Header, tag="shm_probe_reply"):
+    """The producer's probe segment (no payload: its size is SHM_TAG_BYTES), or None when its shared memory is
+    off or unavailable. A consumer that maps it and finds the tag asks for handles from then on."""
+
+    epoch: str
+    handle: ShmHandle | None = None
+
+
 class ErrorReply(_Header, tag="error"):
     message: str
 
@@ -122,6 +154,6 @@ class CacheEvent(_Header, tag="event", kw_only=True):
     hashes: list[Hash]
 
 
-Request = GetRequest | HasRequest | PingRequest | SnapshotRequest
-Reply = GetReply | HasReply | Pong | SnapshotReply | ErrorReply
+Request = GetRequest | HasRequest | PingRequest | SnapshotRequest | ShmProbe
+Reply = GetReply | HasReply | Pong | SnapshotReply | ShmProbeReply | ErrorReply
 Message = Request | Reply | CacheEvent

@@ -11,6 +11,7 @@ from connector.control.security import CurveConfig, secure_client
 from connector.control.wire import apply_socket_limits
 
 MAX_IDLE_PER_PEER = 8
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: pyzmq's enum flags cost an enum call per use
 
 
 class PeerChannel:
@@ -45,7 +46,7 @@ class PeerChannel:
         """Queue a request without blocking; False when the socket cannot take it."""
         try:
             if len(frames) == 1:
-                self.socket().send(frames[0], zmq.NOBLOCK)  # requests are one small frame
+                self.socket().send(frames[0], _NOBLOCK)  # requests are one small frame
             else:
                 self.socket().send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:

@@ -103,6 +103,20 @@ class ProducerClient:
                 self._pool.checkin(channel)
         return replies
 
+    def exchange_one(self, address: str, request: Request, timeout: float) -> Reply | None:
+        """`exchange` for one producer (the common gather), without the bookkeeping of several: None on a timeout."""
+        deadline = time.monotonic() + timeout
+        channel = self._pool.checkout(address)
+        try:
+            if not channel.send(encode_message(request)):
+                return None
+            replies = self._collect({channel.socket(): (channel, request.req_id)}, deadline)
+            if not replies:
+                channel.reset()  # a timed-out socket may still get the late reply; a fresh one never will
+            return replies.get(address)
+        finally:
+            self._pool.checkin(channel)
+
     def _collect(self, pending: dict[zmq.Socket[Any], tuple[PeerChannel, int]], deadline: float) -> dict[str, Reply]:
         """Read replies into a dict (address -> reply), removing answered sockets from `pending`."""
         replies: dict[str, Reply] = {}

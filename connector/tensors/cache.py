@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, Literal, Protocol, TypeVar
 
 Change = Literal["stored", "evicted"]
@@ -26,10 +26,11 @@ class EmbeddingCache(Generic[T]):
     """Thread-safe LRU that evicts least recently used, unpinned items to stay under `max_bytes`.
 
     Every store and eviction gets the next sequence number; with `journal=True` the events are kept
-    until `drain_events()` so a publisher can send them in order.
+    until `drain_events()` so a publisher can send them in order. `on_drop` is called (under the lock, so keep
+    it short) with every item that leaves the cache, evicted or replaced: a producer closes its shared memory.
     """
 
-    def __init__(self, max_bytes: int, journal: bool = False) -> None:
+    def __init__(self, max_bytes: int, journal: bool = False, on_drop: Callable[[T], None] | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
@@ -43,6 +44,7 @@ class EmbeddingCache(Generic[T]):
         self._num_misses = 0
         self._num_evictions = 0
         self._num_rejected = 0
+        self._on_drop = on_drop
 
     def put(self, mm_hash: str, item: T) -> bool:
         """Store (or replace) an item; False if it cannot fit beside the pinned items."""
@@ -55,7 +57,7 @@ class EmbeddingCache(Generic[T]):
                 self._num_rejected += 1
                 return False
             if mm_hash in self._items:
-                self._nbytes -= self._items.pop(mm_hash).nbytes
+                self._drop(self._items.pop(mm_hash))
             self._evict_until(self.max_bytes - item.nbytes)
             self._items[mm_hash] = item
             self._nbytes += item.nbytes
@@ -104,6 +106,13 @@ class EmbeddingCache(Generic[T]):
                     del self._pins[h]
                 else:
                     self._pins[h] -= 1
+
+    def clear(self) -> None:
+        """Drop every item (pinned ones too), without events: the owner is shutting down."""
+        with self._lock:
+            items, self._items = list(self._items.values()), OrderedDict()
+            for item in items:
+                self._drop(item)
 
     def snapshot(self) -> tuple[int, list[str]]:
         """The sequence number of the last event and every held mm_hash, consistent with each other."""
@@ -163,9 +172,14 @@ class EmbeddingCache(Generic[T]):
                 victims.append(mm_hash)
                 freed += out.nbytes
         for mm_hash in victims:
-            self._nbytes -= self._items.pop(mm_hash).nbytes
+            self._drop(self._items.pop(mm_hash))
             self._num_evictions += 1
             self._record(EVICTED, mm_hash)
+
+    def _drop(self, item: T) -> None:
+        self._nbytes -= item.nbytes
+        if self._on_drop is not None:
+            self._on_drop(item)
 
     def _record(self, kind: Change, mm_hash: str) -> None:
         self._seq += 1

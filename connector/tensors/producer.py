@@ -12,6 +12,7 @@ from connector.control.wire import MAX_TENSOR_BYTES
 from connector.tensors.cache import EmbeddingCache
 from connector.tensors.frames import WireItem
 from connector.tensors.server import ProducerServer
+from connector.tensors.shm import Segment, raise_fd_limit
 from connector.tensors.waiters import MAX_PARKED, MAX_PARKED_HASHES
 from epd_contracts.embeddings import ImageFeatures
 
@@ -19,6 +20,9 @@ logger = logging.getLogger("epd.connector")
 
 MAX_ITEMS_PER_GET = 256  # hashes one get or has may ask for; more get an error reply
 MAX_REPLY_BYTES = 256 << 20  # tensor bytes of one get reply (besides its first item); the rest are sent as `more`
+# items smaller than this stay on the heap and go by socket: opening and mapping a segment (~65 us of syscalls)
+# costs about what sending 64 KiB does (docs/BENCHMARKS.md, "EC connector vs raw ZeroMQ")
+SHM_MIN_BYTES = 128 << 10
 __all__ = ["MAX_ITEMS_PER_GET", "MAX_PARKED", "MAX_PARKED_HASHES", "MAX_REPLY_BYTES", "ECProducer"]
 
 
@@ -33,17 +37,35 @@ class ECProducer:
                  max_message_bytes: int = MAX_TENSOR_BYTES, events_bind: str | None = None,
                  curve: CurveConfig | None = None, advertise_host: str | None = None,
                  max_items_per_get: int = MAX_ITEMS_PER_GET, max_reply_bytes: int = MAX_REPLY_BYTES,
-                 max_parked_gets: int = MAX_PARKED, max_parked_hashes: int = MAX_PARKED_HASHES) -> None:
+                 max_parked_gets: int = MAX_PARKED, max_parked_hashes: int = MAX_PARKED_HASHES,
+                 shm: bool = True, shm_min_bytes: int = SHM_MIN_BYTES) -> None:
+        """`shm`: hold items of at least `shm_min_bytes` in shared memory that same-host consumers map
+        (connector/tensors/shm.py), falling back to the heap per item when it is unavailable or full; False: heap
+        only (`--ec-shm off`)."""
+        self.shm_min_bytes = shm_min_bytes
         self.bind, self.events_bind = bind, events_bind or events_endpoint(bind)
         self.max_items_per_get, self.max_reply_bytes = max_items_per_get, max_reply_bytes
         self.advertise_host = advertise_host  # None: advertise the bound address
         self.max_message_bytes, self.curve = max_message_bytes, curve
         self.epoch = secrets.token_hex(8)  # a restarted producer is a new epoch: subscribers drop what they knew
-        self._cache: EmbeddingCache[WireItem] = EmbeddingCache(cache_bytes, journal=True)
+        self._cache: EmbeddingCache[WireItem] = EmbeddingCache(cache_bytes, journal=True, on_drop=WireItem.release)
+        self._shm_probe = self._open_shm() if shm else None
+        self._num_shm_items = self._num_shm_failures = 0
         self._server = ProducerServer(
             self._cache, self.epoch, bind=self.bind, events_bind=self.events_bind, curve=curve,
             advertise_host=advertise_host, max_message_bytes=max_message_bytes, max_items_per_get=max_items_per_get,
-            max_reply_bytes=max_reply_bytes, max_parked_gets=max_parked_gets, max_parked_hashes=max_parked_hashes)
+            max_reply_bytes=max_reply_bytes, max_parked_gets=max_parked_gets, max_parked_hashes=max_parked_hashes,
+            shm_probe=self._shm_probe)
+
+    @staticmethod
+    def _open_shm() -> Segment | None:
+        """The probe segment consumers check they can map (None: memfd unavailable here, heap only)."""
+        raise_fd_limit()  # one fd per item held in shared memory
+        try:
+            return Segment(0)
+        except OSError as e:
+            logger.warning("shared memory unavailable (%s); embeddings go by socket only", e)
+            return None
 
     @property
     def address(self) -> str:
@@ -71,14 +93,30 @@ class ECProducer:
             self.mark_failed([mm_hash])
             self._server.wake()
             return
+        item = self._placed(features)
+        if not self._cache.put(mm_hash, item):
+            item.release()
+            logger.warning("embeddings %s (%d bytes) do not fit the producer cache; not saved", mm_hash, features.nbytes)
+            self.mark_failed([mm_hash])
+        self._server.wake()
+
+    def _placed(self, features: ImageFeatures) -> WireItem:
+        """The item to hold: copied once into its own shared-memory segment, or (shm off, unavailable or full,
+        a small item, or one that does not fit the cache at all) as contiguous CPU tensors on the heap."""
+        if self._shm_probe is not None and self.shm_min_bytes <= features.nbytes <= self._cache.max_bytes:
+            try:
+                segment, placed = Segment.place(features)
+            except OSError as e:  # ENOSPC, ENOMEM, EMFILE...: this item stays on the heap and goes by socket
+                self._num_shm_failures += 1
+                logger.warning("no shared memory for %d bytes (%s); the item is held on the heap", features.nbytes, e)
+            else:
+                self._num_shm_items += 1
+                return WireItem(placed, segment)
         embeds = features.embeds.detach().to("cpu").contiguous()
         deepstack = None if features.deepstack is None else features.deepstack.detach().to("cpu").contiguous()
         if embeds is not features.embeds or deepstack is not features.deepstack:
             features = features.with_tensors(embeds, deepstack)
-        if not self._cache.put(mm_hash, WireItem(features)):
-            logger.warning("embeddings %s (%d bytes) do not fit the producer cache; not saved", mm_hash, features.nbytes)
-            self.mark_failed([mm_hash])
-        self._server.wake()
+        return WireItem(features)
 
     def mark_failed(self, mm_hashes: list[str]) -> None:
         """These items will not be stored (bad image, encoder error): gets waiting for them answer now."""
@@ -97,9 +135,15 @@ class ECProducer:
         return self.epoch, self._cache.seq
 
     def stats(self) -> dict[str, Any]:
-        """Cache counters plus serving counters."""
-        return {**self._cache.stats(), **self._server.stats()}
+        """Cache counters plus serving counters (`shm_items_placed`: items stored in shared memory so far,
+        `shm_place_failures`: items that fell back to the heap because shared memory was unavailable or full)."""
+        return {**self._cache.stats(), **self._server.stats(), "shm": self._shm_probe is not None,
+                "shm_items_placed": self._num_shm_items, "shm_place_failures": self._num_shm_failures}
 
     def close(self) -> None:
-        """Stop the serving thread (it closes its own sockets), then the wake pipe."""
+        """Stop the serving thread (it closes its own sockets), then drop every held item (closing their
+        shared-memory fds; memory a consumer still maps lives until it unmaps)."""
         self._server.close()
+        self._cache.clear()
+        if self._shm_probe is not None:
+            self._shm_probe.close()

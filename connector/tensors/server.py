@@ -17,6 +17,7 @@ from connector.control.wire import WireError, apply_socket_limits, decode_messag
 from connector.tensors.cache import EmbeddingCache
 from connector.tensors.frames import WireItem
 from connector.tensors.replies import get_reply
+from connector.tensors.shm import Segment
 from connector.tensors.waiters import FailedSet, ParkedGet, WaitList
 from epd_contracts.ec import (
     HEARTBEAT_S,
@@ -30,6 +31,8 @@ from epd_contracts.ec import (
     Message,
     PingRequest,
     Pong,
+    ShmProbe,
+    ShmProbeReply,
     SnapshotReply,
     SnapshotRequest,
 )
@@ -40,6 +43,7 @@ _START_TIMEOUT_S = 10.0
 MAX_REQUEST_BYTES = 1 << 20  # requests carry hashes only
 _MORE = int(zmq.SNDMORE)
 _BATCH = 64  # requests served per wake-up before timers are checked again
+_MAX_REQ_ID = 1 << 64  # req_ids a pre-encoded reply header can carry (msgpack uint64)
 
 
 class ProducerServer:
@@ -51,12 +55,15 @@ class ProducerServer:
 
     def __init__(self, cache: EmbeddingCache[WireItem], epoch: str, *, bind: str, events_bind: str,
                  curve: CurveConfig | None, advertise_host: str | None, max_message_bytes: int,
-                 max_items_per_get: int, max_reply_bytes: int, max_parked_gets: int, max_parked_hashes: int) -> None:
+                 max_items_per_get: int, max_reply_bytes: int, max_parked_gets: int, max_parked_hashes: int,
+                 shm_probe: Segment | None = None) -> None:
+        """`shm_probe`: the segment a ShmProbe is answered with (None: shared memory off or unavailable)."""
         self.bind, self.events_bind, self.curve, self.advertise_host = bind, events_bind, curve, advertise_host
         self.max_message_bytes, self.max_items_per_get, self.max_reply_bytes = (
             max_message_bytes, max_items_per_get, max_reply_bytes)
         self.epoch = epoch
         self._cache = cache
+        self._shm_probe = shm_probe
         # NOTE: a ZAP authenticator is per context, so a producer that checks client keys has its own.
         self._ctx: zmq.Context[Any] = zmq.Context() if curve and curve.allowed_clients else zmq.Context.instance()
         self.address: str | None = None
@@ -75,6 +82,8 @@ class ProducerServer:
         self._num_gets_served = 0
         self._num_gets_waited = 0
         self._bytes_sent = 0
+        self._num_shm_items = self._num_shm_bytes = self._num_socket_items = 0
+        self._num_shm_probes = 0
         self._num_bad_messages = 0
         self._num_events = 0
 
@@ -106,6 +115,11 @@ class ProducerServer:
             "gets_waiting": len(self._waits),
             "hashes_waiting": self._waits.num_hashes,
             "bytes_sent": self._bytes_sent,
+            "socket_items_served": self._num_socket_items,
+            "socket_bytes_served": self._bytes_sent,
+            "shm_items_served": self._num_shm_items,
+            "shm_bytes_served": self._num_shm_bytes,
+            "shm_probes": self._num_shm_probes,
             "bad_messages": self._num_bad_messages,
             "events_published": self._num_events,
         }
@@ -224,6 +238,9 @@ class ProducerServer:
     def _handle(self, identity: bytes, payload: list[bytes]) -> tuple[Message, list[memoryview]] | None:
         header, _ = decode_message(payload, self.max_message_bytes)
         req_id = header.req_id
+        if isinstance(header, GetRequest):  # the hot op first
+            self._get(identity, header)
+            return None
         if isinstance(header, PingRequest):
             return Pong(req_id=req_id), []
         if isinstance(header, HasRequest):
@@ -232,9 +249,10 @@ class ProducerServer:
         if isinstance(header, SnapshotRequest):
             seq, held = self._cache.snapshot()
             return SnapshotReply(req_id=req_id, epoch=self.epoch, seq=seq, hashes=held), []
-        if isinstance(header, GetRequest):
-            self._get(identity, header)
-            return None
+        if isinstance(header, ShmProbe):
+            self._num_shm_probes += 1
+            probe = self._shm_probe
+            return ShmProbeReply(req_id=req_id, epoch=self.epoch, handle=None if probe is None else probe.handle()), []
         raise WireError(f"{type(header).__name__} is not a request")
 
     def _check_count(self, hashes: list[str], op: str) -> list[str]:
@@ -245,6 +263,17 @@ class ProducerServer:
     def _get(self, identity: bytes, header: GetRequest) -> None:
         """Answer now, or park the get when it may wait for items still being encoded."""
         req_id, hashes = header.req_id, self._check_count(header.hashes, "get")
+        if len(hashes) == 1 and not header.wait and 0 <= req_id < _MAX_REQ_ID:  # the common get: one item, no wait
+            mm_hash = hashes[0]
+            found = self._cache.pin(hashes)
+            try:
+                held = found.get(mm_hash)
+                parts = None if held is None else held.reply_parts(mm_hash, header.shm and self._shm_probe is not None)
+                if held is not None and parts is not None:
+                    self._send_one(identity, req_id, held, parts)
+                    return
+            finally:
+                self._cache.unpin(hashes)
         wait, wait_ms = set(header.wait), min(header.wait_ms, MAX_WAIT_MS)
         if not wait <= set(hashes):
             raise WireError("get `wait` must be a list of hashes the get asks for")
@@ -253,24 +282,53 @@ class ProducerServer:
         try:
             missing = {h for h in keys if h not in found and h not in self._failed}
             if not (missing and missing <= wait and wait_ms > 0 and self._waits.can_park(len(hashes))):
-                self._send_get_reply(identity, req_id, hashes, found)
+                self._send_get_reply(identity, req_id, hashes, found, header.shm)
                 return
         finally:
             self._cache.unpin(keys)
-        self._waits.park(ParkedGet(identity, req_id, hashes, missing, time.monotonic() + wait_ms / 1000))
+        self._waits.park(ParkedGet(identity, req_id, hashes, missing, time.monotonic() + wait_ms / 1000, header.shm))
         self._num_gets_waited += 1
+
+    def _send_one(self, identity: bytes, req_id: int, held: WireItem, parts: tuple[bytes, bytes, bool]) -> None:
+        """Send a single found item's reply from its pre-encoded header, the req_id patched in."""
+        assert self._router is not None
+        prefix, suffix, by_handle = parts
+        self._num_gets_served += 1  # before the send: a consumer may read stats() the moment it has the reply
+        router = self._router
+        router.send(identity, _MORE)
+        if by_handle:
+            self._num_shm_items += 1
+            self._num_shm_bytes += held.nbytes
+            router.send(prefix + req_id.to_bytes(8, "big") + suffix, 0)
+            return
+        tensors = held.buffers
+        self._num_socket_items += 1
+        self._bytes_sent += sum(buf.nbytes for buf in tensors)
+        router.send(prefix + req_id.to_bytes(8, "big") + suffix, _MORE)
+        for i, buf in enumerate(tensors, 1):
+            router.send(buf, _MORE if i < len(tensors) else 0, copy=False)
 
     def _answer(self, get: ParkedGet) -> None:
         """Answer a parked get with whatever is there now."""
         with self._cache.pinned(get.hashes) as found:
-            self._send_get_reply(get.identity, get.req_id, get.hashes, found)
+            self._send_get_reply(get.identity, get.req_id, get.hashes, found, get.shm)
 
-    def _send_get_reply(self, identity: bytes, req_id: int, hashes: list[str], found: dict[str, WireItem]) -> None:
+    def _send_get_reply(self, identity: bytes, req_id: int, hashes: list[str], found: dict[str, WireItem],
+                        shm: bool = False) -> None:
         """Send a get's reply; the caller keeps the items pinned until ZeroMQ has taken the frames."""
         assert self._router is not None
-        header, frames = get_reply(req_id, hashes, found, self._failed.frozen(hashes), self.max_reply_bytes)
-        self._num_gets_served += 1  # before the send: a consumer may read stats() the moment it has the reply
+        header, frames = get_reply(req_id, hashes, found, self._failed.frozen(hashes), self.max_reply_bytes,
+                                   shm and self._shm_probe is not None)
+        # before the send: a consumer may read stats() the moment it has the reply
+        self._num_gets_served += 1
         self._bytes_sent += sum(buf.nbytes for buf in frames)
+        if shm:
+            by_handle = [item for item in header.items if item.shm is not None]
+            self._num_shm_items += len(by_handle)
+            self._num_shm_bytes += sum(found[item.mm_hash].nbytes for item in by_handle)
+            self._num_socket_items += sum(1 for item in header.items if item.found and item.shm is None)
+        else:
+            self._num_socket_items += sum(1 for item in header.items if item.found)
         router, (head, *tensors) = self._router, encode_message(header, frames)
         # NOTE: send part by part: send_multipart adds flag arithmetic per part, costly on a cold cache
         router.send(identity, _MORE)

@@ -20,6 +20,7 @@ class ParkedGet:
     hashes: list[str]
     wait: set[str]  # the hashes not stored yet when it arrived
     deadline: float  # time.monotonic() at which it is answered regardless
+    shm: bool = False  # the consumer maps shared memory: answer held items by handle
     done: bool = field(default=False)
 
 

@@ -1,4 +1,7 @@
-"""A live producer and a consumer on tcp loopback, closed after each test."""
+"""A live producer and a consumer on tcp loopback, closed after each test.
+
+They use the socket path (shared memory off); tests/connector/test_connector_shm.py covers shared memory.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -11,13 +14,13 @@ from connector.tensors.producer import ECProducer
 
 @pytest.fixture
 def producer() -> Iterator[ECProducer]:
-    p = ECProducer().start()
+    p = ECProducer(shm=False).start()
     yield p
     p.close()
 
 
 @pytest.fixture
 def consumer() -> Iterator[ECConsumer]:
-    c = ECConsumer()
+    c = ECConsumer(shm=False)
     yield c
     c.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
 import tracemalloc
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from connector.control.wire import MAGIC_VERSION, WireError, decode_message, enc
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.frames import DTYPES
 from connector.tensors.producer import ECProducer
-from connector.tensors.replies import parse_get_reply
+from connector.tensors.replies import read_get_reply
 from epd_contracts.ec import (
     ErrorReply,
     GetReply,
@@ -31,6 +32,7 @@ from epd_contracts.ec import (
     PingRequest,
     Reply,
     Request,
+    ShmProbe,
     SnapshotRequest,
 )
 from epd_contracts.embeddings import ImageFeatures
@@ -84,7 +86,8 @@ def frame(header_bytes: bytes) -> bytes:
 def valid_requests() -> list[list[bytes]]:
     """Well-formed requests of every op the producer serves, as raw frames."""
     requests: list[Message] = [GetRequest(req_id=7, hashes=[HASH, "missing"]), HasRequest(req_id=7, hashes=[HASH, "x"]),
-                               PingRequest(req_id=7), SnapshotRequest(req_id=7)]
+                               PingRequest(req_id=7), SnapshotRequest(req_id=7), ShmProbe(req_id=7),
+                               GetRequest(req_id=7, hashes=[HASH], shm=True)]
     assert {type(r) for r in requests} == set(get_args(Request)), "a new request op needs a sample here"
     return [[bytes(f) for f in encode_message(r)] for r in requests]
 
@@ -138,8 +141,8 @@ def exchange(live: Live, frames: list[bytes]) -> Message:
         assert header.message
         assert not header.message.startswith("internal error"), f"{header.message} for {frames!r:.300}"
     elif isinstance(header, GetReply):
-        found = parse_get_reply(header, buffers)
-        assert HASH not in found or torch.equal(found[HASH].embeds, KNOWN)
+        found, unmapped = read_get_reply(header, buffers, os.getpid())  # the producer serves from this process
+        assert not unmapped and (HASH not in found or torch.equal(found[HASH].embeds, KNOWN))
     elif isinstance(header, HasReply):
         assert all(isinstance(flag, bool) for flag in header.has)
     return header
