@@ -1,4 +1,4 @@
-"""Proxy micro-benchmark: what handing one decoder event to a client stream costs (proxy/streaming.py `events_apart`,
+"""Proxy micro-benchmark: what handing one decoder event to a client stream costs (proxy/streaming.py `batches_apart`,
 a reader task per stream and a bounded queue) next to a plain `async for` over the same events.
 
     python -m epd_bench.proxy_events [--events 20000] [--rounds 5] [--json]
@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 from epd_contracts.generate import Event
-from proxy.streaming import events_apart
+from proxy.streaming import batches_apart
 
 
 class _Events:
@@ -31,10 +31,13 @@ class _Events:
 
 async def _per_event_us(n: int, apart: bool) -> float:
     source = _Events(n)
-    events = events_apart(source) if apart else source.events()  # type: ignore[arg-type]
     start = time.perf_counter()
-    async for _ in events:
-        pass
+    if apart:
+        async for _ in batches_apart(source):  # type: ignore[arg-type]
+            pass
+    else:
+        async for _ in source.events():
+            pass
     return (time.perf_counter() - start) / n * 1e6
 
 

@@ -34,39 +34,52 @@ class Answer(Protocol):
 async def sse_stream(gen: Generation, answer: Answer, include_usage: bool, metrics: ProxyMetrics,
                      start: float, n: int = 1) -> AsyncIterator[bytes]:
     """Every choice's chunks as they come (interleaved, each with its index), each choice's finish, then the
-    usage of all n (include_usage) and [DONE]; an error or a stream that ends early ends with an error event."""
+    usage of all n (include_usage) and [DONE]; an error or a stream that ends early ends with an error event.
+
+    The events already read from the decoder go out in one write (batches_apart): a real decoder's tokens arrive
+    one by one and are each written at once, but a burst (the first chunk with the first token, as vLLM sends it;
+    the last token, its finish, the usage and [DONE]; several choices' tokens) costs one pass through the ASGI
+    middleware and one send instead of one per chunk."""
     request_id_var.set(gen.request_id)
     last, choices, failure = start, Choices(n), "generation ended without finishing"
+    out = [sse(first) for first in answer.first_chunks(n)]
     try:
-        for first in answer.first_chunks(n):
-            yield sse(first)
-        async for ev in events_apart(gen):
-            if ev.type == "error":
-                failure = ev.message or failure
+        async for batch in batches_apart(gen):
+            stop = False
+            for ev in batch:
+                if ev.type == "error":
+                    failure, stop = ev.message or failure, True
+                    break
+                try:
+                    choices.add(ev)
+                except APIError as exc:
+                    failure, stop = exc.message, True
+                    break
+                if ev.type == "delta":
+                    now = time.perf_counter()
+                    (metrics.itl if last > start else metrics.ttft).observe(now - last)
+                    last = now
+                    if (chunk := answer.delta_chunk(ev)) is not None:
+                        out.append(sse(chunk))
+                    continue
+                out.append(sse(answer.finish_chunk(ev)))
+                if choices.finished:
+                    if include_usage:
+                        out.append(sse(answer.usage_chunk(choices.usage())))
+                    stop = True
+                    break
+            if stop:
                 break
-            try:
-                choices.add(ev)
-            except APIError as exc:
-                failure = exc.message
-                break
-            if ev.type == "delta":
-                now = time.perf_counter()
-                (metrics.itl if last > start else metrics.ttft).observe(now - last)
-                last = now
-                if (chunk := answer.delta_chunk(ev)) is not None:
-                    yield sse(chunk)
-                continue
-            yield sse(answer.finish_chunk(ev))
-            if choices.finished:
-                if include_usage:
-                    yield sse(answer.usage_chunk(choices.usage()))
-                break
+            if out:
+                yield b"".join(out)
+                out.clear()
         if not choices.finished:  # never a silent truncation
             logger.warning("stream failed: %s", failure)
-            yield sse(APIError(502, failure, code="stream_interrupted").body())
-        yield sse("[DONE]")
+            out.append(sse(APIError(502, failure, code="stream_interrupted").body()))
+        out.append(sse("[DONE]"))
+        yield b"".join(out)
         metrics.e2e.observe(time.perf_counter() - start)
-    except BaseException:  # cut off (the client left): closed from a plain task, see events_apart
+    except BaseException:  # cut off (the client left): closed from a plain task, see batches_apart
         _detach(gen.close())
         raise
     await gen.close()
@@ -113,8 +126,9 @@ def _detach(work: Awaitable[Any]) -> None:
 _END = object()  # the decoder's events are over
 
 
-async def events_apart(gen: Generation) -> AsyncIterator[Event]:
-    """gen.events(), read from the decoder by a task of its own and handed over through a short queue.
+async def batches_apart(gen: Generation) -> AsyncIterator[list[Event]]:
+    """gen.events(), read from the decoder by a task of its own and handed over through a short queue; each batch
+    is every event read by the time the stream asks (never empty; one event when the stream keeps up).
 
     NOTE: Starlette stops a stream whose client left by cancelling an anyio scope, which cancels every await
     of the streaming task again and again, shields included; httpx's clean-up of a read cut off that way is
@@ -136,10 +150,18 @@ async def events_apart(gen: Generation) -> AsyncIterator[Event]:
 
     reader = asyncio.ensure_future(pump())
     try:
-        while (item := await queue.get()) is not _END:
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        while True:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            last = items[-1]  # the end or an error is always the pump's last item
+            ended = last is _END or isinstance(last, Exception)
+            if batch := items[:-1] if ended else items:
+                yield batch
+            if isinstance(last, Exception):
+                raise last
+            if ended:
+                return
     finally:
         if not reader.done():
             reader.cancel()

@@ -5,12 +5,12 @@ import asyncio
 
 from epd_bench.proxy_events import _Events, measure
 from epd_contracts.generate import Event
-from proxy.streaming import events_apart
+from proxy.streaming import batches_apart
 
 
 def test_the_proxy_hand_over_yields_every_event_in_order() -> None:
     async def collect() -> list[Event]:
-        return [ev async for ev in events_apart(_Events(50))]  # type: ignore[arg-type]
+        return [ev async for batch in batches_apart(_Events(50)) for ev in batch]  # type: ignore[arg-type]
 
     assert asyncio.run(collect()) == [Event(type="delta", text="x")] * 50
 

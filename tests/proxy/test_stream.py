@@ -41,8 +41,53 @@ def run(events: list[dict[str, Any]], include_usage: bool = True) -> tuple[list[
                   time.perf_counter())
         return [chunk async for chunk in it]
 
-    frames = [f.decode().removeprefix("data: ").strip() for f in asyncio.run(collect())]
-    return [f if f == "[DONE]" else json.loads(f) for f in frames], gen
+    return parse(asyncio.run(collect())), gen
+
+
+def parse(writes: list[bytes]) -> list[Any]:
+    """The SSE events of a stream's writes (one write may carry several events)."""
+    frames = [f.removeprefix("data: ").strip() for f in b"".join(writes).decode().split("\n\n") if f.strip()]
+    return [f if f == "[DONE]" else json.loads(f) for f in frames]
+
+
+def test_a_burst_of_events_is_one_write_and_the_first_chunk_goes_with_the_first_token() -> None:
+    gen = FakeGeneration([{"type": "delta", "text": "re"}, {"type": "delta", "text": "d"},
+                          {"type": "done", "finish_reason": "stop", "usage": USAGE}])
+
+    async def collect() -> list[bytes]:
+        it = sse_stream(gen, Completion(model="demo"), True, ProxyMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+                        time.perf_counter())
+        return [chunk async for chunk in it]
+
+    writes = asyncio.run(collect())
+    assert len(writes) == 1  # role, 2 deltas, finish, usage, [DONE]: all read before the stream asked
+    assert len(parse(writes)) == 6
+
+
+def test_events_that_arrive_apart_are_written_as_they_arrive() -> None:
+    """A token is written before the decoder sends the next one: batching never holds a token back."""
+    gate = asyncio.Event()
+
+    class Gated(FakeGeneration):
+        async def events(self) -> AsyncIterator[Event]:
+            yield Event(type="delta", text="re")
+            await gate.wait()  # the next token exists only after the first was written
+            yield Event(type="delta", text="d")
+            yield msgspec.convert({"type": "done", "finish_reason": "stop", "usage": USAGE}, Event)
+
+    async def collect() -> list[bytes]:
+        writes = []
+        it = sse_stream(Gated([]), Completion(model="demo"), False, ProxyMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+                        time.perf_counter())
+        async for chunk in it:
+            writes.append(chunk)
+            gate.set()
+        return writes
+
+    writes = asyncio.run(collect())
+    first = parse(writes[:1])
+    assert [c["choices"][0]["delta"] for c in first] == [{"role": "assistant", "content": ""}, {"content": "re"}]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in parse(writes[1:])[:-1]) == "d"
 
 
 def test_stream_has_role_deltas_finish_usage_and_done() -> None:
