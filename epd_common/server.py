@@ -1,13 +1,14 @@
 """Running uvicorn with EPD's server-side limits: body, header and send deadlines, header size, connections.
 
 `HttpLimits` is the one declaration of those limits (every service config inherits it); `serve` runs an app under
-them until SIGINT/SIGTERM.
+them until SIGINT/SIGTERM, on its own socket or on one made by `reuseport_socket` (several processes on one port).
 """
 from __future__ import annotations
 
 import asyncio
 import gc
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +178,24 @@ def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "info",
                           h11_max_incomplete_event_size=lim.max_header_bytes, backlog=lim.backlog)
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "info", limits: HttpLimits | None = None) -> None:
-    """Run uvicorn until SIGINT/SIGTERM; in-flight requests finish (bounded) before exit."""
-    uvicorn.Server(uvicorn_config(app, host, port, log_level, limits)).run()
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEPORT: every process that binds one this way shares the port and
+    the kernel spreads new connections over those listening. Not listening yet: uvicorn (asyncio) calls
+    listen(backlog) once the app's startup is over, so a process still starting gets no connections."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info", limits: HttpLimits | None = None,
+          sock: socket.socket | None = None) -> None:
+    """Run uvicorn until SIGINT/SIGTERM; in-flight requests finish (bounded) before exit. `sock`: serve on this bound
+    socket (e.g. `reuseport_socket`) instead of binding host:port here."""
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level, limits))
+    server.run(sockets=None if sock is None else [sock])

@@ -6,6 +6,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 from connector.control.curve_flags import pop_curve
 from connector.control.security import CurveConfig
@@ -13,6 +14,7 @@ from epd_common.logs import setup_logging
 from epd_common.server import HttpLimits, serve
 from epd_launcher.flags import parse_args
 from epd_launcher.group import RestartPolicy, Secrets, WorkerGroup
+from epd_launcher.proxy_procs import serve_proxies
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.workers import check_worker_url, served_name
@@ -30,13 +32,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc) or "invalid --max-restarts / --restart-* values")
     setup_logging("proxy", args.log_level)
     if args.attach:
-        attach(parser, args, encode_urls, decode_urls, curve)
+        attach(parser, args, encode_urls, decode_urls, curve, policy)
     else:
         launch(args, policy, curve)
 
 
 def attach(parser: argparse.ArgumentParser, args: argparse.Namespace, encode_urls: tuple[str, ...],
-           decode_urls: tuple[str, ...], curve: CurveConfig | None) -> None:
+           decode_urls: tuple[str, ...], curve: CurveConfig | None, policy: RestartPolicy) -> None:
     """Serve the proxy in front of workers started elsewhere. Loads neither torch nor transformers."""
     if args.dynamic_registration and not args.internal_key:
         parser.error("--dynamic-registration needs --internal-key (or env EPD_INTERNAL_KEY): it guards /instances")
@@ -46,7 +48,7 @@ def attach(parser: argparse.ArgumentParser, args: argparse.Namespace, encode_url
     _require_credentials(parser, args, curve)
     cfg = _config(args, encode_urls, decode_urls, curve, args.served_model_name)  # None: the workers' model
     _check_port_free(cfg.host, cfg.port)
-    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg))
+    _serve(cfg, args.proxy_workers, policy)
 
 
 def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig | None) -> None:
@@ -66,12 +68,20 @@ def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig |
         urls = spawn_workers(group, args, keys)
         cfg = _config(args, *urls, keys.proxy_curve(), args.served_model_name or served_name(args.model))
         group.supervise()
-        serve(create_app(cfg, on_ready=lambda: _print_banner(cfg)), cfg.host, cfg.port, cfg.log_level,
-              HttpLimits.of(cfg))
+        _serve(cfg, args.proxy_workers, policy, on_ready=lambda: _print_banner(cfg))
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signals
         raise SystemExit(130) from None
     finally:
         group.stop()
+
+
+def _serve(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy,
+           on_ready: Callable[[], None] | None = None) -> None:
+    """One proxy process (uvicorn binds the port), or several sharing it (epd_launcher/proxy_procs.py)."""
+    if num_procs == 1:
+        serve(create_app(cfg, on_ready=on_ready), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg))
+    else:
+        serve_proxies(cfg, num_procs, policy, on_ready)
 
 
 def _urls(values: list[str] | None) -> tuple[str, ...]:

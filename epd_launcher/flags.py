@@ -11,6 +11,8 @@ from epd_common.cli import add_http_flags, add_log_level, env_flag, new_parser
 from epd_contracts.video import MAX_VIDEO_FRAMES
 from proxy.config import ProxyConfig
 
+MAX_PROXY_WORKERS = 64  # more proxy processes than this on one host is a typo, not a plan
+
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max", "--prefix-cache-bytes")
 ATTACH_FLAGS = ("--encode-servers-urls", "--decode-servers-urls", "--prefill-servers-urls", "--dynamic-registration",
@@ -56,6 +58,14 @@ def positive_seconds(value: str) -> float:
     return number
 
 
+def proxy_workers(value: str) -> int:
+    """--proxy-workers: 1 .. MAX_PROXY_WORKERS."""
+    number = int(value)
+    if not 1 <= number <= MAX_PROXY_WORKERS:
+        raise argparse.ArgumentTypeError(f"{value}: must be in 1..{MAX_PROXY_WORKERS}")
+    return number
+
+
 def video_frames(value: str) -> int:
     """--max-video-frames: 1 .. the contract's MAX_VIDEO_FRAMES."""
     number = int(value)
@@ -79,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
         if getattr(args, dest) is _UNSET:
             setattr(args, dest, p.get_default(dest))
     args.attach = bool(attach)
+    if args.proxy_workers > 1 and args.dynamic_registration:
+        p.error("--proxy-workers > 1 and --dynamic-registration on one command line: each proxy process keeps its "
+                "own worker list, so a POST/DELETE /instances would reach one process and the lists would diverge; "
+                "use --proxy-workers 1, or fixed --encode-servers-urls / --decode-servers-urls")
     return p, args
 
 
@@ -99,6 +113,10 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                         "model the workers report)")
     p.add_argument("--host", default="127.0.0.1", help="address the API listens on")
     p.add_argument("--port", type=int, default=8000, help="port the API listens on")
+    p.add_argument("--proxy-workers", type=proxy_workers, default=1,
+                   help="proxy processes serving the port (SO_REUSEPORT: the kernel spreads connections over them), "
+                        "for a proxy that needs more than one core; each has its own worker health view, cache "
+                        "index and /metrics (a scrape reaches one process); refused with dynamic registration (/instances)")
     add_log_level(p, "info")
     p.add_argument("--aggregated", action="store_true",
                    help="no encoders: decoders load the vision tower too and encode images sent inline "

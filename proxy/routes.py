@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -70,7 +71,7 @@ def _card(served: str) -> dict[str, Any]:
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
     """Liveness: 200 while the process serves, whatever its workers do (readiness is /ready)."""
-    return {"status": "ok", "role": "proxy", **_instances(proxy_state(request).fleet)}
+    return {"status": "ok", "role": "proxy", "pid": os.getpid(), **_instances(proxy_state(request).fleet)}
 
 
 @router.get("/ready")

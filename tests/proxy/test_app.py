@@ -1,6 +1,7 @@
 """The proxy app: module-level routes around one ProxyState that the lifespan starts and stops."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -38,7 +39,8 @@ def test_the_lifespan_starts_the_fleet() -> None:
     assert state.started is None
     with TestClient(app) as c:
         assert state.started is not None
-        assert c.get("/health").json() == {"status": "ok", "role": "proxy", "encoders": [], "decoders": []}
+        assert c.get("/health").json() == {"status": "ok", "role": "proxy", "pid": os.getpid(), "encoders": [],
+                                           "decoders": []}  # pid: which of --proxy-workers N processes answered
 
 
 def test_ready_names_the_missing_role(client: TestClient) -> None:

@@ -1,0 +1,235 @@
+"""`python -m epd_bench.proxy --json`: what the proxy adds, in front of a fake decoder that answers instantly
+(epd_bench.proxy_fake_decoder), beside a pass-through proxy with no logic (epd_bench.proxy_passthrough, the
+practical limit) and, with `--baseline-rev`, the proxy at another revision (a `git worktree` of it), in one run.
+
+Requests: streamed text-only chat completions with a small realistic body (an image would add encoder work that is
+not the proxy's). Latency: sequential requests, the targets interleaved request by request, time to the first
+streamed bytes; `overhead_ms_p50` is the proxy's p50 minus the decoder's own (POST /generate directly). Throughput:
+`--clients` concurrent clients for `--seconds` per target (targets interleaved over `--rounds`); `rps_per_core` is
+completed requests per CPU second of the proxy process (user + system, from /proc; with several proxy processes, of
+all of them), so it does not depend on how many cores the machine lends it. `epd_2proc` is the proxy with
+`--proxy-workers 2`; `scaling_2_vs_1` is its requests/s (wall) over the one-process proxy's, the same clients
+loading both (on a machine whose cores the load generator shares, it stays below 2). The load generator's own CPU seconds are reported beside it (`client_cpu_s`): if
+they approach the wall time, the client, not the proxy, is the limit."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from epd_launcher.group import free_port
+
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+            {"role": "user", "content": "What is the capital of France, and what river runs through it?"}]
+CHAT = {"model": "demo", "stream": True, "max_tokens": 64, "temperature": 0.0, "messages": MESSAGES}
+GENERATE = {"messages": MESSAGES}
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    path: str
+    body: bytes
+    proc: subprocess.Popen[bytes] | None = None  # the process whose CPU time counts (None: the fake decoder's)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and its children (the proxy's spawned processes with --proxy-workers N)."""
+    kids = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return cpu_seconds(pid) + sum(_alive_cpu_seconds(k) for k in kids)
+
+
+def _alive_cpu_seconds(pid: int) -> float:
+    try:
+        return cpu_seconds(pid)
+    except FileNotFoundError:  # exited since it was listed
+        return 0.0
+
+
+def spawn(args: list[str], cwd: str | None = None, pythonpath: str | None = None) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited ({proc.returncode})")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+def wait_procs(url: str, num_procs: int, timeout: float = 60.0) -> None:
+    """Until `num_procs` processes answer /health (its `pid`) over fresh connections: all of them take load."""
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(pids) < num_procs:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: {len(pids)} of {num_procs} proxy processes serve after {timeout}s")
+        pids.add(httpx.get(f"{url}/health", headers={"Connection": "close"}, timeout=2.0).json()["pid"])
+
+
+def proxy_args(decoder_url: str, port: int, num_procs: int = 1) -> list[str]:
+    return ["-m", "epd_launcher.cli", "--aggregated", "--decode-servers-urls", decoder_url, "--port", str(port),
+            "--log-level", "warning", "--insecure", "--proxy-workers", str(num_procs)]
+
+
+async def first_bytes(client: httpx.AsyncClient, t: Target) -> float:
+    """Seconds from sending one request to its first streamed bytes (the rest is read, not timed)."""
+    start = time.perf_counter()
+    async with client.stream("POST", t.url + t.path, content=t.body,
+                             headers={"content-type": "application/json"}) as resp:
+        first = None
+        async for _ in resp.aiter_raw():
+            first = first or time.perf_counter()
+        if resp.status_code != 200:
+            raise RuntimeError(f"{t.name}: answered {resp.status_code}")
+    return (first or time.perf_counter()) - start
+
+
+async def latency(targets: list[Target], n: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {t.name: [] for t in targets}
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        for t in targets:  # warm up: connections, first-call imports
+            for _ in range(20):
+                await first_bytes(client, t)
+        for _ in range(n):
+            for t in targets:
+                samples[t.name].append(await first_bytes(client, t))
+    return {name: statistics.median(s) * 1000 for name, s in samples.items()}
+
+
+async def load(t: Target, clients: int, seconds: float) -> tuple[int, float, float, float]:
+    """(completed requests, wall s, proxy CPU s, client CPU s) for `clients` concurrent loops for `seconds`."""
+    done = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
+        stop = time.perf_counter() + seconds
+
+        async def loop() -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                await first_bytes(client, t)
+                done += 1
+
+        cpu0, own0, wall0 = tree_cpu_seconds(t.proc.pid) if t.proc else 0.0, time.process_time(), time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(clients)))
+        wall = time.perf_counter() - wall0
+        cpu = (tree_cpu_seconds(t.proc.pid) if t.proc else 0.0) - cpu0
+    return done, wall, cpu, time.process_time() - own0
+
+
+async def throughput(targets: list[Target], clients: int, seconds: float, rounds: int) -> dict[str, dict[str, float]]:
+    totals = {t.name: [0, 0.0, 0.0, 0.0] for t in targets}
+    for _ in range(rounds):
+        for t in targets:
+            for i, v in enumerate(await load(t, clients, seconds)):
+                totals[t.name][i] += v
+    out = {}
+    for name, (done, wall, cpu, own) in totals.items():
+        out[name] = {"requests": done, "rps": done / wall, "proxy_cpu_s": cpu, "client_cpu_s": own, "wall_s": wall,
+                     "rps_per_core": done / cpu if cpu else float("nan")}
+    return out
+
+
+def baseline_tree(rev: str) -> str:
+    """A read-only checkout of `rev` (git worktree) at /tmp/epd-base-<rev>, reused when it is there."""
+    path = f"/tmp/epd-base-{rev}"
+    if not Path(path).exists():
+        subprocess.run(["git", "worktree", "add", "--detach", path, rev], check=True, capture_output=True)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        port = free_port()
+        decoder = spawn(["-m", "epd_bench.proxy_fake_decoder", "--port", str(port)])
+        procs.append(decoder)
+        decoder_url = f"http://127.0.0.1:{port}"
+        wait_ready(decoder_url, decoder)
+        chat = json.dumps(CHAT).encode()
+        targets = [Target("direct", decoder_url, "/generate", json.dumps(GENERATE).encode())]
+
+        def start(name: str, argv: Callable[[int], list[str]], cwd: str | None = None,
+                  pythonpath: str | None = None) -> None:
+            p = free_port()
+            proc = spawn(argv(p), cwd, pythonpath)
+            procs.append(proc)
+            url = f"http://127.0.0.1:{p}"
+            wait_ready(url, proc)
+            targets.append(Target(name, url, "/v1/chat/completions", chat, proc))
+
+        start("passthrough", lambda p: ["-m", "epd_bench.proxy_passthrough", "--decoder-url", decoder_url,
+                                        "--port", str(p)])
+        start("proxy", lambda p: proxy_args(decoder_url, p))
+        start("epd_2proc", lambda p: proxy_args(decoder_url, p, 2))
+        wait_procs(targets[-1].url, 2)
+        if args.baseline_rev:
+            tree = baseline_tree(args.baseline_rev)
+            start("baseline", lambda p: proxy_args(decoder_url, p), cwd=tree, pythonpath=tree)
+        p50 = asyncio.run(latency(targets, args.requests))
+        tput = asyncio.run(throughput(targets[1:], args.clients, args.seconds, args.rounds))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+    result: dict[str, object] = {
+        "requests": "streamed text-only chat completions", "ttft_ms_p50": p50,
+        "overhead_ms_p50": p50["proxy"] - p50["direct"],
+        "passthrough_overhead_ms_p50": p50["passthrough"] - p50["direct"],
+        "rps_per_core": tput["proxy"]["rps_per_core"],
+        "ratio_vs_passthrough": tput["proxy"]["rps_per_core"] / tput["passthrough"]["rps_per_core"],
+        "throughput": tput, "rps_per_core_2proc": tput["epd_2proc"]["rps_per_core"],
+        # requests/s (wall) of the proxy with --proxy-workers 2 over the one-process proxy, same clients
+        "scaling_2_vs_1": tput["epd_2proc"]["rps"] / tput["proxy"]["rps"], "cpu_count": os.cpu_count(),
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+    if "baseline" in tput:
+        result["baseline_rev"] = args.baseline_rev
+        result["overhead_ms_p50_baseline"] = p50["baseline"] - p50["direct"]
+        result["ratio_rps_per_core_vs_baseline"] = tput["proxy"]["rps_per_core"] / tput["baseline"]["rps_per_core"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--baseline-rev", help="also measure the proxy at this git revision (a worktree of it)")
+    parser.add_argument("--requests", type=int, default=300, help="sequential requests per target for latency")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent clients for throughput")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds of load per target and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over the targets for throughput")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

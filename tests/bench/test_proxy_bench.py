@@ -1,0 +1,39 @@
+"""epd_bench.proxy end to end on a tiny load: every target answers, and the report has the issue's fields."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from epd_bench.proxy import cpu_seconds, main, tree_cpu_seconds
+
+
+def test_cpu_seconds_reads_this_process() -> None:
+    assert cpu_seconds(os.getpid()) > 0
+
+
+def test_tree_cpu_seconds_adds_the_children() -> None:
+    with subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 0.2: pass\n"
+                                                 "time.sleep(30)"]) as child:
+        try:
+            deadline = time.monotonic() + 10
+            while cpu_seconds(child.pid) < 0.1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert tree_cpu_seconds(os.getpid()) >= cpu_seconds(os.getpid()) + cpu_seconds(child.pid) - 0.05
+        finally:
+            child.kill()
+
+
+def test_a_tiny_run_reports_the_issues_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--json", "--requests", "3", "--clients", "2", "--seconds", "0.3", "--rounds", "1"])
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["ttft_ms_p50"]) == {"direct", "passthrough", "proxy", "epd_2proc"}
+    assert {"overhead_ms_p50", "rps_per_core", "ratio_vs_passthrough", "scaling_2_vs_1"} <= set(result)
+    assert result["throughput"]["proxy"]["requests"] > 0 and math.isfinite(result["rps_per_core"])
+    assert result["throughput"]["epd_2proc"]["requests"] > 0 and result["scaling_2_vs_1"] > 0

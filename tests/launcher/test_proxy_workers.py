@@ -1,0 +1,175 @@
+"""--proxy-workers N: N proxy processes share one port, and none outlives the launcher (SIGTERM or SIGKILL)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from connector.control.security import CurveConfig
+from epd_bench.proxy_fake_decoder import FakeDecoder
+from epd_launcher.flags import parse_args
+from epd_launcher.group import free_port
+from proxy.config import ProxyConfig
+
+CHAT = {"model": "demo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+FRESH = {"Connection": "close"}  # one connection per request: the kernel picks a process for each
+
+
+@pytest.fixture(scope="module")
+def decoder_url() -> Iterator[str]:
+    """The fake decoder on its own event loop in a thread; the proxies run in processes of their own."""
+    loop = asyncio.new_event_loop()
+    decoder = FakeDecoder()
+    loop.run_until_complete(decoder.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield decoder.url
+    asyncio.run_coroutine_threadsafe(_close(decoder), loop).result(timeout=5)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5)
+    loop.close()
+
+
+async def _close(decoder: FakeDecoder) -> None:
+    """Stop the connections still served (a proxy process may have died a moment ago), then the server."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await decoder.close()
+    await asyncio.sleep(0)  # the closed transports' callbacks
+
+
+def start_proxy(decoder_url: str, num_procs: int = 2) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "epd_launcher.cli", "--aggregated", "--decode-servers-urls", decoder_url,
+           "--insecure", "--port", str(port), "--log-level", "warning", "--proxy-workers", str(num_procs)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
+
+
+def until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def serving_pids(url: str, tries: int) -> set[int]:
+    """The pids that answered `tries` /health calls, each on a fresh connection (none while nothing listens)."""
+    pids = set()
+    for _ in range(tries):
+        try:
+            pids.add(httpx.get(f"{url}/health", headers=FRESH, timeout=5.0).json()["pid"])
+        except httpx.TransportError:
+            pass
+    return pids
+
+
+def children(pid: int) -> set[int]:
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
+
+
+def gone(pid: int) -> bool:
+    """Exited: no /proc entry, or a zombie left to whoever reaps orphans here."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture
+def proxy(decoder_url: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A proxy with 2 processes, once both serve; killed afterwards whatever the test did."""
+    proc, url = start_proxy(decoder_url)
+    try:
+        until(lambda: len(serving_pids(url, 8)) == 2 or proc.poll() is not None, 30.0, "both processes serve")
+        assert proc.poll() is None, f"the proxy exited with {proc.returncode}"
+        yield proc, url
+    finally:
+        kids = children(proc.pid) if proc.poll() is None else set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        until(lambda: all(gone(pid) for pid in kids), 10.0, "the proxy's processes exit")
+
+
+def test_requests_over_fresh_connections_all_succeed_and_reach_both_processes(
+        proxy: tuple[subprocess.Popen[bytes], str]) -> None:
+    proc, url = proxy
+    statuses = []
+    for _ in range(40):
+        resp = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=FRESH, timeout=10.0)
+        statuses.append(resp.status_code)
+        assert resp.text.rstrip().endswith("data: [DONE]")
+    assert statuses == [200] * 40
+    pids = serving_pids(url, 40)
+    assert len(pids) == 2 and proc.pid in pids  # process 0 is the launcher itself
+
+
+def test_sigterm_to_the_launcher_stops_every_proxy_process(proxy: tuple[subprocess.Popen[bytes], str]) -> None:
+    proc, url = proxy
+    (child,) = serving_pids(url, 40) - {proc.pid}
+    kids = children(proc.pid)
+    assert child in kids  # beside it: multiprocessing's resource tracker, which exits once the launcher is gone
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    assert gone(child)  # stopped and joined before the launcher exits
+    until(lambda: all(gone(pid) for pid in kids), 5.0, "every child of the launcher exits")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=2.0)
+
+
+def test_a_killed_launcher_takes_its_proxy_processes_with_it(proxy: tuple[subprocess.Popen[bytes], str]) -> None:
+    proc, url = proxy
+    kids = children(proc.pid)
+    proc.kill()
+    proc.wait()
+    until(lambda: all(gone(pid) for pid in kids), 10.0, "the children of a SIGKILLed launcher exit")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=2.0)
+
+
+def test_a_proxy_process_that_dies_is_restarted_while_the_others_serve(
+        proxy: tuple[subprocess.Popen[bytes], str]) -> None:
+    proc, url = proxy
+    (child,) = serving_pids(url, 40) - {proc.pid}
+    os.kill(child, signal.SIGKILL)
+    until(lambda: gone(child), 10.0, "the killed proxy process exits")
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=FRESH, timeout=10.0).status_code == 200
+    until(lambda: len(serving_pids(url, 8) - {proc.pid, child}) == 1, 30.0, "a new proxy process serves")
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "65", "two"])
+def test_out_of_range_proxy_workers_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--proxy-workers", value])
+    assert exc.value.code == 2 and "--proxy-workers" in capsys.readouterr().err
+
+
+def test_several_proxy_workers_with_dynamic_registration_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--proxy-workers", "2", "--dynamic-registration", "--internal-key", "k"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--proxy-workers" in err and "--dynamic-registration" in err
+    assert parse_args(["--proxy-workers", "1", "--dynamic-registration"])[1].proxy_workers == 1
+
+
+def test_the_proxy_config_reaches_a_spawned_process_whole() -> None:
+    curve = CurveConfig(secret_key=b"s" * 40, public_key=b"p" * 40, server_key=b"k" * 40,
+                        allowed_clients=frozenset({b"c" * 40}))
+    cfg = ProxyConfig(encode_urls=("http://e:1",), decode_urls=("http://d:2",), curve=curve, api_key="a",
+                      internal_key="i", allowed_media_domains=("h",))
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
