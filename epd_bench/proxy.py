@@ -1,6 +1,6 @@
 """`python -m epd_bench.proxy --json`: what the proxy adds, in front of a fake decoder that answers instantly
 (epd_bench.proxy_fake_decoder), beside a pass-through proxy with no logic (epd_bench.proxy_passthrough, the
-practical limit) and, with `--baseline-rev`, the proxy at another revision (a `git worktree` of it), in one run.
+practical limit) and, with `--baseline-rev`, the proxy at another revision (its files by `git archive`), in one run.
 
 Requests: streamed text-only chat completions with a small realistic body (an image would add encoder work that is
 not the proxy's). Latency: sequential requests, the targets interleaved request by request, time to the first
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from epd_bench.revisions import export_revision
 from epd_launcher.group import free_port
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."},
@@ -96,8 +97,10 @@ def wait_procs(url: str, num_procs: int, timeout: float = 60.0) -> None:
 
 
 def proxy_args(decoder_url: str, port: int, num_procs: int = 1) -> list[str]:
+    """The proxy's command line (`--proxy-workers` only when > 1: a base revision may not know the flag)."""
+    more = ["--proxy-workers", str(num_procs)] if num_procs > 1 else []
     return ["-m", "epd_launcher.cli", "--aggregated", "--decode-servers-urls", decoder_url, "--port", str(port),
-            "--log-level", "warning", "--insecure", "--proxy-workers", str(num_procs)]
+            "--log-level", "warning", "--insecure", *more]
 
 
 async def first_bytes(client: httpx.AsyncClient, t: Target) -> float:
@@ -159,11 +162,19 @@ async def throughput(targets: list[Target], clients: int, seconds: float, rounds
 
 
 def baseline_tree(rev: str) -> str:
-    """A read-only checkout of `rev` (git worktree) at /tmp/epd-base-<rev>, reused when it is there."""
-    path = f"/tmp/epd-base-{rev}"
-    if not Path(path).exists():
-        subprocess.run(["git", "worktree", "add", "--detach", path, rev], check=True, capture_output=True)
-    return path
+    """A read-only copy of `rev`'s files (`git archive`, epd_bench/revisions.py; the repository is not touched)."""
+    return str(export_revision(rev)[1])
+
+
+def baseline_path(tree: str) -> str:
+    """PYTHONPATH for the base revision as it shipped: if its dependencies did not name uvloop, a stub that fails
+    to import hides the installed one, so uvicorn's loop="auto" falls back to asyncio's loop there as it did."""
+    if "uvloop" in (Path(tree) / "pyproject.toml").read_text():
+        return tree
+    stub = Path(tree).parent / f"{Path(tree).name}-no-uvloop"
+    stub.mkdir(exist_ok=True)
+    (stub / "uvloop.py").write_text('raise ImportError("uvloop: not a dependency of this revision")\n')
+    return f"{stub}{os.pathsep}{tree}"
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
@@ -193,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         wait_procs(targets[-1].url, 2)
         if args.baseline_rev:
             tree = baseline_tree(args.baseline_rev)
-            start("baseline", lambda p: proxy_args(decoder_url, p), cwd=tree, pythonpath=tree)
+            start("baseline", lambda p: proxy_args(decoder_url, p), cwd=tree, pythonpath=baseline_path(tree))
         p50 = asyncio.run(latency(targets, args.requests))
         tput = asyncio.run(throughput(targets[1:], args.clients, args.seconds, args.rounds))
     finally:
@@ -221,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--baseline-rev", help="also measure the proxy at this git revision (a worktree of it)")
+    parser.add_argument("--baseline-rev", help="also measure the proxy at this git revision (its files by git archive)")
     parser.add_argument("--requests", type=int, default=300, help="sequential requests per target for latency")
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients for throughput")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds of load per target and round")

@@ -5,6 +5,7 @@ import asyncio
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -173,3 +174,29 @@ def test_the_proxy_config_reaches_a_spawned_process_whole() -> None:
                       internal_key="i", allowed_media_domains=("h",))
     assert pickle.loads(pickle.dumps(cfg)) == cfg
 
+
+
+def test_connections_accepted_on_a_shared_port_send_without_nagle() -> None:
+    """asyncio turns Nagle off only on accepted sockets whose proto says TCP: with proto 0, every small SSE write
+    after the first waited for the client's delayed ACK (46 ms median to the first streamed bytes, measured)."""
+    from epd_common.server import reuseport_socket
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=reuseport_socket("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
