@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from epd_bench.revisions import export_revision
+from epd_bench.revisions import export_revision, shipped_path
 from epd_launcher.group import free_port
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."},
@@ -166,17 +166,6 @@ def baseline_tree(rev: str) -> str:
     return str(export_revision(rev)[1])
 
 
-def baseline_path(tree: str) -> str:
-    """PYTHONPATH for the base revision as it shipped: if its dependencies did not name uvloop, a stub that fails
-    to import hides the installed one, so uvicorn's loop="auto" falls back to asyncio's loop there as it did."""
-    if "uvloop" in (Path(tree) / "pyproject.toml").read_text():
-        return tree
-    stub = Path(tree).parent / f"{Path(tree).name}-no-uvloop"
-    stub.mkdir(exist_ok=True)
-    (stub / "uvloop.py").write_text('raise ImportError("uvloop: not a dependency of this revision")\n')
-    return f"{stub}{os.pathsep}{tree}"
-
-
 def run(args: argparse.Namespace) -> dict[str, object]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -204,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         wait_procs(targets[-1].url, 2)
         if args.baseline_rev:
             tree = baseline_tree(args.baseline_rev)
-            start("baseline", lambda p: proxy_args(decoder_url, p), cwd=tree, pythonpath=baseline_path(tree))
+            start("baseline", lambda p: proxy_args(decoder_url, p), cwd=tree, pythonpath=shipped_path(Path(tree)))
         p50 = asyncio.run(latency(targets, args.requests))
         tput = asyncio.run(throughput(targets[1:], args.clients, args.seconds, args.rounds))
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -47,12 +48,23 @@ def export_revision(rev: str, into: Path = ROOT / "runs" / "revisions") -> tuple
     return sha, tree
 
 
+def shipped_path(tree: Path) -> str:
+    """PYTHONPATH running the revision in `tree` as it shipped: if its dependencies did not name uvloop, a stub that
+    fails to import hides the installed one, so uvicorn's loop="auto" falls back to asyncio's loop there as it did."""
+    if "uvloop" in (tree / "pyproject.toml").read_text():
+        return str(tree)
+    stub = tree.parent / f"{tree.name}-no-uvloop"
+    stub.mkdir(exist_ok=True)
+    (stub / "uvloop.py").write_text('raise ImportError("uvloop: not a dependency of this revision")\n')
+    return f"{stub}{os.pathsep}{tree}"
+
+
 def demo_stack(name: str, tree: Path) -> SystemSpec:
     """`disagg-epd-proxy --model demo` from the code in `tree` (2 encoders, 1 decoder)."""
     port = free_port()
     argv = (sys.executable, "-m", "epd_launcher.cli", "--model", "demo", "--num-encoders", "2", "--num-decoders",
             "1", "--host", HOST, "--port", str(port), "--log-level", "warning")
-    proc = ProcSpec("launcher", argv, None, None, f"http://{HOST}:{port}", env=(("PYTHONPATH", str(tree)),))
+    proc = ProcSpec("launcher", argv, None, None, f"http://{HOST}:{port}", env=(("PYTHONPATH", shipped_path(tree)),))
     return SystemSpec(name, (proc,), "demo")
 
 
