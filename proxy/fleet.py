@@ -18,6 +18,7 @@ from epd_common.http import REQUEST_ID_HEADER
 from epd_contracts.encode import EncodeItem, EncodeRequest, EncodeResponse
 from epd_contracts.generate import GenerateRequest
 from proxy.config import ProxyConfig
+from proxy.decoder_http import DecoderHTTP, DecoderResponse
 from proxy.metrics import ProxyMetrics
 from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, describe_failure, until_down
 from scheduler.scheduler import EncoderSlot, MMItem, NoEncoderAvailable, Scheduler, SchedulerOutput
@@ -27,7 +28,7 @@ _SEEN_TIMEOUT_S = 0.5  # the index normally has an encoder's events before its H
 _JSON = {"content-type": "application/json"}  # request bodies are msgspec-encoded contracts
 
 
-def upstream_error(resp: httpx.Response, body: bytes, who: str) -> APIError:
+def upstream_error(resp: httpx.Response | DecoderResponse, body: bytes, who: str) -> APIError:
     """Keep the worker's status and message (a 4xx stays a 4xx); unreadable bodies become 502."""
     try:
         err = json.loads(body)["error"]
@@ -76,6 +77,7 @@ def encode_calls(items: list[MMItem]) -> list[list[MMItem]]:
 class Fleet:
     def __init__(self, cfg: ProxyConfig, client: httpx.AsyncClient, metrics: ProxyMetrics):
         self.cfg, self.client, self.metrics = cfg, client, metrics
+        self.decoder_http = DecoderHTTP(cfg.worker_timeout)  # the /generate streams; httpx for every other call
         self.index = FleetCacheIndex(cfg.curve)
         self.scheduler = Scheduler()
         self.workers = Workers(client, cfg.health_interval, cfg.health_timeout, cfg.health_failures,
@@ -108,6 +110,7 @@ class Fleet:
         for task in list(self._calls):
             task.cancel()
         await asyncio.gather(*self._calls, return_exceptions=True)
+        self.decoder_http.close()
         self.index.close()
 
     # membership
@@ -286,14 +289,13 @@ class Fleet:
         if mark_down:
             self.workers.mark_down(worker, reason)
 
-    async def open_generation(self, worker: Worker, generate: GenerateRequest, request_id: str) -> httpx.Response:
-        """POST /generate; returns the open streaming response. Raises WorkerFailed (retry on another decoder)
-        or APIError (the request's own fault, or missing embeddings)."""
-        req = self.client.build_request("POST", f"{worker.url}/generate", content=msgspec.json.encode(generate),
-                                        timeout=self.cfg.worker_timeout,
-                                        headers={REQUEST_ID_HEADER: request_id, **_JSON, **self.internal_headers})
+    async def open_generation(self, worker: Worker, generate: GenerateRequest, request_id: str) -> DecoderResponse:
+        """POST /generate (proxy/decoder_http.py); returns the open streaming response. Raises WorkerFailed (retry
+        on another decoder) or APIError (the request's own fault, or missing embeddings)."""
+        headers = {REQUEST_ID_HEADER: request_id, **_JSON, **self.internal_headers}
         try:
-            resp = await until_down(self.client.send(req, stream=True), worker)
+            resp = await until_down(self.decoder_http.post_stream(worker.url, "/generate", msgspec.json.encode(generate),
+                                                                  headers), worker)
         except WorkerDown as exc:
             raise WorkerFailed(f"marked down: {worker.reason}") from exc
         except httpx.HTTPError as exc:

@@ -11,6 +11,7 @@ import msgspec
 
 from epd_common.errors import APIError
 from epd_contracts.generate import ChunkRef, Event, ImageRef
+from proxy.decoder_http import DecoderResponse
 from proxy.fleet import Fleet, WorkerFailed
 from proxy.prepare import PreparedChat
 from proxy.video import VideoItem
@@ -29,7 +30,7 @@ class Generation:
         self.decoder: Worker | None = None
         self.tried: set[str] = set()  # decoders that failed this request
         self.answered: APIError | None = None  # a decoder's 5xx answer to this request (it stays in service)
-        self.resp: httpx.Response | None = None
+        self.resp: DecoderResponse | None = None
         self.sources: dict[str, str] = {}
         self.cached: frozenset[str] = frozenset()  # items an encoder already held: not encoded for this request
         self.finished = False  # the decoder sent a `done` and no error: it holds this prompt's K/V (affinity)
@@ -207,7 +208,7 @@ class StreamEnded(Exception):
 _EVENT = msgspec.json.Decoder(Event)
 
 
-def _decode_event(line: str) -> Event:
+def _decode_event(line: bytes) -> Event:
     """A line that is not an event of the contract ends this stream with an error event, never with an exception
     inside the client's response."""
     try:
@@ -220,7 +221,7 @@ def _lost(exc: Exception) -> Event:
     return Event(type="error", message=f"decoder connection lost: {type(exc).__name__}")
 
 
-async def _next_event(lines: AsyncIterator[str]) -> Event:
+async def _next_event(lines: AsyncIterator[bytes]) -> Event:
     """The first non-empty line as an event."""
     async for line in lines:
         if line:
