@@ -81,10 +81,37 @@ def test_a_call_in_flight_gives_up_when_its_worker_is_marked_down() -> None:
         w = Worker("encoder", "http://e", healthy=True)
         call = asyncio.create_task(until_down(asyncio.Event().wait(), w))
         await asyncio.sleep(0)
-        w.down.set()
+        w.set_down()
         with pytest.raises(WorkerDown):
             await call
+        assert not w.calls
+        with pytest.raises(WorkerDown):  # refused at once while down
+            await until_down(asyncio.sleep(0), w)
         assert await until_down(asyncio.sleep(0, result=7), Worker("encoder", "http://f", healthy=True)) == 7
+
+    asyncio.run(main())
+
+
+def test_a_call_whose_caller_is_cancelled_is_cancelled_not_turned_into_worker_down() -> None:
+    async def main() -> None:
+        w = Worker("encoder", "http://e", healthy=True)
+        started, inner_cancelled = asyncio.Event(), asyncio.Event()
+
+        async def slow() -> None:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                inner_cancelled.set()
+                raise
+
+        call = asyncio.create_task(until_down(slow(), w))
+        await started.wait()
+        w.set_down()
+        call.cancel()  # both at once: the caller's cancellation wins
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert inner_cancelled.is_set() and not w.calls
 
     asyncio.run(main())
 
