@@ -25,10 +25,11 @@ class Reply:
 
 
 @contextmanager
-def served(app: Any, limits: HttpLimits) -> Iterator[int]:
-    """`app` behind uvicorn with `limits` (as `serve` runs it), in a thread; yields the port."""
+def served(app: Any, limits: HttpLimits, http: str = "auto") -> Iterator[int]:
+    """`app` behind uvicorn with `limits` (as `serve` runs it; `http`: its HTTP protocol), in a thread; yields the
+    port."""
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", limits))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", limits, http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
