@@ -32,7 +32,7 @@ class FetchSlots:
         thread is still running a grace period after it."""
         try:
             await asyncio.wait_for(self._free.acquire(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise APIError(503, f"all {self.size} media fetch slots stayed busy until this request's media fetch "
                                 "deadline; retry later", code="media_fetch_busy") from None
         ctx = contextvars.copy_context()  # the request id reaches the thread's log lines
@@ -40,7 +40,7 @@ class FetchSlots:
         future.add_done_callback(lambda _: self._free.release())
         try:  # shielded: a request that leaves (or times out) does not free the slot of a thread still running
             return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()) + GRACE_S)
-        except asyncio.TimeoutError:  # the thread is stuck where no timeout reaches (name resolution)
+        except TimeoutError:  # the thread is stuck where no timeout reaches (name resolution)
             raise APIError(408, "the request's media were not loaded within the media fetch deadline",
                            code=timeout_code) from None
 

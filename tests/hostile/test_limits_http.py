@@ -198,3 +198,33 @@ def test_until_disconnected_cancels_the_work_and_runs_its_cleanup() -> None:
 
     assert asyncio.run(scenario()) == (None, "answer")
     assert cleaned == ["closed upstream"]
+
+
+def test_until_disconnected_lets_a_cancellation_from_elsewhere_through() -> None:
+    """A server shutting down cancels the request's task: that is not a client leaving, and must not read as one."""
+    cleaned: list[str] = []
+
+    async def work() -> str:
+        try:
+            await asyncio.Event().wait()
+            return "done"
+        finally:
+            cleaned.append("closed upstream")
+
+    async def scenario() -> bool:
+        never: asyncio.Event = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        task = asyncio.ensure_future(until_disconnected(receive, work()))
+        await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(scenario()) and cleaned == ["closed upstream"]
