@@ -81,6 +81,15 @@ class RestartPolicy:
     def __post_init__(self) -> None:
         assert self.max_restarts >= 0 and self.window > 0 and 0 <= self.backoff <= self.backoff_max
 
+    def next_delay(self, restarts: collections.deque[float], now: float) -> float | None:
+        """Seconds until a process that exited at `now` is restarted, given its past restart times (those
+        older than the window are dropped from `restarts`); None: it has used up its restarts, leave it down."""
+        while restarts and now - restarts[0] > self.window:
+            restarts.popleft()
+        if len(restarts) >= self.max_restarts:
+            return None
+        return min(self.backoff_max, self.backoff * 2 ** len(restarts))
+
 
 @dataclass
 class Worker:
@@ -150,16 +159,13 @@ class WorkerGroup:
                            w.proc.pid, len(w.restarts), self.policy.window)
 
     def _schedule_restart(self, w: Worker, now: float) -> None:
-        while w.restarts and now - w.restarts[0] > self.policy.window:
-            w.restarts.popleft()
-        code = w.proc.returncode
-        if len(w.restarts) >= self.policy.max_restarts:
+        code, delay = w.proc.returncode, self.policy.next_delay(w.restarts, now)
+        if delay is None:
             w.given_up = True
             logger.error("%s at %s exited with code %s; not restarting it: %d restarts in the last %.0f s "
                          "(--max-restarts); the proxy serves with the other workers", w.role, w.url, code,
                          len(w.restarts), self.policy.window)
             return
-        delay = min(self.policy.backoff_max, self.policy.backoff * 2 ** len(w.restarts))
         w.restart_at = now + delay
         logger.warning("%s at %s exited with code %s; restarting it in %.1f s", w.role, w.url, code, delay)
 

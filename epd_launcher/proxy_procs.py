@@ -84,15 +84,13 @@ class ProxyChildren:
 
     def _on_exit(self, i: int, code: int) -> None:
         """An unexpected exit: restart after a doubling backoff, or leave it down past --max-restarts."""
-        now, restarts = time.monotonic(), self._restarts[i]
-        while restarts and now - restarts[0] > self.policy.window:
-            restarts.popleft()
-        if len(restarts) >= self.policy.max_restarts:
+        restarts = self._restarts[i]
+        delay = self.policy.next_delay(restarts, time.monotonic())
+        if delay is None:
             logger.error("proxy process %d exited with code %s; not restarting it: %d restarts in the last %.0f s; "
                          "the other proxy processes serve the port", i + 1, code, len(restarts), self.policy.window)
             self._given_up.add(i)
             return
-        delay = min(self.policy.backoff_max, self.policy.backoff * 2 ** len(restarts))
         logger.error("proxy process %d exited with code %s; restarting it in %.1f s", i + 1, code, delay)
         if self._stopping.wait(delay):
             return

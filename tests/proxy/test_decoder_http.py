@@ -80,15 +80,17 @@ async def read_lines(client: DecoderHTTP, url: str) -> tuple[int, list[bytes]]:
         await resp.aclose()
 
 
-def test_chunked_lines_come_whole_across_chunks_and_the_connection_is_reused() -> None:
-    async def main() -> tuple[list[tuple[int, list[bytes]]], int]:
-        async with decoder(ndjson_chunked) as (d, url):
-            client = DecoderHTTP(5.0)
-            got = [await read_lines(client, url) for _ in range(3)]
-            client.close()
-            return got, d.connections
+async def answers(script: Script, n: int) -> tuple[list[tuple[int, list[bytes]]], int]:
+    """`n` requests in a row from one client to a decoder running `script`; the answers and its connection count."""
+    async with decoder(script) as (d, url):
+        client = DecoderHTTP(5.0)
+        got = [await read_lines(client, url) for _ in range(n)]
+        client.close()
+        return got, d.connections
 
-    got, connections = asyncio.run(main())
+
+def test_chunked_lines_come_whole_across_chunks_and_the_connection_is_reused() -> None:
+    got, connections = asyncio.run(answers(ndjson_chunked, 3))
     assert got == [(200, LINES)] * 3 and connections == 1
 
 
@@ -103,14 +105,7 @@ def test_bodies_by_length_and_until_close_are_read(framing: str) -> None:
             writer.write(b"HTTP/1.0 200 OK\r\n\r\n" + body)
             writer.close()
 
-    async def main() -> tuple[list[tuple[int, list[bytes]]], int]:
-        async with decoder(answer) as (d, url):
-            client = DecoderHTTP(5.0)
-            got = [await read_lines(client, url) for _ in range(2)]
-            client.close()
-            return got, d.connections
-
-    got, connections = asyncio.run(main())
+    got, connections = asyncio.run(answers(answer, 2))
     assert got == [(200, LINES)] * 2
     assert connections == (1 if framing == "content-length" else 2)  # an HTTP/1.0 answer is never reused
 
