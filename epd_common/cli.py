@@ -6,13 +6,13 @@ import argparse
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 Gap = tuple[str, str]  # (what is missing, what is open without it)
-_INTERNAL_KEY: Gap = ("an internal key (env EPD_INTERNAL_KEY or --internal-key)",
+_INTERNAL_KEY: Gap = ("an internal key (env EPD_INTERNAL_KEY or EPD_INTERNAL_KEY_FILE, or --internal-key)",
                       "its work endpoint accepts calls from anyone who can reach its HTTP port")
 
 
@@ -52,6 +52,39 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+MAX_SECRET_FILE_BYTES = 64 * 1024
+
+
+def env_secret(name: str, env: Mapping[str, str] = os.environ) -> str | None:
+    """env[name], else the contents of the file named by env[name + "_FILE"] (how Docker and Kubernetes hand over
+    secrets: a file under /run/secrets, never a value in `docker inspect`), stripped; None when neither is set or
+    the value is empty. Both set, or a file that cannot be read, is a ValueError naming the variable."""
+    value, path = env.get(name, "").strip(), env.get(f"{name}_FILE", "").strip()
+    if value and path:
+        raise ValueError(f"both {name} and {name}_FILE are set: give the key one way")
+    if not path:
+        return value or None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{name}_FILE: cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ValueError(f"{name}_FILE: {path} is over {MAX_SECRET_FILE_BYTES} bytes: not a key")
+    try:
+        return data.decode("ascii").strip() or None
+    except UnicodeDecodeError:
+        raise ValueError(f"{name}_FILE: {path} is not ASCII text: not a key") from None
+
+
+def cli_secret(name: str) -> str | None:
+    """env_secret for a flag's default: a bad variable stops the program with the reason (exit 2), no traceback."""
+    try:
+        return env_secret(name)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
 def worker_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
     """--model, --host, --port, --log-level, the internal key and the HTTP limits, with the worker config's
     defaults. The worker adds its device flags (epd_models.device_flags) and CURVE flags
@@ -61,10 +94,10 @@ def worker_parser(prog: str, description: str, defaults: Any) -> argparse.Argume
     p.add_argument("--host", default=defaults.host, help="address the HTTP server binds")
     p.add_argument("--port", type=int, default=defaults.port, help="HTTP port")
     add_log_level(p, defaults.log_level)
-    p.add_argument("--internal-key", default=os.environ.get("EPD_INTERNAL_KEY"),
+    p.add_argument("--internal-key", default=cli_secret("EPD_INTERNAL_KEY"),
                    help="callers (the proxy) must send `Authorization: Bearer <key>` on the work endpoints; "
-                        "prefer env EPD_INTERNAL_KEY (argv is visible to other local users). Required unless "
-                        "--insecure (default: env EPD_INTERNAL_KEY)")
+                        "prefer env EPD_INTERNAL_KEY, or EPD_INTERNAL_KEY_FILE naming a file that holds it (argv is "
+                        "visible to other local users). Required unless --insecure (default: env EPD_INTERNAL_KEY)")
     p.add_argument("--insecure", action="store_true", default=env_flag("EPD_INSECURE"),
                    help="start without the internal key and/or CURVE keys (work endpoints and ZeroMQ open to anyone "
                         "who can reach them; logs a WARNING). Only for a trusted single-user host (default: env "

@@ -4,7 +4,6 @@ from __future__ import annotations
 import io
 import warnings
 
-import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 40_000_000  # ~6300x6300; above this the header alone is enough to refuse
@@ -86,6 +85,8 @@ def load_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
             background = Image.new("RGBA", img.size, (255, 255, 255, 255))
             return Image.alpha_composite(background, img).convert("RGB")
         if img.mode.startswith("I"):  # 16/32-bit grey: keep the top 8 of 16 bits
+            import numpy as np  # here, not above: the proxy (open_image only) runs without numpy
+
             grey = np.clip(np.asarray(img).astype(np.int64) >> 8, 0, 255).astype(np.uint8)
             return Image.fromarray(grey).convert("RGB")
         return img.convert("RGB")

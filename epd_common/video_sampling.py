@@ -8,10 +8,9 @@ both given, more frames than the rule allows, zero frames) these raise VideoErro
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
-
-import numpy as np
 
 from epd_common.video import VideoError, VideoInfo
 
@@ -106,7 +105,7 @@ def sample_indices(info: VideoInfo, fps: float | None = None, num_frames: int | 
     With `fps`: ``total / video_fps * fps`` clamped to [min_frames, min(max_frames, total) floored to a multiple],
     then floored to a multiple. With neither: every frame (transformers means that, but raises a TypeError before;
     its processors default to fps=2). Indices are ``torch.arange(0, total, total / n).int()``,
-    i.e. float32 values truncated, computed here with numpy. Where transformers would fail (both given, more frames
+    i.e. float32 values truncated (`arange_float32`). Where transformers would fail (both given, more frames
     than the video has, or zero frames: a ZeroDivisionError there) this raises VideoError.
     """
     if fps is not None and num_frames is not None:
@@ -123,7 +122,24 @@ def sample_indices(info: VideoInfo, fps: float | None = None, num_frames: int | 
     _check_sample_count(n, total)
     step = total / n
     size = math.ceil(total / step)  # torch.arange's length, which can be n + 1
-    return [int(v) for v in (np.arange(size, dtype=np.float64) * step).astype(np.float32)]
+    return [int(v) for v in arange_float32(size, step)]
+
+
+def arange_float32(size: int, step: float) -> list[float]:
+    """``(np.arange(size, dtype=float64) * step).astype(float32)``: each product rounded to the nearest float32.
+
+    Plain Python (struct's "f" rounds as numpy's cast does), so the torch-free proxy image carries no numpy;
+    tests/test_video_sampling.py checks it against numpy."""
+    return [struct.unpack("f", struct.pack("f", i * step))[0] for i in range(size)]
+
+
+def linspace_rounded(stop: int, n: int) -> list[int]:
+    """``np.linspace(0, stop, n).round().astype(int)`` for n >= 1: ``i * (stop / (n - 1))``, the last exactly
+    `stop`, rounded half to even (Python's round, as numpy's)."""
+    if n == 1:
+        return [0]
+    step = stop / (n - 1)
+    return [round(i * step) for i in range(n - 1)] + [stop]
 
 
 def sample_indices_linspace(info: VideoInfo, fps: float | None = None, num_frames: int | None = None,
@@ -144,7 +160,7 @@ def sample_indices_linspace(info: VideoInfo, fps: float | None = None, num_frame
         num_frames = min(max(int(total / info.fps * fps), min_frames), max_frames, total)
     n = num_frames if num_frames is not None else min(max(total, min_frames), max_frames)
     _check_sample_count(n, max(total, max_frames))  # n > total repeats frames, as in transformers
-    return [int(v) for v in np.linspace(0, total - 1, n).round().astype(int)]
+    return linspace_rounded(total - 1, n)
 
 
 def sample_indices_uniform(info: VideoInfo, fps: float | None = None, num_frames: int | None = None) -> list[int]:

@@ -3,11 +3,10 @@ attach mode (workers started elsewhere). Flags of both modes on one command line
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from connector.control.curve_flags import add_curve_flags
-from epd_common.cli import add_http_flags, add_log_level, env_flag, new_parser
+from epd_common.cli import add_http_flags, add_log_level, cli_secret, env_flag, new_parser
 from epd_contracts.video import MAX_VIDEO_FRAMES
 from proxy.config import ProxyConfig
 
@@ -126,13 +125,14 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                         "the embeddings (see docs/BENCHMARKS.md for the TTFT it saves)")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds for one encode or generation")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for workers to be healthy")
-    p.add_argument("--api-key", default=os.environ.get("EPD_API_KEY"),
-                   help="clients must send `Authorization: Bearer <key>` on /v1/* (default: env EPD_API_KEY; "
-                        "unset: open)")
-    p.add_argument("--internal-key", default=os.environ.get("EPD_INTERNAL_KEY"),
+    p.add_argument("--api-key", default=cli_secret("EPD_API_KEY"),
+                   help="clients must send `Authorization: Bearer <key>` on /v1/* (default: env EPD_API_KEY, or the "
+                        "file EPD_API_KEY_FILE names; unset: open)")
+    p.add_argument("--internal-key", default=cli_secret("EPD_INTERNAL_KEY"),
                    help="Bearer key of the internal side: sent to workers (start them with the same --internal-key) "
-                        "and required on /instances (default: env EPD_INTERNAL_KEY; unset: attach mode needs "
-                        "--insecure, launcher mode makes one per start)")
+                        "and required on /instances (default: env EPD_INTERNAL_KEY, or the file "
+                        "EPD_INTERNAL_KEY_FILE names; unset: attach mode needs --insecure, launcher mode makes one per "
+                        "start)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health probes of a worker")
     p.add_argument("--health-timeout", type=float, default=2.0, help="seconds one probe may take")
     p.add_argument("--health-failures", type=int, default=3,

@@ -25,7 +25,9 @@ from transformers.video_utils import default_sample_indices_fn
 from epd_common.video import VideoError, VideoInfo
 from epd_common.video_sampling import (
     VideoConfig,
+    arange_float32,
     frame_indices,
+    linspace_rounded,
     sample_indices,
     sample_indices_linspace,
     sample_indices_uniform,
@@ -186,3 +188,15 @@ def test_a_config_from_a_worker_is_checked() -> None:
                 {"sampler": "qwen2", "temporal_patch": 2, "min_pixels": 1, "max_pixels": 2, "evil": 1}):
         with pytest.raises(ValueError):
             VideoConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("total", [1, 2, 3, 7, 16, 31, 100, 1001, 4097])
+def test_the_numpy_free_index_helpers_equal_numpy(total: int) -> None:
+    """The proxy image has no numpy: the plain-Python arange / linspace equal numpy's, value for value."""
+    for n in range(1, min(total, 64) + 1):
+        step = total / n
+        size = math.ceil(total / step)
+        expected = (np.arange(size, dtype=np.float64) * step).astype(np.float32).tolist()
+        assert arange_float32(size, step) == expected, (total, n)
+    for n in [*range(1, 70), 127, 768]:
+        assert linspace_rounded(total - 1, n) == np.linspace(0, total - 1, n).round().astype(int).tolist(), (total, n)

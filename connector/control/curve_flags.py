@@ -14,28 +14,32 @@ from connector.control.security import (
 
 GROUP = "connector security (ZeroMQ CURVE; see docs/SECURITY.md)"
 _CURVE_NEEDS = {  # CurveConfig field -> (what is missing, what is open without it)
-    "secret_key": (f"a CURVE secret key (--ec-curve-key FILE or env {ENV_SECRET_KEY})",
+    "secret_key": (f"a CURVE secret key (--ec-curve-key FILE, or env {ENV_SECRET_KEY} or {ENV_SECRET_KEY}_FILE)",
                    "its ZeroMQ links are unauthenticated and unencrypted"),
     "allowed_clients": ("the CURVE client keys allowed in (--ec-curve-allowed-clients DIR or env "
-                        f"{ENV_ALLOWED_CLIENTS})",
+                        f"{ENV_ALLOWED_CLIENTS} or {ENV_ALLOWED_CLIENTS}_FILE)",
                         "anyone who can reach its ZeroMQ sockets can get every embedding and use has, snapshot and "
                         "the cache events"),
-    "server_key": (f"the encoders' CURVE public key (--ec-curve-server-key FILE or env {ENV_SERVER_KEY})",
+    "server_key": (f"the encoders' CURVE public key (--ec-curve-server-key FILE, or env {ENV_SERVER_KEY} or "
+                   f"{ENV_SERVER_KEY}_FILE)",
                    "embeddings it gathers can be read or forged on the way"),
 }
 
 
 def add_curve_flags(g: argparse._ActionsContainer, *, allowed_clients: bool) -> None:
-    """Optional CURVE key files; each falls back to its EPD_EC_CURVE_* env var. Only encoders admit clients."""
+    """Optional CURVE key files; each falls back to its EPD_EC_CURVE_* env var (or EPD_EC_CURVE_*_FILE, a file holding
+    the key). Only encoders admit clients."""
     g.add_argument("--ec-curve-key", default=None,
                    help="this node's secret key file (`epd-ec-keygen generate DIR`) (default: env "
-                        f"{ENV_SECRET_KEY})")
+                        f"{ENV_SECRET_KEY}, or the file {ENV_SECRET_KEY}_FILE names)")
     g.add_argument("--ec-curve-server-key", default=None,
-                   help=f"the encoders' public key file (decoders, proxies) (default: env {ENV_SERVER_KEY})")
+                   help=f"the encoders' public key file (decoders, proxies) (default: env {ENV_SERVER_KEY}, or the "
+                        f"file {ENV_SERVER_KEY}_FILE names)")
     if allowed_clients:
         g.add_argument("--ec-curve-allowed-clients", default=None,
                        help="directory of the client public key files allowed in (default: env "
-                            f"{ENV_ALLOWED_CLIENTS})")
+                            f"{ENV_ALLOWED_CLIENTS}, comma-separated keys, or the file {ENV_ALLOWED_CLIENTS}_FILE "
+                            "names)")
 
 
 def pop_curve(p: argparse.ArgumentParser, args: argparse.Namespace) -> CurveConfig | None:

@@ -17,6 +17,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from epd_common.cli import env_secret
+
 logger = logging.getLogger("epd.connector.security")
 
 ZAP_DOMAIN = "epd"
@@ -93,7 +95,7 @@ def _allowed_from_dir(directory: str) -> frozenset[bytes]:
 
 def _allowed_from_env(env: Mapping[str, str]) -> frozenset[bytes] | None:
     """Parse the comma-separated Z85 keys of EPD_EC_CURVE_ALLOWED_CLIENTS; None when unset."""
-    value = env.get(ENV_ALLOWED_CLIENTS, "").strip()
+    value = env_secret(ENV_ALLOWED_CLIENTS, env)
     if not value:
         return None
     keys = frozenset(_check_z85(k.strip().encode(), ENV_ALLOWED_CLIENTS) for k in value.split(",") if k.strip())
@@ -103,8 +105,8 @@ def _allowed_from_env(env: Mapping[str, str]) -> frozenset[bytes] | None:
 
 
 def _env_key(env: Mapping[str, str], var: str) -> bytes | None:
-    """Return the validated Z85 key in env[var], or None when unset or empty."""
-    value = env.get(var, "").strip()
+    """Return the validated Z85 key in env[var] (or the file env[var + "_FILE"] names), or None when unset or empty."""
+    value = env_secret(var, env)
     return _check_z85(value.encode(), var) if value else None
 
 
@@ -192,38 +194,42 @@ def generate_keypair(directory: Path, name: str) -> tuple[Path, Path]:
     return public_path, secret_path
 
 
-ENV_FILES = ("encoder.env", "client.env", "k8s-curve.env", "k8s-keys.env")
+# one key per file, for docker compose `secrets:` (mounted at /run/secrets/NAME, read through EPD_*_FILE)
+SECRET_FILES = ("internal_key", "api_key", "encoders_secret_key", "encoders_public_key", "clients_secret_key",
+                "clients_public_key")
+ENV_FILES = ("k8s-curve.env", "k8s-keys.env")  # `kubectl create secret generic --from-env-file=...`
 
 
-def write_env_files(directory: Path) -> list[Path]:
-    """Make one fleet's keys and write them as env files (0600, never overwritten) into directory:
+def write_key_files(directory: Path) -> list[Path]:
+    """Make one fleet's keys (the internal key, a public API key, the encoders' and the clients' CURVE key pairs)
+    and write them into directory, never overwriting a file:
 
-    - encoder.env: what every encoder reads (compose `env_file`): the internal key, the encoders' CURVE secret key,
-      the clients' public key as the only allowed client;
-    - client.env: what every decoder and proxy reads: the internal key, the clients' secret key, the encoders'
-      public key;
-    - k8s-curve.env, k8s-keys.env: the same keys under the Secret key names the manifests use
-      (`kubectl create secret generic epd-curve --from-env-file=...`; epd-keys also gets a fresh api-key).
+    - SECRET_FILES, one key each, for docker compose `secrets:`. Compose bind-mounts a secret file as it is, owner
+      and mode included, and the containers run as uid 10001, so these are 0644: the directory, made (or narrowed
+      to) 0700, is what keeps other local users out.
+    - ENV_FILES (0600): the same keys under the Secret key names the Kubernetes manifests use (k8s-curve.env for
+      epd-curve; k8s-keys.env for epd-keys, with the API key).
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = [directory / name for name in ENV_FILES]
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    paths = [directory / name for name in (*SECRET_FILES, *ENV_FILES)]
     if any(p.exists() for p in paths):
         raise FileExistsError(f"refusing to overwrite existing key files in {directory}")
     (enc_pub, enc_sec), (cli_pub, cli_sec) = zmq.curve_keypair(), zmq.curve_keypair()
-    internal = secrets.token_urlsafe(32)
-    # NOTE: compose reads single-quoted values literally (Z85 keys may hold `$` and `#`); kubectl takes raw values
-    contents = [
-        {"EPD_INTERNAL_KEY": internal, ENV_SECRET_KEY: enc_sec.decode(), ENV_ALLOWED_CLIENTS: cli_pub.decode()},
-        {"EPD_INTERNAL_KEY": internal, ENV_SECRET_KEY: cli_sec.decode(), ENV_SERVER_KEY: enc_pub.decode()},
-        {"encoders-secret-key": enc_sec.decode(), "encoders-public-key": enc_pub.decode(),
-         "clients-secret-key": cli_sec.decode(), "clients-public-key": cli_pub.decode()},
-        {"internal-key": internal, "api-key": secrets.token_urlsafe(32)},
-    ]
-    for path, values in zip(paths, contents, strict=True):
-        quote = "'" if path.name in ENV_FILES[:2] else ""
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write("".join(f"{k}={quote}{v}{quote}\n" for k, v in values.items()))
+    internal, api = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    curve = {"encoders-secret-key": enc_sec.decode(), "encoders-public-key": enc_pub.decode(),
+             "clients-secret-key": cli_sec.decode(), "clients-public-key": cli_pub.decode()}
+    files = {"internal_key": (internal, 0o644), "api_key": (api, 0o644),
+             **{name.replace("-", "_"): (value, 0o644) for name, value in curve.items()},
+             "k8s-curve.env": ("".join(f"{k}={v}\n" for k, v in curve.items()), 0o600),
+             "k8s-keys.env": (f"internal-key={internal}\napi-key={api}\n", 0o600)}
+    for path in paths:
+        text, mode = files[path.name]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        os.fchmod(fd, mode)  # whatever the umask
+        with os.fdopen(fd, "w") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
     return paths
 
 
@@ -232,7 +238,7 @@ Keys for EPD's internal links. The launcher (disagg-epd-proxy without worker URL
 start and needs none of this. Attach mode, docker compose and Kubernetes are secure by default: workers refuse
 to start without an internal key and CURVE keys (or --insecure).
 
-  epd-ec-keygen env deploy/secrets     # encoder.env + client.env for compose (env_file), k8s-*.env for Secrets
+  epd-ec-keygen env deploy/secrets     # one file per key for compose secrets, k8s-*.env for Secrets
   epd-ec-keygen generate keys --name encoders   # one certificate pair (keys/encoders.key, .key_secret)
 
 See docs/DEPLOY.md and docs/SECURITY.md."""
@@ -247,14 +253,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           "(for the --ec-curve-* file flags)")
     gen.add_argument("directory", type=Path)
     gen.add_argument("--name", default="ec", help="file name stem (default: ec)")
-    env = sub.add_parser("env", help="write a fleet's internal key and CURVE keys as env files into DIR: "
-                                     "encoder.env and client.env (compose env_file), k8s-curve.env and "
-                                     "k8s-keys.env (kubectl create secret generic --from-env-file)")
+    env = sub.add_parser("env", help="write a fleet's internal key, API key and CURVE keys into DIR (made 0700): "
+                                     "one file per key for docker compose secrets (internal_key, api_key, "
+                                     "encoders_secret_key, ...), and k8s-curve.env and k8s-keys.env "
+                                     "(kubectl create secret generic --from-env-file)")
     env.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     try:
         paths = generate_keypair(args.directory, args.name) if args.command == "generate" else \
-            write_env_files(args.directory)
+            write_key_files(args.directory)
     except FileExistsError as e:
         parser.exit(1, f"error: {e}\n")
     print(*paths, sep="\n")

@@ -17,8 +17,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from connector.control.security import (
     ENV_ALLOWED_CLIENTS,
+    ENV_FILES,
     ENV_SECRET_KEY,
     ENV_SERVER_KEY,
+    SECRET_FILES,
     CurveConfig,
     generate_keypair,
     load_curve_config,
@@ -27,6 +29,7 @@ from connector.control.security import (
     secure_server,
     start_authenticator,
 )
+from epd_common.cli import MAX_SECRET_FILE_BYTES, env_secret
 
 GUARD_MS = 5000  # upper bound for things that must happen; never reached when things work
 SILENCE_MS = 1500  # bounded window in which a rejected message must not show up
@@ -314,22 +317,49 @@ def _env_lines(path: Path) -> dict[str, str]:
     return dict(line.split("=", 1) for line in path.read_text().splitlines())
 
 
-def test_cli_env_writes_a_fleets_keys_as_env_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_env_writes_a_fleets_keys_as_secret_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "s").mkdir(mode=0o755)  # an existing directory open to others is narrowed to its owner
     assert main(["env", str(tmp_path / "s")]) == 0
-    paths = [Path(line) for line in capsys.readouterr().out.splitlines()]
-    assert [p.name for p in paths] == ["encoder.env", "client.env", "k8s-curve.env", "k8s-keys.env"]
-    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths)
-    encoder, client, curve, keys = ({k: v.strip("'") for k, v in _env_lines(p).items()} for p in paths)
-    enc_cfg, cli_cfg = load_curve_config(None, env=encoder), load_curve_config(None, env=client)
+    paths = {Path(line).name: Path(line) for line in capsys.readouterr().out.splitlines()}
+    assert list(paths) == [*SECRET_FILES, *ENV_FILES]
+    assert stat.S_IMODE(os.stat(tmp_path / "s").st_mode) == 0o700
+    assert {n: stat.S_IMODE(os.stat(p).st_mode) for n, p in paths.items()} == {
+        **dict.fromkeys(SECRET_FILES, 0o644), **dict.fromkeys(ENV_FILES, 0o600)}
+    # the files as compose mounts them: each role reads its keys through EPD_*_FILE
+    encoder_env = {"EPD_EC_CURVE_SECRET_KEY_FILE": str(paths["encoders_secret_key"]),
+                   "EPD_EC_CURVE_ALLOWED_CLIENTS_FILE": str(paths["clients_public_key"])}
+    client_env = {"EPD_EC_CURVE_SECRET_KEY_FILE": str(paths["clients_secret_key"]),
+                  "EPD_EC_CURVE_SERVER_KEY_FILE": str(paths["encoders_public_key"])}
+    enc_cfg, cli_cfg = load_curve_config(None, env=encoder_env), load_curve_config(None, env=client_env)
     assert enc_cfg is not None and cli_cfg is not None
     assert enc_cfg.allowed_clients == frozenset({cli_cfg.public_key}) and cli_cfg.server_key == enc_cfg.public_key
-    assert encoder["EPD_INTERNAL_KEY"] == client["EPD_INTERNAL_KEY"] == keys["internal-key"]
-    assert curve == {"encoders-secret-key": encoder[ENV_SECRET_KEY], "encoders-public-key": client[ENV_SERVER_KEY],
-                     "clients-secret-key": client[ENV_SECRET_KEY], "clients-public-key": encoder[ENV_ALLOWED_CLIENTS]}
-    before = paths[0].read_bytes()
+    curve, keys = _env_lines(paths["k8s-curve.env"]), _env_lines(paths["k8s-keys.env"])
+    assert curve == {name.replace("_", "-"): paths[name].read_text().strip() for name in SECRET_FILES[2:]}
+    assert keys == {"internal-key": paths["internal_key"].read_text().strip(),
+                    "api-key": paths["api_key"].read_text().strip()}
+    assert len(set(keys.values())) == 2 and all(len(v) >= 40 for v in keys.values())
+    before = paths["internal_key"].read_bytes()
     with pytest.raises(SystemExit) as exit_info:
         main(["env", str(tmp_path / "s")])
-    assert exit_info.value.code == 1 and paths[0].read_bytes() == before
+    assert exit_info.value.code == 1 and paths["internal_key"].read_bytes() == before
+
+
+def test_a_key_is_read_from_the_variable_or_the_file_its_FILE_variable_names(tmp_path: Path) -> None:
+    key = tmp_path / "k"
+    key.write_text("  s3cret\n")
+    assert env_secret("K", {"K": " v "}) == "v" and env_secret("K", {"K_FILE": str(key)}) == "s3cret"
+    assert env_secret("K", {}) is None and env_secret("K", {"K": "", "K_FILE": ""}) is None
+    big, binary = tmp_path / "big", tmp_path / "bin"
+    big.write_bytes(b"a" * (MAX_SECRET_FILE_BYTES + 1))
+    binary.write_bytes(b"\xff\xfe")
+    for env, words in [({"K": "v", "K_FILE": str(key)}, "both K and K_FILE"),
+                       ({"K_FILE": str(tmp_path / "missing")}, "K_FILE: cannot read"),
+                       ({"K_FILE": str(tmp_path)}, "K_FILE: cannot read"),
+                       ({"K_FILE": str(big)}, "not a key"), ({"K_FILE": str(binary)}, "not ASCII")]:
+        with pytest.raises(ValueError, match=words):
+            env_secret("K", env)
+    with pytest.raises(ValueError, match="EPD_EC_CURVE_SECRET_KEY_FILE: cannot read"):  # CURVE reads keys the same way
+        load_curve_config(None, env={"EPD_EC_CURVE_SECRET_KEY_FILE": str(tmp_path / "missing")})
 
 
 def test_cli_help_says_when_keys_are_needed(capsys: pytest.CaptureFixture[str]) -> None:
