@@ -74,7 +74,26 @@ bench-video: install
 # aggregated decoder side by side; about 5 minutes. Writes runs/gpu-check/gpu_check.{md,json} and logs.tar.gz.
 .PHONY: gpu-check
 gpu-check: install
-	$(BIN)/python -m epd_bench.gpu_check --device cuda --out runs/gpu-check
+	$(BIN)/python -m epd_bench.gpu_check --device cuda --out runs/gpu-check --write-benchmarks docs/BENCHMARKS.md
+
+# Deployment (docs/DEPLOY.md). `make lock` re-pins deploy/requirements/*.txt (with hashes) after a dependency
+# changes in pyproject.toml; `make images` builds epd-proxy:latest and epd-worker:$(VARIANT) offline from them;
+# `make deploy-smoke` builds and runs deploy/docker-compose.cpu.yml for real, timing each phase (about 3 minutes
+# with the images cached). Both need a Docker engine: `make docker-host` sets one up on a Debian 12 host (root).
+VARIANT ?= cpu
+.PHONY: lock images deploy-smoke docker-host
+lock: $(RUN_STAMP)
+	$(BIN)/python -c "import uv" 2>/dev/null || $(BIN)/pip install -q "uv>=0.9"
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python deploy/lock.py
+
+images: $(RUN_STAMP)
+	deploy/tools/images.sh $(VARIANT)
+
+deploy-smoke: $(RUN_STAMP)
+	$(BIN)/python deploy/smoke.py
+
+docker-host:
+	deploy/tools/docker-host.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -13,9 +13,9 @@ set -eu
 LOCK=${1:?usage: wheelhouse.sh proxy|worker-cpu|worker-cuda [OUT]}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${2:-$ROOT/build/wheelhouse/$LOCK}
-PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
-REQS=$ROOT/deploy/requirements/$LOCK.txt
+REQS="$ROOT/deploy/requirements/$LOCK.txt"
 [ -f "$REQS" ] || { echo "wheelhouse.sh: no lock $REQS" >&2; exit 2; }
 mkdir -p "$OUT/wheels" "$OUT/epd"
 # the image's platform: glibc 2.36 (bookworm) runs every manylinux wheel up to 2_36

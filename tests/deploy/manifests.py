@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE_GPU, COMPOSE_CPU = DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.cpu.yml"
+INSECURE = DEPLOY / "docker-compose.insecure.yml"
 ENV_EXAMPLE = DEPLOY / ".env.example"
 
 PROGRAM_ROLES = {"epd-encoder": "encoder", "epd-decoder": "decoder", "disagg-epd-proxy": "proxy"}
@@ -63,11 +64,30 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
     return _COMPOSE_VAR.sub(sub, value)
 
 
-def compose(path: Path) -> dict[str, Any]:
-    """The services of a compose file, interpolated with deploy/.env.example (the GPU file) or nothing."""
+class ComposeLoader(yaml.SafeLoader):
+    """YAML as compose reads it: `!reset VALUE` (an override that replaces instead of merging) is VALUE."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: (
+    loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
+    else loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_scalar(node)))
+
+
+def load_compose(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.load(path.read_text(), Loader=ComposeLoader)  # noqa: S506 (a SafeLoader subclass)
+    return doc
+
+
+def compose_doc(path: Path) -> dict[str, Any]:
+    """A compose file, interpolated with deploy/.env.example (the GPU file) or nothing."""
     env = env_file(ENV_EXAMPLE) if path == COMPOSE_GPU else {}
-    doc = interpolate(yaml.safe_load(path.read_text()), env)
-    services: dict[str, Any] = doc["services"]
+    doc: dict[str, Any] = interpolate(load_compose(path), env)
+    return doc
+
+
+def compose(path: Path) -> dict[str, Any]:
+    """The services of a compose file, interpolated as compose_doc does."""
+    services: dict[str, Any] = compose_doc(path)["services"]
     return services
 
 
@@ -189,32 +209,45 @@ def help_text(program: str, capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def deploy_files() -> Iterator[Path]:
-    """Everything under deploy/ a commit would carry (deploy/.env is the operator's own, never committed)."""
+    """Everything under deploy/ a commit would carry (deploy/.env and deploy/secrets/ are the operator's own, never
+    committed: .gitignore says so)."""
     for path in sorted(DEPLOY.rglob("*")):
-        if path.is_file() and path.name != ".env" and "__pycache__" not in path.parts:
+        rel = path.relative_to(DEPLOY)
+        if path.is_file() and path.name != ".env" and "__pycache__" not in rel.parts and rel.parts[0] != "secrets":
             yield path
 
 
 # --- keys, as `epd-ec-keygen env` makes them and compose / Kubernetes hand them over ---
 
-KEY_FILES = {"encoder": "secrets/encoder.env", "decoder": "secrets/client.env", "proxy": "secrets/client.env"}
 K8S_SECRET_FILES = {"epd-curve": "k8s-curve.env", "epd-keys": "k8s-keys.env"}
+SECRETS_MOUNT = "/run/secrets/"
 
 
 def generated_keys(directory: Path) -> dict[str, dict[str, str]]:
-    """file name -> its variables, for a fresh `epd-ec-keygen env DIR` (compose strips the single quotes)."""
-    from connector.control.security import write_env_files
+    """A fresh `epd-ec-keygen env DIR`: each k8s-*.env file -> its variables, each compose secret file -> {"": key}."""
+    from connector.control.security import write_key_files
 
-    return {p.name: {k: v.strip("'") for k, v in env_file(p).items()} for p in write_env_files(directory)}
+    paths = write_key_files(directory)
+    return {p.name: env_file(p) if p.suffix == ".env" else {"": p.read_text().strip()} for p in paths}
 
 
-def compose_key_env(service: dict[str, Any], keys: dict[str, dict[str, str]]) -> dict[str, str]:
-    """The variables a compose service gets from its env_file entries (paths relative to deploy/)."""
-    env: dict[str, str] = {}
-    for path in service.get("env_file", []):
-        assert path.startswith("secrets/"), f"env_file {path} is not a generated key file"
-        env.update(keys[path.removeprefix("secrets/")])
-    return env
+def compose_secret_files(service: dict[str, Any], top: dict[str, Any]) -> dict[str, str]:
+    """EPD_*_FILE variable -> the compose secret it names: each must be mounted into the service, from a file
+    under the secrets folder."""
+    found = {}
+    for var, value in service.get("environment", {}).items():
+        if var.endswith("_FILE") and value:
+            assert value.startswith(SECRETS_MOUNT), f"{var}={value} is not a mounted secret"
+            name = value.removeprefix(SECRETS_MOUNT)
+            assert name in service["secrets"], f"{var} names the secret {name}, which is not mounted"
+            assert top["secrets"][name]["file"].endswith(f"/{name}"), top["secrets"][name]
+            found[var] = name
+    return found
+
+
+def compose_key_env(service: dict[str, Any], top: dict[str, Any], key_dir: Path) -> dict[str, str]:
+    """The EPD_*_FILE variables a compose service gets, pointed at the generated key files instead of the mount."""
+    return {var: str(key_dir / name) for var, name in compose_secret_files(service, top).items()}
 
 
 def k8s_secret_env(container: dict[str, Any], keys: dict[str, dict[str, str]]) -> dict[str, str]:

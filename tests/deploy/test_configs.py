@@ -2,7 +2,6 @@
 real command-line parsers, and nothing secret is committed."""
 from __future__ import annotations
 
-import fnmatch
 import re
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,14 @@ from tests.deploy.manifests import (
     COMPOSE_GPU,
     DEPLOY,
     ENV_EXAMPLE,
+    INSECURE,
     K8S,
-    KEY_FILES,
     ROOT,
     by_kind,
     compose,
+    compose_doc,
     compose_key_env,
+    compose_secret_files,
     compose_vars,
     config_map,
     containers,
@@ -36,6 +37,7 @@ from tests.deploy.manifests import (
     k8s_env,
     k8s_objects,
     k8s_secret_env,
+    load_compose,
     main_container,
     one,
     parsers,
@@ -54,11 +56,21 @@ def no_epd_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("EPD_API_KEY", "EPD_INTERNAL_KEY", "EPD_PROXY_URL", "EPD_EC_CURVE_SECRET_KEY",
                  "EPD_EC_CURVE_SERVER_KEY", "EPD_EC_CURVE_ALLOWED_CLIENTS", "EPD_INSECURE"):
         monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(f"{name}_FILE", raising=False)
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:  # `epd-ec-keygen env`, parsed
-    return generated_keys(tmp_path_factory.mktemp("keys") / "secrets")
+def key_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:  # a fresh `epd-ec-keygen env DIR`
+    directory = tmp_path_factory.mktemp("keys") / "secrets"
+    generated_keys(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def keys(key_dir: Path) -> dict[str, dict[str, str]]:  # its files, parsed
+    from tests.deploy.manifests import env_file
+
+    return {p.name: env_file(p) if p.suffix == ".env" else {"": p.read_text().strip()} for p in key_dir.iterdir()}
 
 
 def accepted(program: str, argv: list[str], where: str, capsys: pytest.CaptureFixture[str],
@@ -106,7 +118,10 @@ def test_compose_health_checks_hit_each_services_own_port_and_services_restart(p
         test = " ".join(s["healthcheck"]["test"])
         assert f"http://127.0.0.1:{one(s['command'], '--port')}/health" in test, name
         assert s["restart"] in ("always", "unless-stopped", "on-failure"), name
-        assert s["image"] and s["build"]["dockerfile"] == "deploy/Dockerfile" and s["build"]["context"] == ".."
+        # the images `make images` builds (deploy/Dockerfile's two targets); compose never builds
+        image = "epd-proxy:" if role(s) == "proxy" else "epd-worker:"
+        assert s["image"].startswith(image) and "build" not in s, name
+        assert s["networks"] == ["epd"] and s["init"] is True, name
 
 
 def test_gpu_compose_gives_each_worker_its_own_gpu() -> None:
@@ -129,9 +144,7 @@ def test_cpu_compose_runs_the_demo_model_with_no_gpu_and_no_env_file() -> None:
     for name, s in compose(COMPOSE_CPU).items():
         assert "deploy" not in s, f"{name} reserves devices"
         if role(s) != "proxy":
-            assert one(s["command"], "--model") == "demo"
-        args = s["build"]["args"]
-        assert "nvidia" not in args["BASE_IMAGE"] and args["TORCH_INDEX"].endswith("/whl/cpu")
+            assert one(s["command"], "--model") == "demo" and s["image"] == "epd-worker:cpu"
     # every variable has a default, so `docker compose up` needs no .env
     assert all(op in (":-", "-") for _, op, _ in compose_vars(COMPOSE_CPU))
 
@@ -142,38 +155,85 @@ def test_env_example_defines_exactly_what_the_gpu_compose_reads() -> None:
     assert used - set(example) == set(), "compose reads variables .env.example does not define"
     assert set(example) - used == set(), ".env.example defines variables compose never reads"
     required = {name for name, op, _ in compose_vars(COMPOSE_GPU) if op in (":?", "?")}
-    assert {"EPD_API_KEY"} <= required  # refuse to start an open GPU server (the internal key: secrets/*.env)
-    assert "EPD_INTERNAL_KEY" not in example and "EPD_INSECURE" not in COMPOSE_GPU.read_text()
+    assert required == set()  # no key in .env: they are secrets (test_compose_workers_are_secure_by_default...)
+    assert not {"EPD_API_KEY", "EPD_INTERNAL_KEY"} & set(example) and "EPD_INSECURE" not in COMPOSE_GPU.read_text()
 
 
 @COMPOSE_FILES
 def test_compose_commands_are_accepted_by_the_real_parsers(path: Path, capsys: pytest.CaptureFixture[str],
-                                                           keys: dict[str, dict[str, str]]) -> None:
-    for name, s in compose(path).items():
-        accepted(s["command"][0], s["command"][1:], f"{path.name}:{name}", capsys, compose_key_env(s, keys))
+                                                           key_dir: Path) -> None:
+    doc = compose_doc(path)
+    for name, s in doc["services"].items():
+        accepted(s["command"][0], s["command"][1:], f"{path.name}:{name}", capsys, compose_key_env(s, doc, key_dir))
+
+
+# which secret each role mounts, and the variable that reads it
+SECRETS_OF = {
+    "encoder": {"EPD_INTERNAL_KEY_FILE": "internal_key", "EPD_EC_CURVE_SECRET_KEY_FILE": "encoders_secret_key",
+                "EPD_EC_CURVE_ALLOWED_CLIENTS_FILE": "clients_public_key"},
+    "decoder": {"EPD_INTERNAL_KEY_FILE": "internal_key", "EPD_EC_CURVE_SECRET_KEY_FILE": "clients_secret_key",
+                "EPD_EC_CURVE_SERVER_KEY_FILE": "encoders_public_key"},
+}
+SECRETS_OF["proxy"] = SECRETS_OF["decoder"]
 
 
 @COMPOSE_FILES
-def test_compose_workers_are_secure_by_default_with_the_generated_keys(path: Path,
+def test_compose_workers_are_secure_by_default_with_the_generated_keys(path: Path, key_dir: Path,
                                                                        keys: dict[str, dict[str, str]]) -> None:
-    internal = keys["encoder.env"]["EPD_INTERNAL_KEY"]
-    for name, s in compose(path).items():
+    doc = compose_doc(path)
+    for name, s in doc["services"].items():
         r = role(s)
-        assert r is not None and s["env_file"] == [KEY_FILES[r]], f"{name} reads no key file"
+        assert r is not None
+        files = compose_secret_files(s, doc)
+        api_key = {"EPD_API_KEY_FILE": "api_key"} if path == COMPOSE_GPU and r == "proxy" else {}
+        assert files == {**SECRETS_OF[r], **api_key}, name  # each role mounts only the keys it needs
+        assert set(s["secrets"]) == set(files.values()), f"{name} mounts a secret it never reads"
+        # no other key variable, but the CPU proxy's EPD_API_KEY, which passes the shell's on (empty when unset)
+        other_keys = {k: v for k, v in s.get("environment", {}).items() if "KEY" in k and k not in files}
+        assert other_keys in ({}, {"EPD_API_KEY": ""}), name
         assert "EPD_INSECURE" not in s.get("environment", {}) and "--insecure" not in s["command"]
         if r == "proxy":
             continue
-        with pytest.raises(SystemExit):  # without the key file: refuses to start
+        with pytest.raises(SystemExit):  # without the key files: refuses to start
             parsers()[s["command"][0]](s["command"][1:])
         with pytest.MonkeyPatch.context() as mp:
-            for var, value in compose_key_env(s, keys).items():
+            for var, value in compose_key_env(s, doc, key_dir).items():
                 mp.setenv(var, value)
             cfg: Any = parsers()[s["command"][0]](s["command"][1:])
-        assert not cfg.insecure and cfg.internal_key == internal and cfg.curve is not None, name
+        assert not cfg.insecure and cfg.internal_key == keys["internal_key"][""] and cfg.curve is not None, name
         if r == "encoder":  # only the clients' key gets in
-            assert cfg.curve.allowed_clients == {zmq.curve_public(keys["client.env"]["EPD_EC_CURVE_SECRET_KEY"].encode())}
+            assert cfg.curve.allowed_clients == {keys["clients_public_key"][""].encode()}
+            assert cfg.curve.public_key == zmq.curve_public(keys["encoders_secret_key"][""].encode())
         else:
-            assert cfg.curve.server_key == zmq.curve_public(keys["encoder.env"]["EPD_EC_CURVE_SECRET_KEY"].encode())
+            assert cfg.curve.server_key == keys["encoders_public_key"][""].encode()
+            assert cfg.curve.public_key == keys["clients_public_key"][""].encode()
+
+
+def test_gpu_compose_proxy_requires_the_generated_api_key(capsys: pytest.CaptureFixture[str], key_dir: Path,
+                                                          keys: dict[str, dict[str, str]]) -> None:
+    doc = compose_doc(COMPOSE_GPU)
+    proxy = doc["services"]["proxy"]
+    env = compose_key_env(proxy, doc, key_dir)
+    args: Any = accepted(proxy["command"][0], proxy["command"][1:], "proxy", capsys, env)
+    assert args.api_key == keys["api_key"][""] and len(args.api_key) >= 40
+
+
+def test_insecure_override_runs_every_service_open_and_mounts_no_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    """deploy/docker-compose.insecure.yml on top of the CPU file: what compose merges (services' environment maps
+    merge, the override's empty `secrets` list replaces through !reset) starts every worker without keys."""
+    override = load_compose(INSECURE)["services"]
+    services = compose(COMPOSE_CPU)
+    assert set(override) == set(services)
+    for name, s in services.items():
+        env = {**s.get("environment", {}), **override[name]["environment"]}
+        assert env["EPD_INSECURE"] == "1" and override[name]["secrets"] == []
+        assert all(v == "" for k, v in env.items() if k.endswith("_FILE")), name
+        if role(s) == "proxy":
+            continue
+        cfg: Any = accepted(s["command"][0], s["command"][1:], name, capsys,
+                            {k: v for k, v in env.items() if k.startswith("EPD_")})
+        assert cfg.insecure and cfg.internal_key is None and cfg.curve is None, name
+    assert "!reset" in INSECURE.read_text()  # a plain `secrets: []` would merge with, not replace, the base list
 
 
 @COMPOSE_FILES
@@ -201,7 +261,7 @@ def test_k8s_has_a_deployment_and_a_service_for_every_role() -> None:
             for p in s["spec"]["ports"]:
                 assert p["targetPort"] in ports, f"Service {s['metadata']['name']} targets a port the pod lacks"
         pod = d["spec"]["template"]["spec"]["securityContext"]
-        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == dockerfile_uid()
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == IMAGE_UID
 
 
 def test_k8s_probes_hit_health_on_the_port_each_role_serves() -> None:
@@ -318,9 +378,10 @@ def test_kustomization_lists_every_manifest_but_the_optional_hpa() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "encoder-hpa.yaml"}
     assert set(kustomization["resources"]) == manifests
-    assert [i["name"] for i in kustomization["images"]] == ["epd"]
-    images = {c["image"] for d in by_kind("Deployment").values() for c in containers(d).values()}
-    assert images == {"epd"}
+    assert [i["name"] for i in kustomization["images"]] == ["epd-worker", "epd-proxy"]
+    for component in (*WORKERS, "proxy"):  # the torch-free image for the proxy, the worker image (and its sidecar)
+        images = {c["image"] for c in containers(deployment_of(component)).values()}
+        assert images == {"epd-proxy" if component == "proxy" else "epd-worker"}, component
 
 
 # --- the image ---
@@ -332,37 +393,57 @@ def dockerfile() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
 
 
-def dockerfile_uid() -> int:
-    users = [args for op, args in dockerfile() if op == "USER"]
-    return int(users[-1].split(":")[0])
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions (FROM ... AS name)."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for op, args in dockerfile():
+        if op == "FROM":
+            current = found.setdefault(args.split()[-1], [])
+        current.append((op, args))
+    return found
 
 
-def test_dockerfile_runs_as_a_numeric_non_root_user() -> None:
-    assert dockerfile_uid() != 0  # numeric, so Kubernetes' runAsNonRoot can verify it
+IMAGE_UID = 10001
 
 
-def test_dockerfile_builds_cuda_by_default_and_cpu_by_argument() -> None:
+def test_dockerfile_images_run_as_a_numeric_non_root_user() -> None:
+    for target in ("proxy", "worker"):
+        (user,) = [args for op, args in stages()[target] if op == "USER"]
+        assert int(user.split(":")[0]) == IMAGE_UID  # numeric, so Kubernetes' runAsNonRoot can verify it
+
+
+def test_dockerfile_installs_only_from_the_wheelhouse_and_checks_every_hash() -> None:
     args = dict(a.split("=", 1) for op, a in dockerfile() if op == "ARG" and "=" in a)
-    assert args["BASE_IMAGE"].startswith("nvidia/cuda:") and "TORCH_INDEX" in args
-    assert dockerfile()[1] == ("FROM", "${BASE_IMAGE}")
+    assert args["BASE_IMAGE"].startswith("python:3.11-")  # the locks are for CPython 3.11
+    assert dockerfile()[1] == ("FROM", "${BASE_IMAGE} AS base")
+    assert [a for op, a in dockerfile() if op == "FROM"][1:] == ["base AS install", "base AS proxy", "base AS worker"]
+    runs = [a for op, a in dockerfile() if op == "RUN"]
+    installs = [r for r in runs if " install " in r]
+    assert installs and all("--no-index" in r for r in installs)
+    assert any("--require-hashes -r /wheels/requirements.txt" in r for r in installs)
+    assert not re.search(r"https?://|apt-get|--index-url|--extra-index-url", " ".join(runs))  # offline
     assert not any("torchvision" in a for op, a in dockerfile())  # comments dropped: only instructions
+    # the images copy the installed environment only: no wheels, no pip
+    for target in ("proxy", "worker"):
+        assert ("COPY", "--from=install /opt/epd /opt/epd") in stages()[target]
+    assert any("pip uninstall --yes --quiet pip" in r for r in runs)
     env = " ".join(a for op, a in dockerfile() if op == "ENV")
-    assert "HF_HOME=/models/hf" in env and ("VOLUME", '["/models"]') in dockerfile()
+    assert "HF_HOME=/models/hf" in env and ("VOLUME", '["/models"]') in stages()["worker"]
 
 
-def test_dockerfile_copies_every_package_and_dockerignore_keeps_local_state_out() -> None:
-    # NOTE: tomllib is 3.11+; the [tool.setuptools.packages.find] include list is one line
-    include = re.findall(r'"(\w+)\*"', re.search(r"\ninclude = \[(.*)\]", (ROOT / "pyproject.toml").read_text())[1])
-    sources = [s for op, a in dockerfile() if op == "COPY" for s in a.split()[:-1] if not s.startswith("--")]
-    assert include and set(include) <= set(sources)
-    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
-    for src in sources:
-        assert (ROOT / src).exists(), f"COPY {src}: no such path"
-        parents = [str(Path(*Path(src).parts[:i])) for i in range(1, len(Path(src).parts) + 1)]
-        assert not any(fnmatch.fnmatch(p, pat.lstrip("*/")) for p in parents for pat in ignore), src
-    assert {".venv", "runs", ".git", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis",
-            "deploy/.env"} <= set(ignore)
+def test_the_proxy_image_refuses_to_build_with_torch_transformers_or_numpy_in_it() -> None:
+    checks = " ".join(a for op, a in stages()["proxy"] if op == "RUN")
+    assert "import epd_launcher.cli, proxy.app" in checks
+    assert re.search(r"for m in torch transformers numpy; do ! python -c \"import \$m\"", checks)
+
+
+def test_dockerfile_copies_what_the_wheelhouse_script_writes() -> None:
+    script = (DEPLOY / "tools" / "wheelhouse.sh").read_text()
+    copies = [a.split()[0] for op, a in stages()["install"] if op == "COPY"]
+    assert copies == ["requirements.txt", "wheels/", "epd/"]
+    for written in ('"$OUT/requirements.txt"', '--dest "$OUT/wheels"', '--wheel-dir "$OUT/epd"', '"$OUT/epd/epd-register"'):
+        assert written in script, written
 
 
 # --- secrets ---
@@ -380,21 +461,28 @@ def secrets_in(text: str) -> list[str]:
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))  # not prose
     for name, value in _ASSIGNED.findall(code):
         value = value.strip("'\"")
-        if value and not value.startswith(("$", "{", "#")):
+        if re.fullmatch(f"{_Z85}{{40}}", value):  # a CURVE key, whatever its first character
+            found.append(f"{name}={value}")
+        # not a variable, a path (EPD_*_FILE names a key, holds none) or an expression (`str(path)`, `""}`)
+        elif re.search(r"\w", value) and "(" not in value and not value.startswith(("$", "{", "#", "/", "./")):
             found.append(f"{name}={value}")
     return found
 
 
 def test_the_secret_scanner_finds_keys() -> None:
     public, secret = zmq.curve_keypair()
+    for first in "{$#/(":  # a key may start with any Z85 character
+        assert secrets_in(f"EPD_EC_CURVE_SECRET_KEY={first}{secret.decode()[1:]}")
     assert secrets_in(f"EPD_EC_CURVE_SECRET_KEY={secret.decode()}")
     assert secrets_in(f'    secret-key = "{secret.decode()}"') and secrets_in(f"server: {public.decode()}")
     assert secrets_in("-----BEGIN OPENSSH PRIVATE KEY-----") and secrets_in("EPD_API_KEY=sk-abc123")
     assert secrets_in("      EPD_INTERNAL_KEY: hunter2") and secrets_in('{"HF_TOKEN": "hf_abc"}')
     assert not secrets_in("EPD_API_KEY=\n  EPD_INTERNAL_KEY: ${EPD_INTERNAL_KEY:?set it}\n")
+    assert not secrets_in("  EPD_INTERNAL_KEY_FILE: /run/secrets/internal_key\n  env = {'EPD_API_KEY': str(path)}")
 
 
 def test_nothing_under_deploy_looks_like_a_committed_secret() -> None:
     found = {str(p.relative_to(ROOT)): secrets_in(p.read_text()) for p in deploy_files()}
     assert {p: s for p, s in found.items() if s} == {}
-    assert all(v == "" for k, v in env_file(ENV_EXAMPLE).items() if re.search(r"KEY|TOKEN|SECRET", k))
+    named_like_keys = {k: v for k, v in env_file(ENV_EXAMPLE).items() if re.search(r"KEY|TOKEN|SECRET", k)}
+    assert named_like_keys == {"HF_TOKEN": "", "EPD_SECRETS_DIR": "./secrets"}  # a folder, not a key

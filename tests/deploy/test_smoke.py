@@ -1,0 +1,48 @@
+"""deploy/smoke.py: the CPU compose stack for real (build, up, answer, kill an encoder, take it back, crash, down).
+
+Runs when EPD_DEPLOY_SMOKE=1 and a Docker engine with the compose plugin answers (.ci/run sets both up where it
+can: deploy/tools/docker-host.sh); skipped with the reason otherwise. `make deploy-smoke` runs the script alone."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PHASES = ["build", "refuse", "up", "answer", "kill", "take-back", "crash", "down"]
+
+
+def _docker_missing() -> str | None:
+    sys.path.insert(0, str(ROOT / "deploy"))
+    try:
+        from smoke import docker_missing  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(ROOT / "deploy"))
+    reason: str | None = docker_missing()
+    return reason
+
+
+@pytest.mark.e2e
+def test_the_cpu_compose_stack_runs_for_real(tmp_path: Path) -> None:
+    if os.environ.get("EPD_DEPLOY_SMOKE") != "1":
+        pytest.skip("the deploy smoke test builds images and runs containers: set EPD_DEPLOY_SMOKE=1 "
+                    "(make deploy-smoke; .ci/run does where Docker can run)")
+    if reason := _docker_missing():
+        pytest.skip(f"deploy smoke test: {reason}")
+    out = tmp_path / "smoke.json"
+    run = subprocess.run([sys.executable, "deploy/smoke.py", "--out", str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    record = json.loads(out.read_text())
+    phases = record["phases"]
+    assert record["ok"] and list(phases) == PHASES
+    assert phases["build"]["bytes"]["epd-proxy:latest"] <= 300e6  # the torch-free proxy image stays small
+    assert [a.split("-> ")[1] for a in phases["answer"]["answers"]] == ["'red'", "'circle'"]
+    assert phases["kill"]["answered_without_it"] == 8
+    for name in ("take-back", "crash"):
+        assert phases[name]["requests_until_it_encoded"] >= 1
+    assert phases["down"]["left_behind"] == {}
