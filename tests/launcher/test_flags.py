@@ -51,6 +51,30 @@ def test_help_never_prints_a_key_from_the_environment(program: str, capsys: pyte
     assert "internal-secret-123" not in text and "api-secret-456" not in text
 
 
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_keys_are_read_from_the_files_their_FILE_variables_name(program: str, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Any) -> None:
+    """How compose and Kubernetes hand keys over: EPD_INTERNAL_KEY_FILE=/run/secrets/internal_key."""
+    (tmp_path / "internal").write_text("internal-from-file\n")
+    (tmp_path / "api").write_text("api-from-file")
+    monkeypatch.setenv("EPD_INTERNAL_KEY_FILE", str(tmp_path / "internal"))
+    monkeypatch.setenv("EPD_API_KEY_FILE", str(tmp_path / "api"))
+    args = PROGRAMS[program](["--insecure"] + (ATTACH if program == "disagg-epd-proxy" else []))
+    args = args[1] if isinstance(args, tuple) else args
+    assert args.internal_key == "internal-from-file"
+    if program == "disagg-epd-proxy":
+        assert args.api_key == "api-from-file"
+    # a key given twice, or a file that cannot be read, stops the program with the reason, before anything starts
+    monkeypatch.setenv("EPD_INTERNAL_KEY", "also-in-env")
+    with pytest.raises(SystemExit, match="both EPD_INTERNAL_KEY and EPD_INTERNAL_KEY_FILE are set"):
+        PROGRAMS[program](["--insecure"])
+    monkeypatch.delenv("EPD_INTERNAL_KEY")
+    monkeypatch.setenv("EPD_INTERNAL_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit, match="EPD_INTERNAL_KEY_FILE: cannot read .*missing"):
+        PROGRAMS[program](["--insecure"])
+
+
 def test_proxy_help_groups_flags_by_mode_and_has_no_worker_only_flags(capsys: pytest.CaptureFixture[str]) -> None:
     text = help_text("disagg-epd-proxy", capsys)
     launcher, attach = text.index("launcher mode"), text.index("attach mode (workers")
