@@ -70,8 +70,11 @@ bench-prefix: install
 bench-video: install
 	$(BIN)/python -m epd_bench.video_compare $(BENCH_VIDEO_ARGS)
 
-# On a machine with a GPU (a .venv with a CUDA torch): the parity and device tests on cuda, then EPD and the
-# aggregated decoder side by side; about 5 minutes. Writes runs/gpu-check/gpu_check.{md,json} and logs.tar.gz.
+# On a machine with a GPU (a .venv with a CUDA torch): the parity and device tests on cuda, random checkpoints of
+# LLaVA-1.5-7B and Qwen2.5-VL-3B at their real shapes built locally, EPD (1 encoder + 1 decoder on the one GPU) and
+# the aggregated decoder under the bench workloads, then the feature benchmarks; budget 540 s. Writes
+# runs/gpu-check/gpu_check.{md,json}, logs.tar.gz, and the GPU section of docs/BENCHMARKS.md. The CPU dry run:
+# python -m epd_bench.gpu_check --device cpu --size small --out DIR (tests/bench/test_gpu_check.py).
 .PHONY: gpu-check
 gpu-check: install
 	$(BIN)/python -m epd_bench.gpu_check --device cuda --out runs/gpu-check --write-benchmarks docs/BENCHMARKS.md

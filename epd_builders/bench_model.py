@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ def build_bench(spec: BenchSpec | BenchVideoSpec, out_dir: str | Path) -> Path:
     torch.manual_seed(spec.seed)
     tok = train_tokenizer("<image>", "<image>")
     model = AutoModelForImageTextToText.from_config(bench_configs(spec, tok)).eval()
-    _save(model, tok, llava_processor(tok, spec.image_size, spec.patch), spec.visible_tokens_only, out)
+    save_checkpoint(model, tok, llava_processor(tok, spec.image_size, spec.patch), spec.visible_tokens_only, out)
     return out
 
 
@@ -141,7 +142,7 @@ def build_bench_video(spec: BenchVideoSpec, out_dir: str | Path) -> Path:
     torch.manual_seed(spec.seed)
     built = qwen.build(spec.tiny_spec())
     model = AutoModelForImageTextToText.from_config(built.config).eval()
-    _save(model, built.tokenizer, built.processor, spec.visible_tokens_only, out)
+    save_checkpoint(model, built.tokenizer, built.processor, spec.visible_tokens_only, out)
     ip = built.processor.image_processor
     video = {"video_processor_type": "Qwen2VLVideoProcessor", "size": dict(ip.size), "patch_size": ip.patch_size,
              "temporal_patch_size": ip.temporal_patch_size, "merge_size": ip.merge_size,
@@ -152,7 +153,7 @@ def build_bench_video(spec: BenchVideoSpec, out_dir: str | Path) -> Path:
     return out
 
 
-def _save(model: Any, tok: Any, processor: Any, visible_tokens_only: bool, out: Path) -> None:
+def save_checkpoint(model: Any, tok: Any, processor: Any, visible_tokens_only: bool, out: Path) -> None:
     """Generation ids from the tokenizer, invisible tokens muted (BenchSpec.visible_tokens_only), all saved."""
     gc = model.generation_config
     gc.bos_token_id, gc.eos_token_id, gc.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
@@ -181,18 +182,22 @@ def bench_model_dir(spec: BenchSpec | BenchVideoSpec = BENCH_SPEC, name: str = "
 
 
 def ensure_bench_model(spec: BenchSpec | BenchVideoSpec = BENCH_SPEC, name: str = "bench") -> Path:
-    """The cached build of spec (named `name` in the cache), building it first (seconds) if absent.
+    """The cached build of spec (named `name` in the cache), building it first (seconds) if absent."""
+    return ensure_built(bench_model_dir(spec, name), lambda out: build_bench(spec, out))
+
+
+def ensure_built(target: Path, build: Callable[[Path], object]) -> Path:
+    """target, made first by build(a temp dir) if it holds no model.safetensors yet.
 
     NOTE: built in a temp dir beside the target and renamed into place, so a process that finds the
     directory always finds a whole model, even when two processes build at once.
     """
-    target = bench_model_dir(spec, name)
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_bench(spec, tmp)
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
         try:
             tmp.rename(target)

@@ -165,8 +165,12 @@ class FamilyAdapter:
     # decoder half
 
     def build_language(self, cfg: PretrainedConfig) -> LanguageModules:
+        """The text model and lm_head, parameters on meta (load_half fills them)."""
+        from epd_models.meta import params_on_meta
+
         tc = cfg.get_text_config()
-        return LanguageModules(AutoModel.from_config(tc), tc.hidden_size, tc.vocab_size)
+        with params_on_meta():
+            return LanguageModules(AutoModel.from_config(tc), tc.hidden_size, tc.vocab_size)
 
     def image_token_id(self, cfg: PretrainedConfig) -> int:
         found = getattr(cfg, "image_token_id", None)

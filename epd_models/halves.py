@@ -138,15 +138,16 @@ class LanguageHalf:
         self.adapter = adapter_for(self.config)
         self.device = resolve_device(device)  # every tensor the decoder makes for the LM is made here
         self.dtype = _dtype(self.config, dtype)
-        self.module = self.adapter.build_language(self.config)
-        self.module.to(self.dtype).eval()
-        missing = load_half(self.module, self.model_dir, self.adapter, vision=False)
-        if missing == ["lm_head.weight"] and self.config.get_text_config().tie_word_embeddings:
+        # NOTE: parameters on meta until loaded (as the vision half's): a random init of a 7B LM costs over a
+        # minute of one CPU core (bf16 normal_ is single-threaded), and every value would be overwritten
+        self.module = self.adapter.build_language(self.config).eval()
+        load_half(self.module, self.model_dir, self.adapter, vision=False, assign=True)
+        if self.module.lm_head.weight.is_meta and self.config.get_text_config().tie_word_embeddings:
             self.module.lm_head.weight = self.module.language_model.embed_tokens.weight
-            missing = []
+        missing = meta_parameters(self.module)
         if missing:
             raise ValueError(f"checkpoint {self.model_dir} lacks LM weights: {missing[:5]}")
-        self.module.to(self.device)  # after tying: the tied weight moves once and stays shared
+        self.module.to(self.device, self.dtype)  # after tying: the tied weight moves once and stays shared
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.generation_config = _generation_config(self.model_dir)
         self.image_token_id = self.adapter.image_token_id(self.config)

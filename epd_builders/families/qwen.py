@@ -26,12 +26,7 @@ def build(spec: Any) -> Built:
             "mrope_section": [head_dim // 2 - 2 * third, third, third],  # sum == head_dim // 2
         },
     )
-    ids: dict[str, Any] = {
-        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
-        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
-        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
-        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
-    }
+    ids = qwen_token_ids(tok)
     if spec.family == "qwen2_vl":
         vision: Any = Qwen2VLVisionConfig(
             depth=spec.vision_layers, embed_dim=spec.vision_hidden, hidden_size=spec.text_hidden,
@@ -49,8 +44,19 @@ def build(spec: Any) -> Built:
         proc_cls = Qwen2_5_VLImageProcessorOnly
     cfg.tie_word_embeddings = False
     unit = spec.patch * 2  # one merged token covers (patch * merge)^2 pixels
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": unit * unit, "longest_edge": spec.image_size * spec.image_size},
-        patch_size=spec.patch, temporal_patch_size=2, merge_size=2,
-    )
-    return Built(cfg, proc_cls(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template), tok)
+    return Built(cfg, qwen_processor(proc_cls, tok, spec.patch, unit * unit, spec.image_size * spec.image_size), tok)
+
+
+def qwen_token_ids(tok: Any) -> dict[str, Any]:
+    """The config's image, video and vision start/end token ids, from the tokenizer."""
+    return {"image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+            "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+            "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
+            "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>")}
+
+
+def qwen_processor(cls: Any, tok: Any, patch: int, min_pixels: int, max_pixels: int) -> Any:
+    """An image-only Qwen processor (cls) with 2x2 merging, 2-frame temporal patches and these pixel bounds."""
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+                                               patch_size=patch, temporal_patch_size=2, merge_size=2)
+    return cls(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)

@@ -1,4 +1,4 @@
-"""`python -m epd_bench.gpu_check --smoke` end to end on the CPU, with a fake nvidia-smi; and its pieces."""
+"""`python -m epd_bench.gpu_check --size small` (the CPU dry run) end to end, with a fake nvidia-smi; and its pieces."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from epd_bench.gpu_check import junit_counts, on_device, parse_args
+from epd_bench.gpu_check import FAMILIES, SMALL_WORKLOADS, junit_counts, on_device, parse_args
+from epd_bench.gpu_check_report import BEGIN, END, write_section
 from epd_bench.stacks import epd
+from epd_builders.full_size import preset
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_SMI = """#!/bin/sh
@@ -21,38 +23,89 @@ case "$*" in
   *) echo "Fake GPU, 1.0, 1024" ;;
 esac
 """
+SYSTEMS = ("epd-1enc", "aggregated")
+
+
+def outside(text: str) -> str:
+    """The text of a Markdown file outside its gpu-check section."""
+    return text[: text.index(BEGIN)] + text[text.index(END):]
 
 
 @pytest.mark.e2e
-def test_smoke_run_records_every_step_in_at_most_eight_files(tmp_path: Path) -> None:
+def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
     (bin_dir / "nvidia-smi").chmod(0o755)
-    out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "epd_bench.gpu_check", "--smoke", "--device", "cpu", "--out",
-                           str(out), "--budget", "500"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out, docs = tmp_path / "out", tmp_path / "BENCHMARKS.md"
+    original = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    docs.write_text(original)  # a copy: the dry run never writes the real docs
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+           "EPD_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "epd_bench.gpu_check", "--size", "small", "--device", "cpu", "--out",
+                           str(out), "--budget", "500", "--write-benchmarks", str(docs)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "logs.tar.gz"]
     record = json.loads((out / "gpu_check.json").read_text())
     steps = record["steps"]
-    assert list(steps) == ["env", "tests", "model", "structured", "n-prefill", "epd-1enc", "aggregated"]
+    per_family = [f"{f}/{s}" for f in FAMILIES for s in ("build", *SYSTEMS)]
+    assert list(steps) == ["env", "tests", *per_family, "bench-model", "structured", "n-prefill"]
     assert all(s["ok"] for s in steps.values()) and steps["env"]["gpus"] == ["Fake GPU, 1.0, 1024"]
     assert steps["tests"]["passed"] >= 2 and steps["tests"]["failed"] == steps["tests"]["errors"] == 0
-    for name in ("epd-1enc", "aggregated"):
-        assert steps[name]["result"]["completed"] == 4 and steps[name]["result"]["failed"] == 0
-        assert steps[name]["gpu_mib"] == {"pid 4242": 100, "pid 4243": 7}
-        assert steps[name]["gpu_used_peak_mib"] == 512
+    for family in FAMILIES:
+        build = steps[f"{family}/build"]
+        assert not build["cached"] and Path(build["path"]).parent == tmp_path / "cache" / "models"
+        config = json.loads((Path(build["path"]) / "config.json").read_text())
+        assert config["text_config"]["vocab_size"] == preset(family).vocab_size  # small shapes, real vocabulary
+        for system in SYSTEMS:
+            served = steps[f"{family}/{system}"]
+            assert {name: w["result"]["completed"] for name, w in served["workloads"].items()} == {
+                w.name: w.num_prompts for w in SMALL_WORKLOADS}
+            assert all(w["result"]["failed"] == 0 for w in served["workloads"].values())
+            assert served["gpu_mib"] == {"pid 4242": 100, "pid 4243": 7} and served["gpu_used_peak_mib"] == 512
     structured, n_prefill = steps["structured"]["result"], steps["n-prefill"]["result"]
     assert structured["streams"] == 2 and structured["ratio"] > 0 and n_prefill["device"] == "cpu"
-    assert n_prefill["n_prefill"]["4 x n=1"]["prompt_tokens_prefilled"] == 4 * n_prefill["prompt_tokens"]
     md = (out / "gpu_check.md").read_text()
-    assert "## Structured outputs" in md and "## Prefill saved by n = 4" in md
-    assert "| epd-1enc | 4 / 0 |" in md and "| aggregated | 4 / 0 |" in md and "--device cpu" in md
+    section = docs.read_text()[docs.read_text().index(BEGIN): docs.read_text().index(END)]
+    rows = [[line for line in text.splitlines() if line.startswith("|")] for text in (md, section)]
+    assert rows[0] == rows[1] and len(rows[0]) > 40  # the same tables, every number, in the docs
+    for text in (md, section):
+        assert "--size small --device cpu" in text and "Fake GPU" in text and record["date"] in text
+        assert all(f"Serving {f}" in text for f in FAMILIES) and "## Structured outputs" in text
+        assert "| epd-1enc | 4 / 0 |" in text and "| aggregated | 2 / 0 |" in text
+    assert outside(docs.read_text()) == outside(original)
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"work/pytest.log", "work/results/epd-1enc.json", "work/logs/aggregated-decoder.log"} <= names
+    assert {"work/pytest.log", f"work/results/{FAMILIES[0]}/epd-1enc-repeat50.json",
+            f"work/logs/{FAMILIES[1]}/aggregated-decoder.log"} <= names
+
+
+def test_the_section_is_replaced_in_place_and_notes_failed_and_skipped_steps(tmp_path: Path) -> None:
+    docs = tmp_path / "B.md"
+    docs.write_text(f"# B\n\n## before\n\n{BEGIN}\nplaceholder\n{END}\n\n## after\n")
+    record = {"date": "2026-12-01 10:00", "host": "h", "commit": "abc1234", "command": "python -m x", "device": "cuda",
+              "size": "full", "budget_s": 540.0, "wall_s": 12.5, "workloads": {}, "steps": {
+                  "env": {"ok": True, "seconds": 1.0, "gpu": "NVIDIA H200"},
+                  "tests": {"ok": False, "seconds": 2.0, "error": "TimeoutError: killed"},
+                  "structured": {"ok": True, "seconds": 0.0, "skip_reason": "30 s of the budget left"}}}
+    for _ in range(2):  # a second write replaces the first
+        write_section(docs, record)
+    text = docs.read_text()
+    assert text.count(BEGIN) == text.count(END) == 1 and "placeholder" not in text
+    assert text.startswith("# B\n\n## before\n\n") and text.endswith(f"{END}\n\n## after\n")
+    assert "NVIDIA H200" in text.splitlines()[5] and "| tests | **no** | 2.0 | TimeoutError: killed |" in text
+    assert "| structured | skipped | 0.0 | 30 s of the budget left |" in text
+
+
+def test_writing_benchmarks_needs_a_file_with_the_marked_section(tmp_path: Path) -> None:
+    docs = tmp_path / "B.md"
+    docs.write_text("# B\n\nno markers\n")
+    for target in (docs, tmp_path / "missing.md"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--out", str(tmp_path), "--write-benchmarks", str(target)])
+        assert exc.value.code == 2
+    assert parse_args(["--out", str(tmp_path), "--write-benchmarks", str(ROOT / "docs" / "BENCHMARKS.md")])
 
 
 def test_junit_counts_names_each_failure(tmp_path: Path) -> None:

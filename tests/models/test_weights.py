@@ -117,3 +117,23 @@ def test_missing_lm_weights_are_an_error_not_random(tiny_model_dirs: dict[str, P
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks LM weights"):
         LanguageHalf(dst)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_the_language_half_draws_no_random_weights_it_then_overwrites(tiny_model_dirs: dict[str, Path], family: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 7B LM's random init costs over a minute of one CPU core; its parameters stay on meta until loaded."""
+    drawn: list[tuple[int, ...]] = []
+    real = torch.Tensor.normal_
+
+    def normal_(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.device.type != "meta":
+            drawn.append(tuple(self.shape))
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "normal_", normal_)
+    lm = LanguageHalf(tiny_model_dirs[family])
+    assert drawn == []
+    tensors = reference(tiny_model_dirs[family])
+    loaded = {k: v for k, v in lm.module.state_dict().items() if k.endswith("embed_tokens.weight")}
+    assert loaded and all(any(torch.equal(v, t) for t in tensors.values()) for v in loaded.values())
