@@ -129,11 +129,11 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
 
 def _require_credentials(parser: argparse.ArgumentParser, args: argparse.Namespace, curve: CurveConfig | None) -> None:
     """Attach mode: internal HTTP and ZeroMQ are authenticated unless --insecure says otherwise (logged)."""
-    missing = [] if args.internal_key else ["--internal-key (env EPD_INTERNAL_KEY): anyone who reaches a worker "
-                                            "can call its /encode and /generate"]
+    missing = [] if args.internal_key else ["--internal-key (env EPD_INTERNAL_KEY or EPD_INTERNAL_KEY_FILE): anyone "
+                                            "who reaches a worker can call its /encode and /generate"]
     if curve is None and not args.aggregated:
         missing.append("CURVE keys (--ec-curve-key and --ec-curve-server-key, or env EPD_EC_CURVE_SECRET_KEY and "
-                       "EPD_EC_CURVE_SERVER_KEY; make them with `epd-ec-keygen env DIR`): "
+                       "EPD_EC_CURVE_SERVER_KEY or their _FILE forms; make them with `epd-ec-keygen env DIR`): "
                        "anyone who reaches an encoder's ZeroMQ port can list and read every embedding")
     if not missing:
         return
