@@ -27,6 +27,7 @@ def _docker_missing() -> str | None:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(1800)  # a first build debootstraps a base and fetches the wheels: 3-4 minutes here, more on a slow mirror
 def test_the_cpu_compose_stack_runs_for_real(tmp_path: Path) -> None:
     if os.environ.get("EPD_DEPLOY_SMOKE") != "1":
         pytest.skip("the deploy smoke test builds images and runs containers: set EPD_DEPLOY_SMOKE=1 "
