@@ -7,7 +7,8 @@
 # same base, PyPI's CUDA torch brings its own CUDA libraries). The base is BASE_IMAGE when set (a registry image,
 # pinned by digest where you can: python:3.11-slim-bookworm@sha256:...); else epd-base:bookworm when it exists;
 # else python:3.11-slim-bookworm when a registry answers; else deploy/tools/base-debian.sh makes epd-base:bookworm
-# from Debian's mirror (root and debootstrap). Each phase's seconds and each image's size go to
+# from Debian's mirror (root and debootstrap). A registry base is then built from by its digest; every build
+# records the base's image ID. Each phase's seconds and each image's size go to
 # build/images-<variant>.json (and stdout).
 set -eu
 VARIANT=${1:-cpu}
@@ -31,7 +32,11 @@ if [ -z "${BASE_IMAGE:-}" ]; then
   else phase base deploy/tools/base-debian.sh epd-base:bookworm; BASE_IMAGE=epd-base:bookworm
   fi
 fi
-echo "[images] base: $BASE_IMAGE ($(docker image inspect -f '{{.Id}}' "$BASE_IMAGE"))"
+# pinned: a registry image by its digest (repo@sha256:...), a local one (docker import) by the ID it has now
+BASE_ID=$(docker image inspect -f '{{.Id}}' "$BASE_IMAGE")
+BASE_DIGEST=$(docker image inspect -f '{{if .RepoDigests}}{{index .RepoDigests 0}}{{end}}' "$BASE_IMAGE")
+if [ -n "$BASE_DIGEST" ] && [ "${BASE_IMAGE#*@sha256:}" = "$BASE_IMAGE" ]; then BASE_IMAGE=$BASE_DIGEST; fi
+echo "[images] base: $BASE_IMAGE ($BASE_ID)"
 build() {  # build TARGET LOCK TAG
   docker build --quiet -f deploy/Dockerfile --target "$1" --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$3" \
     "build/wheelhouse/$2" >/dev/null
@@ -43,7 +48,7 @@ phase image-worker build worker "worker-$VARIANT" "epd-worker:$VARIANT"
 size() { docker image inspect -f '{{.Size}}' "$1"; }
 mkdir -p build
 cat > "build/images-$VARIANT.json" <<JSON
-{"base": "$BASE_IMAGE", "seconds": {${TIMES%, }},
+{"base": "$BASE_IMAGE", "base_id": "$BASE_ID", "seconds": {${TIMES%, }},
  "bytes": {"epd-proxy:latest": $(size epd-proxy:latest), "epd-worker:$VARIANT": $(size "epd-worker:$VARIANT"),
            "base": $(size "$BASE_IMAGE")}}
 JSON

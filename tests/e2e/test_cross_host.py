@@ -65,6 +65,7 @@ class Net:
     subnet: ipaddress.IPv4Network = field(default_factory=_free_subnet)
     hosts: list[Host] = field(default_factory=list)
     bridge_up: bool = False
+    forward_rule: list[str] = field(default_factory=list)  # the iptables rule build() added, for close()
 
     def build(self, n: int) -> None:
         bridge, gateway = f"{self.prefix}br", self.subnet.network_address + 1
@@ -72,6 +73,13 @@ class Net:
         self.bridge_up = True
         _ip("addr", "add", f"{gateway}/{self.subnet.prefixlen}", "dev", bridge)
         _ip("link", "set", bridge, "up")
+        if shutil.which("iptables"):
+            # NOTE: a host running Docker sets FORWARD's policy to DROP, and its br_netfilter passes bridged frames
+            # through that chain: without this rule host-to-host traffic on the bridge is dropped. Where iptables
+            # cannot add it (no netfilter), nothing filters the bridge either.
+            rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+            if subprocess.run(["iptables", "-I", *rule], capture_output=True, timeout=10).returncode == 0:
+                self.forward_rule = rule
         for i in range(n):
             host = Host(f"{self.prefix}n{i}", f"{self.prefix}h{i}", str(self.subnet.network_address + 2 + i))
             _ip("netns", "add", host.ns)
@@ -98,6 +106,8 @@ class Net:
             run("link", "del", host.veth)  # only there if it was never moved into the namespace
         if self.bridge_up:
             run("link", "del", f"{self.prefix}br")
+        if self.forward_rule:
+            subprocess.run(["iptables", "-D", *self.forward_rule], capture_output=True, timeout=10)
 
 
 @pytest.fixture
