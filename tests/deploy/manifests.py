@@ -183,12 +183,17 @@ def port_number(container: dict[str, Any], port: str | int) -> int:
 
 # --- the real command-line parsers ---
 
-def register_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("epd_register", K8S / "epd_register.py")
+def deploy_script(path: Path) -> ModuleType:
+    """A script under deploy/ (not a package), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(f"deploy_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def register_module() -> ModuleType:
+    return deploy_script(K8S / "epd_register.py")
 
 
 def parsers() -> dict[str, Callable[[list[str]], object]]:
@@ -261,3 +266,47 @@ def k8s_secret_env(container: dict[str, Any], keys: dict[str, dict[str, str]]) -
             if ref["key"] in values:
                 env[var] = values[ref["key"]]
     return env
+
+
+# --- the Dockerfile ---
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of deploy/Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions (FROM ... AS name)."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for op, args in dockerfile():
+        if op == "FROM":
+            current = found.setdefault(args.split()[-1], [])
+        current.append((op, args))
+    return found
+
+
+def image_uid() -> int:
+    """The user both images run as: one USER uid:gid in each final stage, the same in both."""
+    users = {target: [a for op, a in stages()[target] if op == "USER"] for target in ("proxy", "worker")}
+    assert all(len(u) == 1 for u in users.values()), users
+    (uid,) = {int(u[0].split(":")[0]) for u in users.values()}
+    return uid
+
+
+# --- the real command-line parsers ---
+
+WORKERS = ("encoder", "decoder")
+
+
+def accepted(program: str, argv: list[str], where: str, capsys: pytest.CaptureFixture[str],
+             env: dict[str, str] | None = None) -> object:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (env or {}).items():
+            mp.setenv(name, value)
+        try:
+            return parsers()[program](argv)
+        except SystemExit as exc:
+            pytest.fail(f"{where}: `{program}` refuses {argv}: {capsys.readouterr().err.strip()} (exit {exc.code})")

@@ -2,7 +2,6 @@
 hashes, satisfy pyproject's ranges, and keep the proxy's lock free of torch, transformers and numpy."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import tomllib
 from pathlib import Path
@@ -13,6 +12,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from tests.deploy.manifests import deploy_script
+
 ROOT = Path(__file__).resolve().parents[2]
 REQS = ROOT / "deploy" / "requirements"
 LOCKS = ("proxy", "worker-cpu", "worker-cuda")
@@ -20,11 +21,7 @@ _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+) \\$")
 
 
 def lock_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deploy_lock", ROOT / "deploy" / "lock.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return deploy_script(ROOT / "deploy" / "lock.py")
 
 
 def pins(name: str) -> dict[str, tuple[Version, list[str]]]:

@@ -12,18 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.manifests import deploy_script
+
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ["build", "refuse", "up", "answer", "kill", "take-back", "crash", "down"]
-
-
-def _docker_missing() -> str | None:
-    sys.path.insert(0, str(ROOT / "deploy"))
-    try:
-        from smoke import docker_missing  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(ROOT / "deploy"))
-    reason: str | None = docker_missing()
-    return reason
 
 
 @pytest.mark.e2e
@@ -32,7 +24,7 @@ def test_the_cpu_compose_stack_runs_for_real(tmp_path: Path) -> None:
     if os.environ.get("EPD_DEPLOY_SMOKE") != "1":
         pytest.skip("the deploy smoke test builds images and runs containers: set EPD_DEPLOY_SMOKE=1 "
                     "(make deploy-smoke; .ci/run does where Docker can run)")
-    if reason := _docker_missing():
+    if reason := deploy_script(ROOT / "deploy" / "smoke.py").docker_missing():
         pytest.skip(f"deploy smoke test: {reason}")
     out = tmp_path / "smoke.json"
     run = subprocess.run([sys.executable, "deploy/smoke.py", "--out", str(out)], cwd=ROOT, capture_output=True,

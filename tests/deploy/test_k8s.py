@@ -1,0 +1,168 @@
+"""deploy/k8s/: a Deployment and Service per role, probes, registration, GPUs, commands accepted by the real
+parsers, keys only from Secrets, the HPA's metric, and the kustomization's images."""
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from tests.deploy.manifests import (
+    K8S,
+    WORKERS,
+    accepted,
+    by_kind,
+    config_map,
+    containers,
+    deployment_of,
+    help_text,
+    host_port,
+    image_uid,
+    k8s_env,
+    k8s_objects,
+    k8s_secret_env,
+    main_container,
+    one,
+    port_number,
+    resolve_k8s_vars,
+    role,
+)
+
+
+def test_k8s_has_a_deployment_and_a_service_for_every_role() -> None:
+    services = by_kind("Service").values()
+    for component in (*WORKERS, "proxy"):
+        d = deployment_of(component)
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert main_container(d)["command"][0] == {"proxy": "disagg-epd-proxy"}.get(component, f"epd-{component}")
+        selecting = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
+        assert selecting, f"no Service selects the {component} pods"
+        ports = {p["name"]: p["containerPort"] for p in main_container(d)["ports"]}
+        for s in selecting:
+            for p in s["spec"]["ports"]:
+                assert p["targetPort"] in ports, f"Service {s['metadata']['name']} targets a port the pod lacks"
+        pod = d["spec"]["template"]["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == image_uid()
+
+
+def test_k8s_probes_hit_health_on_the_port_each_role_serves() -> None:
+    for component in (*WORKERS, "proxy"):
+        c = main_container(deployment_of(component))
+        port = int(one(resolve_k8s_vars(c), "--port"))
+        assert one(resolve_k8s_vars(c), "--host") == "0.0.0.0"
+        for probe in ("readinessProbe", "livenessProbe"):
+            get = c[probe]["httpGet"]
+            # the proxy's readiness is /ready (503 while no decoder can take work); liveness stays /health
+            path = "/ready" if (component, probe) == ("proxy", "readinessProbe") else "/health"
+            assert get["path"] == path and port_number(c, get["port"]) == port, f"{component} {probe}"
+        if "startupProbe" in c:
+            assert c["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_k8s_workers_register_their_pod_ip_with_every_proxy() -> None:
+    proxy = main_container(deployment_of("proxy"))
+    assert "--dynamic-registration" in proxy["command"]
+    key_ref = k8s_env(proxy)["EPD_INTERNAL_KEY"]["valueFrom"]["secretKeyRef"]
+    # the registration address is a headless Service of the proxies that lists them before they are ready
+    proxy_url = config_map("epd-config", "proxy-url")
+    host, port = host_port(proxy_url)
+    headless = by_kind("Service")[host]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert headless["selector"].items() <= deployment_of("proxy")["spec"]["template"]["metadata"]["labels"].items()
+    assert [port_number(proxy, p["targetPort"]) for p in headless["ports"]] == [port]
+    assert port == int(one(proxy["command"], "--port"))
+    for component in WORKERS:
+        d = deployment_of(component)
+        worker, sidecar = main_container(d), containers(d)["register"]
+        self_url = f"http://10.1.2.3:{one(resolve_k8s_vars(worker), '--port')}"
+        argv = resolve_k8s_vars(sidecar)
+        assert argv[0] == "epd-register" and one(argv, "--role") == component and one(argv, "--url") == self_url
+        for c in (worker, sidecar):  # the preStop hook runs in the worker's container
+            env = k8s_env(c)
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            assert env["EPD_PROXY_URL"]["valueFrom"]["configMapKeyRef"] == {"name": "epd-config", "key": "proxy-url"}
+            assert env["EPD_INTERNAL_KEY"]["valueFrom"]["secretKeyRef"] == key_ref
+        hook = worker["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert hook == f'epd-register deregister --role {component} --url "http://$POD_IP:{self_url.rsplit(":", 1)[1]}"'
+
+
+def test_k8s_encoders_advertise_their_pod_ip_on_the_ports_they_expose() -> None:
+    c = main_container(deployment_of("encoder"))
+    argv = resolve_k8s_vars(c, pod_ip="10.1.2.3")
+    bind = urlsplit(one(argv, "--ec-bind"))
+    assert bind.hostname == "0.0.0.0" and one(argv, "--ec-advertise-host") == "10.1.2.3"
+    assert port_number(c, "ec") == bind.port and port_number(c, "ec-events") == bind.port + 1  # events: port + 1
+
+
+def test_k8s_workers_each_get_one_gpu_and_the_shared_model_volume() -> None:
+    claims = by_kind("PersistentVolumeClaim")
+    for component in WORKERS:
+        d = deployment_of(component)
+        c = main_container(d)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert [m["mountPath"] for m in c["volumeMounts"]] == ["/models"]
+        (volume,) = d["spec"]["template"]["spec"]["volumes"]
+        assert volume["persistentVolumeClaim"]["claimName"] in claims
+    assert "nvidia.com/gpu" not in main_container(deployment_of("proxy"))["resources"].get("limits", {})
+
+
+def test_k8s_commands_are_accepted_by_the_real_parsers(capsys: pytest.CaptureFixture[str],
+                                                       keys: dict[str, dict[str, str]]) -> None:
+    for d in by_kind("Deployment").values():
+        for name, c in containers(d).items():
+            argv = resolve_k8s_vars(c)
+            cfg: Any = accepted(argv[0], argv[1:], f"{d['metadata']['name']}/{name}", capsys, k8s_secret_env(c, keys))
+            if role({"command": argv}) in WORKERS:  # secure: the Secrets give each worker what it needs
+                assert not cfg.insecure and cfg.internal_key and cfg.curve is not None, name
+                assert "EPD_INSECURE" not in k8s_env(c)
+
+
+def test_k8s_sets_only_epd_variables_its_programs_read(capsys: pytest.CaptureFixture[str]) -> None:
+    for d in by_kind("Deployment").values():
+        for name, c in containers(d).items():
+            programs = [c["command"][0]]
+            if "epd-register" in str(c.get("lifecycle", "")):
+                programs.append("epd-register")
+            docs = " ".join(help_text(p, capsys) for p in programs)
+            in_command = " ".join(map(str, c["command"]))
+            for var in k8s_env(c):
+                if var.startswith("EPD_") and f"$({var})" not in in_command:
+                    assert var in docs, f"{d['metadata']['name']}/{name} sets {var}; {programs} never read it"
+
+
+def test_k8s_keys_come_from_secrets_and_no_secret_is_committed() -> None:
+    assert "Secret" not in {o["kind"] for o in k8s_objects()}
+    for d in by_kind("Deployment").values():
+        for c in containers(d).values():
+            for var, entry in k8s_env(c).items():
+                if re.search(r"KEY|TOKEN|SECRET|PASSWORD", var):
+                    assert "value" not in entry and "secretKeyRef" in entry["valueFrom"], var
+
+
+def test_k8s_hpa_scales_encoders_on_the_queue_depth_they_export() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from encoder_service.metrics import EncoderMetrics
+
+    (hpa,) = k8s_objects("encoder-hpa.yaml")
+    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["kind"] == "HorizontalPodAutoscaler"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert target["kind"] == "Deployment" and target["name"] == deployment_of("encoder")["metadata"]["name"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "epd_encoder_queue_depth"
+    registry = CollectorRegistry()
+    EncoderMetrics(registry, dict)
+    assert "\nepd_encoder_queue_depth 0.0\n" in generate_latest(registry).decode()
+
+
+def test_kustomization_lists_every_manifest_but_the_optional_hpa() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "encoder-hpa.yaml"}
+    assert set(kustomization["resources"]) == manifests
+    assert [i["name"] for i in kustomization["images"]] == ["epd-worker", "epd-proxy"]
+    for component in (*WORKERS, "proxy"):  # the torch-free image for the proxy, the worker image (and its sidecar)
+        images = {c["image"] for c in containers(deployment_of(component)).values()}
+        assert images == {"epd-proxy" if component == "proxy" else "epd-worker"}, component
