@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import secrets
+import stat
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -205,14 +206,16 @@ def write_key_files(directory: Path) -> list[Path]:
     and write them into directory, never overwriting a file:
 
     - SECRET_FILES, one key each, for docker compose `secrets:`. Compose bind-mounts a secret file as it is, owner
-      and mode included, and the containers run as uid 10001, so these are 0644: the directory, made (or narrowed
-      to) 0700, is what keeps other local users out.
+      and mode included, and the containers run as uid 10001, so these are 0644: the directory, made 0700 (an
+      existing one open to others is refused, not changed), is what keeps other local users out.
     - ENV_FILES (0600): the same keys under the Secret key names the Kubernetes manifests use (k8s-curve.env for
       epd-curve; k8s-keys.env for epd-keys, with the API key).
     """
     directory = Path(directory)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    directory.chmod(0o700)
+    if (mode := stat.S_IMODE(directory.stat().st_mode)) & 0o077:  # never chmod a folder of the user's (`env /tmp`)
+        raise PermissionError(f"{directory} is open to other users (mode {mode:o}); the key files in it are 0644: "
+                              f"`chmod 700 {directory}` or name a new directory")
     paths = [directory / name for name in (*SECRET_FILES, *ENV_FILES)]
     if any(p.exists() for p in paths):
         raise FileExistsError(f"refusing to overwrite existing key files in {directory}")
@@ -253,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           "(for the --ec-curve-* file flags)")
     gen.add_argument("directory", type=Path)
     gen.add_argument("--name", default="ec", help="file name stem (default: ec)")
-    env = sub.add_parser("env", help="write a fleet's internal key, API key and CURVE keys into DIR (made 0700): "
+    env = sub.add_parser("env", help="write a fleet's internal key, API key and CURVE keys into DIR (made 0700; an "
+                                     "existing DIR open to other users is refused): "
                                      "one file per key for docker compose secrets (internal_key, api_key, "
                                      "encoders_secret_key, ...), and k8s-curve.env and k8s-keys.env "
                                      "(kubectl create secret generic --from-env-file)")
@@ -262,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         paths = generate_keypair(args.directory, args.name) if args.command == "generate" else \
             write_key_files(args.directory)
-    except FileExistsError as e:
+    except (FileExistsError, PermissionError) as e:
         parser.exit(1, f"error: {e}\n")
     print(*paths, sep="\n")
     return 0

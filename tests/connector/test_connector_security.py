@@ -318,7 +318,13 @@ def _env_lines(path: Path) -> dict[str, str]:
 
 
 def test_cli_env_writes_a_fleets_keys_as_secret_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "s").mkdir(mode=0o755)  # an existing directory open to others is narrowed to its owner
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s").chmod(0o755)  # an existing directory open to others is refused, never changed
+    with pytest.raises(SystemExit) as refused:
+        main(["env", str(tmp_path / "s")])
+    assert refused.value.code == 1 and "open to other users (mode 755)" in capsys.readouterr().err
+    assert stat.S_IMODE(os.stat(tmp_path / "s").st_mode) == 0o755 and not any((tmp_path / "s").iterdir())
+    (tmp_path / "s").chmod(0o700)
     assert main(["env", str(tmp_path / "s")]) == 0
     paths = {Path(line).name: Path(line) for line in capsys.readouterr().out.splitlines()}
     assert list(paths) == [*SECRET_FILES, *ENV_FILES]
