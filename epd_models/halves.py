@@ -15,7 +15,7 @@ from epd_models.meta import meta_parameters
 from epd_models.processors import load_processor, register_processors
 from epd_models.registry import adapter_for
 from epd_models.video import DEFAULT_MAX_BYTES, VIDEO_FAMILIES, VideoClip, VideoSettings, video_settings
-from epd_models.weights import load_filtered
+from epd_models.weights import load_filtered, tie_loaded, tied_pairs
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -142,11 +142,13 @@ class LanguageHalf:
         # minute of one CPU core (bf16 normal_ is single-threaded), and every value would be overwritten
         self.module = self.adapter.build_language(self.config).eval()
         load_half(self.module, self.model_dir, self.adapter, vision=False, assign=True)
-        if self.module.lm_head.weight.is_meta and self.config.get_text_config().tie_word_embeddings:
-            self.module.lm_head.weight = self.module.language_model.embed_tokens.weight
+        # transformers' rule, not the text config's flag: composite checkpoints may say one thing at each level
+        tie_loaded(self.module, tied_pairs(self.config, self.module.language_model, self.adapter.normalize_key))
         missing = meta_parameters(self.module)
         if missing:
-            raise ValueError(f"checkpoint {self.model_dir} lacks LM weights: {missing[:5]}")
+            hint = (" (transformers ties lm_head to the input embeddings only where the top-level config's "
+                    "tie_word_embeddings is true)") if "lm_head.weight" in missing else ""
+            raise ValueError(f"checkpoint {self.model_dir} lacks LM weights: {missing[:5]}{hint}")
         self.module.to(self.device, self.dtype)  # after tying: the tied weight moves once and stays shared
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.generation_config = _generation_config(self.model_dir)

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -44,3 +46,41 @@ def load_filtered(
     if unexpected:
         raise ValueError(f"checkpoint keys with no place in the {type(module).__name__}: {unexpected[:5]}")
     return missing
+
+
+def tied_pairs(cfg: PretrainedConfig, language_model: nn.Module, rename: Callable[[str], str]) -> list[tuple[str, str]]:
+    """The (target, source) parameters transformers ties when AutoModelForImageTextToText loads this checkpoint, as
+    LM-half names: `PreTrainedModel.get_expanded_tied_weights_keys` gives each PreTrainedModel's own
+    `_tied_weights_keys` only when its own config's `tie_word_embeddings` is true. So `lm_head` follows the
+    top-level config's flag (after the config class's own forwarding of a legacy text_config flag, which only some
+    families do), never the text config's alone; the text model's own ties (none in the families served) follow
+    the text config."""
+    pairs: list[tuple[str, str]] = []
+    if getattr(cfg, "tie_word_embeddings", False):
+        composite = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)]  # the class transformers loads it as
+        keys: dict[str, str] = getattr(composite, "_tied_weights_keys", None) or {}
+        pairs += [(rename(t), rename(s)) for t, s in keys.items()]
+    if isinstance(language_model, PreTrainedModel):
+        inner = language_model.get_expanded_tied_weights_keys(all_submodels=True)
+        pairs += [(f"language_model.{t}", f"language_model.{s}") for t, s in inner.items()]
+    return pairs
+
+
+def tie_loaded(module: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """Tie as `PreTrainedModel.tie_weights(missing_keys=...)` does after loading: a missing target takes the
+    source, a missing source takes the target, two loaded and equal become one, two loaded and different stay apart
+    (the config is wrong about the checkpoint), two missing stay missing (the caller reports them)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for target, source in pairs:
+        if target not in params or source not in params:
+            continue
+        t, s = params[target], params[source]
+        if t.is_meta and s.is_meta:
+            continue
+        if s.is_meta:
+            target, source = source, target
+        elif not t.is_meta and (t.shape != s.shape or not torch.equal(t, s)):
+            continue
+        parent, _, name = target.rpartition(".")
+        setattr(module.get_submodule(parent), name, params[source])
+        params[target] = params[source]
