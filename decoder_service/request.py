@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from jinja2 import TemplateError
 
 from decoder_service.grammar import CompiledGuide, GuideCompiler, GuideError, spec_for
+from decoder_service.image_hits import SaltedHits
 from decoder_service.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.prompt import Prompt, build_prompt
 from decoder_service.video_gather import Gathered
@@ -67,6 +68,7 @@ class Preparer:
         self.image_edges = image_edges(lm)  # Gemma 3's "\n\n" around each image, written before tokenizing
         self._compiler: GuideCompiler | None = None
         self._lock = threading.Lock()
+        self.salted_hits = SaltedHits()  # images count as cached only for the salt that sent them before
 
     def prepare(self, req: GenerateRequest, gather: Gather) -> Work:
         """Tokens (before the gather: with pipelined encode this overlaps the encoder's work), images, checks, guide."""
@@ -82,8 +84,9 @@ class Preparer:
         except ValueError as exc:  # placeholder count does not match the images
             raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
         echo = self._echo_text(req, ids) if req.echo else ""
-        held = [((0, g.features.num_tokens),) if ref.cached else g.held
-                for g, ref in zip(images, req.images, strict=True)]
+        held = self.salted_hits.visible(req.cache_salt, [ref.mm_hash for ref in req.images],
+                                        [((0, g.features.num_tokens),) if ref.cached else g.held
+                                         for g, ref in zip(images, req.images, strict=True)])
         positions, chain = self._image_tokens(req, prompt, held)
         return Work(prompt, self._fit(prompt, params), guide, tools, echo, positions, chain, tuple(req.prefix_keys))
 

@@ -130,6 +130,7 @@ async def generate(request: Request) -> Response:
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)  # HEAD: the same status, no body
 async def health(request: Request) -> dict[str, object]:
     state = _state(request)
     engine = state.ready_engine()

@@ -51,7 +51,7 @@ SKIP = 77  # "no docker here", as automake's test drivers spell it
 
 class Smoke:
     def __init__(self, args: argparse.Namespace, secrets_dir: Path, port: int):
-        self.args, self.port = args, port
+        self.args, self.port, self.secrets_dir = args, port, secrets_dir
         self.env = {**os.environ, "EPD_SECRETS_DIR": str(secrets_dir), "EPD_PORT": str(port), "EPD_API_KEY": ""}
         self.base = f"http://127.0.0.1:{port}"
         self.record: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}
@@ -82,9 +82,11 @@ class Smoke:
         return f"{PROJECT}-{service}-1"
 
     def proxy_sees(self, url: str) -> bool | None:
-        """The proxy's view of one worker (its /health): healthy or not; None when the proxy does not answer."""
+        """The proxy's view of one worker (its /health, whose worker list needs the internal key): healthy or not;
+        None when the proxy does not answer."""
+        key = (self.secrets_dir / "internal_key").read_text().strip()
         try:
-            health = httpx.get(f"{self.base}/health", timeout=5).json()
+            health = httpx.get(f"{self.base}/health", headers={"Authorization": f"Bearer {key}"}, timeout=5).json()
         except (httpx.HTTPError, ValueError):
             return None
         return next(w["healthy"] for w in health["encoders"] + health["decoders"] if w["url"] == url)

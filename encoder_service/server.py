@@ -159,6 +159,7 @@ async def encode(request: Request) -> Response:
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)  # HEAD: the same status, no body
 async def health(request: Request) -> dict[str, object]:
     state = _state(request)
     w, _ = state.ready()

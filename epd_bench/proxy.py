@@ -34,6 +34,8 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer b
             {"role": "user", "content": "What is the capital of France, and what river runs through it?"}]
 CHAT = {"model": "demo", "stream": True, "max_tokens": 64, "temperature": 0.0, "messages": MESSAGES}
 GENERATE = {"messages": MESSAGES}
+INTERNAL_KEY = "bench-proxy-internal-key"  # the proxy's /health names its pid only to a caller with the internal key
+INTERNAL = {"Authorization": f"Bearer {INTERNAL_KEY}"}
 
 
 @dataclass
@@ -65,7 +67,7 @@ def _alive_cpu_seconds(pid: int) -> float:
 
 
 def spawn(args: list[str], cwd: str | None = None, pythonpath: str | None = None) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
+    env = {**os.environ, "EPD_INTERNAL_KEY": INTERNAL_KEY}  # the fake decoder takes any key
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
@@ -93,7 +95,7 @@ def wait_procs(url: str, num_procs: int, timeout: float = 60.0) -> None:
     while len(pids) < num_procs:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url}: {len(pids)} of {num_procs} proxy processes serve after {timeout}s")
-        pids.add(httpx.get(f"{url}/health", headers={"Connection": "close"}, timeout=2.0).json()["pid"])
+        pids.add(httpx.get(f"{url}/health", headers={"Connection": "close", **INTERNAL}, timeout=2.0).json()["pid"])
 
 
 def proxy_args(decoder_url: str, port: int, num_procs: int = 1) -> list[str]:

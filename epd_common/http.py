@@ -182,8 +182,12 @@ def install_metrics(app: FastAPI, registry: CollectorRegistry) -> None:
 
 
 def has_bearer(headers: Headers, key: str) -> bool:
-    """Whether the request carries `Authorization: Bearer <key>` (constant-time compare)."""
-    return hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {key}".encode())
+    """Whether the request carries `Authorization: Bearer <key>`: the scheme in any case (RFC 7235 schemes are
+    case-insensitive), the key compared in constant time."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    # NOTE: the compare runs whatever the scheme, so a wrong scheme takes as long as a wrong key
+    matches = hmac.compare_digest(token.strip(" ").encode(), key.encode())
+    return matches and scheme.lower() == "bearer"
 
 
 class _BearerKey:

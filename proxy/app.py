@@ -13,34 +13,48 @@ from proxy.config import ProxyConfig
 from proxy.routes import router
 from proxy.state import ProxyState
 
+_COUNTED = ("/v1/chat/completions", "/v1/completions")  # epd_proxy_requests_total{status}
+
 
 class _LimitsAndCounts:
     """Pure ASGI: the body limits (epd_common/http.py BodyLimit: 413 past the bytes received, chunked or not,
-    408 past the read deadline); chat completions counted by status, those refusals included."""
+    408 past the read deadline); chat and text completions counted by status, those refusals included, and an
+    unexpected exception as the 500 Starlette's outermost layer answers for it."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, body_read_timeout: float, requests: Counter) -> None:
         self.app, self.requests = BodyLimit(app, max_body_bytes, body_read_timeout), requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+        if scope["type"] != "http" or scope["path"] not in _COUNTED:
             return await self.app(scope, receive, send)
+        started = False
 
         async def count(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.requests.labels(str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, count)
+        try:
+            await self.app(scope, receive, count)
+        except Exception:
+            if not started:  # ServerErrorMiddleware (outside this layer) answers it: a 500
+                self.requests.labels("500").inc()
+            raise
 
 
 def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The app around one ProxyState (app.state.proxy), which its lifespan starts and stops."""
     state = ProxyState(cfg, on_ready)
-    app = FastAPI(title="EPD proxy", lifespan=state.lifespan)
+    # with an API key, the OpenAPI document needs it too, and the browser pages (which fetch it without the key) are
+    # off; without one, all three are open like the rest of the API
+    app = FastAPI(title="EPD proxy", lifespan=state.lifespan, docs_url=None if cfg.api_key else "/docs",
+                  redoc_url=None if cfg.api_key else "/redoc")
     app.state.proxy = state
     install_error_handlers(app)
     install_metrics(app, state.metrics.registry)
-    install_api_key(app, cfg.api_key)  # inside the counting middleware: 401s are counted too
+    install_api_key(app, cfg.api_key, ("/v1/", "/openapi.json"))  # inside the counting middleware: 401s are counted too
     app.add_middleware(_LimitsAndCounts, max_body_bytes=cfg.max_body_bytes, body_read_timeout=cfg.body_read_timeout,
                        requests=state.metrics.requests)
     install_request_id(app)  # outermost: the id is set before anything else runs

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from epd_common.errors import APIError, bad_request
 from epd_common.http import until_disconnected
@@ -23,12 +23,13 @@ from epd_contracts.limits import MAX_MODEL_NAME_CHARS
 from epd_contracts.sampling import MAX_N
 from proxy.choices import Choices, legacy_logprobs
 from proxy.generation import Generation
-from proxy.prefix_keys import prompt_keys
+from proxy.prefix_keys import prefix_secret, prompt_keys
 from proxy.prepare import PreparedChat, check_model
 from proxy.protocol import CacheSalt, StreamOptions
 from proxy.sampling_fields import contract_sampling, not_sampling, refuse
 from proxy.state import ProxyState, proxy_state
 from proxy.streaming import respond
+from proxy.surrogates import SurrogateFree
 from proxy.unsupported import unsupported_parameter
 
 router = APIRouter()
@@ -37,7 +38,7 @@ MAX_LOGPROBS = 5  # OpenAI's limit on the legacy logprobs
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SurrogateFree):
     # other fields: sampling (the contract checks them) or refused by proxy.unsupported (suffix, best_of, ...)
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -62,8 +63,9 @@ class CompletionRequest(BaseModel):
             raise bad_request("prompt: must not be empty", "prompt", code="invalid_request")
         return prompt  # type: ignore[return-value]  # a list here holds token ids only
 
-    def prepare(self) -> PreparedChat:
-        """The decoder's request; a 400 naming the first field it cannot serve."""
+    def prepare(self, secret: bytes = b"") -> PreparedChat:
+        """The decoder's request (`secret`: its prefix key's, proxy.prefix_keys); a 400 naming the first field it
+        cannot serve."""
         if self.echo and self.logprobs is not None:
             raise APIError(400, "echo: echo with logprobs needs the prompt's logprobs, which this server does not "
                            "compute", param="echo", code="unsupported_parameter")
@@ -71,7 +73,7 @@ class CompletionRequest(BaseModel):
         refuse(unsupported_parameter(not_sampling(self.model_extra or {})))
         prompt, salt = self.one_prompt(), self.cache_salt or ""
         return PreparedChat(messages=[], items=[], sampling=sampling, prompt=prompt, echo=bool(self.echo),
-                            cache_salt=salt, prefix_keys=prompt_keys(prompt, salt))
+                            cache_salt=salt, prefix_keys=prompt_keys(prompt, salt, secret))
 
 
 @dataclass
@@ -135,7 +137,7 @@ async def _answer(state: ProxyState, req: CompletionRequest) -> Response:
     fleet = state.fleet
     served = fleet.served_model_name()
     check_model(req.model, served)
-    prepared = req.prepare()
+    prepared = req.prepare(prefix_secret(state.cfg.internal_key))
     gen = Generation(fleet, prepared, request_id_var.get())
     await gen.start()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.registry = registry
-        self.requests = Counter("epd_proxy_requests", "Chat completions by HTTP status", ["status"],
+        self.requests = Counter("epd_proxy_requests", "Chat and text completions by HTTP status", ["status"],
                                 registry=registry)
         self.ttft = Histogram("epd_proxy_ttft_seconds", "Arrival to first content token", buckets=LATENCY_BUCKETS,
                               registry=registry)

@@ -10,10 +10,15 @@ hash (its bytes and its sampling: epd_contracts.video.video_hash); a string cont
 A /v1/completions prompt has one key, of the whole prompt (text or token ids): an identical prompt finds the decoder
 that served it; a prompt that only extends another one does not (prefixes of a text are not at message bounds).
 
-Keys are hints, never trusted for correctness: the decoder matches its cache by token ids. blake2b, 32 hex chars.
+Keys are hints, never trusted for correctness: the decoder matches its cache by token ids. blake2b, 32 hex chars,
+keyed with a secret derived from the fleet's internal key (`prefix_secret`): the decoder reports the keys it holds
+in its open /health, and an unkeyed key of a guessed conversation would tell anyone whether someone sent it. Every
+proxy of a fleet shares the internal key, so they compute the same keys. Without an internal key (--insecure) the
+keys are unkeyed: nothing on the internal side is secret then (the decoder's /generate is open too).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -22,13 +27,24 @@ import msgspec
 
 _ENCODE = msgspec.json.Encoder()  # unambiguous framing of the hashed fields (strings are quoted and escaped)
 KEY_BYTES = 16  # 32 hex characters
-_BLAKE2B = hashlib.blake2b(digest_size=KEY_BYTES)  # copied per key: cheaper than a new one's parameter set-up
+_SECRET_TAG = b"epd-prefix-keys/v1\0"
 
 
-def _key(fields: Any) -> str:
-    h = _BLAKE2B.copy()
+def prefix_secret(internal_key: str | None) -> bytes:
+    """The blake2b key of the prefix keys: derived from the internal key (b"" without one: unkeyed)."""
+    return hashlib.sha256(_SECRET_TAG + internal_key.encode()).digest() if internal_key else b""
+
+
+@functools.lru_cache(maxsize=4)
+def _blake2b(secret: bytes) -> Any:
+    """Copied per key: cheaper than a new one's parameter (and key block) set-up."""
+    return hashlib.blake2b(digest_size=KEY_BYTES, key=secret)
+
+
+def _key(fields: Any, secret: bytes) -> str:
+    h = _blake2b(secret).copy()
     h.update(_ENCODE.encode(fields))
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
 def _canonical(message: dict[str, Any], media: Iterator[str]) -> tuple[Any, ...]:
@@ -44,17 +60,17 @@ def _canonical(message: dict[str, Any], media: Iterator[str]) -> tuple[Any, ...]
 
 
 def chat_prefix_keys(messages: Sequence[dict[str, Any]], mm_hashes: Sequence[str], tools: Sequence[dict[str, Any]],
-                     salt: str = "") -> list[str]:
+                     salt: str = "", secret: bytes = b"") -> list[str]:
     """key_i of messages[:i+1] for each i; `messages` as the decoder gets them (image and video parts are
-    {"type": "image"} / {"type": "video"}, their hashes in that order in `mm_hashes`)."""
+    {"type": "image"} / {"type": "video"}, their hashes in that order in `mm_hashes`); `secret`: prefix_secret."""
     media = iter(mm_hashes)
     keys: list[str] = []
     for i, message in enumerate(messages):
         head: tuple[Any, ...] = ("chat", salt, tools) if i == 0 else (keys[-1],)
-        keys.append(_key((*head, _canonical(message, media))))
+        keys.append(_key((*head, _canonical(message, media)), secret))
     return keys
 
 
-def prompt_keys(prompt: str | Sequence[int], salt: str = "") -> list[str]:
+def prompt_keys(prompt: str | Sequence[int], salt: str = "", secret: bytes = b"") -> list[str]:
     """The one key of a completions prompt (its own domain: never equal to a chat key)."""
-    return [_key(("prompt", salt, prompt))]
+    return [_key(("prompt", salt, prompt), secret)]

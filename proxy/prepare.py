@@ -13,7 +13,7 @@ from epd_contracts.hashing import mm_hash, multi_image_item
 from epd_contracts.sampling import SamplingParams
 from proxy.config import ProxyConfig
 from proxy.media import load_image_bytes
-from proxy.prefix_keys import chat_prefix_keys
+from proxy.prefix_keys import chat_prefix_keys, prefix_secret
 from proxy.protocol import ChatCompletionRequest, ImagePart, Message, VideoURLPart
 from proxy.video import VideoItem, check_sampling, load_videos
 from scheduler.scheduler import MMItem
@@ -171,4 +171,5 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
     return PreparedChat(messages=messages, items=items, sampling=sampling,
                         response_format=features.response_format, tools=features.tools,
                         tool_choice=features.tool_choice, cache_salt=salt,
-                        prefix_keys=chat_prefix_keys(messages, [it.mm_hash for it in items], features.tools, salt))
+                        prefix_keys=chat_prefix_keys(messages, [it.mm_hash for it in items], features.tools, salt,
+                                                     prefix_secret(cfg.internal_key)))

@@ -17,10 +17,15 @@ from epd_contracts.generate import MAX_CACHE_SALT_CHARS, MAX_SCHEMA_BYTES, MAX_T
 from epd_contracts.limits import MAX_MESSAGES, MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PARTS_PER_MESSAGE, parts_error
 from epd_contracts.sampling import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from proxy.sampling_fields import contract_sampling, not_sampling, refuse, sampling_schema
+from proxy.surrogates import SurrogateFree
 from proxy.unsupported import unsupported_message_field, unsupported_parameter
 
 
 class ImageURL(BaseModel):
+    # any other key (vLLM's `uuid`, an `mm_hash`) is refused (`unsupported_image_field`): a client never names what
+    # an image is cached under; the proxy hashes its bytes
+    model_config = ConfigDict(extra="allow")
+
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
@@ -31,8 +36,18 @@ class TextPart(BaseModel):
 
 
 class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # refused like ImageURL's (vLLM puts `uuid` on the part)
+
     type: Literal["image_url"]
     image_url: ImageURL
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(key, why) of the first key of the part or of its image_url this server does not take."""
+        for prefix, extra in (("", self.model_extra), ("image_url.", self.image_url.model_extra)):
+            refused = unsupported_parameter(extra or {}, frozenset())
+            if refused is not None:
+                return prefix + refused[0], refused[1]
+        return None
 
 
 class VideoURL(BaseModel):
@@ -158,7 +173,7 @@ class Features:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SurrogateFree):
     # other fields are kept (model_extra) only to be checked: `sampling()` refuses the ones that change output
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra=sampling_schema)
 
@@ -237,6 +252,9 @@ class ChatCompletionRequest(BaseModel):
             bad = unsupported_message_field(msg.model_extra or {})
             if bad is not None:
                 return f"messages.{i}.{bad[0]}", bad[1]
+            for j, part in enumerate(msg.content if isinstance(msg.content, list) else ()):
+                if isinstance(part, ImagePart) and (bad := part.unsupported()) is not None:
+                    return f"messages.{i}.content.{j}.{bad[0]}", bad[1]
         return None
 
 

@@ -69,12 +69,19 @@ def _card(served: str) -> dict[str, Any]:
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)  # HEAD: the same status, no body
 async def health(request: Request) -> dict[str, Any]:
-    """Liveness: 200 while the process serves, whatever its workers do (readiness is /ready)."""
-    return {"status": "ok", "role": "proxy", "pid": os.getpid(), **_instances(proxy_state(request).fleet)}
+    """Liveness: 200 while the process serves, whatever its workers do (readiness is /ready). The details (this
+    process's pid, every worker's URL, health and load: what /instances guards) only with the internal key."""
+    state = proxy_state(request)
+    fleet = state.fleet  # 503 while starting
+    if not state.cfg.internal_key or not has_bearer(request.headers, state.cfg.internal_key):
+        return {"status": "ok", "role": "proxy"}
+    return {"status": "ok", "role": "proxy", "pid": os.getpid(), **_instances(fleet)}
 
 
 @router.get("/ready")
+@router.head("/ready", include_in_schema=False)  # HEAD: the same status, no body
 async def ready(request: Request) -> dict[str, Any]:
     """Readiness: 503 while no healthy decoder (or, unless aggregated, no healthy encoder) can take work."""
     state = proxy_state(request)

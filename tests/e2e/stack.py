@@ -21,6 +21,10 @@ from epd_builders.shapes import draw_shape
 from epd_launcher.group import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# launcher-mode stacks take this internal key (EPD_INTERNAL_KEY) instead of making one: the proxy's /health lists
+# its workers only to a caller with the internal key
+INTERNAL_KEY = f"e2e-{os.getpid()}-{random.getrandbits(64):016x}"
+INTERNAL = {"Authorization": f"Bearer {INTERNAL_KEY}"}
 
 
 @dataclass
@@ -31,6 +35,10 @@ class Stack:
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(f"{self.base_url}{path}", timeout=30)
+
+    def info(self) -> dict[str, Any]:
+        """The proxy's /health with its details (pid, every worker's URL, health and load): needs the internal key."""
+        return dict(httpx.get(f"{self.base_url}/health", headers=INTERNAL, timeout=30).json())
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> None:
@@ -74,7 +82,8 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
 def launched(tmp: Path, *args: str) -> Iterator[Stack]:
     port = free_port()
     log = tmp / f"launcher-{port}.log"
-    proc = start("epd_launcher.cli", ["--port", str(port), *args], log)
+    env = {**os.environ, "EPD_INSECURE": "1", "EPD_INTERNAL_KEY": INTERNAL_KEY}
+    proc = start("epd_launcher.cli", ["--port", str(port), *args], log, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log)
@@ -124,5 +133,5 @@ def ask_colour(base_url: str, *images: bytes, api_key: str | None = None) -> htt
 
 
 def urls_of(stack: Stack, role: str) -> list[str]:
-    """The URLs of the proxy's `role` ("encoders" / "decoders") from its /health."""
-    return [w["url"] for w in stack.get("/health").json()[role]]
+    """The URLs of the proxy's `role` ("encoders" / "decoders") from its /health (with the internal key)."""
+    return [w["url"] for w in stack.info()[role]]

@@ -19,7 +19,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def test_one_process_encodes_and_decodes(stack: Stack) -> None:
-    info = stack.get("/health").json()
+    info = stack.info()
     assert info["encoders"] == [] and len(info["decoders"]) == 1
     decoder = health(info["decoders"][0]["url"])
     assert decoder["aggregated"] and {"vision_tower", "language_model"} <= set(decoder["loaded"]["modules"])

@@ -24,6 +24,7 @@ from proxy.config import ProxyConfig
 
 CHAT = {"model": "demo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 FRESH = {"Connection": "close"}  # one connection per request: the kernel picks a process for each
+INTERNAL_KEY = "proxy-workers-test-key"  # the proxy's /health names its pid only to a caller with it
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,9 @@ def start_proxy(decoder_url: str, num_procs: int = 2) -> tuple[subprocess.Popen[
     port = free_port()
     cmd = [sys.executable, "-m", "epd_launcher.cli", "--aggregated", "--decode-servers-urls", decoder_url,
            "--insecure", "--port", str(port), "--log-level", "warning", "--proxy-workers", str(num_procs)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
+    env = {**os.environ, "EPD_INTERNAL_KEY": INTERNAL_KEY}
+    return (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env),
+            f"http://127.0.0.1:{port}")
 
 
 def until(check: Callable[[], bool], timeout: float, what: str) -> None:
@@ -70,7 +73,8 @@ def serving_pids(url: str, tries: int) -> set[int]:
     pids = set()
     for _ in range(tries):
         try:
-            pids.add(httpx.get(f"{url}/health", headers=FRESH, timeout=5.0).json()["pid"])
+            pids.add(httpx.get(f"{url}/health", headers={**FRESH, "Authorization": f"Bearer {INTERNAL_KEY}"},
+                               timeout=5.0).json()["pid"])
         except httpx.TransportError:
             pass
     return pids
