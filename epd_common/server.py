@@ -9,6 +9,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -245,6 +246,11 @@ def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "info",
                           h11_max_incomplete_event_size=lim.max_header_bytes, backlog=lim.backlog)
 
 
+# "1": the port was reserved by the process that started this one (a bound, never listening SO_REUSEPORT socket:
+# epd_launcher.group.reserve_port), so the server binds it with SO_REUSEPORT beside that reservation
+ENV_REUSE_PORT = "EPD_REUSE_PORT"
+
+
 def reuseport_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port with SO_REUSEPORT: every process that binds one this way shares the port and
     the kernel spreads new connections over those listening. Not listening yet: uvicorn (asyncio) calls
@@ -267,5 +273,7 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "info", limits: H
           sock: socket.socket | None = None) -> None:
     """Run uvicorn until SIGINT/SIGTERM; in-flight requests finish (bounded) before exit. `sock`: serve on this bound
     socket (e.g. `reuseport_socket`) instead of binding host:port here."""
+    if sock is None and os.environ.get(ENV_REUSE_PORT) == "1":
+        sock = reuseport_socket(host, port)  # the launcher holds the port for us (epd_launcher.group.reserve_port)
     server = uvicorn.Server(uvicorn_config(app, host, port, log_level, limits))
     server.run(sockets=None if sock is None else [sock])

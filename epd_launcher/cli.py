@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from connector.control.curve_flags import pop_curve
 from connector.control.security import CurveConfig
 from epd_common.logs import setup_logging
-from epd_common.server import HttpLimits, serve
+from epd_common.server import ENV_REUSE_PORT, HttpLimits, serve
 from epd_launcher.flags import parse_args
 from epd_launcher.group import RestartPolicy, Secrets, WorkerGroup
 from epd_launcher.proxy_procs import serve_proxies
@@ -98,6 +99,8 @@ def _check_port_free(host: str, port: int) -> None:
     """Fail now, before any worker is spawned or waited for, if the proxy could not listen."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+        if os.environ.get(ENV_REUSE_PORT) == "1":  # as epd_common.server.serve will bind it: beside a reservation
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
@@ -115,6 +118,7 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         max_video_bytes=args.max_video_bytes, max_video_duration=args.max_video_duration,
         max_video_frames=args.max_video_frames, max_video_frame_pixels=args.max_video_frame_pixels,
         video_chunk_frames=args.video_chunk_frames, max_video_fanout_bytes=args.max_video_fanout_bytes,
+        max_video_decode_frames=args.max_video_decode_frames,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=_urls(args.allowed_media_domains), media_fetch_timeout=args.media_fetch_timeout,
         media_fetch_deadline=args.media_fetch_deadline, max_concurrent_fetches=args.max_concurrent_fetches,

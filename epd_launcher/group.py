@@ -19,16 +19,37 @@ import httpx
 import zmq
 
 from connector.control.security import ENV_ALLOWED_CLIENTS, ENV_SECRET_KEY, ENV_SERVER_KEY, CurveConfig
+from epd_common.server import ENV_REUSE_PORT
 
 logger = logging.getLogger("epd.launcher")
+WORKER_MODULES = {"encoder": "encoder_service.cli", "decoder": "decoder_service.cli", "proxy": "epd_launcher.cli"}
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2  # how often the supervisor looks at its children
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now; another process may take it before it is bound again (reserve_port holds one)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A fresh port held for a child until the socket is closed: bound with SO_REUSEPORT, never listening.
+
+    Nobody else can bind the port meanwhile (bind(0) never hands it out; a bind to it without SO_REUSEPORT is
+    EADDRINUSE), connections to it are refused while no child listens (failover sees a dead worker at once), and
+    a child started with EPD_REUSE_PORT=1 binds it with SO_REUSEPORT beside the reservation (epd_common.server):
+    at its first start and at every restart, however long the worker was down. No SO_REUSEADDR here: with it, a
+    stranger's SO_REUSEADDR bind (asyncio's default) would be let in beside a socket that does not listen."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((host, 0))
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def _die_with_parent() -> None:
@@ -101,6 +122,7 @@ class Worker:
     restarts: collections.deque[float] = field(default_factory=collections.deque)  # monotonic restart times
     restart_at: float | None = None  # when an exited worker is due to be started again
     given_up: bool = False
+    port_hold: socket.socket | None = field(default=None, repr=False)  # reserve_port's socket, closed by stop()
 
 
 @dataclass
@@ -115,12 +137,14 @@ class WorkerGroup:
 
     def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str],
               env: dict[str, str] | None = None) -> Worker:
-        port = free_port(host)
-        module = {"encoder": "encoder_service.cli", "decoder": "decoder_service.cli", "proxy": "epd_launcher.cli"}[role]
-        cmd = [sys.executable, "-m", module, "--model", model, "--host", host, "--port", str(port), *extra]
+        hold = reserve_port(host)  # held until stop(): no other process takes the port before or between starts
+        port = hold.getsockname()[1]
+        cmd = [sys.executable, "-m", WORKER_MODULES[role], "--model", model, "--host", host, "--port", str(port),
+               *extra]
         full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
-                    **self.env, **(env or {})}
-        worker = Worker(role=role, url=f"http://{host}:{port}", proc=_popen(cmd, full_env), cmd=cmd, env=full_env)
+                    **self.env, **(env or {}), ENV_REUSE_PORT: "1"}
+        worker = Worker(role=role, url=f"http://{host}:{port}", proc=_popen(cmd, full_env), cmd=cmd, env=full_env,
+                        port_hold=hold)
         self.workers.append(worker)
         logger.info("started %s pid=%d at %s", role, worker.proc.pid, worker.url)
         return worker
@@ -183,6 +207,8 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
+            if w.port_hold is not None:
+                w.port_hold.close()
         self.workers.clear()
 
 

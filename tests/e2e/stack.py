@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 
 from epd_builders.shapes import draw_shape
-from epd_launcher.group import free_port
+from epd_common.server import ENV_REUSE_PORT
+from epd_launcher.group import reserve_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # launcher-mode stacks take this internal key (EPD_INTERNAL_KEY) instead of making one: the proxy's /health lists
@@ -80,16 +81,19 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
 
 @contextmanager
 def launched(tmp: Path, *args: str) -> Iterator[Stack]:
-    port = free_port()
-    log = tmp / f"launcher-{port}.log"
-    env = {**os.environ, "EPD_INSECURE": "1", "EPD_INTERNAL_KEY": INTERNAL_KEY}
-    proc = start("epd_launcher.cli", ["--port", str(port), *args], log, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
-        yield Stack(base_url=url, proc=proc, log=log)
-    finally:
-        stop(proc)
+    """The launcher on a port held for it from the pick to its bind (no other program on the machine can take it
+    meanwhile: epd_launcher.group.reserve_port; the launcher binds it beside the hold, EPD_REUSE_PORT=1)."""
+    with reserve_port() as hold:
+        port = hold.getsockname()[1]
+        log = tmp / f"launcher-{port}.log"
+        env = {**os.environ, "EPD_INSECURE": "1", "EPD_INTERNAL_KEY": INTERNAL_KEY, ENV_REUSE_PORT: "1"}
+        proc = start("epd_launcher.cli", ["--port", str(port), *args], log, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, log)
+            yield Stack(base_url=url, proc=proc, log=log)
+        finally:
+            stop(proc)
 
 
 def metric(text: str, name: str) -> float:

@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from epd_launcher.group import free_port
+from epd_common.server import ENV_REUSE_PORT
+from epd_launcher.group import reserve_port
 from tests.e2e.stack import ask_colour, demo_png, pid_alive, start, stop, wait_healthy
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
 
@@ -66,7 +67,7 @@ class HostileStack:
 def stack_env(internal_key: str) -> dict[str, str]:
     """Workers and proxy share one internal key; CURVE is explicitly off (EPD_INSECURE=1) on loopback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    return {**env, "EPD_INSECURE": "1", "EPD_INTERNAL_KEY": internal_key}
+    return {**env, "EPD_INSECURE": "1", "EPD_INTERNAL_KEY": internal_key, ENV_REUSE_PORT: "1"}
 
 
 @contextmanager
@@ -74,7 +75,15 @@ def hostile_stack(tmp: Path, *, encoder_args: Sequence[str] = (), decoder_args: 
                   proxy_args: Sequence[str] = (), timeout: float = 240) -> Iterator[HostileStack]:
     """Start encoder, decoder and proxy (attach mode) at once; yield when the proxy is healthy; stop all."""
     key = secrets.token_hex(16)
-    ports = {role: free_port() for role in ROLES}
+    with ExitStack() as holds:  # each port held from the pick to its process's bind (EPD_REUSE_PORT=1)
+        ports = {role: holds.enter_context(reserve_port()).getsockname()[1] for role in ROLES}
+        with _started(tmp, key, ports, encoder_args, decoder_args, proxy_args, timeout) as stack:
+            yield stack
+
+
+@contextmanager
+def _started(tmp: Path, key: str, ports: dict[str, int], encoder_args: Sequence[str], decoder_args: Sequence[str],
+             proxy_args: Sequence[str], timeout: float) -> Iterator[HostileStack]:
     urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     args = {
         "encoder": ["--model", "demo", "--port", str(ports["encoder"]), *encoder_args],

@@ -1,0 +1,106 @@
+"""The launcher's worker ports cannot be taken by another program between the pick and the worker's bind, nor
+while a worker is down between restarts (issue #30 item 10: "encoder ... exited with code 3 during startup" after
+[Errno 98], a port chosen free taken before the worker bound it).
+
+The workers here are tests/launcher/fake_worker.py (no model): each waits for the test's signal, then binds its port
+the way encoders and decoders do (epd_common.cli.run_worker)."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from epd_launcher import group as group_module
+from epd_launcher.group import RestartPolicy, Worker, WorkerGroup
+
+
+@pytest.fixture
+def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[WorkerGroup]:
+    monkeypatch.setitem(group_module.WORKER_MODULES, "decoder", "tests.launcher.fake_worker")
+    g = WorkerGroup(policy=RestartPolicy(backoff=0.0))
+    yield g
+    g.stop()
+
+
+def _plain(port: int) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+def _reuse_addr(port: int) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+def _asyncio_server(port: int) -> None:
+    """As uvicorn binds (asyncio: SO_REUSEADDR, then listen)."""
+    async def bind() -> None:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", port)
+        server.close()
+
+    asyncio.run(bind())
+
+
+def _others_cannot_take(port: int) -> None:
+    """Another program binding the port (the race that failed the start) gets EADDRINUSE, whichever way it binds."""
+    for take in (_plain, _reuse_addr, _asyncio_server):
+        with pytest.raises(OSError) as exc:
+            take(port)
+        assert exc.value.errno == errno.EADDRINUSE, take.__name__
+
+
+def _port(w: Worker) -> int:
+    return int(w.url.rsplit(":", 1)[1])
+
+
+def _served_by(w: Worker) -> int:
+    return int(httpx.get(f"{w.url}/health", timeout=10).json()["pid"])
+
+
+def test_a_picked_port_stays_the_workers_until_it_binds(group: WorkerGroup, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    w = group.spawn("decoder", "none", "127.0.0.1", 1, ["--go", str(go)])
+    _others_cannot_take(_port(w))  # the worker has not bound yet: before the fix, each of these took the port
+    with pytest.raises(httpx.ConnectError):  # held, not listening: a client is refused, never left hanging
+        httpx.get(f"{w.url}/health", timeout=10)
+    go.touch()
+    group.wait_healthy(timeout=120)
+    assert _served_by(w) == w.proc.pid
+
+
+def test_a_restarted_worker_gets_its_port_back_however_long_it_was_down(group: WorkerGroup, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    go.touch()
+    w = group.spawn("decoder", "none", "127.0.0.1", 1, ["--go", str(go)])
+    group.wait_healthy(timeout=120)
+    first = w.proc.pid
+    os.kill(first, signal.SIGKILL)
+    w.proc.wait()
+    _others_cannot_take(_port(w))  # the worker is down: its port is still not free for others
+    with pytest.raises(httpx.ConnectError):  # and the proxy sees it down at once (failover)
+        httpx.get(f"{w.url}/health", timeout=10)
+    group.check(w, time.monotonic())  # notices the exit
+    assert w.restart_at is not None
+    group.check(w, w.restart_at)  # restarts it: same command, same port
+    group.wait_healthy(timeout=120)
+    assert _served_by(w) == w.proc.pid != first
+
+
+def test_stop_gives_the_ports_back(group: WorkerGroup, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    go.touch()
+    port = _port(group.spawn("decoder", "none", "127.0.0.1", 1, ["--go", str(go)]))
+    group.wait_healthy(timeout=120)
+    group.stop()
+    _plain(port)  # free again for anyone
