@@ -22,8 +22,8 @@ from proxy.unsupported import unsupported_message_field, unsupported_parameter
 
 
 class ImageURL(BaseModel):
-    # any other key (vLLM's `uuid`, an `mm_hash`) is refused (`unsupported_image_field`): a client never names what
-    # an image is cached under; the proxy hashes its bytes
+    # any other key (vLLM's `uuid`, an `mm_hash`) is a 400 unsupported_parameter (ImagePart.unsupported): a client
+    # never names what an image is cached under; the proxy hashes its bytes
     model_config = ConfigDict(extra="allow")
 
     url: str

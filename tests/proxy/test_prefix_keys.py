@@ -6,7 +6,7 @@ from typing import Any
 
 from proxy.completions import CompletionRequest
 from proxy.config import ProxyConfig
-from proxy.prefix_keys import chat_prefix_keys, prompt_keys
+from proxy.prefix_keys import chat_prefix_keys, prefix_secret, prompt_keys
 from proxy.prepare import prepare_chat
 from proxy.protocol import ChatCompletionRequest
 from tests.factories import make_image
@@ -89,3 +89,13 @@ def test_a_completions_prompt_has_one_key_of_its_own_kind() -> None:
     assert text != prepared("Once upon a time", cache_salt="s") and text != prepared("Once upon a time,")
     assert prepared([1, 2, 3]) != prepared("[1, 2, 3]") and len(prepared([1, 2, 3])) == 1
     assert text[0] not in chat_prefix_keys([{"role": "user", "content": "Once upon a time"}], [], [])
+
+
+def test_keys_are_keyed_by_the_internal_key_so_a_guess_without_it_matches_nothing() -> None:
+    messages = [{"role": "user", "content": "a private question"}]
+    plain = chat_prefix_keys(messages, [], [], "")
+    keyed = chat_prefix_keys(messages, [], [], "", prefix_secret("fleet-key"))
+    assert keyed == chat_prefix_keys(messages, [], [], "", prefix_secret("fleet-key"))  # every proxy of the fleet
+    assert keyed != plain and keyed != chat_prefix_keys(messages, [], [], "", prefix_secret("other-key"))
+    assert prefix_secret(None) == prefix_secret("") == b""  # no internal key (--insecure): unkeyed
+    assert prompt_keys("p", "", prefix_secret("fleet-key")) != prompt_keys("p")
