@@ -121,8 +121,10 @@ def test_cached_tokens_count_images_held_before_and_decoder_cache_hits(engine: E
     gathered = [Gathered.of(ImageFeatures(embeds=torch.zeros(n, hidden)), hit)
                 for n, hit in ((4, False), (6, True), (3, False))]
     messages = [{"role": "user", "content": [*({"type": "image"} for _ in refs), {"type": "text", "text": "hi"}]}]
-    work = engine.preparer.prepare(GenerateRequest(messages=messages, images=refs), lambda req: gathered)
-    assert work.cached_tokens == 10
+    req = GenerateRequest(messages=messages, images=refs, cache_salt="features")
+    # held, but this salt never sent them: not counted (decoder_service/image_hits.py); then they are its own
+    assert engine.preparer.prepare(req, lambda req: gathered).cached_tokens == 0
+    assert engine.preparer.prepare(req, lambda req: gathered).cached_tokens == 10
 
 
 def test_a_required_tool_call_streams_tool_call_deltas(engine: Engine) -> None:
