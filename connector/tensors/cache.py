@@ -28,6 +28,7 @@ class EmbeddingCache(Generic[T]):
     Every store and eviction gets the next sequence number; with `journal=True` the events are kept
     until `drain_events()` so a publisher can send them in order. `on_drop` is called (under the lock, so keep
     it short) with every item that leaves the cache, evicted or replaced: a producer closes its shared memory.
+    A `put` may wait (up to its `wait_s`) for pins to be released when the pinned items leave it no room.
     """
 
     def __init__(self, max_bytes: int, journal: bool = False, on_drop: Callable[[T], None] | None = None) -> None:
@@ -37,6 +38,9 @@ class EmbeddingCache(Generic[T]):
         self._items: OrderedDict[str, T] = OrderedDict()  # oldest first
         self._pins: dict[str, int] = {}  # mm_hash -> users that must not lose it
         self._lock = threading.Lock()
+        self._unpinned = threading.Condition(self._lock)  # notified when a pin goes while a put waits for room
+        self._num_put_waiting = 0
+        self._num_pin_waits = 0
         self._journal: list[JournalEntry] | None = [] if journal else None
         self._seq = 0
         self._nbytes = 0
@@ -46,14 +50,11 @@ class EmbeddingCache(Generic[T]):
         self._num_rejected = 0
         self._on_drop = on_drop
 
-    def put(self, mm_hash: str, item: T) -> bool:
-        """Store (or replace) an item; False if it cannot fit beside the pinned items."""
+    def put(self, mm_hash: str, item: T, wait_s: float = 0.0) -> bool:
+        """Store (or replace) an item; False if it cannot fit beside the pinned items, waiting up to `wait_s` for
+        pins to be released first (never for an item larger than the whole cache)."""
         with self._lock:
-            if item.nbytes > self.max_bytes:
-                self._num_rejected += 1
-                return False
-            room = self.max_bytes - self._pinned_bytes(exclude=mm_hash)
-            if item.nbytes > room:
+            if item.nbytes > self.max_bytes or not self._room_for(mm_hash, item.nbytes, wait_s):
                 self._num_rejected += 1
                 return False
             if mm_hash in self._items:
@@ -106,6 +107,8 @@ class EmbeddingCache(Generic[T]):
                     del self._pins[h]
                 else:
                     self._pins[h] -= 1
+            if self._num_put_waiting:
+                self._unpinned.notify_all()
 
     def clear(self) -> None:
         """Drop every item (pinned ones too), without events: the owner is shutting down."""
@@ -155,9 +158,24 @@ class EmbeddingCache(Generic[T]):
                 "evictions": self._num_evictions,
                 "rejected": self._num_rejected,
                 "pinned": len(self._pins),
+                "pin_waits": self._num_pin_waits,
             }
 
     # under self._lock
+
+    def _room_for(self, mm_hash: str, nbytes: int, wait_s: float) -> bool:
+        """Whether `nbytes` fit beside the pinned items (other than `mm_hash`), waiting up to `wait_s` for unpins."""
+        if nbytes <= self.max_bytes - self._pinned_bytes(exclude=mm_hash):
+            return True
+        if wait_s <= 0:
+            return False
+        self._num_pin_waits += 1
+        self._num_put_waiting += 1
+        try:
+            return self._unpinned.wait_for(
+                lambda: nbytes <= self.max_bytes - self._pinned_bytes(exclude=mm_hash), timeout=wait_s)
+        finally:
+            self._num_put_waiting -= 1
 
     def _pinned_bytes(self, exclude: str) -> int:
         return sum(self._items[h].nbytes for h in self._pins if h in self._items and h != exclude)

@@ -23,6 +23,9 @@ MAX_REPLY_BYTES = 256 << 20  # tensor bytes of one get reply (besides its first 
 # items smaller than this stay on the heap and go by socket: opening and mapping a segment (~65 us of syscalls)
 # costs about what sending 64 KiB does (docs/BENCHMARKS.md, "EC connector vs raw ZeroMQ")
 SHM_MIN_BYTES = 128 << 10
+# a save that finds the cache full of pinned items waits this long for a pin to go: the serving thread pins an item
+# only while it builds a reply and hands it to ZeroMQ (no network wait), and dropping a fresh item costs a re-encode
+PIN_WAIT_S = 1.0
 __all__ = ["MAX_ITEMS_PER_GET", "MAX_PARKED", "MAX_PARKED_HASHES", "MAX_REPLY_BYTES", "ECProducer"]
 
 
@@ -38,11 +41,11 @@ class ECProducer:
                  curve: CurveConfig | None = None, advertise_host: str | None = None,
                  max_items_per_get: int = MAX_ITEMS_PER_GET, max_reply_bytes: int = MAX_REPLY_BYTES,
                  max_parked_gets: int = MAX_PARKED, max_parked_hashes: int = MAX_PARKED_HASHES,
-                 shm: bool = True, shm_min_bytes: int = SHM_MIN_BYTES) -> None:
+                 shm: bool = True, shm_min_bytes: int = SHM_MIN_BYTES, pin_wait_s: float = PIN_WAIT_S) -> None:
         """`shm`: hold items of at least `shm_min_bytes` in shared memory that same-host consumers map
         (connector/tensors/shm.py), falling back to the heap per item when it is unavailable or full; False: heap
-        only (`--ec-shm off`)."""
-        self.shm_min_bytes = shm_min_bytes
+        only (`--ec-shm off`). `pin_wait_s`: how long a save waits for pinned items (being sent) to make room."""
+        self.shm_min_bytes, self.pin_wait_s = shm_min_bytes, pin_wait_s
         self.bind, self.events_bind = bind, events_bind or events_endpoint(bind)
         self.max_items_per_get, self.max_reply_bytes = max_items_per_get, max_reply_bytes
         self.advertise_host = advertise_host  # None: advertise the bound address
@@ -94,7 +97,7 @@ class ECProducer:
             self._server.wake()
             return
         item = self._placed(features)
-        if not self._cache.put(mm_hash, item):
+        if not self._cache.put(mm_hash, item, wait_s=self.pin_wait_s):
             item.release()
             logger.warning("embeddings %s (%d bytes) do not fit the producer cache; not saved", mm_hash, features.nbytes)
             self.mark_failed([mm_hash])

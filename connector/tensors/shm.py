@@ -10,9 +10,19 @@ Nothing is named in /dev/shm: the pages belong to the fd and to the mappings, so
 last of those goes, whichever process dies (kill -9 included). The segments are sealed against shrinking, so a
 mapping can never fault (SIGBUS) on a truncated file; `posix_fallocate` reserves the pages up front, so a full
 memory is an error when an item is stored (it then stays on the heap and travels by socket), never later.
+
+Once filled, a segment is sealed against writes (F_SEAL_WRITE and F_SEAL_SEAL): the producer writes through a
+shared mapping it then unmaps, since the kernel refuses the seal (EBUSY) while anyone holds a writable shared
+mapping. After the seal nobody (the producer included) can write(2) it, punch holes in it or map it writable
+(EPERM), and the producer checks that it holds exactly the bytes it wrote, so a process of the same user that
+opened `/proc/<producer>/fd/<fd>` before the seal is caught either way (that item stays on the heap). The
+producer's own views are a copy-on-write mapping like the consumers'. A consumer maps only a segment that carries
+the seals it relies on (`REQUIRED_SEALS`), so a segment sealed less is never trusted.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hmac
 import logging
@@ -22,6 +32,7 @@ import resource
 import secrets
 import stat
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +44,9 @@ logger = logging.getLogger("epd.connector")
 
 NAME = "epd-ec"  # what /proc/<pid>/maps and /proc/<pid>/fd show: "/memfd:epd-ec (deleted)"
 _LINK_PREFIX = f"/memfd:{NAME}"
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # at creation: the size is fixed for every mapping
+FILLED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL  # once filled: no write by anyone, and no seal changes
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE  # what a consumer checks before it trusts a segment
 
 
 class ShmError(Exception):
@@ -41,26 +54,32 @@ class ShmError(Exception):
 
 
 class Segment:
-    """A producer's memfd segment: the fd (what consumers open) and a shared read-write mapping.
+    """A producer's memfd segment, sealed once filled: the fd (what consumers open) and a copy-on-write mapping.
 
     `close()` drops the fd at once; the mapping is never closed explicitly: it goes when no tensor or buffer views
     it any more (a socket send in flight, a caller still holding the features), so eviction never pulls memory
     from under a reader.
     """
 
-    def __init__(self, payload_bytes: int) -> None:
-        """Reserve SHM_TAG_BYTES + `payload_bytes` bytes; OSError (ENOSPC, ENOMEM, EMFILE...) when it cannot."""
+    def __init__(self, payload_bytes: int, contents: Sequence[torch.Tensor] = ()) -> None:
+        """Reserve SHM_TAG_BYTES + `payload_bytes` bytes, write the tag and `contents` (back to back, from any
+        device) and seal the segment; OSError (ENOSPC, ENOMEM, EMFILE, EBUSY: a writable mapping elsewhere...)
+        when it cannot."""
         self.size = SHM_TAG_BYTES + payload_bytes
         self.tag = secrets.token_bytes(SHM_TAG_BYTES)
         fd = os.memfd_create(NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.posix_fallocate(fd, 0, self.size)  # pages reserved now: full is ENOSPC here, not SIGBUS later
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # the size is fixed for every mapping's lifetime
-            mapping = mmap.mmap(fd, self.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
+            _fill(fd, self.size, self.tag, contents)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FILLED_SEALS)  # EBUSY while any writable shared mapping exists
+            # NOTE: copy on write, as a consumer maps it: torch wants a writable buffer, the segment stays unchanged
+            mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if not _holds(mapping, self.tag, contents):  # sealed now: what it holds is what every reader gets
+                raise OSError(errno.EIO, "the segment was written to before it was sealed")
         except BaseException:
             os.close(fd)
             raise
-        mapping[:SHM_TAG_BYTES] = self.tag
         self._map: mmap.mmap | None = mapping
         self.fd: int | None = fd
         self._close_fd = weakref.finalize(self, os.close, fd)  # also when a segment is dropped without close()
@@ -86,18 +105,43 @@ class Segment:
         embeds, deepstack = features.embeds, features.deepstack
         main = int(embeds.numel()) * embeds.element_size()
         extra = 0 if deepstack is None else int(deepstack.numel()) * deepstack.element_size()
-        segment = cls(main + extra)
-        try:
-            placed = segment.tensor(0, embeds.dtype, tuple(embeds.shape))
-            placed.copy_(embeds.detach())
-            placed_deep = None
-            if deepstack is not None:
-                placed_deep = segment.tensor(main, deepstack.dtype, tuple(deepstack.shape))
-                placed_deep.copy_(deepstack.detach())
-        except BaseException:
-            segment.close()
-            raise
+        segment = cls(main + extra, [embeds] if deepstack is None else [embeds, deepstack])
+        placed = segment.tensor(0, embeds.dtype, tuple(embeds.shape))
+        placed_deep = None if deepstack is None else segment.tensor(main, deepstack.dtype, tuple(deepstack.shape))
         return segment, features.with_tensors(placed, placed_deep)
+
+
+def _fill(fd: int, size: int, tag: bytes, contents: Sequence[torch.Tensor]) -> None:
+    """Write the tag and the tensors through a shared mapping, unmapped before returning (the write seal needs it)."""
+    writer = mmap.mmap(fd, size)
+    try:
+        writer[:SHM_TAG_BYTES] = tag
+        offset = SHM_TAG_BYTES
+        for t in contents:
+            _copy_into(writer, offset, t)
+            offset += int(t.numel()) * t.element_size()
+    finally:
+        with contextlib.suppress(BufferError):  # only after a failed copy, whose traceback still views it
+            writer.close()
+
+
+def _copy_into(writer: mmap.mmap, offset: int, t: torch.Tensor) -> None:
+    _view(writer, offset, t.dtype, tuple(t.shape)).copy_(t.detach())  # the view dies here: nothing exports `writer`
+
+
+def _holds(mapping: mmap.mmap, tag: bytes, contents: Sequence[torch.Tensor]) -> bool:
+    """Whether a sealed segment holds exactly the tag and `contents`, bit for bit: a write by another process
+    between the fill and the seal (write(2), or a mapping unmapped again before the seal) is caught here."""
+    if mapping[:SHM_TAG_BYTES] != tag:
+        return False
+    offset = SHM_TAG_BYTES
+    for t in contents:
+        nbytes = int(t.numel()) * t.element_size()
+        source = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if nbytes and not torch.equal(_view(mapping, offset, torch.uint8, (nbytes,)), source):
+            return False
+        offset += nbytes
+    return True
 
 
 def open_handle(handle: ShmHandle, pid: int, payload_bytes: int) -> mmap.mmap:
@@ -131,11 +175,13 @@ def _map_checked(fd: int, handle: ShmHandle) -> mmap.mmap:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != handle.size:
             raise ShmError(f"segment has {st.st_size} bytes, handle declares {handle.size}")
-        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
-            raise ShmError("segment is not sealed against shrinking")
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise ShmError("segment is not sealed against writes and shrinking")
         mapping = mmap.mmap(fd, handle.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
         raise ShmError(f"cannot map the segment: {e.strerror}") from None
+    except (ValueError, OverflowError) as e:  # mmap's own checks (a length past the file): never past this point
+        raise ShmError(f"cannot map the segment: {e}") from None
     if not hmac.compare_digest(mapping[:SHM_TAG_BYTES], handle.tag):
         mapping.close()
         raise ShmError("segment tag does not match the handle (stale handle: its fd was reused)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import msgpack
@@ -94,12 +93,22 @@ def test_gather_without_source_raises(consumer: ECConsumer) -> None:
     assert info.value.missing == ["orphan"]
 
 
-def test_gather_from_dead_source_raises_within_timeout(consumer: ECConsumer) -> None:
-    started = time.monotonic()
-    with pytest.raises(MissingEmbeddings) as info:
-        consumer.gather(["x"], {"x": unbound_address()}, timeout=0.2)
-    assert info.value.missing == ["x"]
-    assert time.monotonic() - started < 1.0
+def test_gather_from_dead_source_raises_at_its_timeout(consumer: ECConsumer) -> None:
+    """A gather from an address nobody answers ends when its timeout (0.2 s) passes, long before the guard."""
+    box: dict[str, BaseException] = {}
+
+    def gather() -> None:
+        try:
+            consumer.gather(["x"], {"x": unbound_address()}, timeout=0.2)
+        except MissingEmbeddings as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=gather, daemon=True)
+    thread.start()
+    thread.join(GUARD_MS / 1000)
+    assert not thread.is_alive()
+    error = box.get("error")
+    assert isinstance(error, MissingEmbeddings) and error.missing == ["x"]
 
 
 def test_gather_from_two_producers_at_once(consumer: ECConsumer) -> None:
@@ -202,11 +211,13 @@ def test_error_reply_echoes_req_id_when_readable(producer: ECProducer) -> None:
     assert isinstance(header, ErrorReply) and header.req_id == 42 and "hashes" in header.message
 
 
-def test_close_returns_promptly() -> None:
+def test_close_stops_the_serving_thread() -> None:
+    """close() returns once the serving thread has stopped (not once its join gave up on it)."""
     p = ECProducer().start()
-    started = time.monotonic()
+    thread = p._server._thread
+    assert thread is not None and thread.is_alive()
     p.close()
-    assert time.monotonic() - started < 0.5
+    assert not thread.is_alive()
 
 
 def test_gathered_tensor_is_built_over_the_received_frame(
