@@ -261,9 +261,9 @@ def test_bodies_over_the_cap_are_refused(server: CountingServer, with_length: bo
 
 def test_an_endless_body_is_abandoned_at_the_cap(server: CountingServer) -> None:
     server.routes["/endless.png"] = endless()
-    start = time.monotonic()
     err = refused(config(max_image_bytes=256 << 10, **ALLOW_LOOPBACK), server.url("/endless.png"))
-    assert err.code == "image_too_large" and time.monotonic() - start < 10  # an endless body: any finite end
+    assert err.code == "image_too_large"  # the event: the body was cut at the cap (a fetch that never ends would
+    # hang here until pytest-timeout, so no wall-clock bound is asserted: one could fail on a busy machine)
 
 
 def test_a_server_that_never_answers_times_out() -> None:
@@ -274,7 +274,8 @@ def test_a_server_that_never_answers_times_out() -> None:
                       f"http://127.0.0.1:{port}/x.png")
         elapsed = time.monotonic() - start
     assert err.code == "image_fetch_failed" and "timed out" in err.message
-    assert 0.25 < elapsed < 10  # waited for the timeout, and no longer than a generous bound (noisy machines)
+    assert elapsed > 0.25  # waited for the timeout (a lower bound: a busy machine only makes it longer; the
+    # fetch ending at all is the event above, with pytest-timeout against a hang)
 
 
 def test_a_trickling_server_is_cut_off_by_the_overall_deadline(server: CountingServer) -> None:
@@ -283,7 +284,7 @@ def test_a_trickling_server_is_cut_off_by_the_overall_deadline(server: CountingS
     err = refused(config(media_fetch_timeout=0.2, **ALLOW_LOOPBACK), server.url("/slow.png"))
     elapsed = time.monotonic() - start
     assert err.code == "image_fetch_failed" and "timed out" in err.message
-    assert 0.5 <= elapsed < 10  # TOTAL_TIMEOUT_FACTOR (3) x 0.2 s; the server alone would never stop
+    assert elapsed >= 0.5  # TOTAL_TIMEOUT_FACTOR (3) x 0.2 s, a lower bound; the server alone would never stop
 
 
 def test_too_many_images_are_refused_before_anything_is_fetched(server: CountingServer) -> None:
