@@ -35,7 +35,10 @@ class DecoderConfig(HttpLimits):
     max_video_duration: float = DEFAULT_LIMITS.max_duration_s  # seconds; longer: 400 video_too_large
     max_video_frames: int = DEFAULT_LIMITS.max_frames  # sampled frames of one video; more: 400 video_too_large
     max_video_frame_pixels: int = DEFAULT_LIMITS.max_pixels_per_frame  # source frame width * height
+    max_video_decode_frames: int = DEFAULT_LIMITS.max_decode_frames  # frames decoded for one video item
     engine_stall_timeout: float = 120.0  # seconds the engine loop may go without an iteration; then 503 + exit
+    grammar_compile_threads: int = 2  # threads compiling response_format / tool grammars (no other request waits)
+    grammar_compile_timeout: float = 10.0  # seconds one compile may run; then that request's 400 schema_too_complex
     log_level: str = "info"
     internal_key: str | None = field(default=None, repr=False)  # Bearer key /generate requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
@@ -57,8 +60,11 @@ class DecoderConfig(HttpLimits):
         assert self.ec_shm in ("auto", "off"), f"ec_shm must be auto or off, got {self.ec_shm!r}"
         assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"
         assert self.engine_stall_timeout > 0, "engine_stall_timeout must be > 0"
-        assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels) >= 1, \
-            "max_video_duration, max_video_frames and max_video_frame_pixels must be > 0"
+        assert self.grammar_compile_threads >= 1 and self.grammar_compile_timeout > 0, \
+            "grammar_compile_threads must be >= 1 and grammar_compile_timeout > 0"
+        assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels,
+                                                   self.max_video_decode_frames) >= 1, \
+            "max_video_duration, max_video_frames, max_video_frame_pixels and max_video_decode_frames must be > 0"
         assert self.prefix_cache_bytes >= 0 and self.prefix_block_size >= 1, "prefix cache: bytes >= 0, block >= 1"
         if self.max_body_bytes == 0:  # frozen: the resolved default is set once, here
             auto = 16 * (20 << 20) * 4 // 3 + (1 << 20) if self.aggregated else 80 << 20

@@ -142,7 +142,8 @@ async def health(request: Request) -> dict[str, object]:
                   "num_encoded": engine.inline.num_encoded}
     cfg = state.cfg
     return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": state.identity,
-            "aggregated": cfg.aggregated, "waiting": engine.num_waiting, "running": engine.num_running,
+            "aggregated": cfg.aggregated, "max_model_len": engine.max_model_len,
+            "waiting": engine.num_waiting, "running": engine.num_running,
             "pid": os.getpid(), "loaded": loaded, "prefix_cache": engine.prefix_summary()}
 
 

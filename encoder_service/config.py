@@ -36,6 +36,7 @@ class EncoderConfig(HttpLimits):
     max_video_duration: float = DEFAULT_LIMITS.max_duration_s  # seconds; longer: 400 video_too_large
     max_video_frames: int = DEFAULT_LIMITS.max_frames  # sampled frames of one video; more: 400 video_too_large
     max_video_frame_pixels: int = DEFAULT_LIMITS.max_pixels_per_frame  # source frame width * height
+    max_video_decode_frames: int = DEFAULT_LIMITS.max_decode_frames  # frames decoded for one video item
     ec_max_items_per_get: int = MAX_ITEMS_PER_GET  # hashes one ZeroMQ get may ask for; more get an error reply
     ec_max_reply_bytes: int = MAX_REPLY_BYTES  # tensor bytes of one get reply; items past it are answered not found
     ec_max_parked_gets: int = MAX_PARKED  # gets waiting for items still encoding; more are answered at once
@@ -60,8 +61,9 @@ class EncoderConfig(HttpLimits):
         assert self.ec_shm in ("auto", "off"), f"ec_shm must be auto or off, got {self.ec_shm!r}"
         assert self.max_items_per_request >= 1 and self.max_encode_bytes >= 1, \
             "max_items_per_request and max_encode_bytes must be >= 1"
-        assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels) >= 1, \
-            "max_video_duration, max_video_frames and max_video_frame_pixels must be > 0"
+        assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels,
+                                                   self.max_video_decode_frames) >= 1, \
+            "max_video_duration, max_video_frames, max_video_frame_pixels and max_video_decode_frames must be > 0"
         assert min(self.ec_max_items_per_get, self.ec_max_reply_bytes, self.ec_max_parked_gets,
                    self.ec_max_parked_hashes) >= 1, "ec_max_* limits must be >= 1"
         super().__post_init__()

@@ -9,7 +9,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -19,11 +18,13 @@ from prometheus_client import CollectorRegistry
 
 from connector.tensors.producer import ECProducer
 from encoder_service.config import EncoderConfig
+from encoder_service.fair_queue import FairExecutor
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id
 from epd_common.images import ImageError
+from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
 from epd_contracts.encode import EncodedItem, EncodeRequest, EncodeResponse
 from epd_contracts.hashing import mm_hash
@@ -45,8 +46,8 @@ class EncoderState:
 
     cfg: EncoderConfig
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-    executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-encode"))
+    # the one encode thread, its calls taken round-robin by request id (encoder_service/fair_queue.py)
+    executor: FairExecutor = field(default_factory=FairExecutor)
     worker: EncoderWorker | None = None
     metrics: EncoderMetrics | None = None
     identity: dict[str, object] = field(default_factory=dict)
@@ -135,7 +136,7 @@ async def encode(request: Request) -> Response:
     start = time.perf_counter()
     try:
         ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
-        done = await asyncio.get_running_loop().run_in_executor(state.executor, ctx.run, _timed, w, m, items)
+        done = await state.executor.run(request_id_var.get(), lambda: ctx.run(_timed, w, m, items))
     except ImageError as exc:
         m.requests.labels("400").inc()
         raise bad_request(str(exc), param="image", code="invalid_image") from exc
@@ -182,7 +183,7 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         logger.info("encoder ready: model=%s device=%s dtype=%s ec_address=%s", cfg.model, w.vision.device,
                     str(w.vision.dtype).removeprefix("torch."), w.producer.address)
         yield
-        state.executor.shutdown(wait=True)
+        state.executor.shutdown()
         w.producer.close()
 
     app = FastAPI(title="EPD encoder", lifespan=lifespan)

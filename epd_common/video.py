@@ -1,4 +1,5 @@
-"""Decoding untrusted video bytes into sampled RGB frames, with limits checked before any frame is decoded.
+"""Probing untrusted video bytes, with limits checked before any frame is decoded (decoding the sampled frames to RGB:
+``epd_common/video_decode.py``).
 
 Mirrors ``epd_common/images.py``: every refusal is a ``VideoError`` (a ValueError whose message is safe to show a
 client), and ``VideoTooLargeError`` when a size limit is passed, so a caller maps them to a 400 the way
@@ -44,13 +45,12 @@ from __future__ import annotations
 import io
 import math
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import av
-from PIL import Image
+
+from epd_common.video_index import FrameIndex, build_index
 
 ALLOWED_CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi"})  # FFmpeg demuxer names
 ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
@@ -79,6 +79,9 @@ class VideoLimits:
     max_scan_frames: int = 36_000  # frames demuxed or decoded to reach the sampled ones: 600 s at 60 fps
     max_total_pixels: int = 2**27  # width * height summed over the returned frames (~400 MB as RGB)
     max_decode_s: float = 60.0  # wall clock of one probe or one decode
+    # frames decoded to reach the asked ones, from the keyframe before each run (epd_common/video_index.py):
+    # 48,000 is one pass over a 600 s 60 fps video and a 250-frame GOP for each of 48 runs
+    max_decode_frames: int = 48_000
     num_threads: int = 1  # decoder threads (the CPU is shared)
 
     def __post_init__(self) -> None:
@@ -98,6 +101,13 @@ class VideoInfo:
     duration_s: float  # num_frames / fps
     codec: str
     container: str
+    # the frames' pts and keyframes (epd_common/video_index.py), from the same demux pass; not compared or shown
+    index: FrameIndex = field(default=FrameIndex(0, (), (0,)), repr=False, compare=False)
+
+    @property
+    def keyframes(self) -> tuple[int, ...]:
+        """Frame indices (presentation order) a decode can start at; (0,) when the index is not usable."""
+        return self.index.keyframes
 
 
 def _refuse_nested_open(url: str, flags: int, options: dict[str, Any]) -> Any:
@@ -160,10 +170,11 @@ def _check_duration(duration_s: float, limits: VideoLimits) -> None:
         raise VideoTooLargeError(f"video lasts {duration_s:.1f} s; the limit is {limits.max_duration_s:g} s")
 
 
-def _count_frames(container: Any, stream: Any, limits: VideoLimits) -> int:
-    """Demux (no decoding) and count the video packets, within max_scan_frames and max_decode_s."""
+def scan_frames(container: Any, stream: Any, limits: VideoLimits) -> FrameIndex:
+    """Demux (no decoding) the video packets, within max_scan_frames and max_decode_s: one frame a packet."""
     deadline = time.monotonic() + limits.max_decode_s
     count = 0
+    packets: list[tuple[int | None, bool]] = []
     try:
         for packet in container.demux(stream):
             if packet.is_corrupt:
@@ -171,6 +182,7 @@ def _count_frames(container: Any, stream: Any, limits: VideoLimits) -> int:
             if packet.size == 0 or packet.is_discard:  # the end-of-stream packet; edit-list leftovers
                 continue
             count += 1
+            packets.append((packet.pts, packet.is_keyframe))
             if count > limits.max_scan_frames:
                 raise VideoTooLargeError(f"video has more than {limits.max_scan_frames} frames")
             if time.monotonic() > deadline:
@@ -179,7 +191,7 @@ def _count_frames(container: Any, stream: Any, limits: VideoLimits) -> int:
         raise
     except _AV_ERRORS as exc:
         raise VideoError(f"corrupt video data at frame {count}") from exc
-    return count
+    return build_index(packets)
 
 
 def _frame_rate(stream: Any, num_frames: int, declared_s: float | None) -> float:
@@ -198,7 +210,8 @@ def probe_video(data: bytes, limits: VideoLimits | None = None) -> VideoInfo:
         declared_s = _declared_duration(container, stream)
         if declared_s is not None:
             _check_duration(declared_s, limits)
-        num_frames = _count_frames(container, stream, limits)
+        index = scan_frames(container, stream, limits)
+        num_frames = index.num_frames
         if num_frames == 0:
             raise VideoError("the video stream has no frames")
         if stream.frames and num_frames < stream.frames:
@@ -207,83 +220,4 @@ def probe_video(data: bytes, limits: VideoLimits | None = None) -> VideoInfo:
         _check_duration(num_frames / fps, limits)
         return VideoInfo(width=stream.codec_context.width, height=stream.codec_context.height, fps=fps,
                          num_frames=num_frames, duration_s=num_frames / fps, codec=_codec_name(stream),
-                         container=container.format.name)
-
-
-# --- decoding -------------------------------------------------------------------------------------------------
-
-def _fit(width: int, height: int, max_pixels: int | None) -> tuple[int, int]:
-    """The size, aspect kept, at which a width x height frame has at most max_pixels (never upscaled)."""
-    if max_pixels is None or width * height <= max_pixels:
-        return width, height
-    scale = math.sqrt(max_pixels / (width * height))
-    return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
-
-
-def _check_wanted(indices: Sequence[int], limits: VideoLimits) -> None:
-    if not indices:
-        raise VideoError("no frame asked for")
-    if len(indices) > limits.max_frames:
-        raise VideoTooLargeError(f"{len(indices)} frames asked for; the limit is {limits.max_frames}")
-    if min(indices) < 0 or max(indices) >= limits.max_scan_frames:
-        raise VideoTooLargeError(f"frame indices must be in 0..{limits.max_scan_frames - 1}")
-
-
-def _decoded(container: Any, stream: Any, limits: VideoLimits) -> Iterator[Any]:
-    """The video's frames in presentation order, refusing corrupt data, oversized frames and overtime."""
-    deadline = time.monotonic() + limits.max_decode_s
-    try:
-        for frame in container.decode(stream):
-            check_frame_size(frame.width, frame.height, limits.max_pixels_per_frame)  # the picture may change size
-            if time.monotonic() > deadline:
-                raise VideoTooLargeError("video takes too long to decode")
-            yield frame
-    except VideoError:
-        raise
-    except _AV_ERRORS as exc:
-        raise VideoError("corrupt video data") from exc
-
-
-def _keep_wanted(frames: Iterator[Any], wanted: Counter[int], max_pixels: int | None,
-                 limits: VideoLimits) -> dict[int, Image.Image]:
-    """Convert the wanted frames (index -> times asked for) to RGB, stopping after the last one."""
-    kept: dict[int, Image.Image] = {}
-    budget, last, seen = limits.max_total_pixels, max(wanted), 0
-    for i, frame in enumerate(frames):
-        seen = i + 1
-        if i in wanted:
-            out_w, out_h = _fit(frame.width, frame.height, max_pixels)
-            budget -= wanted[i] * out_w * out_h  # counted per frame: the picture may change size mid-stream
-            if budget < 0:
-                raise VideoTooLargeError(f"the frames asked for pass the limit of {limits.max_total_pixels} pixels")
-            resized = (out_w, out_h) != (frame.width, frame.height)
-            rgb = frame.to_ndarray(format="rgb24", width=out_w, height=out_h, interpolation="AREA" if resized else None)
-            kept[i] = Image.fromarray(rgb)  # ~4x faster than frame.to_image()
-        if i >= last:
-            break
-    if len(kept) < len(wanted):
-        missing = min(set(wanted) - kept.keys())
-        raise VideoError(f"video ended after {seen} frames; frame {missing} was asked for")
-    return kept
-
-
-def decode_frames(data: bytes, indices: Sequence[int], limits: VideoLimits | None = None,
-                  max_pixels: int | None = None) -> list[Image.Image]:
-    """The frames at `indices` (presentation order, from 0) as RGB images, each downscaled (aspect kept) to at
-    most `max_pixels` if given. Decodes sequentially up to the last index, holding only the wanted frames and
-    the current one; raises VideoError if the video ends before the last index (see the module docstring)."""
-    limits = limits or VideoLimits()
-    _check_wanted(indices, limits)
-    if max_pixels is not None and max_pixels < 1:
-        raise VideoError(f"max_pixels must be >= 1, got {max_pixels}")
-    with _open(data, limits) as container:
-        stream = _video_stream(container, limits)
-        ctx = stream.codec_context
-        out_w, out_h = _fit(ctx.width, ctx.height, max_pixels)
-        if len(indices) * out_w * out_h > limits.max_total_pixels:
-            raise VideoTooLargeError(f"{len(indices)} frames of {out_w}x{out_h} pixels pass the limit of "
-                                     f"{limits.max_total_pixels} pixels in all")
-        ctx.thread_count = limits.num_threads
-        ctx.options = {"max_pixels": str(limits.max_pixels_per_frame)}
-        kept = _keep_wanted(_decoded(container, stream, limits), Counter(indices), max_pixels, limits)
-    return [kept[i] for i in indices]
+                         container=container.format.name, index=index)

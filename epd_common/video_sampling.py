@@ -31,6 +31,11 @@ class VideoConfig:
     num_frames: int | None = None  # the processor's default frame count (when fps is None)
     min_frames: int = 4
     max_frames: int = 768
+    # how many tokens a video makes (epd_common/video_tokens.py; None: not reported, the proxy does not count)
+    patch_size: int | None = None  # Qwen: pixels a patch side
+    merge_size: int | None = None  # Qwen: patches merged a token side
+    frame_cap: int | None = None  # Qwen3-VL's cap_pixels_per_frame: pixels a frame at most
+    frame_tokens: int | None = None  # LLaVA-OneVision: rows a frame (a fixed size), plus one newline row a video
 
     def __post_init__(self) -> None:
         if self.sampler not in ("qwen2", "qwen3", "uniform"):
@@ -39,6 +44,10 @@ class VideoConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"VideoConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("patch_size", "merge_size", "frame_cap", "frame_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"VideoConfig.{name} must be an int >= 1 or null, got {value!r}")
         if self.fps is not None and not (isinstance(self.fps, (int, float)) and math.isfinite(self.fps)
                                          and self.fps > 0):
             raise ValueError(f"VideoConfig.fps must be a finite number > 0, got {self.fps!r}")

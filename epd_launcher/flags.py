@@ -191,6 +191,9 @@ def _video_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--max-video-fanout-bytes", type=positive, default=defaults["max_video_fanout_bytes"].default,
                    help="bytes one video may send to encoders over all its chunks (each chunk's call carries the "
                         "whole file): a larger file is cut into fewer, longer chunks (default 256 MiB)")
+    g.add_argument("--max-video-decode-frames", type=positive, default=defaults["max_video_decode_frames"].default,
+                   help="frames the encoders may decode for one request's videos, each chunk counted from the "
+                        "keyframe before its first frame (planned before any encode); more: 400 video_too_large")
 
 
 def _launcher_flags(g: argparse._ActionsContainer) -> None:

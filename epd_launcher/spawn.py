@@ -35,7 +35,8 @@ def _video_flags(args: argparse.Namespace) -> list[str]:
     """The proxy's video limits for the encoders, which probe each video again: a video the proxy takes is not
     refused there."""
     return ["--max-video-duration", str(args.max_video_duration), "--max-video-frames", str(args.max_video_frames),
-            "--max-video-frame-pixels", str(args.max_video_frame_pixels)]
+            "--max-video-frame-pixels", str(args.max_video_frame_pixels),
+            "--max-video-decode-frames", str(args.max_video_decode_frames)]
 
 
 def _prefix_cache_flags(args: argparse.Namespace) -> list[str]:

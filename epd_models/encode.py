@@ -27,7 +27,8 @@ from typing import Protocol
 from PIL import Image
 
 from epd_common.images import ImageError, load_image
-from epd_common.video import VideoError, VideoInfo, VideoLimits, VideoTooLargeError, decode_frames, probe_video
+from epd_common.video import VideoError, VideoInfo, VideoLimits, VideoTooLargeError, probe_video
+from epd_common.video_decode import decode_frames
 from epd_common.video_sampling import VideoConfig, frame_indices, sampled_fps
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.video import VideoPart
@@ -168,7 +169,7 @@ class CachingEncoder:
                 raise VideoTooLargeError(f"{part.total} sampled frames; the limit is {limits.max_frames}")
             info = probe_video(data, limits)
             wanted = part_indices(config, info, part, mm_hash)
-            frames = decode_frames(data, wanted, limits)
+            frames = decode_frames(data, wanted, limits, index=info.index)
         except UndecodableVideo:
             raise
         except VideoError as exc:

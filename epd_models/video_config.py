@@ -18,10 +18,13 @@ videos it decodes with (epd_common.video.VideoLimits).
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from transformers import AutoConfig
 
 from epd_common.video import VideoLimits
 from epd_common.video_sampling import Sampler, VideoConfig
@@ -67,15 +70,27 @@ def video_config(model_dir: str | Path, family: str) -> VideoConfig | None:
         raise ValueError(f"no video sampling defaults for the {family} family")
     found = _video_processor_dict(Path(model_dir)) or {}
     settings = video_settings(model_dir, _image_processor(Path(model_dir), defaults), family)  # as the vision half's
+    fixed = settings.frame_size is not None
     try:
         return VideoConfig(sampler=defaults.sampler, temporal_patch=settings.temporal_patch_size,
                            min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
                            fps=_number(found.get("fps", defaults.fps)),
                            num_frames=found.get("num_frames", defaults.num_frames),
                            min_frames=found.get("min_frames", defaults.min_frames),
-                           max_frames=found.get("max_frames", defaults.max_frames))
+                           max_frames=found.get("max_frames", defaults.max_frames),
+                           patch_size=None if fixed else settings.patch_size,
+                           merge_size=None if fixed else settings.merge_size, frame_cap=settings.frame_cap,
+                           frame_tokens=_pooled_frame_rows(Path(model_dir)) if fixed else None)
     except (TypeError, ValueError) as exc:  # e.g. a string where a number belongs
         raise ValueError(f"video processor config of {model_dir}: {exc}") from exc
+
+
+def _pooled_frame_rows(model_dir: Path) -> int:
+    """LLaVA-OneVision's rows a video frame: its vision tower's patch grid pooled 2x2 (`apply_pooling`: each side
+    ceil(side / 2))."""
+    vision = AutoConfig.from_pretrained(model_dir).vision_config
+    side = int(vision.image_size) // int(vision.patch_size)
+    return math.ceil(side / 2) ** 2
 
 
 def _image_processor(model_dir: Path, defaults: FamilyDefaults) -> SimpleNamespace:
@@ -100,16 +115,20 @@ def _number(value: Any) -> Any:
 
 
 def add_video_flags(p: argparse._ActionsContainer, defaults: Any) -> None:
-    """--max-video-duration, --max-video-frames, --max-video-frame-pixels, with the worker config's defaults."""
+    """--max-video-duration, --max-video-frames, --max-video-frame-pixels, --max-video-decode-frames, with the
+    worker config's defaults."""
     p.add_argument("--max-video-duration", type=float, default=defaults.max_video_duration,
                    help="seconds a video may last; longer videos get a 400 video_too_large")
     p.add_argument("--max-video-frames", type=int, default=defaults.max_video_frames,
                    help="sampled frames one video may have; more get a 400 video_too_large")
     p.add_argument("--max-video-frame-pixels", type=int, default=defaults.max_video_frame_pixels,
                    help="width x height of a video's frames above this is refused before decoding")
+    p.add_argument("--max-video-decode-frames", type=int, default=defaults.max_video_decode_frames,
+                   help="frames decoded for one video item (a chunk), from the keyframe before its first frame; "
+                        "more get a 400 video_too_large, before decoding where the packet index tells")
 
 
 def video_limits(cfg: Any, max_bytes: int) -> VideoLimits:
-    """The VideoLimits of a worker config with the three flags' fields; `max_bytes`: its cap on one video's bytes."""
+    """The VideoLimits of a worker config with the --max-video-* fields; `max_bytes`: its cap on one video's bytes."""
     return VideoLimits(max_bytes=max_bytes, max_duration_s=cfg.max_video_duration, max_frames=cfg.max_video_frames,
-                       max_pixels_per_frame=cfg.max_video_frame_pixels)
+                       max_pixels_per_frame=cfg.max_video_frame_pixels, max_decode_frames=cfg.max_video_decode_frames)

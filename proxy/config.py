@@ -30,6 +30,10 @@ class ProxyConfig(HttpLimits):
     # every chunk's /encode call carries the whole file: a video gets at most this many bytes over all its chunks
     # (a larger file is cut into fewer, longer chunks), so one upload cannot be multiplied into gigabytes of calls
     max_video_fanout_bytes: int = 256 << 20
+    # frames the encoders decode for one request's videos, each chunk from the keyframe before its first frame
+    # (planned from the probe's packet index before anything is encoded): one pass over a 600 s 60 fps video
+    # plus a 250-frame GOP for each of 48 chunks
+    max_video_decode_frames: int = 48_000
     # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
     allowed_local_media_path: str | None = None  # file:// URLs only under this directory
     allowed_media_domains: tuple[str, ...] = ()  # hosts (names or IPs) fetched even if they resolve privately
@@ -71,6 +75,7 @@ class ProxyConfig(HttpLimits):
         assert 1 <= self.max_video_frames <= MAX_VIDEO_FRAMES, f"max_video_frames must be in 1..{MAX_VIDEO_FRAMES}"
         assert self.video_chunk_frames >= 1, "video_chunk_frames must be >= 1"
         assert self.max_video_fanout_bytes >= 1, "max_video_fanout_bytes must be >= 1"
+        assert self.max_video_decode_frames >= 1, "max_video_decode_frames must be >= 1"
         assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
             "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"
         super().__post_init__()

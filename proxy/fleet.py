@@ -38,6 +38,15 @@ def upstream_error(resp: httpx.Response | DecoderResponse, body: bytes, who: str
         return APIError(502, f"{who} answered {resp.status_code}", code="upstream_error")
 
 
+class ItemRefused(APIError):
+    """An encoder's 4xx about an item of its call, naming the item by the call's own field (`items.N...`):
+    `mm_hash` says which, so the request's error can name the client's field instead (PreparedChat.named)."""
+
+    def __init__(self, err: APIError, mm_hash: str):
+        super().__init__(err.status, err.message, param=err.param, code=err.code, extra=err.extra)
+        self.mm_hash = mm_hash
+
+
 class WorkerFailed(Exception):
     """A worker could not do the call: the work may be retried elsewhere. `answer` is set when the worker
     answered (a 5xx about this request): it stays in service, the work is retried once on another worker,
@@ -100,6 +109,12 @@ class Fleet:
         if not await asyncio.to_thread(self.index.wait_for, lambda: all(map(self.index.is_synced, addresses)), 5.0):
             logger.warning("cache index not synced with every encoder yet; it will catch up from their events")
         self.workers.start()
+
+    def max_model_len(self) -> int | None:
+        """The longest context any decoder reports on /health (None: none says): what a prompt surely cannot pass."""
+        lengths = [n for w in self.workers.of("decoder") if isinstance(n := w.info.get("max_model_len"), int)
+                   and not isinstance(n, bool) and n > 0]
+        return max(lengths, default=None)
 
     def served_model_name(self) -> str | None:
         """--served-model-name, else the name of the model the workers report (None until one has)."""
@@ -171,7 +186,12 @@ class Fleet:
                 self._start_call(name, call, request_id, ())
         sources = dict(plan.sources)
         for h, result in plan.waits.items():
-            sources[h] = await asyncio.shield(asyncio.wrap_future(result))
+            try:
+                sources[h] = await asyncio.shield(asyncio.wrap_future(result))
+            except APIError as err:
+                if err.status < 500 and (err.param or "").startswith("items."):
+                    raise ItemRefused(err, h) from err
+                raise
         if plan.scheduled_encoder_inputs:
             self.metrics.encode_seconds.observe(time.perf_counter() - start)
         return sources

@@ -12,7 +12,7 @@ import msgspec
 from epd_common.errors import APIError
 from epd_contracts.generate import ChunkRef, Event, ImageRef
 from proxy.decoder_http import DecoderResponse
-from proxy.fleet import Fleet, WorkerFailed
+from proxy.fleet import Fleet, ItemRefused, WorkerFailed
 from proxy.prepare import PreparedChat
 from proxy.video import VideoItem
 from proxy.workers import Worker, WorkerDown, until_down
@@ -98,6 +98,9 @@ class Generation:
                 await self.open_pipelined()
             else:
                 await self.open_encoded()
+        except ItemRefused as exc:  # an encoder refused an item: the error names the client's field of it
+            await self.close()
+            raise self.chat.named(exc, exc.mm_hash) from exc
         except BaseException:
             await self.close()
             raise

@@ -15,7 +15,7 @@ from proxy.config import ProxyConfig
 from proxy.media import load_image_bytes
 from proxy.prefix_keys import chat_prefix_keys, prefix_secret
 from proxy.protocol import ChatCompletionRequest, ImagePart, Message, VideoURLPart
-from proxy.video import VideoItem, check_sampling, load_videos
+from proxy.video import VideoItem, check_context, check_sampling, load_videos
 from scheduler.scheduler import MMItem
 
 
@@ -34,11 +34,17 @@ class PreparedChat:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     cache_salt: str = ""  # vLLM's cache_salt: no K/V is shared with requests of another salt
     prefix_keys: list[str] = field(default_factory=list)  # proxy/prefix_keys.py: routing, and the decoder's /health
+    params: dict[str, str] = field(default_factory=dict)  # mm_hash of each image and video chunk -> its URL's field
 
     @property
     def encodes(self) -> list[MMItem]:
         """What the encoders are asked for: each image, and each chunk of each video, in prompt order."""
         return [c for it in self.items for c in (it.chunks if isinstance(it, VideoItem) else (it,))]
+
+    def named(self, err: APIError, mm_hash: str) -> APIError:
+        """An encoder's error about the item `mm_hash`, naming the request's field of it (not the /encode call's)."""
+        param = self.params.get(mm_hash, err.param)
+        return APIError(err.status, err.message, param=param, code=err.code, extra=err.extra)
 
     def request(self, images: list[ImageRef]) -> GenerateRequest:
         return GenerateRequest(messages=self.messages, prompt=self.prompt, echo=self.echo, images=images,
@@ -153,11 +159,22 @@ def _load_media(media: list[MediaRef], req: ChatCompletionRequest, cfg: ProxyCon
     return [next(loaded[m.kind]) for m in media]
 
 
+def _params(media: list[MediaRef], items: list[MMItem | VideoItem]) -> dict[str, str]:
+    """mm_hash of each image and video chunk -> the request field of its URL (the first, for a repeated one)."""
+    params: dict[str, str] = {}
+    for ref, item in zip(media, items, strict=True):
+        for h in ([c.mm_hash for c in item.chunks] if isinstance(item, VideoItem) else [item.mm_hash]):
+            params.setdefault(h, ref.param)
+    return params
+
+
 def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None,
-                 family: str | None = None, video: VideoConfig | None = None) -> PreparedChat:
+                 family: str | None = None, video: VideoConfig | None = None,
+                 max_model_len: int | None = None) -> PreparedChat:
     """Check the request and load its images and videos; raises APIError (4xx) naming the bad part. `family`: the
     fleet's model family (whether images of a multi-image prompt are encoded apart: epd_contracts.hashing);
-    `video`: the fleet's video settings (None: the model takes no video, a request with one is a 400).
+    `video`: the fleet's video settings (None: the model takes no video, a request with one is a 400);
+    `max_model_len`: the longest context of the fleet's decoders (a request whose videos cannot fit is a 400).
 
     Blocking (media may be downloaded under cfg's media rules, see proxy.media; videos are probed): run it in a
     worker thread.
@@ -167,9 +184,10 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
     _check_media_counts(req, cfg)
     messages, media = _render_messages(req)
     items = _load_media(media, req, cfg, deadline, family, video)
+    check_context([it for it in items if isinstance(it, VideoItem)], sampling.max_tokens, max_model_len)
     salt = req.cache_salt or ""
     return PreparedChat(messages=messages, items=items, sampling=sampling,
                         response_format=features.response_format, tools=features.tools,
-                        tool_choice=features.tool_choice, cache_salt=salt,
+                        tool_choice=features.tool_choice, cache_salt=salt, params=_params(media, items),
                         prefix_keys=chat_prefix_keys(messages, [it.mm_hash for it in items], features.tools, salt,
                                                      prefix_secret(cfg.internal_key)))

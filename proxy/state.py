@@ -75,7 +75,8 @@ class ProxyState:
         deadline = time.monotonic() + self.cfg.media_fetch_deadline
         identity = self.started.workers.identity if self.started is not None else None
         family = identity.get("family") if identity else None
-        args = (req, self.cfg, deadline, family, fleet_video_config(identity))
+        max_model_len = self.started.max_model_len() if self.started is not None else None
+        args = (req, self.cfg, deadline, family, fleet_video_config(identity), max_model_len)
         kinds = remote_kinds(req)
         if kinds:
             code = "video_fetch_timeout" if kinds == {"video"} else "image_fetch_timeout"

@@ -8,7 +8,11 @@ For each video_url the proxy (torch-free, in prepare_chat's worker thread, never
    model_identity["video"]), a request's `mm_processor_kwargs` overriding fps / num_frames / max_pixels within the
    server's limits, the frame indices it gives and their fps, and so the video's VideoSampling and hash;
 4. cuts the sampled frames into chunks of --video-chunk-frames (whole temporal patches), each an MMItem with
-   `video` set: the scheduler dedupes, places and fails them over like images, several encoders in parallel.
+   `video` set: the scheduler dedupes, places and fails them over like images, several encoders in parallel;
+5. counts, before anything is encoded, what the plan will cost: the frames the encoders decode (each chunk from
+   the keyframe before its frames, by the probe's index: epd_common/video_index.py), all the request's videos
+   within --max-video-decode-frames, and the embedding rows the video makes (epd_common/video_tokens.py, by the
+   model's rule the workers report), which prepare_chat checks against the decoders' context length.
 The decoder gets one ImageRef per video (its hash, the whole sampled part, the chunks in order: proxy/generation.py).
 
 Error codes (400): video_not_supported (the model takes no video), video_too_large (a limit), invalid_video (not a
@@ -25,7 +29,9 @@ from typing import Any
 
 from epd_common.errors import bad_request
 from epd_common.video import VideoError, VideoInfo, VideoLimits, VideoTooLargeError, probe_video
+from epd_common.video_index import decode_cost
 from epd_common.video_sampling import VideoConfig, frame_indices, sampled_fps, target_frames
+from epd_common.video_tokens import video_rows
 from epd_contracts.video import VideoPart, VideoSampling, plan_chunks, video_hash
 from proxy.config import ProxyConfig
 from proxy.media import load_media_bytes, video_kind
@@ -45,6 +51,9 @@ class VideoItem:
     data: bytes
     video: VideoPart  # the whole video: first 0, count = total sampled frames
     chunks: tuple[MMItem, ...]
+    param: str = ""  # the request field of its URL (errors name it)
+    num_tokens: int | None = None  # embedding rows its chunks make in all (None: the model's rule is not known)
+    num_decoded: int = 0  # frames the encoders decode for its chunks (from the keyframe before each chunk's frames)
 
 
 @dataclass(frozen=True)
@@ -102,12 +111,21 @@ def check_sampling(kwargs: MMProcessorKwargs | None, config: VideoConfig | None,
 
 def load_videos(videos: list[tuple[str, str]], cfg: ProxyConfig, deadline: float | None,
                 sampling: Sampling) -> list[VideoItem]:
-    """(param, url) of each video in order -> its planned VideoItem (a URL repeated is loaded and planned once)."""
+    """(param, url) of each video in order -> its planned VideoItem (a URL repeated is loaded and planned once);
+    400 video_too_large naming the video that takes the request's decoding past --max-video-decode-frames."""
     planned: dict[str, VideoItem] = {}
+    decoded = 0
     for param, url in videos:
         if url not in planned:
             data = load_media_bytes(url, video_kind(cfg), param, cfg, deadline)
-            planned[url] = plan_video(data, param, cfg, sampling)
+            item = planned[url] = plan_video(data, param, cfg, sampling)
+            decoded += item.num_decoded
+            if decoded > cfg.max_video_decode_frames:
+                raise bad_request(f"the sampled frames of this request's videos take {decoded} decoded frames to "
+                                  f"reach (from the keyframe before each chunk); this server decodes at most "
+                                  f"{cfg.max_video_decode_frames} frames a request: send a shorter video, fewer "
+                                  "frames (mm_processor_kwargs.num_frames) or one with more keyframes", param,
+                                  code="video_too_large")
     return [planned[url] for _, url in videos]
 
 
@@ -129,12 +147,41 @@ def plan_video(data: bytes, param: str, cfg: ProxyConfig, sampling: Sampling) ->
     settings = VideoSampling(num_frames=n, fps=sampled_fps(info, total),
                              max_pixels=sampling.max_pixels or config.max_pixels)
     vh = video_hash(data, settings)
+    planned = plan_chunks(vh, total, config.temporal_patch, chunk_frames(cfg, len(data), total, config.temporal_patch))
     chunks = tuple(MMItem(mm_hash=c.mm_hash, data=data,
                           video=VideoPart(sampling=settings, first=c.first, count=c.count, total=total))
-                   for c in plan_chunks(vh, total, config.temporal_patch,
-                                        chunk_frames(cfg, len(data), total, config.temporal_patch)))
+                   for c in planned)
     return VideoItem(mm_hash=vh, data=data, video=VideoPart(sampling=settings, first=0, count=total, total=total),
-                     chunks=chunks)
+                     chunks=chunks, param=param, num_tokens=rows(config, info, total, settings.max_pixels, param),
+                     num_decoded=sum(decode_cost(indices[c.first: c.first + c.count], info.keyframes)
+                                     for c in planned))
+
+
+def rows(config: VideoConfig, info: VideoInfo, total: int, max_pixels: int, param: str) -> int | None:
+    """The video's embedding rows by the model's rule (None: not reported); 400 invalid_video where the model's
+    processor refuses its frames (e.g. an aspect ratio over 200), before any encoder sees them."""
+    try:
+        return video_rows(config, info.width, info.height, total, max_pixels)
+    except VideoError as exc:
+        raise bad_request(str(exc), param, code="invalid_video") from exc
+
+
+def check_context(videos: list[VideoItem], max_tokens: int | None, max_model_len: int | None) -> None:
+    """400 context_length_exceeded (the decoder's code) when the videos' embedding rows alone, with max_tokens (or
+    the one token any answer needs), pass `max_model_len` (the longest context among the fleet's decoders; None:
+    unknown, nothing checked): such a request can only fail, so it fails before anything is encoded. The rows are
+    a lower bound of the prompt (its text is not counted), so nothing that could fit is refused."""
+    rows = sum(v.num_tokens or 0 for v in videos)
+    if not max_model_len or not rows or rows + (max_tokens or 1) <= max_model_len:
+        return
+    if max_tokens and rows < max_model_len:
+        raise bad_request(f"the request's videos make at least {rows} prompt tokens; with max_tokens ({max_tokens}) "
+                          f"that exceeds the model's maximum length ({max_model_len})", "max_tokens",
+                          code="context_length_exceeded")
+    raise bad_request(f"the request's videos make at least {rows} prompt tokens, which leaves no room in the model's "
+                      f"maximum length ({max_model_len}): send fewer frames (mm_processor_kwargs.num_frames or fps) "
+                      "or a lower mm_processor_kwargs.max_pixels", videos[0].param or "messages",
+                      code="context_length_exceeded")
 
 
 def chunk_frames(cfg: ProxyConfig, size: int, total: int, temporal_patch: int) -> int:

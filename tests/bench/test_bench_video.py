@@ -21,7 +21,8 @@ from epd_builders.bench_model import (
     invisible_token_ids,
 )
 from epd_builders.families import qwen
-from epd_common.video import VideoLimits, decode_frames
+from epd_common.video import VideoLimits
+from epd_common.video_decode import decode_frames
 from epd_common.video_sampling import VideoConfig
 from epd_models.chat import render
 from epd_models.halves import LanguageHalf, VisionHalf

@@ -15,7 +15,8 @@ from epd_bench.backends import RequestInput, _decoder_body
 from epd_bench.dataset import DatasetSpec, build_dataset, repeat_share
 from epd_bench.serve import run
 from epd_bench.video_clip import check_clip_size, clip_frames, make_clip
-from epd_common.video import VideoLimits, decode_frames, probe_video
+from epd_common.video import VideoLimits, probe_video
+from epd_common.video_decode import decode_frames
 from tests.bench.conftest import FakeServer
 
 SPEC = DatasetSpec(num_prompts=12, input_len=6, output_len=4, images_per_request=1, image_width=16, image_height=8,

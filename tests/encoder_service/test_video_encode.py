@@ -243,9 +243,9 @@ def test_a_held_chunk_is_not_decoded_or_encoded_again(one: tuple[TestClient, Enc
     decoded: list[list[int]] = []
     real = encode_module.decode_frames
 
-    def counted(data: bytes, indices: list[int], *args: Any) -> Any:
+    def counted(data: bytes, indices: list[int], *args: Any, **kwargs: Any) -> Any:
         decoded.append(list(indices))
-        return real(data, indices, *args)
+        return real(data, indices, *args, **kwargs)
 
     monkeypatch.setattr(encode_module, "decode_frames", counted)
     first, second = plan.chunks[:2]

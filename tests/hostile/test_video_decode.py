@@ -10,14 +10,8 @@ import av
 import numpy as np
 import pytest
 
-from epd_common.video import (
-    VideoError,
-    VideoLimits,
-    VideoTooLargeError,
-    check_frame_size,
-    decode_frames,
-    probe_video,
-)
+from epd_common.video import VideoError, VideoLimits, VideoTooLargeError, check_frame_size, probe_video
+from epd_common.video_decode import decode_frames
 from epd_common.video_sampling import sample_indices
 from tests.factories import frame_number, make_image, make_video
 from tests.hostile.memory import peak_rss_bytes, rss_bytes

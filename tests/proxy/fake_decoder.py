@@ -59,17 +59,17 @@ class FakeDecoder(LoopbackServer):
 
     With `held` (a list, not None) it keeps a prefix cache, as the real decoder reports it: /health's
     prefix_cache.keys are `held`, to which each request's prefix_keys are added once it is answered. `identity`:
-    its model_identity (default IDENTITY, a model without video)."""
+    its model_identity (default IDENTITY, a model without video); `health`: more /health fields (max_model_len)."""
 
     def __init__(self, cached_tokens: int = 0, held: list[str] | None = None,
-                 identity: dict[str, Any] | None = None) -> None:
+                 identity: dict[str, Any] | None = None, health: dict[str, Any] | None = None) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.cached_tokens, self.held = cached_tokens, held
-        fake = self
+        fake, more = self, health
 
         class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                health = {"status": "ok", "model": "demo", "model_identity": identity or IDENTITY}
+                health = {"status": "ok", "model": "demo", "model_identity": identity or IDENTITY, **(more or {})}
                 if fake.held is not None:
                     health["prefix_cache"] = {"enabled": True, "block_size": 16, "keys": list(fake.held)}
                 self.send_body(200, json.dumps(health).encode())

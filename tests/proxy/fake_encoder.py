@@ -12,9 +12,10 @@ from tests.loopback_http import LoopbackServer, QuietHandler
 
 class FakeEncoder(LoopbackServer):
     """GET /health: healthy, with `identity` as its model_identity; POST /encode: every item answered as encoded
-    (at the producer's current cache position, which the proxy's index has seen: no wait for events)."""
+    (at the producer's current cache position, which the proxy's index has seen: no wait for events); with `refusal`
+    (an error body's "error"), a call carrying a video item is answered 400 with it instead."""
 
-    def __init__(self, identity: dict[str, Any] | None = None) -> None:
+    def __init__(self, identity: dict[str, Any] | None = None, refusal: dict[str, Any] | None = None) -> None:
         self.producer = ECProducer().start()
         self.calls: list[list[dict[str, Any]]] = []  # each /encode call's items, as sent
         self._lock = threading.Lock()
@@ -31,6 +32,9 @@ class FakeEncoder(LoopbackServer):
                 items = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))["items"]
                 with fake._lock:
                     fake.calls.append(items)
+                if refusal is not None and any("video" in it for it in items):
+                    self.send_body(400, json.dumps({"error": refusal}).encode())
+                    return
                 epoch, seq = fake.producer.position()
                 answer = {"items": [{"mm_hash": it["mm_hash"], "num_tokens": 4} for it in items],
                           "ec_address": fake.producer.address, "ec_epoch": epoch, "ec_seq": seq}
