@@ -85,9 +85,11 @@ def video_config(model_dir: str | Path, family: str) -> VideoConfig | None:
         raise ValueError(f"video processor config of {model_dir}: {exc}") from exc
 
 
-def _pooled_frame_rows(model_dir: Path) -> int:
+def _pooled_frame_rows(model_dir: Path) -> int | None:
     """LLaVA-OneVision's rows a video frame: its vision tower's patch grid pooled 2x2 (`apply_pooling`: each side
-    ceil(side / 2))."""
+    ceil(side / 2)); None without a config.json (then the proxy counts no tokens)."""
+    if not (model_dir / "config.json").is_file():
+        return None
     vision = AutoConfig.from_pretrained(model_dir).vision_config
     side = int(vision.image_size) // int(vision.patch_size)
     return math.ceil(side / 2) ** 2

@@ -74,7 +74,8 @@ def test_the_checkpoints_video_processor_config_overrides_the_defaults(tmp_path:
         "fps": 1, "min_frames": 2, "max_frames": 64, "temporal_patch_size": 2,
         "size": {"shortest_edge": 3136, "longest_edge": 100352}}}))
     assert video_config(tmp_path, "qwen2_vl") == VideoConfig(sampler="qwen2", temporal_patch=2, min_pixels=3136,
-                                                             max_pixels=100352, fps=1.0, min_frames=2, max_frames=64)
+                                                             max_pixels=100352, fps=1.0, min_frames=2, max_frames=64,
+                                                             patch_size=14, merge_size=2)
     (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": {"num_frames": 16, "fps": None}}))
     config = video_config(tmp_path, "qwen3_vl")
     assert config is not None and (config.sampler, config.fps, config.num_frames) == ("qwen3", None, 16)
