@@ -22,10 +22,6 @@ from epd_common.server import ENV_REUSE_PORT
 from epd_launcher.group import reserve_port
 
 ROOT = Path(__file__).resolve().parents[2]
-# launcher-mode stacks take this internal key (EPD_INTERNAL_KEY) instead of making one: the proxy's /health lists
-# its workers only to a caller with the internal key
-INTERNAL_KEY = f"e2e-{os.getpid()}-{random.getrandbits(64):016x}"
-INTERNAL = {"Authorization": f"Bearer {INTERNAL_KEY}"}
 
 
 @dataclass
@@ -38,8 +34,27 @@ class Stack:
         return httpx.get(f"{self.base_url}{path}", timeout=30)
 
     def info(self) -> dict[str, Any]:
-        """The proxy's /health with its details (pid, every worker's URL, health and load): needs the internal key."""
-        return dict(httpx.get(f"{self.base_url}/health", headers=INTERNAL, timeout=30).json())
+        """The proxy's /health with its details (pid, every worker's URL, health and load): needs the internal key,
+        which the launcher made for this start and gave its children through their environment (read back here, so
+        the stack still makes its own keys)."""
+        headers = {"Authorization": f"Bearer {internal_key(self.proc.pid)}"}
+        return dict(httpx.get(f"{self.base_url}/health", headers=headers, timeout=30).json())
+
+
+def internal_key(launcher_pid: int) -> str:
+    """The internal key in the environment of one of the launcher's children (its workers)."""
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            key = environ(int(child)).get("EPD_INTERNAL_KEY")
+            if key:
+                return key
+    raise AssertionError(f"no child of the launcher {launcher_pid} holds an internal key")
+
+
+def environ(pid: int) -> dict[str, str]:
+    """A process's environment (same user only), from /proc."""
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> None:
@@ -86,7 +101,7 @@ def launched(tmp: Path, *args: str) -> Iterator[Stack]:
     with reserve_port() as hold:
         port = hold.getsockname()[1]
         log = tmp / f"launcher-{port}.log"
-        env = {**os.environ, "EPD_INSECURE": "1", "EPD_INTERNAL_KEY": INTERNAL_KEY, ENV_REUSE_PORT: "1"}
+        env = {**os.environ, "EPD_INSECURE": "1", ENV_REUSE_PORT: "1"}
         proc = start("epd_launcher.cli", ["--port", str(port), *args], log, env=env)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -14,7 +14,7 @@ import pytest
 from connector.control.security import load_curve_config
 from connector.tensors.consumer import ECConsumer
 from epd_contracts.hashing import mm_hash
-from tests.e2e.stack import Stack, ask_colour, demo_png, health, launched, pid_alive, urls_of
+from tests.e2e.stack import Stack, ask_colour, demo_png, environ, health, launched, pid_alive, urls_of
 
 pytestmark = pytest.mark.e2e
 BACK_WITHIN_S = 120.0  # deadline for a killed worker to serve again (measured: see the report in the log)
@@ -39,11 +39,6 @@ def worker_pids(stack: Stack) -> dict[str, int]:
 
 def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-def environ(pid: int) -> dict[str, str]:
-    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
 
 
 def poll(what: str, check: Callable[[], bool], deadline_s: float) -> float:
