@@ -30,6 +30,12 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout,
                    help="seconds the engine loop may make no progress; then /health answers 503 and the process "
                         "exits with status 70")
+    p.add_argument("--grammar-compile-threads", type=int, default=d.grammar_compile_threads,
+                   help="threads compiling response_format and tool-call grammars; requests without a grammar never "
+                        "wait for them")
+    p.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                   help="seconds one grammar compile may run; past that its request gets a 400 "
+                        "schema_too_complex (a backstop: the schema's counts are bounded before compiling)")
     p.add_argument("--ec-cache-bytes", type=int, default=d.ec_cache_bytes,
                    help="bytes of gathered embeddings this decoder keeps (LRU; items mapped from an encoder's "
                         "shared memory count too, and are unmapped when evicted)")

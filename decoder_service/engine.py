@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -33,15 +34,17 @@ from decoder_service.aggregated import InlineEncoder
 from decoder_service.batch import BatchRunner, RunnerOutput
 from decoder_service.config import DecoderConfig
 from decoder_service.generate import eos_token_ids
+from decoder_service.grammar import CompiledGuide
+from decoder_service.grammar_pool import Abandoned, CompilePool
 from decoder_service.logprobs import TokenTable
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
 from decoder_service.readback import read_back, read_back_rows
-from decoder_service.request import Preparer, Work
+from decoder_service.request import PendingGuide, Preparer, Work
 from decoder_service.scheduler import IDLE_PREFILL_FACTOR, Scheduler
 from decoder_service.sequence import Job, Sequence
 from decoder_service.video_gather import Gathered, plan_gather
-from epd_common.errors import APIError
+from epd_common.errors import APIError, bad_request
 from epd_common.logs import request_id_var
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
@@ -65,6 +68,7 @@ class Engine:
         self.preparer = Preparer(lm, self.max_model_len, self.vocab_size, cfg.max_num_seqs, self.eos_ids,
                                  cfg.prefix_block_size if cfg.prefix_cache_bytes else 0)
         self._jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet taken by the engine thread
+        self.compiles = CompilePool(cfg.grammar_compile_threads, cfg.grammar_compile_timeout)
         self.runner = BatchRunner(lm, cfg.max_num_seqs, self.max_model_len,
                                   chunk=cfg.max_prefill_tokens * IDLE_PREFILL_FACTOR,
                                   prefix_bytes=cfg.prefix_cache_bytes, prefix_block=cfg.prefix_block_size)
@@ -83,7 +87,7 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         """Requests not running yet (queued for a slot)."""
-        return self._jobs.qsize() + len(self.scheduler.waiting)
+        return self._jobs.qsize() + len(self.scheduler.waiting) + self.compiles.num_queued
 
     @property
     def num_running(self) -> int:
@@ -108,9 +112,29 @@ class Engine:
                                       f"(--engine-stall-timeout {self.cfg.engine_stall_timeout:g})")
         return None
 
-    def prepare(self, req: GenerateRequest) -> Work:
-        """Tokens, embeddings, checked sampling and guide (blocking: a worker thread); APIError for what cannot run."""
-        return self.preparer.prepare(req, self._gather)
+    def prepare(self, req: GenerateRequest, guide: CompiledGuide | None = None, compiled: bool = False) -> Work:
+        """Tokens, embeddings, checked sampling and guide (blocking: a worker thread); APIError for what cannot run.
+        `compiled`: `guide` is the request's, from `Engine.guide` (else it is compiled here)."""
+        return self.preparer.prepare(req, self._gather, guide=guide, compiled=compiled)
+
+    async def guide(self, req: GenerateRequest, left: asyncio.Future[Any]) -> CompiledGuide | None:
+        """The request's grammar: looked up and checked on a worker thread, compiled on the grammar pool (so no
+        other request's preparation waits behind it); `left` completing (the client went away) stops the wait,
+        and a compile not yet started never runs. 400 naming the field for a schema it refuses."""
+        if req.response_format is None and not req.tools:
+            return None
+        found = await asyncio.to_thread(self.preparer.find_guide, req)
+        if not isinstance(found, PendingGuide):
+            return found
+        try:
+            return await self.compiles.run(found.compile, left)
+        except Abandoned as exc:
+            if exc.reason == "left":
+                raise APIError(499, "the client went away before its grammar was compiled", code="client_closed") \
+                    from None
+            raise bad_request(f"{found.param}: the schema took longer than --grammar-compile-timeout "
+                              f"({self.cfg.grammar_compile_timeout:g} s) to compile", param=found.param,
+                              code="schema_too_complex") from None
 
     def submit(self, work: Work | Prompt, params: SamplingParams | None = None,
                cancelled: threading.Event | None = None) -> Job:
@@ -128,6 +152,7 @@ class Engine:
         return job
 
     def close(self, timeout: float = 30.0) -> None:
+        self.compiles.close()
         self._jobs.put(None)
         self._thread.join(timeout=timeout)
 

@@ -23,11 +23,17 @@ output with spaces, and they are the separators models write. `strict` (OpenAI's
 `properties` and no `additionalProperties` gets `additionalProperties: false`; without it the schema is enforced as
 given (JSON Schema's default: extra properties allowed). A keyword the library does not support is refused (a 400),
 not ignored. When the grammar is complete only the eos ids are allowed.
+
+Compile cost is bounded before compiling (decoder_service/grammar_checks.py: counts that drive it, a schema no
+finite output matches, literals the model cannot write) and while compiling by the library's own limits (`LIMITS`);
+compiles run on their own threads (decoder_service/grammar_pool.py). A grammar that still reaches a dead end while
+decoding (no token allowed, or the chosen one refused) is that request's 400-class error naming the schema.
 """
 from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -37,24 +43,22 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from decoder_service.grammar_checks import GuideError as GuideError
+from decoder_service.grammar_checks import check_schema, special_texts
 from epd_contracts.generate import ResponseFormat
+from epd_contracts.schema_checks import SUBSCHEMAS, subschemas
 from epd_models.guide_spec import GuideSpec, canonical
 
 MAX_ERROR_CHARS = 500  # of the library's message, in the 400
+# the library's limits, explicit (its defaults; verbose errors off: a parser dump is no answer for a client).
+# Compile: initial_lexer_fuel ~50k/ms (20 ms), max_grammar_size symbols, max_lexer_states (1-2 kB each); per token,
+# on the engine thread: step_lexer_fuel ~14k/ms (14 ms) and step_max_items ~20k/ms (2.5 ms) bound one mask fill.
+LIMITS = llguidance.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                                   step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                                   verbose_errors=False)
+# what `strict` walks: not propertyNames (a string schema), nor dependentSchemas and additionalItems (as before)
+_STRICT_WALKS = {k: v for k, v in SUBSCHEMAS.items() if k not in ("propertyNames", "dependentSchemas", "additionalItems")}
 _BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)  # bit i of an int32 word
-# object keyword -> how its value holds subschemas ("one", "list" or "map"); what `strict` walks
-_SUBSCHEMAS = {"properties": "map", "patternProperties": "map", "$defs": "map", "definitions": "map",
-               "items": "one", "additionalProperties": "one", "not": "one", "if": "one", "then": "one",
-               "else": "one", "contains": "one", "prefixItems": "list", "anyOf": "list", "oneOf": "list",
-               "allOf": "list"}
-
-
-class GuideError(ValueError):
-    """A spec the library cannot compile, or a token its grammar refuses; `param` is the request field to name."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 def json_options() -> dict[str, Any]:
@@ -114,12 +118,19 @@ class Guide:
     def refused(self, vocab: int, device: torch.device) -> torch.Tensor:
         """(vocab,) bool on `device`: True for every token the grammar refuses now (one mask fill per step)."""
         fill_bitmask(self._matcher, self._bitmask)
+        if self._matcher.is_error() or not self._bitmask.any():  # a dead end: no token can continue the output
+            raise self._dead_end("no token can continue it")
         return refused_tokens(self._on(device), vocab)
 
     def accept(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            reason = self._matcher.get_error().split("\n", 1)[0]
-            raise GuideError(f"the output broke the {self._param} grammar at token {token}: {reason}", self._param)
+            raise self._dead_end(f"at token {token}")
+
+    def _dead_end(self, where: str) -> GuideError:
+        """The request's own schema cannot be completed (not the server's fault): its 400, naming the param."""
+        reason = self._matcher.get_error().split("\n", 1)[0][:MAX_ERROR_CHARS]
+        return GuideError(f"the output broke the {self._param} grammar {where}: {reason or 'a dead end'}",
+                          self._param, "unsatisfiable_schema")
 
     @property
     def terminated(self) -> bool:
@@ -151,42 +162,61 @@ class CompiledGuide:
 class GuideCompiler:
     """Compiles specs for one engine's tokenizer: thread-safe, recent specs kept (LRU) within two bounds.
 
-    Compiling is bounded: the caller caps a schema at 64 KiB (epd_contracts.generate.MAX_SCHEMA_BYTES), and the
-    library's own parser limits (grammar size, lexer states, work per token) refuse what would exceed them.
+    Compiling is bounded: the caller caps a schema at 64 KiB (epd_contracts.generate.MAX_SCHEMA_BYTES), `check`
+    refuses what drives the cost past its bounds first, and the library's own limits (`limits`: grammar size,
+    lexer fuel and states, work per token) refuse what would exceed them.
     The cache holds at most `cache_size` specs and `cache_schema_bytes` of schema text: a compiled grammar takes
     about 75x its schema's size (measured: 256 schemas of 33 KiB held 646 MiB), so a client sending distinct large
     schemas cannot grow the decoder past ~150 MiB of cached grammars; a spec larger than the budget is not kept.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int] | list[int], *, cache_size: int = 256,
-                 cache_schema_bytes: int = 2 << 20):
+                 cache_schema_bytes: int = 2 << 20, limits: llguidance.LLParserLimits = LIMITS):
         self.vocab_size, self.cache_size, self.cache_schema_bytes = vocab_size, cache_size, cache_schema_bytes
         self.cached_schema_bytes = 0
-        self._hf, self._eos = tokenizer, sorted(eos_ids)
+        self._hf, self._eos, self._limits = tokenizer, sorted(eos_ids), limits
+        self._specials = special_texts(tokenizer)
         self._lltok: llguidance.LLTokenizer | None = None  # built on first use (about a second at a real vocab)
         self._cache: OrderedDict[GuideSpec, CompiledGuide] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, spec: GuideSpec) -> CompiledGuide:
-        """The spec's grammar; raises GuideError naming the problem (param response_format, or tools)."""
+    def lookup(self, spec: GuideSpec) -> CompiledGuide | None:
+        """The spec's grammar if it is cached (it becomes the most recently used)."""
         with self._lock:
             if (hit := self._cache.get(spec)) is not None:
                 self._cache.move_to_end(spec)
-                return hit
-            if self._lltok is None:
-                self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
-            lltok = self._lltok
-        param = "tools" if spec.kind == "tool_calls" else "response_format"
+            return hit
+
+    def check(self, spec: GuideSpec) -> str:
+        """The spec's grammar text once the spec passes every check made before compiling (milliseconds);
+        raises GuideError naming the problem."""
+        param = param_of(spec)
         try:
-            grammar = _grammar(spec, param)
+            return _grammar(spec, param, self._specials)
         except GuideError:
             raise
         except ValueError as e:  # not a JSON object, bad Lark: the library says which
             raise GuideError(f"{param} cannot be enforced: {e}", param) from None
-        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)  # drops the GIL while it compiles
-        if matcher.is_error():
-            raise GuideError(f"{param} cannot be enforced: {matcher.get_error()[:MAX_ERROR_CHARS]}", param)
-        compiled = CompiledGuide(matcher, self.vocab_size, param)
+
+    def compile(self, spec: GuideSpec) -> CompiledGuide:
+        """The spec's grammar; raises GuideError naming the problem (param response_format, or tools)."""
+        if (hit := self.lookup(spec)) is not None:
+            return hit
+        grammar, param = self.check(spec), param_of(spec)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=self._limits)  # GIL dropped
+        if matcher.is_error():  # a limit of the library's ("... too big (limit for this grammar: N)"), or bad input
+            error = matcher.get_error()[:MAX_ERROR_CHARS]
+            raise GuideError(f"{param} cannot be enforced: {error}", param,
+                             "schema_too_complex" if "limit" in error else "invalid_value")
+        return self._store(spec, CompiledGuide(matcher, self.vocab_size, param))
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._lltok is None:
+                self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._lltok
+
+    def _store(self, spec: GuideSpec, compiled: CompiledGuide) -> CompiledGuide:
         if len(spec.schema) > self.cache_schema_bytes:
             return compiled
         with self._lock:  # two threads that compiled one spec at once both get the first one stored
@@ -199,9 +229,14 @@ class GuideCompiler:
         return compiled
 
 
-def _grammar(spec: GuideSpec, param: str) -> str:
+def param_of(spec: GuideSpec) -> str:
+    """The request field a spec comes from, which its errors name."""
+    return "tools" if spec.kind == "tool_calls" else "response_format"
+
+
+def _grammar(spec: GuideSpec, param: str, specials: re.Pattern[str] | None) -> str:
     """The spec as llguidance grammar text: a JSON Schema, or Lark around one (tool calls)."""
-    schema = _schema(spec, param)
+    schema = _schema(spec, param, specials)
     if spec.kind != "tool_calls":
         return str(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options()))  # type: ignore[arg-type]
     schema["x-guidance"] = json_options()
@@ -230,7 +265,7 @@ def _literal(text: str) -> str:
     return json.dumps(text) if text else '""'
 
 
-def _schema(spec: GuideSpec, param: str) -> dict[str, Any]:
+def _schema(spec: GuideSpec, param: str, specials: re.Pattern[str] | None) -> dict[str, Any]:
     if spec.kind == "json_object":
         return {"type": "object"}
     try:
@@ -239,6 +274,7 @@ def _schema(spec: GuideSpec, param: str) -> dict[str, Any]:
         raise GuideError(f"{param} schema is not JSON: {e}", param) from None
     if not isinstance(schema, dict):
         raise GuideError(f"{param} schema must be a JSON object, not {type(schema).__name__}", param)
+    check_schema(schema, param, specials)
     return _strict(copy.deepcopy(schema)) if spec.strict else schema
 
 
@@ -248,10 +284,6 @@ def _strict(node: Any) -> Any:
         return node
     if isinstance(node.get("properties"), dict):
         node.setdefault("additionalProperties", False)
-    for key, shape in _SUBSCHEMAS.items():
-        value = node.get(key)
-        subs = (value.values() if isinstance(value, dict) else ()) if shape == "map" else (
-            value if isinstance(value, list) else ()) if shape == "list" else (value,)
-        for sub in subs:
-            _strict(sub)
+    for sub in subschemas(node, _STRICT_WALKS):
+        _strict(sub)
     return node

@@ -19,7 +19,7 @@ from decoder_service.image_hits import SaltedHits
 from decoder_service.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.prompt import Prompt, build_prompt
 from decoder_service.video_gather import Gathered
-from epd_common.errors import bad_request
+from epd_common.errors import APIError, bad_request
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
 from epd_models.chat import PromptTooLong, chat_template, image_edges, render
@@ -30,6 +30,26 @@ if TYPE_CHECKING:
     from epd_models.halves import LanguageHalf
 
 Gather = Callable[[GenerateRequest], list[Gathered]]  # per image (video): its features and which rows were held
+
+
+@dataclass(frozen=True)
+class PendingGuide:
+    """A grammar not in the cache: its spec passed the checks and is compiled (on the grammar pool) by `compile`."""
+
+    spec: GuideSpec
+    param: str  # the request field it comes from, named by its 400
+    compiler: GuideCompiler
+
+    def compile(self) -> CompiledGuide:
+        """Compile (a fraction of a second to seconds: the caller's thread, never the engine's); 400 naming the field."""
+        try:
+            return self.compiler.compile(self.spec)
+        except GuideError as exc:
+            raise _refused(exc, self.param) from exc
+
+
+def _refused(exc: GuideError, param: str) -> APIError:
+    return bad_request(exc.message, param=exc.param or param, code=exc.code)
 
 
 @dataclass(frozen=True)
@@ -70,14 +90,16 @@ class Preparer:
         self._lock = threading.Lock()
         self.salted_hits = SaltedHits()  # images count as cached only for the salt that sent them before
 
-    def prepare(self, req: GenerateRequest, gather: Gather) -> Work:
-        """Tokens (before the gather: with pipelined encode this overlaps the encoder's work), images, checks, guide."""
+    def prepare(self, req: GenerateRequest, gather: Gather, *, guide: CompiledGuide | None = None,
+                compiled: bool = False) -> Work:
+        """Tokens (before the gather: with pipelined encode this overlaps the encoder's work), images, checks, guide
+        (`compiled`: `guide` is the request's, found and compiled beforehand on the grammar pool; else compiled here)."""
         params = req.sampling
         self._check_sampling(req, params)
         self._check_images(req)
         tools = self._tool_format() if req.tools and req.tool_choice.mode != "none" else None
         ids = self._completion_ids(req.prompt) if req.prompt is not None else self._render(req, tools)
-        guide = self._guide(req, tools)
+        guide = guide if compiled else self._guide(req)
         images = gather(req)
         try:
             prompt = build_prompt(self.lm, ids, [g.features for g in images])
@@ -177,25 +199,42 @@ class Preparer:
     def _tool_format(self) -> ToolFormat:
         return tool_format(str(self.lm.config.model_type))
 
-    def _guide(self, req: GenerateRequest, tools: ToolFormat | None) -> CompiledGuide | None:
-        """The grammar of response_format, or of the forced tool calls (required / a named function); not both."""
+    def find_guide(self, req: GenerateRequest) -> CompiledGuide | PendingGuide | None:
+        """The request's grammar if cached, else what to compile once the checks made before compiling pass (a 400
+        naming the field if not): of response_format, or of the forced tool calls (required / a named function)."""
+        found = self._guide_spec(req)
+        if found is None:
+            return None
+        compiler, (spec, param) = self._guide_compiler(), found
+        try:
+            if (hit := compiler.lookup(spec)) is not None:
+                return hit
+            compiler.check(spec)
+        except GuideError as exc:
+            raise _refused(exc, param) from exc
+        return PendingGuide(spec, param, compiler)
+
+    def _guide(self, req: GenerateRequest) -> CompiledGuide | None:
+        found = self.find_guide(req)
+        return found.compile() if isinstance(found, PendingGuide) else found
+
+    def _guide_spec(self, req: GenerateRequest) -> tuple[GuideSpec, str] | None:
+        """(spec, the field it comes from) of response_format or of the forced tool calls; not both."""
+        tools = self._tool_format() if req.tools and req.tool_choice.mode != "none" else None
         if req.response_format is None and tools is None:
             return None
-
         specs: list[tuple[GuideSpec, str]] = []
-        if req.response_format is not None and (spec := spec_for(req.response_format)) is not None:
-            specs.append((spec, "response_format"))
+        try:
+            if req.response_format is not None and (spec := spec_for(req.response_format)) is not None:
+                specs.append((spec, "response_format"))
+        except GuideError as exc:
+            raise _refused(exc, "response_format") from exc
         if tools is not None and (spec := self._tool_guide(req, tools)) is not None:
             specs.append((spec, "tool_choice"))
-        if not specs:
-            return None
         if len(specs) > 1:
             raise bad_request("response_format cannot be combined with a forced tool_choice (required or a named "
                               "function): both constrain the whole output", param="response_format")
-        try:
-            return self._guide_compiler().compile(specs[0][0])
-        except GuideError as exc:
-            raise bad_request(str(exc.message), param=exc.param or specs[0][1]) from exc
+        return specs[0] if specs else None
 
     def _tool_guide(self, req: GenerateRequest, tools: ToolFormat) -> GuideSpec | None:
         try:

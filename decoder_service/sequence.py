@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decoder_service.detokenizer import IncrementalDetokenizer
+from decoder_service.grammar import GuideError
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.request import Work
 from decoder_service.sampling import Sampler
@@ -62,16 +63,21 @@ class Job:
         """This request failed on the engine thread: log why, tell its client where to look (once)."""
         if self.errored:
             return
+        if isinstance(exc, GuideError):  # its own schema cannot be completed: a 400 naming it, not a server fault
+            logger.info("request %s: %s", self.request_id, exc.message)
+            self.emit_error(exc.message, status=400, code=exc.code, param=exc.param)
+            return
         logger.error("request %s failed in %s: %s: %s", self.request_id, stage, type(exc).__name__, exc, exc_info=exc)
         self.emit_error(f"generation failed ({stage}: {type(exc).__name__}); see the decoder log for request "
                         f"{self.request_id}")
 
-    def emit_error(self, message: str) -> None:
+    def emit_error(self, message: str, status: int | None = None, code: str | None = None,
+                   param: str | None = None) -> None:
         if self.errored:
             return
         self.errored = True
         try:
-            self.emit(Event(type="error", message=message))
+            self.emit(Event(type="error", message=message, status=status, code=code, param=param))
         except Exception:  # noqa: BLE001 - its event loop is gone: nobody is left to tell
             logger.warning("request %s: could not deliver its error event", self.request_id)
 

@@ -108,8 +108,9 @@ async def generate(request: Request) -> Response:
     metrics.waiting.inc()
     cancelled = threading.Event()  # the client went away while its embeddings were gathered
     watcher = asyncio.create_task(_set_on_disconnect(request, cancelled))
-    try:
-        work = await asyncio.to_thread(engine.prepare, req)
+    try:  # a grammar compiles on its own pool, so a request without one never waits behind compiles
+        guide = await engine.guide(req, watcher)
+        work = await asyncio.to_thread(engine.prepare, *((req,) if guide is None else (req, guide, True)))
         job = engine.submit(work, cancelled=cancelled)
     except Exception as exc:  # an APIError is this request's answer; anything else its 500 (error handlers)
         metrics.requests.labels(str(exc.status) if isinstance(exc, APIError) else "500").inc()

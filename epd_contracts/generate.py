@@ -156,3 +156,8 @@ class Event(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     usage: Usage | None = None
     message: str | None = None
+    # an error that is the request's own (a 4xx: a schema whose output cannot be completed), not the server's: its
+    # status, code and the param it names; without `status` an error is the server's (the proxy's 502)
+    status: Annotated[int, msgspec.Meta(ge=400, le=499)] | None = None
+    code: str | None = None
+    param: str | None = None

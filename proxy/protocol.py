@@ -16,6 +16,7 @@ from epd_common.errors import bad_request
 from epd_contracts.generate import MAX_CACHE_SALT_CHARS, MAX_SCHEMA_BYTES, MAX_TOOLS, ResponseFormat, ToolChoice
 from epd_contracts.limits import MAX_MESSAGES, MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PARTS_PER_MESSAGE, parts_error
 from epd_contracts.sampling import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from epd_contracts.schema_checks import MAX_SCHEMA_DEPTH, schema_cost_error, unsatisfiable
 from proxy.sampling_fields import contract_sampling, not_sampling, refuse, sampling_schema
 from proxy.surrogates import SurrogateFree
 from proxy.unsupported import unsupported_message_field, unsupported_parameter
@@ -158,10 +159,22 @@ AnyFormat = Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(di
 
 
 def _schema_fits(schema: dict[str, Any] | None, param: str) -> None:
-    """Compiling a grammar is bounded by the schema's size: a larger one is refused before it reaches a decoder."""
-    if schema is not None and len(json.dumps(schema, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
+    """Compiling a grammar is bounded by the schema's size and by the counts that drive its cost, and a schema no
+    finite output matches is refused (epd_contracts/schema_checks.py): all before it reaches a decoder."""
+    if schema is None:
+        return
+    try:  # the size first: measured at C speed, it bounds the walks below
+        size = len(json.dumps(schema, separators=(",", ":")))
+    except RecursionError:
+        raise bad_request(f"{param}: the schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels", param,
+                          code="schema_too_complex") from None
+    if size > MAX_SCHEMA_BYTES:
         raise bad_request(f"{param}: the schema is larger than {MAX_SCHEMA_BYTES} bytes as JSON", param,
                           code="invalid_request")
+    if (why := schema_cost_error(schema)) is not None:
+        raise bad_request(f"{param}: {why}", param, code="schema_too_complex")
+    if (why := unsatisfiable(schema)) is not None:
+        raise bad_request(f"{param}: {why}", param, code="unsatisfiable_schema")
 
 
 @dataclass(frozen=True)

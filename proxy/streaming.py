@@ -41,19 +41,20 @@ async def sse_stream(gen: Generation, answer: Answer, include_usage: bool, metri
     the last token, its finish, the usage and [DONE]; several choices' tokens) costs one pass through the ASGI
     middleware and one send instead of one per chunk."""
     request_id_var.set(gen.request_id)
-    last, choices, failure = start, Choices(n), "generation ended without finishing"
+    last, choices = start, Choices(n)
+    failure = APIError(502, "generation ended without finishing", code="stream_interrupted")
     out = [sse(first) for first in answer.first_chunks(n)]
     try:
         async for batch in batches_apart(gen):
             stop = False
             for ev in batch:
                 if ev.type == "error":
-                    failure, stop = ev.message or failure, True
+                    failure, stop = event_error(ev, failure.message, "stream_interrupted"), True
                     break
                 try:
                     choices.add(ev)
                 except APIError as exc:
-                    failure, stop = exc.message, True
+                    failure, stop = APIError(502, exc.message, code="stream_interrupted"), True
                     break
                 if ev.type == "delta":
                     now = time.perf_counter()
@@ -74,8 +75,8 @@ async def sse_stream(gen: Generation, answer: Answer, include_usage: bool, metri
                 yield b"".join(out)
                 out.clear()
         if not choices.finished:  # never a silent truncation
-            logger.warning("stream failed: %s", failure)
-            out.append(sse(APIError(502, failure, code="stream_interrupted").body()))
+            logger.warning("stream failed: %s", failure.message)
+            out.append(sse(failure.body()))
         out.append(sse("[DONE]"))
         yield b"".join(out)
         metrics.e2e.observe(time.perf_counter() - start)
@@ -92,7 +93,7 @@ async def collect_response(gen: Generation, answer: Answer, metrics: ProxyMetric
     try:
         async for ev in gen.events():
             if ev.type == "error":
-                raise APIError(502, ev.message or "generation failed", code="generation_failed")
+                raise event_error(ev, "generation failed", "generation_failed")
             choices.add(ev)
             if ev.type == "delta" and first:
                 metrics.ttft.observe(time.perf_counter() - start)
@@ -103,6 +104,14 @@ async def collect_response(gen: Generation, answer: Answer, metrics: ProxyMetric
         raise APIError(502, "generation ended without finishing", code="stream_interrupted")
     finally:
         await gen.close()
+
+
+def event_error(ev: Event, default: str, code: str) -> APIError:
+    """A decoder's error event as the client's error: the request's own 4xx as the decoder said (a schema whose
+    output cannot be completed), anything else a 502 with `code`."""
+    if ev.status is not None:
+        return APIError(ev.status, ev.message or default, param=ev.param, code=ev.code)
+    return APIError(502, ev.message or default, code=code)
 
 
 async def respond(gen: Generation, answer: Answer, stream: bool, include_usage: bool, metrics: ProxyMetrics,
