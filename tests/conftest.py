@@ -1,12 +1,14 @@
 """Shared factories: tiny models are built once per session into a temp dir."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from epd_builders.tiny import FAMILIES, TinySpec, build_tiny
 from epd_models.processors import register_processors
+from tests.ports import PortHolds
 
 register_processors()
 
@@ -38,3 +40,10 @@ class TinyModels(dict[str, Path]):
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return TinyModels(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def port_holds() -> Iterator[PortHolds]:
+    """Ports held for the test's child processes (started with EPD_REUSE_PORT=1) and dead URLs; released after it."""
+    with PortHolds() as holds:
+        yield holds

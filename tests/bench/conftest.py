@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from epd_launcher.group import free_port
+from tests.ports import bound_socket, port_of, serve_in_thread
 
 
 @dataclass
@@ -103,17 +101,10 @@ def _app(fake: FakeServer) -> FastAPI:
 
 @pytest.fixture
 def fake_server(request: pytest.FixtureRequest) -> Iterator[FakeServer]:
-    """A FakeServer on a free loopback port; parametrize indirectly with a FakeBehaviour to change it."""
+    """A FakeServer on a fresh loopback port (bound before it starts: tests/ports.py); parametrize indirectly with a
+    FakeBehaviour to change it."""
     behaviour = getattr(request, "param", None) or FakeBehaviour()
-    port = free_port()
-    fake = FakeServer(url=f"http://127.0.0.1:{port}", behaviour=behaviour)
-    server = uvicorn.Server(uvicorn.Config(_app(fake), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:  # readiness, not a fixed sleep
-        assert thread.is_alive() and time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.01)
-    yield fake
-    server.should_exit = True
-    thread.join(timeout=10)
+    sock = bound_socket()
+    fake = FakeServer(url=f"http://127.0.0.1:{port_of(sock)}", behaviour=behaviour)
+    with serve_in_thread(uvicorn.Config(_app(fake), host="127.0.0.1", port=0, log_level="warning"), sock):
+        yield fake

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from epd_launcher.group import free_port
 from tests.hostile.test_lifecycle import IDENTITY, FakeWorker
+from tests.ports import REUSE_PORT_ENV, PortHolds
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers")
@@ -38,11 +38,11 @@ def serving(base: str, proc: subprocess.Popen[bytes], log: Path, deadline_s: flo
         time.sleep(0.1)
 
 
-def test_attach_mode_serves_without_torch_under_the_workers_model_name(tmp_path: Path) -> None:
+def test_attach_mode_serves_without_torch_under_the_workers_model_name(port_holds: PortHolds, tmp_path: Path) -> None:
     decoder = FakeWorker({"status": "ok", "model": "/models/Qwen2-VL-2B/", "model_identity": IDENTITY})
-    port, log = free_port(), tmp_path / "proxy.log"
+    port, log = port_holds.take(), tmp_path / "proxy.log"  # held for the proxy's life: it binds beside the hold
     argv = ["--insecure", "--aggregated", "--decode-servers-urls", decoder.url, "--port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **REUSE_PORT_ENV}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", PROBE, *argv], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=env)

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from connector.control.security import load_curve_config
+from epd_common.server import ENV_REUSE_PORT
 from epd_launcher import cli, spawn
 from epd_launcher.cli import _config, _urls, main
 from epd_launcher.flags import build_parser, parse_args
-from epd_launcher.group import RestartPolicy, Secrets, Worker, WorkerGroup, free_port
+from epd_launcher.group import RestartPolicy, Secrets, Worker, WorkerGroup
 from proxy.config import ProxyConfig
 from proxy.workers import served_name
+from tests.ports import PortHolds
 
 
 @pytest.fixture(autouse=True)
@@ -81,6 +83,13 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[ProxyConfig]:
     return configs
 
 
+@pytest.fixture
+def held(port_holds: PortHolds, monkeypatch: pytest.MonkeyPatch) -> int:
+    """A port held for the test; main() checks it beside the hold, as a proxy started on it would bind it."""
+    monkeypatch.setenv(ENV_REUSE_PORT, "1")
+    return port_holds.take()
+
+
 @pytest.mark.parametrize("url,why", [
     ("127.0.0.1:8001", "needs a scheme"), ("localhost", "needs a scheme"), ("http://h:99999", "bad port"),
     ("http://h:port", "bad port"), ("http://h:1/v1", "base URL"), ("ftp://h:1", "needs a scheme"),
@@ -103,24 +112,25 @@ def test_attach_mode_refuses_to_start_open_and_names_what_is_missing(served: lis
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
-def test_insecure_attach_mode_starts_and_warns_what_is_open(how: str, served: list[ProxyConfig],
+def test_insecure_attach_mode_starts_and_warns_what_is_open(how: str, served: list[ProxyConfig], held: int,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     if how == "env":
         monkeypatch.setenv("EPD_INSECURE", "1")
-    main([*ATTACH, *(["--insecure"] if how == "flag" else []), "--port", str(free_port())])
+    main([*ATTACH, *(["--insecure"] if how == "flag" else []), "--port", str(held)])
     assert len(served) == 1 and served[0].internal_key is None
     warning = capsys.readouterr().err  # main() logs to stderr through the service's own handler
     assert "WARNING" in warning and "INSECURE" in warning and "--internal-key" in warning and "CURVE" in warning
 
 
-def test_attach_mode_with_both_credentials_needs_no_waiver(served: list[ProxyConfig], tmp_path: Path) -> None:
+def test_attach_mode_with_both_credentials_needs_no_waiver(served: list[ProxyConfig], held: int,
+                                                           tmp_path: Path) -> None:
     from connector.control.security import generate_keypair
 
     enc_public, _ = generate_keypair(tmp_path, "encoders")
     _, proxy_secret = generate_keypair(tmp_path, "proxy")
     main([*ATTACH, "--internal-key", "k", "--ec-curve-key", str(proxy_secret), "--ec-curve-server-key",
-          str(enc_public), "--port", str(free_port())])
+          str(enc_public), "--port", str(held)])
     assert served[0].internal_key == "k" and served[0].curve is not None
 
 

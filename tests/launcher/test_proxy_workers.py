@@ -19,8 +19,8 @@ import pytest
 from connector.control.security import CurveConfig
 from epd_bench.proxy_fake_decoder import FakeDecoder
 from epd_launcher.flags import parse_args
-from epd_launcher.group import free_port
 from proxy.config import ProxyConfig
+from tests.ports import REUSE_PORT_ENV, PortHolds
 
 CHAT = {"model": "demo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 FRESH = {"Connection": "close"}  # one connection per request: the kernel picks a process for each
@@ -52,11 +52,11 @@ async def _close(decoder: FakeDecoder) -> None:
     await asyncio.sleep(0)  # the closed transports' callbacks
 
 
-def start_proxy(decoder_url: str, num_procs: int = 2) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def start_proxy(decoder_url: str, port: int, num_procs: int = 2) -> tuple[subprocess.Popen[bytes], str]:
+    """The launcher's proxy processes on `port`, which the caller holds (they bind beside the hold)."""
     cmd = [sys.executable, "-m", "epd_launcher.cli", "--aggregated", "--decode-servers-urls", decoder_url,
            "--insecure", "--port", str(port), "--log-level", "warning", "--proxy-workers", str(num_procs)]
-    env = {**os.environ, "EPD_INTERNAL_KEY": INTERNAL_KEY}
+    env = {**os.environ, "EPD_INTERNAL_KEY": INTERNAL_KEY, **REUSE_PORT_ENV}
     return (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env),
             f"http://127.0.0.1:{port}")
 
@@ -93,9 +93,9 @@ def gone(pid: int) -> bool:
 
 
 @pytest.fixture
-def proxy(decoder_url: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def proxy(decoder_url: str, port_holds: PortHolds) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A proxy with 2 processes, once both serve; killed afterwards whatever the test did."""
-    proc, url = start_proxy(decoder_url)
+    proc, url = start_proxy(decoder_url, port_holds.take())
     try:
         until(lambda: len(serving_pids(url, 8)) == 2 or proc.poll() is not None, 30.0, "both processes serve")
         assert proc.poll() is None, f"the proxy exited with {proc.returncode}"
