@@ -17,10 +17,10 @@ import pytest
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.watchdog import EXIT_ENGINE_FAILED
-from epd_launcher.group import free_port
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.conftest import served
 from tests.decoder_service.engine_run import wait_until
+from tests.ports import REUSE_PORT_ENV, held_port
 
 TEXT = [{"role": "user", "content": [{"type": "text", "text": "Describe the image."}]}]
 LONG = {"messages": TEXT, "sampling": {"max_tokens": 200, "ignore_eos": True, "temperature": 0}}
@@ -41,7 +41,7 @@ class Fatal:
 def watched(tiny_model_dirs: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[tuple[str, Engine, Fatal]]:
     """A decoder whose watchdog reports to a recorder; the stall timeout is the test's parameter."""
     fatal = Fatal()
-    cfg = DecoderConfig(port=free_port(), engine_stall_timeout=request.param)
+    cfg = DecoderConfig(engine_stall_timeout=request.param)
     with served(cfg, LanguageHalf(tiny_model_dirs["llava"]), on_fatal=fatal) as (url, ref):
         assert httpx.get(f"{url}/health").status_code == 200
         yield url, ref.engine, fatal
@@ -119,11 +119,12 @@ cli.main(sys.argv[1:])
 @pytest.mark.e2e
 def test_the_decoder_process_exits_non_zero_when_its_engine_dies(tiny_model_dirs: dict[str, Path],
                                                                  tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = ["--model", str(tiny_model_dirs["llava"]), "--port", str(port), "--insecure", "--engine-stall-timeout", "5"]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(REPO), **REUSE_PORT_ENV}
+    with held_port() as port:  # held for the process's life: it binds beside the hold
+        args = ["--model", str(tiny_model_dirs["llava"]), "--port", str(port), "--insecure",
+                "--engine-stall-timeout", "5"]
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
     assert proc.returncode == EXIT_ENGINE_FAILED
     assert "engine thread died: SystemError: injected engine fault" in proc.stderr
     assert "decoder cannot serve (engine_dead)" in proc.stderr

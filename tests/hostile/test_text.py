@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,10 +18,10 @@ from decoder_service.config import DecoderConfig
 from decoder_service.engine import Engine
 from decoder_service.server import create_app
 from epd_contracts.generate import GenerateRequest
-from epd_launcher.group import free_port
 from epd_models.demo import DEMO_DIR
 from epd_models.halves import LanguageHalf
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
+from tests.ports import serve_in_thread
 
 MIB = 2**20
 HUGE_CHARS = 6_000_000  # before: tokenized in full, +1.4 GiB in the decoder
@@ -37,18 +36,9 @@ def _user(text: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def decoder() -> Iterator[tuple[str, Engine]]:
-    port = free_port()
-    app = create_app(DecoderConfig(port=port, max_num_seqs=4), lm=LanguageHalf(DEMO_DIR))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started, "decoder did not start"
-    yield f"http://127.0.0.1:{port}", app.state.decoder.engine
-    server.should_exit = True
-    thread.join(timeout=30)
+    app = create_app(DecoderConfig(max_num_seqs=4), lm=LanguageHalf(DEMO_DIR))
+    with serve_in_thread(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"), timeout=60) as port:
+        yield f"http://127.0.0.1:{port}", app.state.decoder.engine
 
 
 def _generate(url: str, messages: list[dict[str, Any]], started: threading.Event | None = None) -> tuple[str, str]:

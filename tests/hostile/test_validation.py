@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -33,12 +32,12 @@ from epd_contracts.limits import (
     MAX_TOTAL_PARTS,
 )
 from epd_contracts.sampling import MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_TOP_K, MIN_SEED
-from epd_launcher.group import free_port
 from epd_models.halves import LanguageHalf
 from proxy.app import create_app as proxy_app
 from proxy.config import ProxyConfig
 from tests.hostile.memory import rss_bytes
 from tests.hostile.stack import StreamResult, stream_chat
+from tests.ports import serve_in_thread
 
 MEMORY_BOUND = 64 << 20  # RSS growth of this process (proxy + decoder + client) over a hostile batch (measured: 3-10 MiB)
 USER = [{"role": "user", "content": "describe the image"}]
@@ -57,29 +56,18 @@ class Stack:
 
 
 @contextmanager
-def serving(app: FastAPI, port: int) -> Iterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started, "server did not start"
-    try:
+def serving(app: FastAPI) -> Iterator[str]:
+    """`app` behind uvicorn in a thread, on a socket bound before it starts (tests/ports.py)."""
+    with serve_in_thread(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"), timeout=120) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def inproc(tiny_model_dirs: dict[str, Path]) -> Iterator[Stack]:
-    dec_port, proxy_port = free_port(), free_port()
-    dec = decoder_app(DecoderConfig(port=dec_port, max_num_seqs=8), lm=LanguageHalf(tiny_model_dirs["llava"]))
-    with serving(dec, dec_port) as dec_url:
-        cfg = ProxyConfig(encode_urls=(), decode_urls=(dec_url,), aggregated=True, port=proxy_port,
-                          served_model_name="demo")
-        with serving(proxy_app(cfg), proxy_port) as proxy_url:
+    dec = decoder_app(DecoderConfig(max_num_seqs=8), lm=LanguageHalf(tiny_model_dirs["llava"]))
+    with serving(dec) as dec_url:
+        cfg = ProxyConfig(encode_urls=(), decode_urls=(dec_url,), aggregated=True, served_model_name="demo")
+        with serving(proxy_app(cfg)) as proxy_url:
             yield Stack(proxy_url, dec_url, dec.state.decoder)
 
 
