@@ -72,13 +72,15 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: fl
     raise TimeoutError(f"{url} not healthy after {timeout}s:\n{log.read_text()[-3000:]}")
 
 
-def start(module: str, args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`python -m module args` from the repo root, output to `log`; `env` replaces this process's environment.
+def start(module: str, args: list[str], log: Path, env: dict[str, str] | None = None,
+          held: bool = False) -> subprocess.Popen[bytes]:
+    """`python -m module args` from the repo root, output to `log`; `env` replaces this process's environment;
+    `held`: the caller holds its --port (tests/ports.py), so it binds beside the hold (EPD_REUSE_PORT=1).
 
     EPD_INSECURE by default: these tests exercise other things; workers are secure by default
     (tests/hostile/test_trust.py)."""
     base = {**os.environ, "EPD_INSECURE": "1"} if env is None else env
-    env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **({ENV_REUSE_PORT: "1"} if held else {})}
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
                                 cwd=ROOT, env=env)

@@ -4,17 +4,13 @@ from __future__ import annotations
 import json
 import select
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
-
 from epd_common.server import HttpLimits, uvicorn_config
-from epd_launcher.group import free_port
+from tests.ports import serve_in_thread
 
 
 @dataclass
@@ -26,21 +22,10 @@ class Reply:
 
 @contextmanager
 def served(app: Any, limits: HttpLimits, http: str = "auto") -> Iterator[int]:
-    """`app` behind uvicorn with `limits` (as `serve` runs it; `http`: its HTTP protocol), in a thread; yields the
-    port."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", limits, http))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    try:
+    """`app` behind uvicorn with `limits` (as `serve` runs it; `http`: its HTTP protocol), in a thread, on a socket
+    bound before it starts (tests/ports.py); yields the port."""
+    with serve_in_thread(uvicorn_config(app, "127.0.0.1", 0, "warning", limits, http)) as port:
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def connect(port: int) -> socket.socket:

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from epd_launcher.group import free_port
 from tests.e2e.stack import start, stop
 from tests.hostile.memory import peak_rss_bytes
 from tests.loopback_http import LoopbackServer, QuietHandler
+from tests.ports import PortHolds
 
 pytestmark = pytest.mark.e2e  # starts proxy processes (no model is loaded)
 EXIT_WITHIN_S = 20.0  # a stop signal ends the process within this (measured: under 1 s on an idle machine)
@@ -78,10 +78,11 @@ def fake(workers: list[FakeWorker], health: dict[str, Any] | None, **kw: Any) ->
     return workers[-1]
 
 
-def proxy(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = free_port()
+def proxy(holds: PortHolds, tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """The proxy CLI on a port of `holds` (held for the test: it binds beside the hold)."""
+    port = holds.take()
     log = tmp_path / f"proxy-{port}.log"
-    return start("epd_launcher.cli", ["--port", str(port), "--health-interval", "0.2", *args], log), \
+    return start("epd_launcher.cli", ["--port", str(port), "--health-interval", "0.2", *args], log, held=True), \
         f"http://127.0.0.1:{port}", log
 
 
@@ -109,17 +110,20 @@ def status(url: str) -> int | None:
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8001", "http://127.0.0.1:99999", "http://127.0.0.1:8001/v1"])
-def test_a_mistyped_worker_url_is_a_usage_error_at_once(tmp_path: Path, url: str) -> None:
-    proc, _, log = proxy(tmp_path, "--insecure", "--encode-servers-urls", url, "--decode-servers-urls",
+def test_a_mistyped_worker_url_is_a_usage_error_at_once(port_holds: PortHolds, tmp_path: Path, url: str) -> None:
+    proc, _, log = proxy(port_holds, tmp_path, "--insecure", "--encode-servers-urls", url, "--decode-servers-urls",
                          "http://127.0.0.1:1")
     assert exit_code(proc, within=START_WITHIN_S) == 2  # no worker is ever contacted: at once
     assert url.rstrip("/") in log.read_text() and "error" in log.read_text()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_ends_a_proxy_still_waiting_for_unreachable_workers(tmp_path: Path, sig: int) -> None:
-    dead, unknown = f"http://127.0.0.1:{free_port()}", "http://epd-no-such-host.invalid:8001"
-    proc, _, log = proxy(tmp_path, "--insecure", "--encode-servers-urls", dead, "--decode-servers-urls", unknown)
+def test_a_stop_signal_ends_a_proxy_still_waiting_for_unreachable_workers(port_holds: PortHolds, tmp_path: Path,
+                                                                          sig: int) -> None:
+    # held, never listening: refused for the whole test
+    dead, unknown = f"http://127.0.0.1:{port_holds.take()}", "http://epd-no-such-host.invalid:8001"
+    proc, _, log = proxy(port_holds, tmp_path, "--insecure", "--encode-servers-urls", dead, "--decode-servers-urls",
+                         unknown)
     wait_for("both unreachable workers logged",
              lambda: f"waiting for encoder {dead}" in log.read_text() and f"waiting for decoder {unknown}" in
              log.read_text(), log)
@@ -130,7 +134,7 @@ def test_a_stop_signal_ends_a_proxy_still_waiting_for_unreachable_workers(tmp_pa
     assert "while waiting for workers: stopping" in log.read_text()
 
 
-def test_a_stop_signal_ends_a_serving_proxy_with_a_generation_in_flight(tmp_path: Path,
+def test_a_stop_signal_ends_a_serving_proxy_with_a_generation_in_flight(port_holds: PortHolds, tmp_path: Path,
                                                                         workers: list[FakeWorker]) -> None:
     held = threading.Event()
 
@@ -140,7 +144,7 @@ def test_a_stop_signal_ends_a_serving_proxy_with_a_generation_in_flight(tmp_path
         return 500, {}
 
     dec = fake(workers, {"status": "ok", "model_identity": IDENTITY}, answer=hang)
-    proc, base, log = proxy(tmp_path, "--insecure", "--aggregated", "--decode-servers-urls", dec.url)
+    proc, base, log = proxy(port_holds, tmp_path, "--insecure", "--aggregated", "--decode-servers-urls", dec.url)
     wait_for("ready", lambda: status(f"{base}/ready") == 200, log)
     client = threading.Thread(target=lambda: _post_chat(base), daemon=True)
     client.start()
@@ -170,12 +174,12 @@ def test_a_port_in_use_fails_before_any_worker_is_spawned(tmp_path: Path) -> Non
 
 
 def test_readiness_follows_the_decoders_and_a_worker_of_another_model_is_refused(
-        tmp_path: Path, workers: list[FakeWorker]) -> None:
+        port_holds: PortHolds, tmp_path: Path, workers: list[FakeWorker]) -> None:
     enc = fake(workers, {"status": "ok", "ec_address": "tcp://127.0.0.1:1", "ec_events_address": "tcp://127.0.0.1:2",
                          "model_identity": IDENTITY})
     dec = fake(workers, {"status": "ok", "model_identity": IDENTITY})
     stranger = fake(workers, {"status": "ok", "model_identity": OTHER})
-    proc, base, log = proxy(tmp_path, "--insecure", "--dynamic-registration", "--internal-key", KEY)
+    proc, base, log = proxy(port_holds, tmp_path, "--insecure", "--dynamic-registration", "--internal-key", KEY)
     try:
         wait_for("live", lambda: status(f"{base}/health") == 200, log)
         ready = httpx.get(f"{base}/ready", timeout=5)
@@ -204,7 +208,8 @@ def test_readiness_follows_the_decoders_and_a_worker_of_another_model_is_refused
         stop(proc)
 
 
-def test_a_poison_request_answered_with_errors_takes_no_worker_out(tmp_path: Path, workers: list[FakeWorker]) -> None:
+def test_a_poison_request_answered_with_errors_takes_no_worker_out(port_holds: PortHolds, tmp_path: Path,
+                                                                  workers: list[FakeWorker]) -> None:
     def decode(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         poison = "poison" in json.dumps(body.get("messages"))
         if poison:
@@ -212,7 +217,8 @@ def test_a_poison_request_answered_with_errors_takes_no_worker_out(tmp_path: Pat
         return 200, {}  # not NDJSON: the ordinary request only has to reach a decoder
 
     decs = [fake(workers, {"status": "ok", "model_identity": IDENTITY}, answer=decode) for _ in range(3)]
-    proc, base, log = proxy(tmp_path, "--insecure", "--aggregated", "--decode-servers-urls", *(d.url for d in decs))
+    proc, base, log = proxy(port_holds, tmp_path, "--insecure", "--aggregated", "--decode-servers-urls",
+                            *(d.url for d in decs))
     try:
         wait_for("ready", lambda: status(f"{base}/ready") == 200, log)
         body = {"model": "demo", "messages": [{"role": "user", "content": "poison"}], "max_tokens": 2}
