@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from epd_launcher.group import free_port
 from tests.e2e.stack import ask_colour, demo_png, health, metric, start, stop, wait_healthy
+from tests.ports import PortHolds
 
 pytestmark = pytest.mark.e2e
 
@@ -25,14 +25,15 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("paths")
-    enc_port, dec_port, p1, p2 = free_port(), free_port(), free_port(), free_port()
+    holds = PortHolds()  # each port held for its process's life (it binds beside the hold)
+    enc_port, dec_port, p1, p2 = holds.take(), holds.take(), holds.take(), holds.take()
     ipc = f"ipc://{tmp}/encoder.sock"
-    procs = [start("encoder_service.cli", ["--port", str(enc_port), "--ec-bind", ipc], tmp / "enc.log"),
-             start("decoder_service.cli", ["--port", str(dec_port)], tmp / "dec.log")]
+    procs = [start("encoder_service.cli", ["--port", str(enc_port), "--ec-bind", ipc], tmp / "enc.log", held=True),
+             start("decoder_service.cli", ["--port", str(dec_port)], tmp / "dec.log", held=True)]
     urls = ["--encode-servers-urls", f"http://127.0.0.1:{enc_port}", "--decode-servers-urls",
             f"http://127.0.0.1:{dec_port}"]
-    procs.append(start("epd_launcher.cli", ["--port", str(p1), *urls], tmp / "p1.log"))
-    procs.append(start("epd_launcher.cli", ["--port", str(p2), "--pipeline-encode", *urls], tmp / "p2.log"))
+    procs.append(start("epd_launcher.cli", ["--port", str(p1), *urls], tmp / "p1.log", held=True))
+    procs.append(start("epd_launcher.cli", ["--port", str(p2), "--pipeline-encode", *urls], tmp / "p2.log", held=True))
     try:
         for port, log in ((p1, "p1.log"), (p2, "p2.log")):
             wait_healthy(f"http://127.0.0.1:{port}", procs[2 if log == "p1.log" else 3], tmp / log)
@@ -41,6 +42,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     finally:
         for p in reversed(procs):
             stop(p)
+        holds.close()
 
 
 def answer(resp: httpx.Response) -> str:

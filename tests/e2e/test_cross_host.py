@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from epd_builders.tokenizer import COLORS
-from epd_launcher.group import free_port
 from tests.e2e.stack import ROOT, demo_png, health, wait_healthy
+from tests.ports import REUSE_PORT_ENV, PortHolds
 
 pytestmark = pytest.mark.e2e
 
@@ -134,9 +134,13 @@ class Procs:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.started: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self.holds = PortHolds()  # loopback ports of the processes started here, held for their lives
 
-    def spawn(self, ns: str | None, module: str, args: list[str], name: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "EPD_INSECURE": "1"}
+    def spawn(self, ns: str | None, module: str, args: list[str], name: str,
+              held: bool = False) -> subprocess.Popen[bytes]:
+        """`held`: its --port is one of `holds` (it binds beside the hold)."""
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "EPD_INSECURE": "1",
+               **(REUSE_PORT_ENV if held else {})}
         wrap = ["ip", "netns", "exec", ns] if ns else []
         log = self.tmp / f"{name}.log"
         with log.open("wb") as out:
@@ -161,6 +165,7 @@ class Procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        self.holds.close()
 
 
 @pytest.fixture
@@ -201,13 +206,13 @@ def test_requests_cross_hosts_over_tcp_and_survive_losing_an_encoder(net: Net, p
     decoder = f"http://{dec_host.addr}:{DEC_HTTP}"
     dec_proc = procs.spawn(dec_host.ns, "decoder_service.cli",
                            ["--model", "demo", "--host", dec_host.addr, "--port", str(DEC_HTTP)], "decoder")
-    port = free_port()
+    port = procs.holds.take()
     proxy = f"http://127.0.0.1:{port}"
     # probes every 0.5 s (1 s timeout): a host that drops off is taken out within seconds
     proxy_proc = procs.spawn(None, "epd_launcher.cli", ["--host", "127.0.0.1", "--port", str(port), "--startup-timeout", "90",
                                                  "--health-interval", "0.5", "--health-timeout", "1",
                                                  "--encode-servers-urls", *encoders, "--decode-servers-urls", decoder],
-                             "proxy")
+                             "proxy", held=True)
     for url, proc in [*encoders.items(), (decoder, dec_proc), (proxy, proxy_proc)]:
         wait_healthy(url, proc, procs.log(proc), timeout=90)
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from epd_launcher.group import free_port
 from tests.e2e.stack import ask_colour, demo_png, metric, start, stop, wait_healthy
+from tests.ports import PortHolds
 
 pytestmark = pytest.mark.e2e
 
@@ -17,18 +17,21 @@ ONE_EMBEDDING = 40_000  # bytes: the demo's 64 x 128 float32 embedding (32 KiB) 
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("evict")
-    enc_port, dec_port, port = free_port(), free_port(), free_port()
+    holds = PortHolds()  # each port held for its process's life (it binds beside the hold)
+    enc_port, dec_port, port = holds.take(), holds.take(), holds.take()
     procs = [start("encoder_service.cli", ["--port", str(enc_port), "--ec-cache-bytes", str(ONE_EMBEDDING)],
-                   tmp / "enc.log"),
-             start("decoder_service.cli", ["--port", str(dec_port)], tmp / "dec.log")]
+                   tmp / "enc.log", held=True),
+             start("decoder_service.cli", ["--port", str(dec_port)], tmp / "dec.log", held=True)]
     procs.append(start("epd_launcher.cli", ["--port", str(port), "--encode-servers-urls", f"http://127.0.0.1:{enc_port}",
-                                     "--decode-servers-urls", f"http://127.0.0.1:{dec_port}"], tmp / "p.log"))
+                                     "--decode-servers-urls", f"http://127.0.0.1:{dec_port}"], tmp / "p.log",
+                       held=True))
     try:
         wait_healthy(f"http://127.0.0.1:{port}", procs[-1], tmp / "p.log")
         yield f"http://127.0.0.1:{port}"
     finally:
         for p in reversed(procs):
             stop(p)
+        holds.close()
 
 
 def ask(proxy: str, *images: bytes) -> str:

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from epd_launcher.group import free_port
 from tests.e2e.stack import ask_colour, demo_png, metric, start, stop, wait_healthy
+from tests.ports import PortHolds
 
 pytestmark = pytest.mark.e2e
 KEY = "internal-test-key"
@@ -28,11 +28,13 @@ class Cluster:
     encoders: list[tuple[str, Popen[bytes]]] = field(default_factory=list)
     decoders: list[tuple[str, Popen[bytes]]] = field(default_factory=list)
     procs: list[Popen[bytes]] = field(default_factory=list)
+    holds: PortHolds = field(default_factory=PortHolds)  # every process's port, held for its life
 
     def proxy(self, *args: str) -> str:
-        port = free_port()
+        port = self.holds.take()
         log = self.tmp / f"proxy-{port}.log"
-        proc = start("epd_launcher.cli", ["--port", str(port), "--internal-key", KEY, "--health-interval", "30", *args], log)
+        proc = start("epd_launcher.cli", ["--port", str(port), "--internal-key", KEY, "--health-interval", "30", *args],
+                     log, held=True)
         self.procs.append(proc)
         wait_healthy(f"http://127.0.0.1:{port}", proc, log)
         return f"http://127.0.0.1:{port}"
@@ -53,9 +55,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for role, module, extra in (("enc", "encoder_service.cli", ["--ec-bind", "tcp://127.0.0.1:0"]),
                                     ("dec", "decoder_service.cli", ["--gather-timeout", "3"])):
             for i in range(2):
-                port = free_port()
+                port = c.holds.take()
                 log = tmp_path / f"{role}{i}.log"
-                proc = start(module, ["--port", str(port), "--internal-key", KEY, *extra], log)
+                proc = start(module, ["--port", str(port), "--internal-key", KEY, *extra], log, held=True)
                 c.procs.append(proc)
                 (c.encoders if role == "enc" else c.decoders).append((f"http://127.0.0.1:{port}", proc))
         for url, proc in c.encoders + c.decoders:
@@ -64,6 +66,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         for proc in reversed(c.procs):
             stop(proc)
+        c.holds.close()
 
 
 def instances(proxy: str) -> dict[str, Any]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from epd_launcher.group import free_port
 from tests.e2e.stack import demo_png, health, launched, pid_alive, start, stop, wait_healthy
 from tests.factories import make_image
+from tests.ports import PortHolds
 
 pytestmark = pytest.mark.e2e
 
@@ -41,15 +41,17 @@ def test_sigterm_to_launcher_stops_every_worker(tiny_model_dirs: dict[str, Path]
 
 def test_attach_mode_serves_workers_started_elsewhere(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     model = str(tiny_model_dirs["llava"])
-    enc_port, dec_port, proxy_port = free_port(), free_port(), free_port()
+    holds = PortHolds()  # each port held for its process's life (it binds beside the hold)
+    enc_port, dec_port, proxy_port = holds.take(), holds.take(), holds.take()
     procs = [
-        start("encoder_service.cli", ["--model", model, "--port", str(enc_port)], tmp_path / "enc.log"),
-        start("decoder_service.cli", ["--model", model, "--port", str(dec_port)], tmp_path / "dec.log"),
+        start("encoder_service.cli", ["--model", model, "--port", str(enc_port)], tmp_path / "enc.log", held=True),
+        start("decoder_service.cli", ["--model", model, "--port", str(dec_port)], tmp_path / "dec.log", held=True),
     ]
     try:
         enc, dec = f"http://127.0.0.1:{enc_port}", f"http://127.0.0.1:{dec_port}"
         proxy = start("epd_launcher.cli", ["--port", str(proxy_port), "--served-model-name", "tiny-llava",
-                                    "--encode-servers-urls", enc, "--decode-servers-urls", dec], tmp_path / "p.log")
+                                    "--encode-servers-urls", enc, "--decode-servers-urls", dec], tmp_path / "p.log",
+                      held=True)
         procs.append(proxy)
         wait_healthy(f"http://127.0.0.1:{proxy_port}", proxy, tmp_path / "p.log")
         resp = httpx.post(f"http://127.0.0.1:{proxy_port}/v1/chat/completions", json=image_request("tiny-llava"),
@@ -60,6 +62,7 @@ def test_attach_mode_serves_workers_started_elsewhere(tiny_model_dirs: dict[str,
     finally:
         for p in reversed(procs):
             stop(p)
+        holds.close()
 
 
 def test_sigterm_during_5_streams_lets_every_stream_finish(tmp_path: Path) -> None:
