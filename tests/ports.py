@@ -20,7 +20,7 @@ from types import TracebackType
 import pytest
 import uvicorn
 
-from epd_common.server import ENV_REUSE_PORT, reuseport_socket
+from epd_common.server import ENV_REUSE_PORT
 from epd_launcher.group import reserve_port
 
 HOST = "127.0.0.1"
@@ -55,8 +55,18 @@ def held_port(host: str = HOST) -> Iterator[int]:
 
 
 def bound_socket(host: str = HOST) -> socket.socket:
-    """A TCP socket bound to a fresh port of `host`, not listening yet (uvicorn listens once the app has started)."""
-    return reuseport_socket(host, 0)
+    """A TCP socket bound to a fresh port of `host`, not listening yet (uvicorn listens once the app has started).
+
+    NOTE: no SO_REUSEADDR (nor SO_REUSEPORT): two sockets that both set it may bind one port while neither listens,
+    so a stranger's bind (asyncio sets it) would get in during the app's startup; proto TCP as uvicorn's own bind
+    (asyncio turns Nagle off only on accepted sockets whose proto says TCP: epd_common.server.reuseport_socket)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def port_of(sock: socket.socket) -> int:
