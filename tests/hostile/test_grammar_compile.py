@@ -22,7 +22,6 @@ import pytest
 from decoder_service.config import DecoderConfig
 from decoder_service.grammar import CompiledGuide, GuideCompiler
 from decoder_service.server import DecoderState
-from epd_launcher.group import free_port
 from epd_models.guide_spec import GuideSpec
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.conftest import served
@@ -36,7 +35,7 @@ NUM_ATTACKERS = min(32, (os.cpu_count() or 1) + 4) + 2
 
 @pytest.fixture
 def decoder(tiny_model_dirs: dict[str, Path]) -> Iterator[tuple[str, DecoderState]]:
-    cfg = DecoderConfig(port=free_port(), max_num_seqs=4, grammar_compile_threads=2)
+    cfg = DecoderConfig(port=0, max_num_seqs=4, grammar_compile_threads=2)
     with served(cfg, LanguageHalf(tiny_model_dirs["llava"])) as out:
         yield out
 
