@@ -20,6 +20,7 @@ SELF_REQUIRED = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "propert
 SPECIAL_LITERAL = {"type": "object", "properties": {"<|endoftext|>": {"const": "<|endoftext|><|im_end|>"}},
                    "required": ["<|endoftext|>"]}
 # passes every check made before decoding; the library then forces the special token and refuses it
+PEAK_RSS_GROWTH_BOUND = 64 << 20  # each process's peak RSS growth while the attacks run (measured: encoder 14 MiB for the victims' new images, decoder and proxy under 2 MiB)
 SPECIAL_PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^<\\|im_end\\|>$"}},
                    "required": ["a"]}
 
@@ -86,7 +87,10 @@ def test_other_users_streams_are_unchanged_while_dead_ends_happen(stack: Hostile
         return [post(stack, chat(s, stream)).status_code for s in (SPECIAL_PATTERN, SELF_REQUIRED, HOSTILE)
                 for stream in (False, True)]
 
+    peak_before = stack.peak_rss()
     run = run_victims(stack.base_url, n=2, during=attack)
     run.assert_undisturbed()
+    growth = {role: peak - peak_before[role] for role, peak in stack.peak_rss().items()}
+    assert all(g <= PEAK_RSS_GROWTH_BOUND for g in growth.values()), f"peak RSS growth (bytes): {growth}"
     assert run.during == [400, 200, 400, 400, 400, 400]  # the streamed dead end: 200, then its error event
     assert not stack.dead()
