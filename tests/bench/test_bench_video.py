@@ -49,7 +49,8 @@ def narrow_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_video_config_workers_report_keeps_a_224_frame_whole(narrow_dir: Path) -> None:
     assert video_config(narrow_dir, "qwen2_vl") == VideoConfig(sampler="qwen2", temporal_patch=2, min_pixels=784,
-                                                               max_pixels=224 * 224, fps=2.0)
+                                                               max_pixels=224 * 224, fps=2.0,
+                                                               patch_size=14, merge_size=2)
     frames = decode_frames(make_clip(0, 1, 4, 224, 224, 2.0), range(4), VideoLimits())
     features = VisionHalf(narrow_dir).encode_video(frames, 2.0)
     assert tuple(features.embeds.shape) == (2 * 16 * 16 // 4, 32)  # 2 temporal patches of 16x16, merged 2x2
