@@ -5,7 +5,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from decoder_service.batch import BatchRunner
+from decoder_service.engine.eos import eos_token_ids  # noqa: F401 - the reference loop's callers take it from here too
+from decoder_service.engine.model_runner import BatchRunner
 from decoder_service.prompt import Prompt
 from epd_models.halves import LanguageHalf
 
@@ -31,11 +32,3 @@ def generate(
         if token in eos_ids or i == max_tokens - 1:
             return
         logits = runner.decode({0: token})[0]
-
-
-def eos_token_ids(lm: LanguageHalf) -> set[int]:
-    """EOS ids from the generation config, else the tokenizer's."""
-    eos = lm.generation_config.eos_token_id
-    if eos is None:
-        eos = lm.tokenizer.eos_token_id
-    return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())

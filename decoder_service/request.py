@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
+from decoder_service.engine.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.grammar import CompiledGuide, GuideCompiler, GuideError, spec_for
 from decoder_service.image_hits import SaltedHits
-from decoder_service.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.prompt import Prompt, build_prompt
 from decoder_service.video_gather import Gathered
 from epd_common.errors import APIError, bad_request

@@ -18,9 +18,9 @@ from connector.tensors.consumer import ECConsumer
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.embedding_check import EmbeddingCheck
-from decoder_service.engine import Engine
+from decoder_service.engine.llm_engine import Engine
+from decoder_service.engine.sequence import Job
 from decoder_service.metrics import DecoderMetrics
-from decoder_service.sequence import Job
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
 from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id

@@ -27,10 +27,10 @@ from prometheus_client import CollectorRegistry
 
 from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
-from decoder_service.engine import Engine
+from decoder_service.engine.llm_engine import Engine
+from decoder_service.engine.sequence import Job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt, build_prompt
-from decoder_service.sequence import Job
 from epd_builders.shapes import draw_shape
 from epd_builders.tiny import TinySpec, build_tiny
 from epd_common.server import freeze_startup_heap

@@ -23,12 +23,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from connector.tensors.consumer import ECConsumer
-from decoder_service.batch import BatchRunner
 from decoder_service.config import DecoderConfig
-from decoder_service.engine import Engine
+from decoder_service.engine.llm_engine import Engine
+from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.sequence import Job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt, build_prompt
-from decoder_service.sequence import Job
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.sampling import SamplingParams
 from epd_models.chat import chat_template, render

@@ -3,7 +3,7 @@
     python -m epd_bench.prefix_share [--json] [--shapes llava-scaled bench] [--prefix 256 1024 4096]
                                      [--decode 16 64 256] [--prefill-max 1024] [--threads 1] [--budget 0.25]
 
-The decoder keeps each running sequence's K/V in a preallocated slot row (decoder_service/slots.py: per layer
+The decoder keeps each running sequence's K/V in a preallocated slot row (decoder_service/engine/slots.py: per layer
 (max_slots, kv_heads, max_len, head_dim)); the prefix cache keeps blocks of 16 tokens, one tensor per block of
 (layers, 2, kv_heads, 16, head_dim). On admission a cached prefix of P tokens is either
 
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaModel
 
-from decoder_service.slots import SlotCache
+from decoder_service.engine.slots import SlotCache
 from epd_builders.bench_model import BENCH_SPEC
 
 BLOCK = 16  # tokens per prefix-cache block (the decoder's --prefix-block-size default)

@@ -2,7 +2,7 @@
 
 Every value it admits is one the engine can run (tests/contracts/test_sampling.py drives the real Sampler with
 the extremes); everything else is refused when it is decoded (epd_contracts.validation), with the field named.
-A new sampling setting is one field here (and its use in decoder_service/sampling.py). Torch-free.
+A new sampling setting is one field here (and its use in decoder_service/engine/sampling.py). Torch-free.
 """
 from __future__ import annotations
 

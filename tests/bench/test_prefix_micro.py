@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from decoder_service.slots import SlotCache
+from decoder_service.engine.slots import SlotCache
 from epd_bench import prefix_publish, prefix_share
 from epd_bench.prefix_share import BLOCK, SHAPES, copy_per_block, copy_stack, make_blocks, share_cat
 

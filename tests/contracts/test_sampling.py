@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decoder_service.logprobs import TokenTable
-from decoder_service.sampling import Sampler
+from decoder_service.engine.logprobs import TokenTable
+from decoder_service.engine.sampling import Sampler
 from epd_contracts.sampling import (
     GREEDY_BELOW,
     MAX_LOGIT_BIAS,

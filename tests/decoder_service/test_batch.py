@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder_service.batch import BatchRunner
+from decoder_service.engine.model_runner import BatchRunner
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_models.chat import chat_template, render

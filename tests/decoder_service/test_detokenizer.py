@@ -5,7 +5,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from decoder_service.detokenizer import IncrementalDetokenizer
+from decoder_service.engine.detokenizer import IncrementalDetokenizer
 
 
 def stream(tok: object, text: str, stop: tuple[str, ...]) -> tuple[list[str], IncrementalDetokenizer]:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
-from decoder_service.engine import Engine
+from decoder_service.engine.llm_engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.server import DecoderState
 from epd_common.errors import APIError

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from decoder_service.engine import Engine
+from decoder_service.engine.llm_engine import Engine
 from decoder_service.generate import generate
 from decoder_service.grammar import GuideError
 from decoder_service.request import Work

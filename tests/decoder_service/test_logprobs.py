@@ -8,9 +8,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
-from decoder_service.logprobs import NEG_LOGPROB, TokenTable, entry, unicode_to_byte
-from decoder_service.readback import read_back_rows
-from decoder_service.sampling import Sampler
+from decoder_service.engine.logprobs import NEG_LOGPROB, TokenTable, entry, unicode_to_byte
+from decoder_service.engine.readback import read_back_rows
+from decoder_service.engine.sampling import Sampler
 from epd_builders.tokenizer import train_tokenizer
 from epd_contracts.sampling import SamplingParams
 

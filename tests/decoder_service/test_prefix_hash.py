@@ -1,7 +1,7 @@
 """Block keys name everything a block's K/V depends on, and nothing a client can fake."""
 from __future__ import annotations
 
-from decoder_service.prefix_hash import prompt_chain
+from decoder_service.engine.prefix_hash import prompt_chain
 
 IMG = 99  # the image token id
 B = 4

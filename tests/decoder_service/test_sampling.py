@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from decoder_service.sampling import Sampler
+from decoder_service.engine.sampling import Sampler
 from epd_contracts.sampling import SamplingParams
 from epd_contracts.validation import convert
 

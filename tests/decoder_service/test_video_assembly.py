@@ -1,5 +1,5 @@
 """A video's chunks made into one item (decoder_service/video_gather.py), the checks a video's embeddings pass
-(decoder_service/embedding_check.py) and its tokens in the prefix cache's keys (decoder_service/prefix_hash.py),
+(decoder_service/embedding_check.py) and its tokens in the prefix cache's keys (decoder_service/engine/prefix_hash.py),
 on made-up features: each inconsistency is a clear error."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decoder_service.embedding_check import EmbeddingCheck
-from decoder_service.prefix_hash import prompt_chain
+from decoder_service.engine.prefix_hash import prompt_chain
 from decoder_service.request import Preparer
 from decoder_service.video_gather import Gathered, assemble_video, plan_gather
 from epd_common.errors import APIError

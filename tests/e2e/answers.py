@@ -30,7 +30,7 @@ def tokens(answer: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """The generated tokens as (token, bytes): the API's token identity (ids are not exposed).
 
     NOTE: a token that ends the answer without text (a special token, half a UTF-8 character) has no entry
-    (decoder_service/sequence.py sends entries only with text); both paths drop the same ones."""
+    (decoder_service/engine/sequence.py sends entries only with text); both paths drop the same ones."""
     return [(e["token"], tuple(e["bytes"])) for e in answer["choices"][0]["logprobs"]["content"]]
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from decoder_service.config import DecoderConfig
-from decoder_service.engine import Engine
+from decoder_service.engine.llm_engine import Engine
 from decoder_service.server import create_app as decoder_app
 from epd_common.server import HttpLimits
 from epd_models.halves import LanguageHalf

@@ -20,11 +20,11 @@ import msgspec
 import pytest
 import torch
 
-import decoder_service.sequence as sequence_module
-from decoder_service.detokenizer import IncrementalDetokenizer
-from decoder_service.engine import Engine
+import decoder_service.engine.sequence as sequence_module
+from decoder_service.engine.detokenizer import IncrementalDetokenizer
+from decoder_service.engine.llm_engine import Engine
+from decoder_service.engine.sampling import Sampler
 from decoder_service.prompt import Prompt
-from decoder_service.sampling import Sampler
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.sampling import SamplingParams
 from tests.decoder_service.engine_run import Result, greedy, make_engine, run, text_prompt

@@ -19,12 +19,12 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from decoder_service.batch import BatchRunner
 from decoder_service.cli import parse_args as decoder_args
 from decoder_service.config import DecoderConfig
+from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.sampling import Sampler
+from decoder_service.engine.slots import Plan, SlotCache
 from decoder_service.prompt import build_prompt
-from decoder_service.sampling import Sampler
-from decoder_service.slots import Plan, SlotCache
 from encoder_service.cli import parse_args as encoder_args
 from encoder_service.config import EncoderConfig
 from epd_contracts.sampling import SamplingParams

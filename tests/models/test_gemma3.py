@@ -10,10 +10,10 @@ import torch
 from transformers import AutoConfig, AutoProcessor
 from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
-from decoder_service.batch import BatchRunner
+from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.slots import Plan, SlotCache
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
-from decoder_service.slots import Plan, SlotCache
 from epd_models.base import splice_spans
 from epd_models.chat import ImageEdges, chat_template, image_edges, render
 from epd_models.gemma3 import Gemma3Adapter, ImageBlocks, layer_masks

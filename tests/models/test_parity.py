@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
-from decoder_service.batch import BatchRunner
 from decoder_service.embedding_check import EmbeddingCheck
+from decoder_service.engine.model_runner import BatchRunner
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_builders.tiny import FAMILIES

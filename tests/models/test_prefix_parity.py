@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder_service.batch import BatchRunner
+from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.generate import generate
-from decoder_service.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.prompt import Prompt, build_prompt
 from epd_builders.tiny import FAMILIES
 from epd_contracts.embeddings import ImageFeatures

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decoder_service.detokenizer import IncrementalDetokenizer
+from decoder_service.engine.detokenizer import IncrementalDetokenizer
+from decoder_service.engine.sampling import Sampler
 from decoder_service.grammar import GuideError
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.request import Work
-from decoder_service.sampling import Sampler
 from epd_contracts.generate import Event, TokenLogprob, ToolCallDelta, Usage
 
 if TYPE_CHECKING:
-    from decoder_service.logprobs import TokenTable
+    from decoder_service.engine.logprobs import TokenTable
     from decoder_service.prompt import Prompt
     from epd_contracts.sampling import SamplingParams
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from epd_common.logs import request_id_var
 
 if TYPE_CHECKING:
-    from decoder_service.batch import BatchRunner
-    from decoder_service.sequence import Job, Sequence
+    from decoder_service.engine.model_runner import BatchRunner
+    from decoder_service.engine.sequence import Job, Sequence
 
 IDLE_PREFILL_FACTOR = 8  # with no stream decoding there is no latency to protect
 

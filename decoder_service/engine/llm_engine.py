@@ -1,6 +1,6 @@
 """The decoder engine: continuous batching on its own thread.
 
-Each step reads as nano-vllm's `LLMEngine.step`: the scheduler decides it (`decoder_service/scheduler.py`:
+Each step reads as nano-vllm's `LLMEngine.step`: the scheduler decides it (`decoder_service/engine/scheduler.py`:
 admission and the prefill-token budget), the runner runs it (`BatchRunner.run`: every running sequence
 decoded in one batched forward, then waiting prompts prefilled in chunks within the budget, so a long
 multi-image prefill delays running streams by at most one budget per step), and `postprocess` samples,
@@ -31,18 +31,18 @@ import torch
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
 from decoder_service.aggregated import InlineEncoder
-from decoder_service.batch import BatchRunner, RunnerOutput
 from decoder_service.config import DecoderConfig
-from decoder_service.generate import eos_token_ids
+from decoder_service.engine.eos import eos_token_ids
+from decoder_service.engine.logprobs import TokenTable
+from decoder_service.engine.model_runner import BatchRunner, RunnerOutput
+from decoder_service.engine.readback import read_back, read_back_rows
+from decoder_service.engine.scheduler import IDLE_PREFILL_FACTOR, Scheduler
+from decoder_service.engine.sequence import Job, Sequence
 from decoder_service.grammar import CompiledGuide
 from decoder_service.grammar_pool import Abandoned, CompilePool
-from decoder_service.logprobs import TokenTable
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
-from decoder_service.readback import read_back, read_back_rows
 from decoder_service.request import PendingGuide, Preparer, Work
-from decoder_service.scheduler import IDLE_PREFILL_FACTOR, Scheduler
-from decoder_service.sequence import Job, Sequence
 from decoder_service.video_gather import Gathered, plan_gather
 from epd_common.errors import APIError, bad_request
 from epd_common.logs import request_id_var

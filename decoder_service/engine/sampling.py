@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from decoder_service.logprobs import entry
+from decoder_service.engine.logprobs import entry
 from epd_contracts.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from decoder_service.logprobs import TokenTable
+    from decoder_service.engine.logprobs import TokenTable
     from epd_contracts.generate import TokenLogprob
 
 _NEG_INF = float("-inf")

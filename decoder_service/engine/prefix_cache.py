@@ -1,6 +1,6 @@
 """The decoder's prefix cache: K/V of prompt prefixes in blocks of `block_size` tokens, reused by later requests.
 
-Blocks are keyed by `decoder_service.prefix_hash` (a hash chain over tokens, images by `mm_hash`, per salt). On
+Blocks are keyed by `decoder_service.engine.prefix_hash` (a hash chain over tokens, images by `mm_hash`, per salt). On
 admission the longest chain of held blocks is COPIED into the sequence's slot (`load`) and only the rest of the
 prompt is prefilled; a prefilled prompt, and a sequence that finishes, give their full blocks (`store`).
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from decoder_service.slots import SlotCache
+from decoder_service.engine.slots import SlotCache
 
 MAX_ROUTE_KEYS = 4096  # the proxy's prefix keys reported in /health, most recent first
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from decoder_service.prefix_cache import PrefixCache
-from decoder_service.prefix_hash import PrefixChain
+from decoder_service.engine.prefix_cache import PrefixCache
+from decoder_service.engine.prefix_hash import PrefixChain
+from decoder_service.engine.scheduler import SchedulerOutput
+from decoder_service.engine.slots import Plan, SlotCache
 from decoder_service.prompt import Prompt
-from decoder_service.scheduler import SchedulerOutput
-from decoder_service.slots import Plan, SlotCache
 from epd_models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
