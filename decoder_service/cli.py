@@ -1,12 +1,19 @@
 """The `epd-decoder` command line: flags -> config -> the worker's HTTP server."""
 from __future__ import annotations
 
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
 from decoder_service.config import DecoderConfig
 from decoder_service.server import create_app
-from epd_common.cli import Gap, key_gaps, refuse_open, run_worker, worker_parser
+from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_worker, worker_parser
 from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def parse_args(argv: list[str] | None = None) -> DecoderConfig:
@@ -14,10 +21,12 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p = worker_parser("epd-decoder", "EPD decoder worker (language model only)", d)
     add_device_flags(p, d)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="positions of one sequence, prompt included (0: the model's max_position_embeddings)")
+                   help="positions of one sequence, prompt included (0: the model's max_position_embeddings, lowered "
+                        "with a warning to what the K/V pool holds; a larger value than the pool holds exits 2)")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="requests waiting for a slot; more get 503")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help="sequences decoded together; a KV slot of --max-model-len is preallocated for each")
+                   help="sequences decoded together (an upper bound on rows per step; the K/V pool bounds them too)")
+    _add_memory_flags(p.add_argument_group("K/V memory and steps"), d)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                    help="prompt tokens prefilled per engine step while streams decode (8x when none do)")
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout,
@@ -43,9 +52,8 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
                    help="auto: map the embeddings of encoders on this host from shared memory (no copy; checked "
                         "by a probe, socket otherwise); off: always receive them over ZeroMQ")
     p.add_argument("--prefix-cache-bytes", type=int, default=d.prefix_cache_bytes,
-                   help="bytes of prompt-prefix K/V kept for reuse by later requests (LRU; 0 turns it off)")
-    p.add_argument("--prefix-block-size", type=int, default=d.prefix_block_size,
-                   help="tokens per cached K/V block; a prefix is reused in whole blocks")
+                   help="bytes of prompt-prefix K/V blocks no running sequence uses, kept for reuse by later "
+                        "requests (LRU, inside the K/V pool; 0 turns prefix caching off)")
     g = p.add_argument_group("connector limits (ZeroMQ consumer)")
     g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
                    help="tensor bytes of one reply from an encoder; a larger reply is refused before it is decoded")
@@ -55,10 +63,38 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
                    help="hashes asked of one encoder per get (keep at most the encoders' --ec-max-items-per-get)")
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=False)
     args = p.parse_args(argv)
+    _resolve_block_size(p, args, d)
     curve = pop_curve(p, args)
     cfg = DecoderConfig(**vars(args), curve=curve)
     refuse_open(p, cfg, security_gaps(cfg))
     return cfg
+
+
+def _add_memory_flags(g: argparse._ActionsContainer, d: DecoderConfig) -> None:
+    g.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per K/V block: the pool's unit, and a prefix is reused in whole blocks "
+                        f"(default: {d.block_size})")
+    g.add_argument("--prefix-block-size", type=int, default=None,
+                   help="the old name of --block-size, kept so existing command lines work; both given must agree "
+                        "(default: --block-size)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=d.gpu_memory_utilization,
+                   help="CUDA: share of the GPU's memory for weights, activations and the K/V pool; the pool is what "
+                        "is left after loading the weights and one profiling forward (vLLM's flag)")
+    g.add_argument("--kv-cache-memory", type=byte_size, default=d.kv_cache_memory,
+                   help="bytes of the K/V pool, e.g. 4GiB or 4294967296 (0: on CUDA from --gpu-memory-utilization, "
+                        "on CPU a quarter of RAM, at most 90%% of RAM less the weights)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens one step runs, prefill chunks and decode rows together (0: max(2048, --max-num-seqs))")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly, no CUDA graphs")
+
+
+def _resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace, d: DecoderConfig) -> None:
+    """--prefix-block-size is an alias of --block-size: either sets it; both must agree."""
+    alias = args.__dict__.pop("prefix_block_size")
+    if alias is not None and args.block_size not in (None, alias):
+        p.error(f"--block-size {args.block_size} and --prefix-block-size {alias} disagree: they name one setting "
+                "(the K/V pool's block, which prefixes are cached in); give one")
+    args.block_size = next((v for v in (args.block_size, alias) if v is not None), d.block_size)
 
 
 def security_gaps(cfg: DecoderConfig) -> list[Gap]:
@@ -67,7 +103,20 @@ def security_gaps(cfg: DecoderConfig) -> list[Gap]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    run_worker("decoder", cfg, create_app, security_gaps(cfg))
+    apps: list[FastAPI] = []
+
+    def build(c: DecoderConfig) -> FastAPI:
+        apps.append(create_app(c))
+        return apps[-1]
+
+    try:
+        run_worker("decoder", cfg, build, security_gaps(cfg))
+    except SystemExit:  # uvicorn's exit 3 when start-up failed
+        refused = apps[0].state.decoder.refused if apps else None
+        if refused is None:
+            raise
+        print(f"epd-decoder: error: {refused}", file=sys.stderr)  # what the budget cannot hold: a usage error
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -19,13 +19,17 @@ class DecoderConfig(HttpLimits):
     port: int = 8200
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     max_queued: int = 256  # requests waiting for a slot; more get 503
-    max_num_seqs: int = 32  # sequences decoded together (KV slots preallocated for each)
+    max_num_seqs: int = 32  # sequences decoded together (an upper bound on rows per step)
+    block_size: int = 16  # tokens per K/V block: the pool's unit, and a prefix is reused in whole blocks
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and K/V
+    kv_cache_memory: int = 0  # bytes of the K/V pool; 0: from gpu_memory_utilization (CUDA), 1/4 of RAM (CPU)
+    max_num_batched_tokens: int = 0  # tokens per step (prefill chunks + decode rows); 0: max(2048, max_num_seqs)
+    enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs)
     max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings (shared-memory items mapped count too)
     ec_shm: str = "auto"  # auto: map same-host encoders' shared memory after a probe; off: socket only
-    prefix_cache_bytes: int = 1 << 30  # K/V of prompt prefixes kept for reuse (LRU, allocated as used); 0: off
-    prefix_block_size: int = 16  # tokens per cached K/V block (a prefix is reused in whole blocks)
+    prefix_cache_bytes: int = 1 << 30  # cached prefix blocks no sequence references, kept for reuse (LRU); 0: off
     ec_max_reply_bytes: int = 1 << 30  # tensor bytes of one ZeroMQ reply (at least one whole item); more: refused
     ec_max_message_bytes: int = 1 << 30  # bytes of one tensor frame; a producer sending more is disconnected
     ec_max_items_per_get: int = 256  # hashes asked of one producer per get (at most the encoders' limit)
@@ -53,6 +57,16 @@ class DecoderConfig(HttpLimits):
         """CURVE keys this worker needs to start secure (curve_flags.curve_gaps); aggregated: no ZeroMQ peers."""
         return () if self.aggregated else ("secret_key", "server_key")
 
+    @property
+    def prefix_block_size(self) -> int:
+        """Tokens per cached prefix block: the pool's blocks (--prefix-block-size is an alias of --block-size)."""
+        return self.block_size
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens one step may run (prefill chunks + decode rows): the flag, or vLLM's default max(2048, seqs)."""
+        return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+
     def __post_init__(self) -> None:
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_model_len >= 0, "max_model_len must be >= 0"
@@ -65,7 +79,12 @@ class DecoderConfig(HttpLimits):
         assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels,
                                                    self.max_video_decode_frames) >= 1, \
             "max_video_duration, max_video_frames, max_video_frame_pixels and max_video_decode_frames must be > 0"
-        assert self.prefix_cache_bytes >= 0 and self.prefix_block_size >= 1, "prefix cache: bytes >= 0, block >= 1"
+        assert self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0 (0: off)"
+        assert self.block_size >= 1, "block_size must be >= 1"
+        assert 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"
+        assert self.kv_cache_memory >= 0, "kv_cache_memory must be >= 0 (0: automatic)"
+        assert self.max_num_batched_tokens == 0 or self.max_num_batched_tokens >= self.max_num_seqs, \
+            "max_num_batched_tokens must be 0 (automatic) or >= max_num_seqs (every running row decodes each step)"
         if self.max_body_bytes == 0:  # frozen: the resolved default is set once, here
             auto = 16 * (20 << 20) * 4 // 3 + (1 << 20) if self.aggregated else 80 << 20
             object.__setattr__(self, "max_body_bytes", auto)

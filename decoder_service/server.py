@@ -19,6 +19,7 @@ from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.embedding_check import EmbeddingCheck
 from decoder_service.engine.llm_engine import Engine
+from decoder_service.engine.memory_plan import KVPlanError, plan_for
 from decoder_service.engine.sequence import Job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
@@ -48,6 +49,7 @@ class DecoderState:
     engine: Engine | None = None
     embedding_check: EmbeddingCheck | None = None
     identity: dict[str, object] = field(default_factory=dict)
+    refused: str | None = None  # why it would not start (a KVPlanError: the budget cannot hold what was asked)
 
     def check_embedding(self, out: ImageFeatures) -> str | None:
         """The consumer's check of every gathered embedding (gathers only run once the LM is loaded)."""
@@ -153,6 +155,7 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
     cfg = state.cfg
     half = lm if lm is not None else await asyncio.to_thread(
         LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device)
+    plan_for(cfg, half)  # what the K/V budget cannot hold is refused before anything else starts (KVPlanError)
     check = state.embedding_check = EmbeddingCheck(half)
     state.identity.update(model_identity(half.model_dir, cfg.model))
     inline = None
@@ -180,7 +183,13 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        watchdog = await _start_engine(state, lm, on_fatal or exit_process())
+        try:
+            watchdog = await _start_engine(state, lm, on_fatal or exit_process())
+        except KVPlanError as exc:  # epd-decoder exits 2 with the numbers (cli.main)
+            logger.critical("decoder cannot start: %s", exc)
+            state.refused = str(exc)
+            consumer.close()
+            raise
         freeze_startup_heap()
         yield
         watchdog.stop()

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
@@ -50,6 +51,29 @@ def add_log_level(p: argparse._ActionsContainer, default: str) -> None:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(value: str) -> int:
+    """A bytes flag: a whole number, or one with a unit (KiB, MiB, GiB, TiB; KB, MB, GB, TB; any case): `4GiB`,
+    `1.5 GB`. Never negative."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{value!r}: not a byte size (a number, optionally with a unit: "
+                                         "KiB, MiB, GiB, TiB, KB, MB, GB or TB)")
+    return int(float(match.group(1)) * _UNITS[unit]) if "." in match.group(1) else int(match.group(1)) * _UNITS[unit]
+
+
+def fraction(value: str) -> float:
+    """A share flag: a number in (0, 1]."""
+    number = float(value)
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be in (0, 1]")
+    return number
 
 
 MAX_SECRET_FILE_BYTES = 64 * 1024
