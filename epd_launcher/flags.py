@@ -3,17 +3,16 @@ attach mode (workers started elsewhere). Flags of both modes on one command line
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from connector.control.curve_flags import add_curve_flags
-from epd_common.cli import add_http_flags, add_log_level, cli_secret, env_flag, new_parser
+from epd_common.cli import add_http_flags, add_log_level, byte_size, cli_secret, env_flag, fraction, new_parser
 from epd_contracts.video import MAX_VIDEO_FRAMES
 from proxy.config import ProxyConfig
 
 MAX_PROXY_WORKERS = 64  # more proxy processes than this on one host is a typo, not a plan
 
-LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
-                  "--restart-window", "--restart-backoff", "--restart-backoff-max", "--prefix-cache-bytes")
 ATTACH_FLAGS = ("--encode-servers-urls", "--decode-servers-urls", "--prefill-servers-urls", "--dynamic-registration",
                 "--insecure", "--ec-curve-key", "--ec-curve-server-key")
 NO_PREFILL = ("disable", "none", "")  # vLLM's spellings of "E + PD": no separate prefill stage
@@ -73,6 +72,29 @@ def video_frames(value: str) -> int:
     return number
 
 
+# the decoders' engine flags: (flag, type, help); passed to each spawned decoder only when given (spawn.py)
+DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("--max-model-len", non_negative,
+     "positions of one sequence, prompt included (0: the checkpoint's, lowered to what the decoder's K/V pool holds)"),
+    ("--max-num-seqs", positive, "sequences one decoder runs at once (rows per step)"),
+    ("--block-size", positive, "tokens per K/V block (the pool's unit; prefixes are reused in whole blocks)"),
+    ("--gpu-memory-utilization", fraction, "CUDA: share of each decoder's GPU for weights, activations and K/V"),
+    ("--kv-cache-memory", byte_size,
+     "bytes of each decoder's K/V pool, e.g. 4GiB (0: from --gpu-memory-utilization on CUDA, a quarter of RAM on CPU)"),
+    ("--max-num-batched-tokens", non_negative,
+     "tokens one decoder step runs, prefill chunks and decode rows together (0: max(2048, --max-num-seqs))"),
+    ("--max-prefill-tokens", positive, "prompt tokens a decoder prefills per step while others decode"),
+    ("--prefix-cache-bytes", non_negative,
+     "bytes of prompt-prefix K/V each decoder keeps for reuse (0 turns prefix caching off)"),
+    ("--grammar-compile-threads", positive, "threads each decoder compiles response_format and tool grammars on"),
+    ("--grammar-compile-timeout", positive_seconds, "seconds one grammar compile may run on a decoder"),
+)
+DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),)
+LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
+                  "--restart-window", "--restart-backoff", "--restart-backoff-max",
+                  *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES))
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """Parse; `args.attach` says the mode. Launcher and attach flags mixed exit 2 naming both."""
     p = build_parser()
@@ -101,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "elsewhere (--encode-servers-urls / --decode-servers-urls).")
     _common_flags(p)
     _launcher_flags(p.add_argument_group("launcher mode (spawns the workers on this machine)"))
+    _decoder_flags(p.add_argument_group("launcher mode: decoder engine (passed to each spawned decoder as its own "
+                                        "flag; unset: the decoder's default)"))
     _attach_flags(p.add_argument_group("attach mode (workers started elsewhere)"))
     add_http_flags(p, ProxyConfig)
     return p
@@ -208,9 +232,14 @@ def _launcher_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--restart-backoff", type=float, default=1.0,
                    help="seconds before the first restart of a worker that exited; doubles per restart in the window")
     g.add_argument("--restart-backoff-max", type=float, default=30.0, help="longest wait before a restart (seconds)")
-    g.add_argument("--prefix-cache-bytes", type=non_negative, default=None,
-                   help="bytes of prompt-prefix K/V each spawned decoder keeps for reuse (its --prefix-cache-bytes; "
-                        "0 turns the cache off) (default: the decoder's own default)")
+
+
+def _decoder_flags(g: argparse._ActionsContainer) -> None:
+    """The decoder's engine flags, for every spawned decoder (as `vllm serve` takes engine arguments)."""
+    for flag, kind, text in DECODER_FLAGS:
+        g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the decoder's own)")
+    for flag, text in DECODER_SWITCHES:
+        g.add_argument(flag, action="store_true", default=None, help=f"{text} (default: off)")
 
 
 def _attach_flags(g: argparse._ActionsContainer) -> None:

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, _dest
 from epd_launcher.group import Secrets, WorkerGroup
 from epd_models.resolve import resolve_model
 
@@ -24,7 +25,7 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
            for i in range(num_encoders)]
     # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
     aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
-    dec_flags = [*common, *aggregated, *_prefix_cache_flags(args)]
+    dec_flags = [*common, *aggregated, *_engine_flags(args)]
     dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *devices[num_encoders + i]], keys.env("decoder"))
            for i in range(args.num_decoders)]
     group.wait_healthy(args.startup_timeout)
@@ -39,9 +40,11 @@ def _video_flags(args: argparse.Namespace) -> list[str]:
             "--max-video-decode-frames", str(args.max_video_decode_frames)]
 
 
-def _prefix_cache_flags(args: argparse.Namespace) -> list[str]:
-    """--prefix-cache-bytes for the decoders when given; else each keeps its own default."""
-    return [] if args.prefix_cache_bytes is None else ["--prefix-cache-bytes", str(args.prefix_cache_bytes)]
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    """The decoder engine flags given on the command line, for every decoder; those not given keep its defaults."""
+    given = [(spec[0], getattr(args, _dest(spec[0]))) for spec in DECODER_FLAGS]
+    switches = [flag for flag, _ in DECODER_SWITCHES if getattr(args, _dest(flag))]
+    return [*(a for flag, value in given if value is not None for a in (flag, str(value))), *switches]
 
 
 def _devices(num_workers: int) -> list[list[str]]:

@@ -254,6 +254,62 @@ def test_prefix_cache_bytes_goes_to_the_spawned_decoders_only_when_given(given: 
             .prefix_cache_bytes == expected
 
 
+ENGINE_ARGV = ["--max-model-len", "8192", "--max-num-seqs", "256", "--block-size", "32", "--gpu-memory-utilization",
+               "0.8", "--kv-cache-memory", "4GiB", "--max-num-batched-tokens", "4096", "--enforce-eager",
+               "--max-prefill-tokens", "64", "--grammar-compile-threads", "3", "--grammar-compile-timeout", "2.5"]
+ENGINE_FLAGS = [a for a in ENGINE_ARGV if a.startswith("--")]
+ENGINE_FIELDS = {"max_model_len": 8192, "max_num_seqs": 256, "block_size": 32, "gpu_memory_utilization": 0.8,
+                 "kv_cache_memory": 4 << 30, "max_num_batched_tokens": 4096, "enforce_eager": True,
+                 "max_prefill_tokens": 64, "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5}
+
+
+def spawned_decoders(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> list[list[str]]:
+    """The extra arguments of each decoder `disagg-epd-proxy argv` would spawn (device flags left out)."""
+    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
+    monkeypatch.setenv("EPD_INSECURE", "1")
+    _, args = parse_args(argv)
+    group = RecordingGroup()
+    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    assert not [a for role, extra in group.spawned if role == "encoder" for a in extra if a in ENGINE_FLAGS]
+    return [[a for a in extra if a != "--device" and not a.startswith("cuda:")]
+            for role, extra in group.spawned if role == "decoder"]
+
+
+def test_the_decoders_engine_flags_reach_every_spawned_decoder_as_vllm_serve_takes_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from decoder_service.cli import parse_args as decoder_args
+
+    decoders = spawned_decoders(monkeypatch, ["--num-decoders", "2", *ENGINE_ARGV])
+    assert len(decoders) == 2
+    for extra in decoders:
+        cfg = decoder_args(extra)
+        assert {name: getattr(cfg, name) for name in ENGINE_FIELDS} == ENGINE_FIELDS
+
+
+def test_engine_flags_not_given_leave_each_decoder_its_own_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from decoder_service.cli import parse_args as decoder_args
+    from decoder_service.config import DecoderConfig
+
+    (extra,) = spawned_decoders(monkeypatch, ["--model", "demo"])
+    assert not [a for a in extra if a in ENGINE_FLAGS]
+    cfg, default = decoder_args(extra), DecoderConfig()
+    assert all(getattr(cfg, name) == getattr(default, name) for name in ENGINE_FIELDS)
+    (extra,) = spawned_decoders(monkeypatch, ["--kv-cache-memory", "1.5 GiB"])  # one flag: that flag alone
+    assert [a for a in extra if a.startswith("--") and a != "--log-level"] == ["--kv-cache-memory"]
+    assert decoder_args(extra).kv_cache_memory == 3 << 29
+
+
+@pytest.mark.parametrize("argv,why", [(["--gpu-memory-utilization", "0"], "must be in (0, 1]"),
+                                      (["--kv-cache-memory", "lots"], "not a byte size"),
+                                      (["--max-num-seqs", "0"], "must be >= 1"),
+                                      (["--max-model-len", "8192", *ATTACH], "attach-mode flags")])
+def test_bad_or_attach_mode_engine_flags_are_usage_errors(argv: list[str], why: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and why in capsys.readouterr().err
+
+
 def test_video_flags_map_to_the_proxy_config_with_its_defaults() -> None:
     _, args = parse_args([])
     cfg = _config(args, ("http://e",), ("http://d",), None, None)
