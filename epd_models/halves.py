@@ -175,12 +175,13 @@ class LanguageHalf:
         return t.to(self.device, non_blocking=True)
 
     def forward_rows(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache,
-                     attention_mask: object, **extra: object) -> torch.Tensor:
-        """Run a batch of rows over new positions with an explicit mask (a 4D tensor, or the family's masks by
-        layer type) and the family's prefill extras; return each row's last logits."""
+                     attention_mask: object, ends: list[int], **extra: object) -> torch.Tensor:
+        """Run one packed forward (batch 1: every row's new positions in a row, the cache's plan says whose) with
+        the family's prefill extras; return the logits at the packed positions `ends`."""
         out = self.module.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache,
                                          attention_mask=attention_mask, use_cache=True, **extra)
-        return self.module.lm_head(out.last_hidden_state[:, -1]).float()
+        index = torch.tensor(ends).to(self.device, non_blocking=True)
+        return self.module.lm_head(out.last_hidden_state[0].index_select(0, index)).float()
 
 
 def _to_cpu(features: list[ImageFeatures]) -> list[ImageFeatures]:

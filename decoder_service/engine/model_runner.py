@@ -1,34 +1,39 @@
-"""Prefill in chunks into free slots and decode every running sequence in one batched forward.
+"""Rows on the paged K/V pool: block tables, prefill chunks and decode rows packed into one forward per step.
 
-`run(scheduled)` is one engine step's forwards: decode every prefilled row, then prefill within the budget.
+`run(scheduled)` is one step: every prefilled row fed a token (decode) and prompt chunks within the step's budget
+(prefill) go through ONE forward of the language model (decoder_service/engine/kv_cache.py packs them), so the
+step costs one pass over the weights. A family whose prefill needs extra inputs for a chunk (Qwen3-VL's DeepStack
+rows) runs that chunk in a forward of its own.
 
-n > 1 (one prompt, n choices): the prompt is prefilled once in one row; the row reserves n - 1 more slots
-(`forks`), and when its last chunk completes its K/V columns are copied into them (`SlotCache.copy`), each a
-row of its own from then on, all starting from the same last-position logits. Copying L columns costs a
-fraction of prefilling L tokens again (epd_bench/n_prefill.py measures both).
+Blocks (decoder_service/engine/block_manager.py): a row takes its prompt's blocks at admission (the cached prefix
+by reference, the rest allocated), one more each time its decode crosses a block boundary (`grow`, which the
+scheduler makes room for by preempting), and gives them back on `remove`. A completed prompt names its full blocks
+in the prefix cache; a finishing (or preempted) row names the blocks of the tokens it fed back too.
 
-Prefix cache (with `prefix`): `add` copies the longest cached prefix of the prompt's chain into the row's slot
-and starts its prefill after it (always leaving the last prompt token to compute: its logits start decoding); a
-prompt that completes gives its full blocks to the cache, and `donate` gives a finishing row's generated ones.
+n > 1 (one prompt, n choices): the prompt is prefilled once; its forks then share every full block of it and get a
+copy of the last, partial one (reserved at admission), each a row of its own from then on, all starting from the
+same last-position logits.
 
-Fault isolation: a row whose prefill chunk raises, or whose forward fails when run alone, is reported in
-`failed` (when the caller passes one) and the other rows carry on. A batched decode that raises cannot say
-which row broke it, so every row is then decoded alone once (same K/V columns, written again), and only
-the rows that fail alone are reported.
+Preempted rows come back with the tokens they had fed (`add(..., fed=...)`): prefilled again (mostly from the prefix
+cache they named on the way out), then they decode on from their pending token; their recomputed logits are dropped.
+
+Fault isolation: a packed forward that raises is retried segment by segment (the same positions written again), and
+only the rows that fail alone are reported in `failed`; the other rows keep their tokens.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from decoder_service.engine.prefix_cache import PrefixCache
+from decoder_service.engine.block_manager import BlockManager
+from decoder_service.engine.kv_cache import ATTENTION, Group, PagedCache, StepPlan
+from decoder_service.engine.kv_shape import KVShape
+from decoder_service.engine.outputs import RunnerOutput, SchedulerOutput
 from decoder_service.engine.prefix_hash import PrefixChain
-from decoder_service.engine.scheduler import SchedulerOutput
-from decoder_service.engine.slots import Plan, SlotCache
 from decoder_service.prompt import Prompt
 from epd_models.halves import LanguageHalf
 
@@ -36,237 +41,388 @@ logger = logging.getLogger("epd.decoder")
 Failed = dict[Hashable, Exception]  # row key -> what broke it
 
 
-@dataclass(frozen=True)
-class RunnerOutput:
-    logits: dict[Hashable, torch.Tensor]  # next-token logits of every row decoded, or whose prompt is now complete
-    failed: dict[Hashable, tuple[str, Exception]]  # row key -> (stage, what broke it); left in its slot
-
-
 @dataclass
 class Row:
     key: Hashable
     prompt: Prompt
-    embeds: torch.Tensor  # (1, L, hidden) prompt embeddings, images merged
-    positions: torch.Tensor  # prompt positions: (1, L), or (3, 1, L) for M-RoPE
+    embeds: torch.Tensor  # (1, T, hidden): the prompt's embeddings (images merged), then any fed tokens'
+    positions: torch.Tensor  # (1, T), or (3, 1, T) for M-RoPE
     rope_delta: int
+    target: int  # positions to prefill: the prompt, plus the tokens a preempted row had fed
     state: Any = None  # the family's per-prompt prefill state (FamilyAdapter.prefill_state), None for most
-    length: int = 0  # positions written into the slot
-    forks: list[Hashable] = field(default_factory=list)  # keys of the rows its K/V is copied into once prefilled
+    length: int = 0  # positions written
+    blocks: list[int] = field(default_factory=list)
+    forks: list[Hashable] = field(default_factory=list)  # rows that copy its K/V once prefilled
+    fork_blocks: list[int] = field(default_factory=list)  # their last, partial prompt block, reserved
     chain: PrefixChain | None = None  # the prompt's prefix-cache keys (None: not cached)
-    route_keys: tuple[str, ...] = ()  # the proxy's prefix keys, reported while this row's K/V is cached
+    route_keys: tuple[str, ...] = ()
+    fed: tuple[int, ...] = ()  # a preempted row's tokens fed back before it was preempted (prefilled again)
+    resumed: bool = False  # a preempted row prefilling again: its last logits are not a new token's
 
     @property
     def prefilled(self) -> bool:
-        return self.length >= self.prompt.num_tokens
+        return self.length >= self.target
 
 
-class BatchRunner:
-    """Sequences live in slots 0..n-1 (packed); callers choose tokens and decide when a sequence ends."""
-
-    def __init__(self, lm: LanguageHalf, max_slots: int, max_len: int, chunk: int = 64, prefix_bytes: int = 0,
-                 prefix_block: int = 16):
-        self.lm, self.chunk = lm, chunk
-        dtype = next(lm.module.parameters()).dtype
-        self.cache = SlotCache(lm.config.get_text_config(), max_slots, max_len, dtype, lm.device)
-        self.prefix = PrefixCache(self.cache, prefix_bytes, prefix_block) if prefix_bytes > 0 else None
-        self.rows: list[Row] = []  # index == slot
-        self.num_prefilled_tokens = 0  # prompt tokens run through prefill forwards (a fork prefills none)
+@dataclass
+class Segment:
+    row: Row
+    start: int
+    num: int
 
     @property
+    def decode(self) -> bool:
+        return self.row.prefilled  # a prefilled row's segment is its one fed token
+
+
+class ModelRunner:
+    """Rows by key in admission order; callers choose tokens and decide when a sequence ends."""
+
+    def __init__(self, lm: LanguageHalf, max_slots: int, max_len: int, chunk: int = 64, prefix_bytes: int = 0,
+                 prefix_block: int = 16, num_blocks: int | None = None):
+        self.lm, self.chunk, self.max_slots, self.max_len = lm, chunk, max_slots, max_len
+        self.block_size = b = prefix_block
+        dtype = next(lm.module.parameters()).dtype
+        self.shape = KVShape.of(lm.config.get_text_config(), dtype)
+        if num_blocks is None:  # as many as max_slots sequences of max_len need
+            num_blocks = max_slots * -(-max_len // b) + 1
+        self.cache = PagedCache(self.shape, num_blocks, b, lm.device)
+        block_bytes = self.shape.bytes_per_block(b)
+        self.blocks = BlockManager(num_blocks, b, block_bytes, caching=prefix_bytes > 0,
+                                   cache_cap=prefix_bytes // block_bytes if prefix_bytes > 0 else None)
+        self.prefix = self.blocks if prefix_bytes > 0 else None
+        self.rows: dict[Hashable, Row] = {}
+        self.num_prefilled_tokens = 0  # positions run through prefill (a fork prefills none)
+        self._fresh: list[int] = []  # blocks allocated since the last forward: zeroed before it
+        self._forked: dict[Hashable, list[Hashable]] = {}  # this step: prompt row -> the forks made from it
+        self._tokens: dict[Hashable, int] = {}  # this step's fed tokens
+        lm.module.language_model.config._attn_implementation = ATTENTION
+        cfg = lm.config
+        probe = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lm.device)
+        self._mask_shape = lm.adapter.attention_mask(cfg, probe, [0], [None])  # what transformers is passed
+
+    # -- capacity -------------------------------------------------------------------------------------------
+    @property
     def num_free_slots(self) -> int:
-        """Slots neither held by a row nor reserved for a prefilling row's forks."""
-        return self.cache.max_slots - len(self.rows) - sum(len(r.forks) for r in self.rows)
+        """Rows a step may still take (the max_num_seqs bound), forks reserved included."""
+        return self.max_slots - len(self.rows) - sum(len(r.forks) for r in self.rows.values())
 
     @property
     def is_full(self) -> bool:
         return self.num_free_slots <= 0
 
     @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    @property
     def num_prefill_tokens_left(self) -> int:
-        """Prompt tokens admitted but not prefilled yet."""
-        return sum(r.prompt.num_tokens - r.length for r in self.rows if not r.prefilled)
+        return sum(r.target - r.length for r in self.rows.values() if not r.prefilled)
 
-    def run(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        """One step's forwards: decode the rows fed a token, then prefill; a row's failure is reported, not raised."""
-        decode_failed: Failed = {}
-        prefill_failed: Failed = {}
-        logits = self.decode(scheduled.decode, decode_failed)
-        logits.update(self.prefill(scheduled.prefill_budget, prefill_failed))
-        failed = {k: ("decode", exc) for k, exc in decode_failed.items()}
-        failed.update((k, ("prefill", exc)) for k, exc in prefill_failed.items())
-        return RunnerOutput(logits, failed)
+    def blocks_to_admit(self, num_tokens: int, n: int, chain: PrefixChain | None) -> int:
+        """Blocks an admission of a prompt of `num_tokens` with `n` choices takes now (its cached prefix is free)."""
+        b = self.block_size
+        held = len(self.blocks.match(chain.keys)) if chain is not None and self.prefix is not None else 0
+        held = min(held, (num_tokens - 1) // b)
+        forks = (n - 1) if num_tokens % b else 0
+        return -(-num_tokens // b) - held + forks
 
+    def blocks_to_grow(self, keys: Iterable[Hashable]) -> int:
+        """New blocks the next decode step of these rows needs (each row crossing into a new block)."""
+        return sum(1 for k in keys if (r := self.rows[k]).length // self.block_size >= len(r.blocks))
+
+    def is_decoding(self, key: Hashable) -> bool:
+        row = self.rows.get(key)
+        return row is not None and row.prefilled
+
+    # -- rows -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def add(self, key: Hashable, prompt: Prompt, forks: Iterable[Hashable] = (), chain: PrefixChain | None = None,
-            route_keys: Iterable[str] = ()) -> int:
-        """A row for `prompt`; with `forks`, that many more slots are reserved for copies of its prefilled K/V.
-        Returns the prompt tokens taken from the prefix cache (with `chain`), which are not prefilled."""
+            route_keys: Iterable[str] = (), fed: Sequence[int] = ()) -> int:
+        """A row for `prompt` (and `fed`: tokens a preempted row had fed back); with `forks`, that many more rows
+        copy its K/V once prefilled. Returns the positions taken from the prefix cache (not prefilled)."""
         forks = list(forks)
-        assert self.num_free_slots >= 1 + len(forks), "no free slot"
-        assert prompt.num_tokens < self.cache.max_len, "prompt does not fit the cache"
+        assert self.num_free_slots >= 1 + len(forks), "no free row"
+        target = prompt.num_tokens + len(fed)
+        assert target < self.max_len, "prompt does not fit the context"
         positions, delta = self.lm.position_ids(prompt.input_ids, prompt.images)
         embeds = self.lm.embed(prompt.input_ids, prompt.images)
+        if fed:
+            ids = torch.tensor([list(fed)])
+            embeds = torch.cat([embeds, self.lm.embed(ids, [])], dim=1)
+            extra = [self.lm.adapter.decode_position_ids(prompt.num_tokens + i, delta) for i in range(len(fed))]
+            positions = torch.cat([positions, self.lm.to_device(torch.cat(extra, dim=-1))], dim=-1)
         state = self.lm.prefill_state(prompt.input_ids, prompt.images)
-        slot = len(self.rows)
-        self.cache.clear(slot)  # what an earlier occupant left there (possibly non-finite) is gone
-        chain = chain if self.prefix is not None and chain is not None else None
-        row = Row(key, prompt, embeds, positions, delta, state, forks=forks, chain=chain, route_keys=tuple(route_keys))
-        row.length = self._reuse(slot, row)
-        self.rows.append(row)
+        chain = chain if self.prefix is not None else None
+        row = Row(key, prompt, embeds, positions, delta, target, state, forks=forks, chain=chain,
+                  route_keys=tuple(route_keys), fed=tuple(fed), resumed=bool(fed))
+        keys = (chain.extend(fed) if fed else chain.keys) if chain is not None else ()
+        shared = self._reusable(row, keys)
+        need = -(-target // self.block_size) - len(shared)
+        fork_need = len(forks) if target % self.block_size else 0
+        self.blocks.acquire(shared)  # before allocating: the match must not be evicted by it
+        try:
+            fresh = self.blocks.allocate(need + fork_need)
+        except Exception:
+            self.blocks.release(shared)
+            raise
+        self._fresh += fresh
+        row.blocks, row.fork_blocks = shared + fresh[:need], fresh[need:]
+        row.length = len(shared) * self.block_size
+        if self.prefix is not None and not fed:
+            self.blocks.record(row.length)
+        self.rows[key] = row
         return row.length
 
-    def _reuse(self, slot: int, row: Row) -> int:
-        """Copy the longest cached prefix into the slot; the position its prefill starts from."""
-        if self.prefix is None or row.chain is None:
-            return 0
-        b = self.prefix.block_size
-        held = min(self.prefix.match(row.chain.keys), (row.prompt.num_tokens - 1) // b)  # the last token is computed
-        start = self.lm.adapter.chunk_end(row.state, 0, held * b)  # e.g. Gemma 3: not inside an image
-        self.prefix.load(slot, row.chain.keys[: -(-start // b)])
-        self.prefix.record(start)
-        return start
+    def _reusable(self, row: Row, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks the row starts from: the longest match, leaving the last position to compute (its
+        logits start decoding), and never ending inside what the family prefills whole (Gemma 3's images)."""
+        if not keys:
+            return []
+        b = self.block_size
+        held = self.blocks.match(keys)[: (row.target - 1) // b]
+        n = len(held)
+        while n > 0:
+            end = self.lm.adapter.chunk_end(row.state, 0, n * b)
+            if end == n * b:
+                break
+            n = end // b
+        return held[:n]
+
+    def remove(self, key: Hashable) -> None:
+        """Give a row's blocks back (or, for a fork not made yet, its reservation)."""
+        row = self.rows.pop(key, None)
+        if row is None:
+            for r in self.rows.values():
+                if key in r.forks:
+                    r.forks.remove(key)
+                    if r.fork_blocks:
+                        self.blocks.release([r.fork_blocks.pop()])
+            return
+        self.blocks.release(row.fork_blocks)
+        self.blocks.release(row.blocks)
 
     def donate(self, key: Hashable, generated: list[int]) -> None:
-        """A finishing row gives the cache its blocks of the prompt followed by the tokens it fed back."""
-        slot = next((i for i, r in enumerate(self.rows) if r.key == key), None)
-        if self.prefix is None or slot is None or (row := self.rows[slot]).chain is None or not row.prefilled:
+        """A finishing (or preempted) row names the full blocks of its prompt and of the tokens it fed back."""
+        row = self.rows.get(key)
+        if self.prefix is None or row is None or row.chain is None or not row.prefilled:
             return
         fed = row.length - row.prompt.num_tokens
-        self._store(slot, row, row.chain.extend(generated[:fed]))
+        self._name(row, row.chain.extend(generated[:fed]))
 
-    def _store(self, slot: int, row: Row, keys: tuple[bytes, ...]) -> None:
-        """The cache is an optimisation: failing to fill it is logged, and never fails the request."""
-        assert self.prefix is not None
-        try:
-            held = self.prefix.store(slot, keys)
-        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for a copy: the row carries on uncached
-            logger.warning("prefix cache: could not keep %d block(s) (%s: %s)", len(keys), type(exc).__name__, exc)
-            return
+    def _name(self, row: Row, keys: Sequence[bytes]) -> None:
+        full = min(len(keys), row.length // self.block_size)
+        held = self.blocks.register(row.blocks[:full], keys[:full])
         if held and row.route_keys:
-            self.prefix.note_routes(row.route_keys, keys[held - 1])
+            self.blocks.note_routes(row.route_keys, keys[held - 1])
+
+    def grow(self, keys: Iterable[Hashable]) -> None:
+        """A block for each row whose next position starts one (the scheduler made room)."""
+        for k in keys:
+            row = self.rows[k]
+            if row.length // self.block_size >= len(row.blocks):
+                block = self.blocks.allocate(1)
+                self._fresh += block
+                row.blocks += block
+
+    # -- one step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """One step's forward: the rows fed a token, then prefill chunks within the budget; failures reported."""
+        failed: Failed = {}
+        segments = self._decode_segments(scheduled.decode) + self._prefill_segments(scheduled.prefill_budget)
+        logits = self._run_segments(segments, scheduled.decode, failed)
+        stages = {s.row.key: "decode" if s.decode else "prefill" for s in segments}
+        resumed = {k for k in logits if k in self.rows and self.rows[k].resumed and self.rows[k].prefilled}
+        for k in resumed:
+            self.rows[k].resumed = False
+        out = {k: v for k, v in logits.items() if k not in resumed}
+        for k in list(out):  # forks start from their prompt's last logits
+            for fork in self._forked.pop(k, []):
+                out[fork] = out[k]
+        return RunnerOutput(out, {k: (stages.get(k, "prefill"), e) for k, e in failed.items()}, resumed)
 
     @torch.inference_mode()
     def prefill(self, budget: int, failed: Failed | None = None) -> dict[Hashable, torch.Tensor]:
-        """Prefill up to `budget` prompt tokens, chunk by chunk; returns last logits of prompts now complete.
-
-        With `failed`, a row whose chunk raises is recorded there (and left as it is) instead of raising.
-        """
+        """Prefill up to `budget` positions, a forward per round of chunks (no decode); last logits of the prompts
+        now complete (and their forks)."""
         done: dict[Hashable, torch.Tensor] = {}
-        slot = 0
-        while slot < len(self.rows):
-            row = self.rows[slot]
-            try:
-                while not row.prefilled and budget > 0:
-                    n, logits = self._prefill_chunk(slot, row, budget)
-                    budget -= n
-                    if row.prefilled:
-                        done.update(dict.fromkeys([row.key, *row.forks], logits))
-                        if row.chain is not None:
-                            self._store(slot, row, row.chain.keys)
-                        self._fork(slot, row)
-                        self._release_prompt(row)
-            except Exception as exc:
-                if failed is None:
-                    raise
-                failed[row.key] = exc
-            slot += 1  # a fork's rows are prefilled: the loop passes them by
+        while budget > 0 and (left := self.num_prefill_tokens_left) > 0:
+            done.update(self._step({}, budget, failed))
+            budget -= left - self.num_prefill_tokens_left
+            if self.num_prefill_tokens_left == left:  # nothing moved (every chunk failed)
+                break
         return done
-
-    def _release_prompt(self, row: Row) -> None:
-        """A prefilled row (and its forks) no longer needs the prompt's embeddings or the family's prefill state
-        (Qwen3-VL's DeepStack rows): K x N x hidden per image, held on the device for as long as the row runs."""
-        full, empty = row.embeds, row.embeds[:, :0]
-        for r in self.rows:
-            if r.embeds is full:
-                r.embeds, r.state = empty, None
-
-    def _fork(self, slot: int, row: Row) -> None:
-        """Copy a just-prefilled row into its reserved slots, right after it (rows stay [prefilled..., prefilling...])."""
-        n = len(row.forks)
-        for j in range(len(self.rows) - 1, slot, -1):  # rows still prefilling make room, last first
-            self.cache.move(j, j + n, self.rows[j].length)
-        for i in range(1, n + 1):
-            self.cache.copy(slot, slot + i, row.length)
-        self.rows[slot + 1 : slot + 1] = [Row(key, row.prompt, row.embeds, row.positions, row.rope_delta, None,
-                                              row.length, chain=row.chain, route_keys=row.route_keys)
-                                          for key in row.forks]
-        row.forks = []
-
-    def _prefill_chunk(self, slot: int, row: Row, budget: int) -> tuple[int, torch.Tensor]:
-        """Prefill the row's next chunk; returns (tokens prefilled, logits of the chunk's last position)."""
-        n = min(self.chunk, budget, row.prompt.num_tokens - row.length)
-        start = row.length
-        end = self.lm.adapter.chunk_end(row.state, start, start + n)  # e.g. never inside a Gemma 3 image
-        n = end - start
-        mask = self.cache.set_plan(Plan(slice(slot, slot + 1), [start], n))
-        mask = self.lm.adapter.attention_mask(self.lm.config, mask, [start], [row.state])
-        extra = self.lm.adapter.prefill_kwargs(row.state, start, end)
-        logits = self.lm.forward_rows(row.embeds[:, start:end], row.positions[..., start:end], self.cache, mask,
-                                      **extra)
-        row.length = end
-        self.num_prefilled_tokens += n
-        return n, logits[0]
 
     @torch.inference_mode()
     def decode(self, tokens: dict[Hashable, int], failed: Failed | None = None) -> dict[Hashable, torch.Tensor]:
-        """Feed one token to every prefilled row (all of them must be given one); returns next logits.
+        """Feed one token to each of these prefilled rows; returns their next logits."""
+        return self._step(tokens, 0, failed)
 
-        With `failed`, a failed batched forward is retried row by row; rows that fail alone are recorded
-        there (their length unchanged) and the others' logits are returned.
-        """
-        rows = [r for r in self.rows if r.prefilled]
-        assert rows == self.rows[: len(rows)] and set(tokens) == {r.key for r in rows}, "decode every prefilled row"
-        if not rows:
-            return {}
-        try:
-            logits = self._decode_rows(0, rows, tokens)
-        except Exception as exc:
-            if failed is None:
-                raise
-            logger.warning("batched decode of %d rows failed (%s: %s); decoding each row alone", len(rows),
-                           type(exc).__name__, exc)
-            return self._decode_each(rows, tokens, failed)
-        for r in rows:
-            r.length += 1
-        return {r.key: logits[i] for i, r in enumerate(rows)}
+    def _step(self, tokens: dict[Hashable, int], budget: int, failed: Failed | None) -> dict[Hashable, torch.Tensor]:
+        sink: Failed = {}
+        self.grow(tokens)
+        out = self.run(SchedulerOutput(decode=tokens, prefill_budget=budget))
+        if out.failed and failed is None:
+            raise next(iter(out.failed.values()))[1]
+        for k, (_, exc) in out.failed.items():
+            (failed if failed is not None else sink)[k] = exc
+        return out.logits
 
-    def _decode_rows(self, first_slot: int, rows: list[Row], tokens: dict[Hashable, int]) -> torch.Tensor:
-        """One forward of `rows`, which sit in slots first_slot, first_slot + 1, ...; their lengths are not advanced."""
-        ids = torch.tensor([[tokens[r.key]] for r in rows])  # host tensors; embed / to_device move them
-        positions = torch.cat([self.lm.adapter.decode_position_ids(r.length, r.rope_delta) for r in rows], dim=-2)
-        positions = self.lm.to_device(positions)
-        starts = [r.length for r in rows]
-        mask = self.cache.set_plan(Plan(slice(first_slot, first_slot + len(rows)), starts, 1))
-        mask = self.lm.adapter.attention_mask(self.lm.config, mask, starts, [r.state for r in rows])
-        return self.lm.forward_rows(self.lm.embed(ids, []), positions, self.cache, mask)
+    def _decode_segments(self, tokens: dict[Hashable, int]) -> list[Segment]:
+        rows = [self.rows[k] for k in tokens]
+        assert all(r.prefilled for r in rows), "only a prefilled row is fed a token"
+        self._tokens = tokens
+        return [Segment(r, r.length, 1) for r in rows]
 
-    def _decode_each(self, rows: list[Row], tokens: dict[Hashable, int], failed: Failed) -> dict[Hashable, torch.Tensor]:
-        out: dict[Hashable, torch.Tensor] = {}
-        for slot, r in enumerate(rows):
-            try:
-                out[r.key] = self._decode_rows(slot, [r], tokens)[0]
-            except Exception as exc:
-                failed[r.key] = exc
+    def _prefill_segments(self, budget: int) -> list[Segment]:
+        out: list[Segment] = []
+        for row in self.rows.values():
+            if budget <= 0:
+                break
+            if row.prefilled:
                 continue
-            r.length += 1
+            start = row.length
+            end = min(start + self.chunk, start + budget, row.target)
+            if row.state is not None and start < row.prompt.num_tokens:  # the family's state covers the prompt only
+                end = min(end, row.prompt.num_tokens)
+                end = self.lm.adapter.chunk_end(row.state, start, end)  # e.g. never inside a Gemma 3 image
+            if end <= start:
+                continue
+            out.append(Segment(row, start, end - start))
+            budget -= end - start
         return out
 
-    def remove(self, key: Hashable) -> None:
-        """Free a sequence's slot (or its reserved one), keeping rows packed as [prefilled..., still prefilling...]."""
-        hole = next((i for i, r in enumerate(self.rows) if r.key == key), None)
-        if hole is None:  # a fork not made yet: its reservation goes (already gone if its prompt's row was removed)
-            for r in self.rows:
-                if key in r.forks:
-                    r.forks.remove(key)
-            return
-        num_prefilled = sum(r.prefilled for r in self.rows)
-        if hole < num_prefilled:  # the last prefilled row fills it, leaving the hole at the group's end
-            self._move(num_prefilled - 1, hole)
-            hole = num_prefilled - 1
-        self._move(len(self.rows) - 1, hole)
-        self.rows.pop()
+    def _run_segments(self, segments: list[Segment], tokens: dict[Hashable, int],
+                      failed: Failed) -> dict[Hashable, torch.Tensor]:
+        self._forked = {}
+        if not segments:
+            return {}
+        alone = [s for s in segments if not s.decode and self._extras(s)]
+        packed = [s for s in segments if not (not s.decode and self._extras(s))]
+        logits: dict[Hashable, torch.Tensor] = {}
+        for group in ([packed] if packed else []) + [[s] for s in alone]:
+            try:
+                logits.update(self._forward(group))
+            except Exception as exc:
+                if len(group) == 1:
+                    failed[group[0].row.key] = exc
+                    continue
+                logger.warning("a packed forward of %d rows failed (%s: %s); running each row alone", len(group),
+                               type(exc).__name__, exc)
+                for s in group:
+                    try:
+                        logits.update(self._forward([s]))
+                    except Exception as exc1:
+                        failed[s.row.key] = exc1
+        return logits
 
-    def _move(self, src: int, dst: int) -> None:
-        if src != dst:
-            self.cache.move(src, dst, self.rows[src].length)
-            self.rows[dst] = self.rows[src]
+    def _extras(self, s: Segment) -> dict[str, Any]:
+        if s.row.state is None or s.start >= s.row.prompt.num_tokens:
+            return {}
+        return self.lm.adapter.prefill_kwargs(s.row.state, s.start, s.start + s.num)
+
+    def _forward(self, segments: list[Segment]) -> dict[Hashable, torch.Tensor]:
+        """One forward of these segments (decode rows first); advances their rows; logits at each segment's end
+        that completes a row (decode rows, prompts done)."""
+        self.cache.zero(self._fresh)
+        self._fresh = []
+        plan, embeds, positions = self._plan(segments)
+        extra = self._extras(segments[0]) if len(segments) == 1 and not segments[0].decode else {}
+        decode = [s for s in segments if s.decode]
+        prefill = [s for s in segments if not s.decode]
+        ends = list(range(len(decode))) + [g.first + g.num_q - 1 for g in plan.groups if not g.decode]
+        self.cache.activate(plan)
+        try:
+            logits = self.lm.forward_rows(embeds, positions, self.cache, self._dummy_mask(embeds), ends, **extra)
+        finally:
+            self.cache.activate(None)
+        out: dict[Hashable, torch.Tensor] = {}
+        for i, s in enumerate(decode):
+            s.row.length += 1
+            out[s.row.key] = logits[i]
+        for j, s in enumerate(prefill, start=len(decode)):
+            s.row.length += s.num
+            self.num_prefilled_tokens += s.num
+            if s.row.prefilled:
+                out[s.row.key] = logits[j]
+                self._prompt_done(s.row)
+        return out
+
+    def _plan(self, segments: list[Segment]) -> tuple[StepPlan, torch.Tensor, torch.Tensor]:
+        b, dev = self.block_size, self.lm.device
+        slots: list[int] = []
+        embeds: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        plan = StepPlan(torch.empty(0))
+        decode = [s for s in segments if s.decode]
+        if decode:
+            ids = torch.tensor([[self._tokens[s.row.key] for s in decode]])
+            embeds.append(self.lm.embed(ids, []))
+            positions.append(self.lm.to_device(torch.cat([self.lm.adapter.decode_position_ids(s.start, s.row.rope_delta)
+                                                          for s in decode], dim=-1)))
+            starts = [s.start for s in decode]
+            slots += [s.row.blocks[s.start // b] * b + s.start % b for s in decode]
+            plan.groups.append(self._group([s.row for s in decode], starts, 1, 0, True))
+        first = len(decode)
+        for s in segments:
+            if s.decode:
+                continue
+            row, end = s.row, s.start + s.num
+            embeds.append(row.embeds[:, s.start : end])
+            positions.append(row.positions[..., s.start : end])
+            slots += [row.blocks[p // b] * b + p % b for p in range(s.start, end)]
+            plan.groups.append(self._group([row], [s.start], s.num, first, False))
+            first += s.num
+        plan.slots = torch.tensor(slots).to(dev, non_blocking=True)
+        plan.seq_len = max(s.start for s in segments)
+        return plan, torch.cat(embeds, dim=1), torch.cat(positions, dim=-1)
+
+    def _group(self, rows: list[Row], starts: list[int], num_new: int, first: int, decode: bool) -> Group:
+        b, dev = self.block_size, self.lm.device
+        kv_len = max(starts) + num_new
+        width = -(-kv_len // b)
+        table = torch.tensor([(r.blocks + [0] * width)[:width] for r in rows]).to(dev, non_blocking=True)
+        kv = torch.arange(kv_len, device=dev).view(1, 1, 1, -1)
+        last = torch.tensor(starts).to(dev, non_blocking=True).view(-1, 1, 1, 1) \
+            + torch.arange(num_new, device=dev).view(1, 1, -1, 1)
+        mask = self.lm.adapter.attention_mask(self.lm.config, kv <= last, starts, [r.state for r in rows])
+        return Group(table, kv_len, mask, first, len(rows) if decode else num_new, decode, [r.key for r in rows])
+
+    def _dummy_mask(self, embeds: torch.Tensor) -> Any:
+        """What transformers is handed as attention_mask (a 4D mask it passes through untouched); the real masks
+        are the plan's, per segment group."""
+        dummy = torch.ones(1, 1, embeds.shape[1], 1, dtype=torch.bool, device=embeds.device)
+        return {k: dummy for k in self._mask_shape} if isinstance(self._mask_shape, dict) else dummy
+
+    def _prompt_done(self, row: Row) -> None:
+        """A prompt just completed: name its blocks, make its forks, release what prefill alone needed."""
+        if row.chain is not None:
+            self._name(row, row.chain.extend(row.fed) if row.fed else row.chain.keys)
+        self._fork(row)
+        full, empty = row.embeds, row.embeds[:, :0]
+        for r in self.rows.values():  # K x N x hidden per image, held for as long as the row runs
+            if r.embeds is full:
+                r.embeds, r.state = empty, None
+
+    def _fork(self, row: Row) -> None:
+        """Each fork shares the prompt's full blocks and gets a copy of its last, partial one."""
+        if not row.forks:
+            return
+        full = row.length // self.block_size
+        made: list[Hashable] = []
+        for i, key in enumerate(row.forks):
+            blocks = row.blocks[:full]
+            self.blocks.acquire(blocks)
+            if row.fork_blocks:
+                own = row.fork_blocks[i]
+                self.cache.copy_block(row.blocks[full], own)
+                blocks = blocks + [own]
+            self.rows[key] = Row(key, row.prompt, row.embeds, row.positions, row.rope_delta, row.target, None,
+                                 row.length, blocks, chain=row.chain, route_keys=row.route_keys)
+            made.append(key)
+        row.forks, row.fork_blocks = [], []
+        self._forked[row.key] = made
+
+
+BatchRunner = ModelRunner  # the name the tests and benchmarks grew up with

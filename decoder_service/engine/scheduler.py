@@ -1,13 +1,20 @@
-"""The decoder's scheduling policy: which requests hold a slot, and how many prompt tokens a step prefills.
+"""The decoder's scheduling policy: which sequences run, how many prompt tokens a step prefills, who is preempted.
 
-nano-vllm's `Scheduler` shape: `schedule()` decides this step (cancelled requests leave, waiting ones are
-admitted within the prefill budget) and returns what the `BatchRunner` runs: the token each decoding
-sequence feeds back and the prefill budget. The engine postprocesses the logits and tells the scheduler
-which sequences `finish` and which `fail`; the scheduler frees their slots. Engine thread only.
+nano-vllm's `Scheduler` shape: `schedule()` decides this step (cancelled requests leave, preempted sequences and
+then waiting requests are admitted while the pool has their prompt's blocks, rows are free and the prefill budget
+lasts; every decoding row gets the block its next position needs, the newest running sequence preempted while the
+pool has none) and returns what the `ModelRunner` runs: the token each decoding sequence feeds back and the
+prefill budget. The engine postprocesses the logits and tells the scheduler which sequences `finish` and which
+`fail`; the scheduler frees their blocks. Engine thread only.
 
-A job with n choices is admitted only when n slots are free: its n sequences run under n keys, the first
-prefilling the prompt and the others waiting for its K/V (`BatchRunner` forks it). The job is one unit: a
-choice that fails ends every choice with one error event, and a cancelled job frees all its slots.
+A job with n choices is admitted only when n rows are free: its n sequences run under n keys, the first
+prefilling the prompt and the others waiting for its K/V (`ModelRunner` forks it). The job is one unit: a
+choice that fails ends every choice with one error event, and a cancelled job frees all its blocks.
+
+Preemption is by recompute (vLLM's default): the preempted sequence keeps its sampler, detokenizer and pending
+token, gives its blocks back (naming its full ones in the prefix cache first) and waits at the front of the queue;
+re-admitted, it prefills its prompt and the tokens it had fed, then decodes on. Never an out-of-memory, never a
+failed request.
 """
 from __future__ import annotations
 
@@ -15,31 +22,29 @@ import collections
 import itertools
 from collections import Counter
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from decoder_service.engine.outputs import SchedulerOutput
 from epd_common.logs import request_id_var
 
 if TYPE_CHECKING:
-    from decoder_service.engine.model_runner import BatchRunner
+    from decoder_service.engine.model_runner import ModelRunner
     from decoder_service.engine.sequence import Job, Sequence
 
-IDLE_PREFILL_FACTOR = 8  # with no stream decoding there is no latency to protect
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    decode: dict[Hashable, int]  # slot key -> the token its sequence feeds back (every prefilled row)
-    prefill_budget: int  # prompt tokens this step may prefill, chunk by chunk
+WATERMARK = 0.01  # of the pool's blocks kept free at admission, so new rows can grow before anyone is preempted
 
 
 class Scheduler:
     """Owns the waiting queue and the running sequences (by slot key); the runner owns their slots."""
 
-    def __init__(self, runner: BatchRunner, max_prefill_tokens: int, new_sequence: Callable[[Job, int], Sequence]):
+    def __init__(self, runner: ModelRunner, max_prefill_tokens: int, new_sequence: Callable[[Job, int], Sequence],
+                 max_batched_tokens: int = 0):
         self.runner, self.max_prefill_tokens, self.new_sequence = runner, max_prefill_tokens, new_sequence
+        self.max_batched_tokens = max_batched_tokens or max(2048, runner.max_slots)
         self.waiting: collections.deque[Job] = collections.deque()
+        self.preempted: collections.deque[tuple[int, Sequence]] = collections.deque()  # first back in
         self.running: dict[int, Sequence] = {}
+        self.num_preempted = 0  # sequences preempted so far
         self.keys: dict[Job, list[int]] = {}  # job -> the slot keys of its running choices
         self.finished: Counter[str] = Counter()  # finish_reason -> sequences
         self.peak_running = 0  # most sequences decoded together so far
@@ -47,24 +52,68 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
-        return not self.running and not self.waiting
+        return not self.running and not self.waiting and not self.preempted
 
-    @property
-    def prefill_budget(self) -> int:
-        """Prompt tokens per step: small while streams decode (their inter-token latency), larger when none do."""
-        decoding = any(seq.pending is not None for seq in self.running.values())
-        return self.max_prefill_tokens * (1 if decoding else IDLE_PREFILL_FACTOR)
+    def prefill_budget(self, decoding: int) -> int:
+        """Prompt tokens this step packs beside its `decoding` rows: --max-prefill-tokens while streams decode (their
+        inter-token latency), the whole --max-num-batched-tokens when none do."""
+        room = max(1, self.max_batched_tokens - decoding)
+        return min(room, self.max_prefill_tokens) if decoding else room
 
     def add(self, job: Job) -> None:
         self.waiting.append(job)
 
     def schedule(self) -> SchedulerOutput:
-        """Drop cancelled requests, admit waiting ones, and say what this step runs."""
+        """Drop cancelled requests, make room for every decoding row's next block, admit, say what this step runs."""
         self._abort_cancelled()
-        budget = self.prefill_budget
+        feed = self._decoding()
+        while self.runner.blocks_to_grow(feed) > self.runner.num_free_blocks:
+            self._preempt_newest()
+            feed = self._decoding()
+        self.runner.grow(feed)
+        budget = self.prefill_budget(len(feed))
+        self._resume(budget)
         self._admit(budget)
-        feed: dict[Hashable, int] = {key: seq.pending for key, seq in self.running.items() if seq.pending is not None}
         return SchedulerOutput(decode=feed, prefill_budget=budget)
+
+    def _decoding(self) -> dict[Hashable, int]:
+        return {key: seq.pending for key, seq in self.running.items()
+                if seq.pending is not None and self.runner.is_decoding(key)}
+
+    def _preempt_newest(self) -> None:
+        """The most recently admitted decoding sequence gives its blocks back and waits first in line."""
+        key = max(k for k in self.running if self.runner.is_decoding(k))
+        seq = self.running.pop(key)
+        self.runner.donate(key, seq.generated)
+        self.runner.remove(key)
+        self.preempted.appendleft((key, seq))
+        self.num_preempted += 1
+
+    def _resume(self, budget: int) -> None:
+        """Preempted sequences come back first, each when the pool has its blocks again."""
+        while self.preempted and self.runner.num_free_slots >= 1 and self.runner.num_prefill_tokens_left < budget:
+            key, seq = self.preempted[0]
+            fed = seq.generated[:-1] if seq.pending is not None else seq.generated
+            need = self.runner.blocks_to_admit(seq.job.prompt.num_tokens + len(fed), 1, None)
+            if need + self._watermark > self.runner.num_free_blocks and self.running:
+                return
+            self.preempted.popleft()
+            request_id_var.set(seq.job.request_id)
+            try:
+                self.runner.add(key, seq.job.prompt, chain=seq.job.work.chain, route_keys=seq.job.work.route_keys,
+                                fed=fed)
+            except Exception as exc:
+                self.keys[seq.job].remove(key)
+                if not self.keys[seq.job]:
+                    del self.keys[seq.job]
+                self.finished["error"] += 1
+                seq.job.fail(exc, "resume")
+                continue
+            self.running[key] = seq
+
+    @property
+    def _watermark(self) -> int:
+        return int(WATERMARK * self.runner.blocks.num_usable)
 
     def finish(self, key: int, reason: str) -> None:
         """Free the slot (a choice that ended well gives its K/V to the prefix cache first), then send the choice's
@@ -84,19 +133,28 @@ class Scheduler:
 
     def abort_all(self) -> None:
         """Closing: running streams end cleanly instead of hanging."""
+        self._unpreempt()
         for key in list(self.running):
             self.finish(key, "abort")
+
+    def _unpreempt(self, only: Callable[[Sequence], bool] = lambda seq: True) -> None:
+        """Preempted sequences (those `only` picks) back among the running, so finish/fail find them."""
+        for key, seq in [(k, s) for k, s in self.preempted if only(s)]:
+            self.running[key] = seq
+        self.preempted = collections.deque((k, s) for k, s in self.preempted if not only(s))
 
     def drain(self) -> list[Job]:
         """Every job running or waiting, forgotten (the engine died: it tells them)."""
         jobs = list(self.keys) + list(self.waiting)
         self.running.clear()
+        self.preempted.clear()
         self.keys.clear()
         self.waiting.clear()
         return jobs
 
     def _abort_cancelled(self) -> None:
-        """Clients that went away free their slot now, before the next forward."""
+        """Clients that went away free their blocks now, before the next forward."""
+        self._unpreempt(lambda seq: seq.job.cancelled.is_set())
         for key in [k for k, seq in self.running.items() if seq.job.cancelled.is_set()]:
             self.finish(key, "abort")
         num_waiting = len(self.waiting)
@@ -104,10 +162,15 @@ class Scheduler:
         self.finished["abort"] += num_waiting - len(self.waiting)
 
     def _admit(self, budget: int) -> None:
-        """Take waiting requests into free slots (n each), but only as many as this step's prefill budget can start."""
-        while (self.waiting and self.runner.num_free_slots >= self.waiting[0].params.n
+        """Take waiting requests (n rows each) while the pool has their prompt's blocks (beyond a watermark), but
+        only as many as this step's prefill budget can start; none while a preempted sequence waits."""
+        while (self.waiting and not self.preempted and self.runner.num_free_slots >= self.waiting[0].params.n
                and self.runner.num_prefill_tokens_left < budget):
-            job = self.waiting.popleft()
+            job = self.waiting[0]
+            need = self.runner.blocks_to_admit(job.prompt.num_tokens, job.params.n, job.work.chain)
+            if need + self._watermark > self.runner.num_free_blocks and self.running:
+                return
+            self.waiting.popleft()
             keys = [next(self._keys) for _ in range(job.params.n)]
             request_id_var.set(job.request_id)
             try:  # its samplers (seeds), guides, embedding merge and positions: its failure is its own
@@ -123,6 +186,7 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(self.running))
 
     def _fail_job(self, job: Job, exc: Exception, stage: str) -> None:
+        self._unpreempt(lambda seq: seq.job is job)
         for key in [k for k in self.keys.get(job, []) if k in self.running]:
             self._drop(key, "error")
         job.fail(exc, stage)

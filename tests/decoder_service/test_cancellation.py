@@ -78,7 +78,7 @@ def test_a_cancelled_running_sequence_stops_within_one_step(tiny_model_dirs: dic
 
     try:
         seen, total = asyncio.run(main())
-        assert total <= seen + 1 and engine.runner.rows == [] and engine.num_running == 0
+        assert total <= seen + 1 and engine.runner.rows == {} and engine.runner.num_free_blocks == engine.runner.blocks.num_usable and engine.num_running == 0
     finally:
         engine.close()
 

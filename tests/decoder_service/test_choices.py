@@ -117,7 +117,7 @@ def test_one_failing_choice_ends_the_job_with_one_error_and_frees_every_slot(eng
     assert len(failed.errors) == 1 and not failed.done
     assert sorted(bystander.done) == [0] and bystander.done[0].finish_reason == "length"
     assert wait_until(lambda: engine.num_running == 0)
-    assert engine.runner.rows == [] and engine.scheduler.keys == {} and engine.runner.num_free_slots == 8
+    assert engine.runner.rows == {} and engine.runner.num_free_blocks == engine.runner.blocks.num_usable and engine.scheduler.keys == {} and engine.runner.num_free_slots == 8
 
 
 def test_a_cancelled_job_frees_every_slot(engine: Engine) -> None:
@@ -128,7 +128,7 @@ def test_a_cancelled_job_frees_every_slot(engine: Engine) -> None:
         await asyncio.to_thread(wait_until, lambda: engine.scheduler.finished["abort"] == 3)
 
     asyncio.run(main())
-    assert engine.runner.rows == [] and engine.num_running == 0 and engine.runner.num_free_slots == 8
+    assert engine.runner.rows == {} and engine.runner.num_free_blocks == engine.runner.blocks.num_usable and engine.num_running == 0 and engine.runner.num_free_slots == 8
 
 
 def test_a_job_waits_until_n_slots_are_free(tiny_model_dirs: dict[str, Path]) -> None:

@@ -83,13 +83,13 @@ def test_a_step_that_blocks_is_503_engine_stalled_after_the_timeout(
         watched: tuple[str, Engine, Fatal], monkeypatch: pytest.MonkeyPatch) -> None:
     url, engine, fatal = watched
     release = threading.Event()
-    decode = engine.runner.decode
+    decode = engine.runner.run
 
     def blocked(*args: Any) -> Any:
         release.wait(30)
         return decode(*args)
 
-    monkeypatch.setattr(engine.runner, "decode", blocked)
+    monkeypatch.setattr(engine.runner, "run", blocked)
     events: list[dict] = []
     stream = threading.Thread(target=first_delta_then_rest, args=(url, LONG, threading.Event(), events))
     stream.start()

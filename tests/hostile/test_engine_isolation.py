@@ -22,6 +22,7 @@ import torch
 
 import decoder_service.engine.sequence as sequence_module
 from decoder_service.engine.detokenizer import IncrementalDetokenizer
+from decoder_service.engine.kv_cache import current_plan
 from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.sampling import Sampler
 from decoder_service.prompt import Prompt
@@ -66,9 +67,8 @@ def seed_out_of_range() -> SamplingParams:
     return params
 
 
-def is_culprit(engine: Engine, slot: int) -> bool:
-    row = engine.runner.rows[slot]
-    seq = engine.scheduler.running.get(row.key)  # type: ignore[call-overload]
+def is_culprit(engine: Engine, key: object) -> bool:
+    seq = engine.scheduler.running.get(key)  # type: ignore[call-overload]
     return seq is not None and seq.job.params.seed == CULPRIT_SEED
 
 
@@ -76,13 +76,16 @@ def fail_forward_of_culprit(engine: Engine, monkeypatch: pytest.MonkeyPatch, dec
     """The LM forward raises whenever the culprit's row is in it (decode: from its 3rd token; else: prefill)."""
     forward = engine.lm.forward_rows
 
-    def faulty(*args: Any) -> torch.Tensor:
-        plan = engine.runner.cache.plan[0]
-        for slot in range(plan.rows.start, plan.rows.stop):
-            if is_culprit(engine, slot) and (plan.num_new == 1) == decode:
-                if not decode or engine.runner.rows[slot].length > engine.runner.rows[slot].prompt.num_tokens + 2:
-                    raise RuntimeError("injected forward failure")
-        return forward(*args)
+    def faulty(*args: Any, **kw: Any) -> torch.Tensor:
+        plan = current_plan()
+        assert plan is not None
+        for group in plan.groups:
+            for key in group.keys:
+                if is_culprit(engine, key) and group.decode == decode:
+                    row = engine.runner.rows[key]
+                    if not decode or row.length > row.prompt.num_tokens + 2:
+                        raise RuntimeError("injected forward failure")
+        return forward(*args, **kw)
 
     monkeypatch.setattr(engine.lm, "forward_rows", faulty)
 
@@ -116,12 +119,12 @@ def poison_slot_then_fail(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> No
     class Poisoner(Sampler):
         def choose(self, logits: torch.Tensor) -> torch.Tensor:
             if self.params.seed == CULPRIT_SEED and sum(self.counts.values()) >= 3:
-                slot = next(i for i in range(len(engine.runner.rows)) if is_culprit(engine, i))
-                written = engine.runner.rows[slot].length  # the culprit's prompt is longer than the last victim's
-                for layer in engine.runner.cache.slot_layers:
-                    assert layer.keys is not None and layer.values is not None
-                    layer.keys[slot, :, :written] = float("nan")
-                    layer.values[slot, :, :written] = float("nan")
+                key = next(k for k in engine.runner.rows if is_culprit(engine, k))
+                blocks = torch.tensor(engine.runner.rows[key].blocks)  # the culprit's prompt is the longest
+                for layer in engine.runner.cache.paged_layers:
+                    for pool in (layer.keys, layer.values):
+                        assert pool is not None
+                        pool.index_fill_(1 if engine.runner.cache.head_major else 0, blocks, float("nan"))
                 raise RuntimeError("injected failure after poisoning the slot")
             return super().choose(logits)
 
@@ -167,7 +170,7 @@ def test_a_failing_request_ends_alone(engine: Engine, victims: list[tuple[Prompt
     assert bad.last.type == "error" and bad.last.message and "generation failed" in bad.last.message
     assert [r.answer() for r in others] == [r.answer() for r in solo]
     assert engine.scheduler.finished["error"] == errors_before + 1
-    assert engine.num_running == 0 and engine.runner.rows == [] and engine.problem() is None
+    assert engine.num_running == 0 and engine.runner.rows == {} and engine.runner.num_free_blocks == engine.runner.blocks.num_usable and engine.problem() is None
     # an ordinary request right after (into the slot the culprit left) gets its solo answer
     assert run(engine, [victims[0]])[0].answer() == solo[0].answer()
     assert rss_bytes() - before < MEMORY_BOUND

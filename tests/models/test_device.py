@@ -21,9 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from decoder_service.cli import parse_args as decoder_args
 from decoder_service.config import DecoderConfig
+from decoder_service.engine.kv_cache import PagedCache, StepPlan
+from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.model_runner import BatchRunner
 from decoder_service.engine.sampling import Sampler
-from decoder_service.engine.slots import Plan, SlotCache
 from decoder_service.prompt import build_prompt
 from encoder_service.cli import parse_args as encoder_args
 from encoder_service.config import EncoderConfig
@@ -139,7 +140,7 @@ def test_dtype_auto_is_the_checkpoints_and_a_flag_overrides_it(tiny_model_dirs: 
     assert LanguageHalf(d).dtype == torch.bfloat16  # as before this flag: the checkpoint's dtype, on any device
     lm = LanguageHalf(tiny_model_dirs["llava"], dtype="bfloat16")
     assert {p.dtype for p in lm.module.parameters()} == {torch.bfloat16}
-    assert BatchRunner(lm, max_slots=1, max_len=8).cache.slot_layers[0].keys.dtype == torch.bfloat16
+    assert BatchRunner(lm, max_slots=1, max_len=8).cache.paged_layers[0].keys.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported dtype"):
         LanguageHalf(tiny_model_dirs["llava"], dtype="int8")
 
@@ -155,18 +156,22 @@ def test_encoded_features_are_cpu_tensors_and_not_copied_on_the_cpu(tiny_model_d
     assert feats[0].embeds.untyped_storage().data_ptr() == feats[1].embeds.untyped_storage().data_ptr()
 
 
-def test_slot_cache_makes_everything_on_its_device(accel: torch.device) -> None:
-    text = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=32, num_hidden_layers=2)
-    cache = SlotCache(text, max_slots=3, max_len=16, dtype=torch.float16, device=accel)
-    layer = cache.slot_layers[0]
+def test_paged_cache_makes_everything_on_its_device(accel: torch.device) -> None:
+    shape = KVShape(num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float16)
+    cache = PagedCache(shape, num_blocks=6, block_size=4, device=accel)
+    layer = cache.paged_layers[0]
     assert layer.keys is not None and layer.keys.device == accel and layer.keys.dtype == torch.float16
-    for plan, num_new in ((Plan(slice(0, 1), [0], 5), 5), (Plan(slice(0, 3), [5, 2, 7], 1), 1)):
-        mask = cache.set_plan(plan)
-        assert mask.device == accel and mask.shape == (len(plan.starts), 1, num_new, plan.kv_len)
-        kv = torch.zeros(len(plan.starts), 2, num_new, 8, dtype=torch.float16, device=accel)
+    cache.activate(StepPlan(torch.tensor([4, 5, 6], device=accel)))  # block 1, offsets 0..2
+    try:
+        kv = torch.ones(1, 2, 3, 8, dtype=torch.float16, device=accel)
         keys, values = layer.update(kv, kv, 0)
-        assert keys.device == values.device == accel
-    assert cache.nbytes == 2 * 2 * 3 * 2 * 16 * 8 * 2
+    finally:
+        cache.activate(None)
+    assert keys.device == values.device == accel
+    block = keys[:, 1] if cache.head_major else keys[1].transpose(0, 1)  # (kv_heads, block_size, head_dim)
+    if accel.type != "meta":  # the stand-in accelerator holds no values
+        assert block[:, :3].eq(1).all()
+    assert cache.nbytes == 2 * 2 * 2 * 8 * 2 * 4 * 6  # layers x K,V x kv heads x head dim x bytes x block x blocks
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
@@ -184,13 +189,13 @@ def test_batched_prefill_and_decode_run_on_the_lms_device(tiny_model_dirs: dict[
         runner = BatchRunner(lm, max_slots=2, max_len=512, chunk=16)
         runner.add("a", prompt)
         runner.add("b", prompt)
-        assert {r.embeds.device for r in runner.rows} == {r.positions.device for r in runner.rows} == {accel}
+        assert {r.embeds.device for r in runner.rows.values()} == {r.positions.device for r in runner.rows.values()} == {accel}
         first = runner.prefill(budget=10_000)  # chunked: several forwards per prompt
         assert set(first) == {"a", "b"} and {t.device for t in first.values()} == {accel}
         nxt = runner.decode({"a": 5, "b": 7})
         assert {t.device for t in nxt.values()} == {accel}
-        assert [r.length for r in runner.rows] == [prompt.num_tokens + 1] * 2
-        runner.remove("a")  # moves row b's K/V into slot 0, on the device
+        assert [r.length for r in runner.rows.values()] == [prompt.num_tokens + 1] * 2
+        runner.remove("a")  # its blocks go back to the pool
         assert {t.device for t in runner.decode({"b": 3}).values()} == {accel}
     assert mode.mixed == []
 
