@@ -33,10 +33,12 @@ from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.eos import eos_token_ids
+from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.logprobs import TokenTable
-from decoder_service.engine.model_runner import BatchRunner, RunnerOutput
+from decoder_service.engine.model_runner import ModelRunner
+from decoder_service.engine.outputs import RunnerOutput
 from decoder_service.engine.readback import read_back, read_back_rows
-from decoder_service.engine.scheduler import IDLE_PREFILL_FACTOR, Scheduler
+from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import Job, Sequence
 from decoder_service.grammar import CompiledGuide
 from decoder_service.grammar_pool import Abandoned, CompilePool
@@ -69,14 +71,17 @@ class Engine:
                                  cfg.prefix_block_size if cfg.prefix_cache_bytes else 0)
         self._jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet taken by the engine thread
         self.compiles = CompilePool(cfg.grammar_compile_threads, cfg.grammar_compile_timeout)
-        self.runner = BatchRunner(lm, cfg.max_num_seqs, self.max_model_len,
-                                  chunk=cfg.max_prefill_tokens * IDLE_PREFILL_FACTOR,
-                                  prefix_bytes=cfg.prefix_cache_bytes, prefix_block=cfg.prefix_block_size)
+        block = getattr(cfg, "block_size", cfg.prefix_block_size)
+        budget = getattr(cfg, "kv_cache_memory", 0)
+        num_blocks = budget // KVShape.of(lm.config.get_text_config(), lm.dtype).bytes_per_block(block) if budget else None
+        self.runner = ModelRunner(lm, cfg.max_num_seqs, self.max_model_len, chunk=1 << 30,
+                                  prefix_bytes=cfg.prefix_cache_bytes, prefix_block=block, num_blocks=num_blocks)
         if self.runner.prefix is not None:
             metrics.prefix_stats = self.runner.prefix.stats
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
                                          device=lm.device, tokens=TokenTable(lm.tokenizer))
-        self.scheduler = Scheduler(self.runner, cfg.max_prefill_tokens, new_sequence)  # engine thread only
+        self.scheduler = Scheduler(self.runner, cfg.max_prefill_tokens, new_sequence,  # engine thread only
+                                   getattr(cfg, "max_num_batched_tokens", 0))
         self._stopping = False
         self.progress_at = time.monotonic()  # when the loop last completed an iteration
         self.dead: str | None = None  # why the engine thread stopped working, once it has
