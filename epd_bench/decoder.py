@@ -1,144 +1,110 @@
-"""Decoder engine: output tokens/s by concurrency, and inter-token latency while image prefills arrive.
+"""Decoder engine: output tokens/s by concurrency, inter-token latency while image prefills arrive, the host cost
+of a decode step, and the K/V memory a budget holds.
 
     python -m epd_bench.decoder [--json] [--max-prefill-tokens N]
+    python -m epd_bench.decoder --base 7888cf9 [--repeats 3] [--json]   # this tree beside an older revision
 
 Builds a "small" random LLaVA (LM hidden 256, 4 layers; CLIP 224/14, 256 image tokens per image) in a
 temp dir and drives the real `Engine` in this process (no HTTP, no encoders: image features come from
-the vision half directly).
+the vision half directly); epd_bench/decoder_worker.py holds the measurements.
 - Throughput: rounds of C requests submitted at once (at least 16 requests per C; text prompts of
   10-50 words, 64 new tokens each, greedy, EOS ignored); output tokens / wall time, C = 1, 4, 16, 64.
 - ITL: 8 text streams of 96 tokens alone, then the same with 8 four-image prompts (about 1050 prompt
   tokens each) submitted after the streams' 16th token; p50/p99 of the gaps between consecutive
   tokens of the 8 streams from then until every image prompt has its first token.
+- step_host_us_per_row (rows = 16 and 64): that many requests at once (prompts as above, 192 new tokens each);
+  for each decode step (every running sequence decoding, none waiting or prefilling, one token per row in
+  the forward) the step's wall time minus its forward (inside the LM's decoder stack and lm_head), divided
+  by the rows; the median over those steps, with a breakdown by phase (schedule, runner, forward, postprocess,
+  read_back, other), and from a second run with per-row hooks postprocess split into sampling, accept (stop
+  checks, metrics), detokenize and events. Taken from outside the engine by wrapping its methods in this
+  process (epd_bench/step_clock.py says exactly which), so the same code measures any revision.
+- memory (this tree, paged engine only): epd_bench/decoder_memory.py, on bench-lm with a 1 GiB K/V budget.
+With `--base REV` the revision is exported with `git archive` (epd_bench/revisions.py) and the speed parts
+(C = 16, 64 and the host cost) run in a process of their own for each tree, `--repeats` times in alternating
+order; each value is the median of its runs, and the ratios are this tree ÷ the base.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import random
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
-from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.llm_engine import Engine
-from decoder_service.engine.sequence import Job
-from decoder_service.metrics import DecoderMetrics
-from decoder_service.prompt import Prompt, build_prompt
-from epd_builders.shapes import draw_shape
-from epd_builders.tiny import TinySpec, build_tiny
-from epd_common.server import freeze_startup_heap
-from epd_contracts.sampling import SamplingParams
-from epd_models.chat import chat_template, render
-from epd_models.halves import LanguageHalf, VisionHalf
+from epd_bench.revisions import ROOT, export_revision
 
-SMALL = TinySpec(family="llava", text_hidden=256, text_layers=4, heads=4, kv_heads=2, lm_scale=3.0)
-CONCURRENCY = (1, 4, 16, 64)
+WORKER = Path(__file__).with_name("decoder_worker.py")
+TARGETS = {"speedup_16_vs_1_min": 4, "itl_p99_ratio_during_image_prefill_max": 3,
+           "tokens_per_s_new_vs_base_min": 1.0, "step_host_us_per_row_64_new_vs_base_max": 0.5,
+           "memory_paged_vs_slots_min": 8}
 
 
-class Bench:
-    def __init__(self, model_dir: Path, max_prefill_tokens: int):
-        self.lm, self.vision = LanguageHalf(model_dir), VisionHalf(model_dir)
-        self.template = chat_template(self.lm.tokenizer, model_dir)
-        cfg = DecoderConfig(max_num_seqs=64, max_prefill_tokens=max_prefill_tokens, max_model_len=2048)
-        self.consumer = ECConsumer(cache_bytes=0)
-        self.engine = Engine(self.lm, self.consumer, cfg, DecoderMetrics(CollectorRegistry(), self.consumer.stats))
-
-    def prompt(self, num_words: int, num_images: int = 0, seed: int = 0) -> Prompt:
-        rng = random.Random(seed)
-        parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
-        text = " ".join(rng.choice(["what", "color", "shape", "is", "the", "image"]) for _ in range(num_words))
-        ids = render(self.lm.tokenizer, [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
-                     self.template)
-        images = [draw_shape(rng.choice(["red", "blue"]), "circle", rng) for _ in range(num_images)]
-        return build_prompt(self.lm, ids, self.vision.encode(images) if images else [])
-
-    async def run(self, prompt: Prompt, max_tokens: int, jobs: list[Job] | None = None) -> int:
-        """Submit one request and read its stream; returns its completion tokens."""
-        job: Job = self.engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        if jobs is not None:
-            jobs.append(job)
-        while (event := await job.events.get()).type == "delta":
-            pass
-        assert event.type == "done" and event.usage is not None, event
-        return event.usage.completion_tokens
-
-    async def throughput(self, concurrency: int) -> float:
-        """Rounds of `concurrency` requests at once (16 requests at least, so C=1 is not one sample)."""
-        rounds = max(1, 16 // concurrency)
-        prompts = [self.prompt(10 + (i * 7) % 40, seed=i) for i in range(concurrency * rounds)]
-        start, tokens = time.perf_counter(), 0
-        for r in range(rounds):
-            batch = prompts[r * concurrency : (r + 1) * concurrency]
-            tokens += sum(await asyncio.gather(*(self.run(p, 64) for p in batch)))
-        return tokens / (time.perf_counter() - start)
-
-    async def itl(self, with_images: bool) -> list[float]:
-        """Gaps between consecutive tokens of 8 text streams (while image prompts prefill, if any).
-
-        Token times are taken on the engine thread when each token is chosen, so event-loop delivery
-        jitter is not counted.
-        """
-        images = [self.prompt(10, num_images=4, seed=200 + i) for i in range(8)] if with_images else []
-        texts: list[Job] = []
-        streams = [asyncio.create_task(self.run(self.prompt(20, seed=100 + i), 96, texts)) for i in range(8)]
-        while len(texts) < 8 or min(len(j.token_times) for j in texts) < 16:
-            await asyncio.sleep(0.001)
-        window_start = time.perf_counter()
-        if images:
-            await asyncio.gather(*(self.run(p, 1) for p in images))  # one token each: done at its first token
-        window_end = time.perf_counter()
-        await asyncio.gather(*streams)
-        if not images:
-            window_end = max(j.token_times[-1] for j in texts)
-        return [b - a for j in texts for a, b in zip(j.token_times, j.token_times[1:], strict=False)
-                if window_start <= b <= window_end]
-
-    def close(self) -> None:
-        self.engine.close()
-        self.consumer.close()
+def run_worker(tree: Path, parts: str, extra: list[str]) -> dict[str, Any]:
+    """decoder_worker.py (this tree's file) on the code in `tree`, in a process of its own; its JSON line."""
+    code = (f"import runpy, sys; sys.argv = ['decoder_worker', '--parts', {parts!r}, *{extra!r}]; "
+            f"runpy.run_path({str(WORKER)!r}, run_name='__main__')")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with tempfile.TemporaryDirectory() as cwd:  # python -c puts the cwd first on sys.path: an empty one
+        done = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"decoder worker on {tree} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the median of the runs' numbers (nested dicts alike)."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in runs]) for k in first}
+    if isinstance(first, int | float) and not isinstance(first, bool):
+        return round(statistics.median(runs), 1)
+    return first
 
 
-async def measure(bench: Bench) -> dict[str, Any]:
-    await bench.throughput(4)  # warm-up
-    tps = {c: await bench.throughput(c) for c in CONCURRENCY}
-    alone, during = await bench.itl(False), await bench.itl(True)
-    ms = {name: {"p50_ms": round(statistics.median(v) * 1e3, 2), "p99_ms": round(percentile(v, 0.99) * 1e3, 2),
-                 "gaps": len(v)} for name, v in (("alone", alone), ("during_image_prefill", during))}
-    return {
-        "output_tokens_per_s": {str(c): round(t, 1) for c, t in tps.items()},
-        "speedup_16_vs_1": round(tps[16] / tps[1], 2),
-        "speedup_64_vs_1": round(tps[64] / tps[1], 2),
-        "itl_text_streams": ms,
-        "itl_p99_ratio_during_image_prefill": round(ms["during_image_prefill"]["p99_ms"] / ms["alone"]["p99_ms"], 2),
-        "targets": {"speedup_16_vs_1_min": 4, "itl_p99_ratio_during_image_prefill_max": 3},
-    }
+def compare(base: str, repeats: int, extra: list[str], new: Path = ROOT) -> dict[str, Any]:
+    sha, tree = export_revision(base)
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "new": []}
+    for r in range(repeats):
+        for name in ("base", "new") if r % 2 == 0 else ("new", "base"):
+            runs[name].append(run_worker(tree if name == "base" else new, "speed", extra))
+    before, after = median_of(runs["base"]), median_of(runs["new"])
+    tps, host = "output_tokens_per_s", "step_host_us_per_row"
+    ratios = {f"tokens_per_s_{c}_new_vs_base": round(after[tps][c] / before[tps][c], 2) for c in ("16", "64")}
+    ratios.update({f"step_host_us_per_row_{n}_new_vs_base": round(after[host][n]["host_us_per_row"]
+                                                                  / before[host][n]["host_us_per_row"], 2)
+                   for n in ("16", "64") if after[host][n] and before[host][n]})
+    return {"base": sha, "repeats": repeats, "base_result": before, "new_result": after, "ratios": ratios,
+            "runs": runs}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-prefill-tokens", type=int, default=DecoderConfig().max_prefill_tokens)
+    p.add_argument("--base", help="a git revision to run beside this tree (the speed parts), e.g. 7888cf9")
+    p.add_argument("--repeats", type=int, default=3, help="with --base: runs of each tree, alternating")
+    p.add_argument("--no-memory", action="store_true", help="skip the K/V memory run (a few minutes)")
+    p.add_argument("--tree", type=Path, default=ROOT, help="with --base: the code to run as the new side (default: "
+                   "this working tree; e.g. an exported revision)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        bench = Bench(build_tiny(SMALL, Path(tmp) / "small"), args.max_prefill_tokens)
-        freeze_startup_heap()  # as the decoder server does after loading
-        try:
-            result = {"model": "small llava (LM hidden 256, 4 layers)", "max_num_seqs": 64,
-                      "max_prefill_tokens": args.max_prefill_tokens, **asyncio.run(measure(bench))}
-        finally:
-            bench.close()
+    extra = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+    result: dict[str, Any] = {"model": "small llava (LM hidden 256, 4 layers)", "max_num_seqs": 64,
+                              "max_prefill_tokens": args.max_prefill_tokens}
+    if args.base:
+        result.update(compare(args.base, args.repeats, extra, args.tree.resolve()))
+    else:
+        out = run_worker(ROOT, "speed,latency", extra)
+        tps = out["output_tokens_per_s"]
+        result.update(out, speedup_16_vs_1=round(tps["16"] / tps["1"], 2), speedup_64_vs_1=round(tps["64"] / tps["1"], 2))
+    if not args.no_memory:
+        result["memory"] = run_worker(ROOT, "memory", extra)["memory"]
+    result["targets"] = TARGETS
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

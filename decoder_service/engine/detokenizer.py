@@ -1,7 +1,23 @@
 """Incremental detokenization with stop strings: never emits broken UTF-8 or a stop string."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+
+def window_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight to the Rust tokenizer where transformers' wrapper
+    adds nothing to it (a fast tokenizer that neither overrides decoding nor cleans up spaces): 0.45 us a call
+    instead of 3.2 us on the bench model's tokenizer, and called twice per token per sequence."""
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces):
+        return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
@@ -9,6 +25,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]):
         self.tokenizer = tokenizer
+        self.decode = window_decoder(tokenizer)
         self.stop = stop
         self.token_ids: list[int] = []
         self.text = ""  # decoded text so far (stop-truncated once stopped)
@@ -34,9 +51,8 @@ class IncrementalDetokenizer:
         return self._emit(len(self.text))
 
     def _delta(self) -> str:
-        decode = self.tokenizer.decode
-        before = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        after = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        before = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        after = self.decode(self.token_ids[self.prefix_offset :])
         if len(after) <= len(before) or after.endswith("\ufffd"):  # nothing new, or a partial character
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 
 
-def read_back(chosen: dict[int, torch.Tensor], vocab_size: int) -> dict[int, int | Exception]:
-    """Each row's token id, or why its choice is not one. One transfer (one sync) for all rows.
+def read_back(chosen: dict[int, torch.Tensor], vocab_size: int,
+              batch: tuple[list[int], torch.Tensor] | None = None) -> dict[int, int | Exception]:
+    """Each row's token id, or why its choice is not one. One transfer (one sync) for all rows: the 0-d tensors of
+    `chosen` and `batch`, the tokens of a batched choice (row keys, one 1-D integer tensor) read back with them.
 
     A choice that is not a 0-d integer tensor fails its own row before the transfer, so it cannot spoil (or
     promote) the others' tokens.
@@ -13,12 +15,16 @@ def read_back(chosen: dict[int, torch.Tensor], vocab_size: int) -> dict[int, int
     good = {k: t for k, t in chosen.items() if _is_token_tensor(t)}
     values: dict[int, object] = {k: ValueError(f"sampler returned {_describe(t)}, not a 0-d integer tensor")
                                  for k, t in chosen.items() if k not in good}
+    keys, tensors = (list(batch[0]), [batch[1]]) if batch is not None else ([], [])
     if good:
+        keys[:0], tensors[:0] = list(good), [torch.stack(list(good.values()))]
+    if tensors:
         try:
-            values.update(zip(good, torch.stack(list(good.values())).tolist(), strict=True))
+            values.update(zip(keys, torch.cat(tensors).tolist(), strict=True))
         except Exception:  # e.g. rows on different devices: read each alone
             values.update((k, _scalar(t)) for k, t in good.items())
-    return {key: _token(values[key], vocab_size) for key in chosen}
+            values.update(_each(batch))
+    return {key: _token(values[key], vocab_size) for key in [*chosen, *(batch[0] if batch is not None else ())]}
 
 
 def _token(value: object, vocab_size: int) -> int | Exception:
@@ -36,6 +42,15 @@ def _is_token_tensor(t: object) -> bool:
 
 def _describe(t: object) -> str:
     return f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _each(batch: tuple[list[int], torch.Tensor] | None) -> list[tuple[int, object]]:
+    if batch is None:
+        return []
+    try:
+        return list(zip(batch[0], batch[1].tolist(), strict=True))
+    except Exception as exc:
+        return [(k, exc) for k in batch[0]]
 
 
 def _scalar(t: torch.Tensor) -> object:

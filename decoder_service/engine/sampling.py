@@ -60,6 +60,9 @@ class Sampler:
             self.generator.manual_seed(seed)  # the contract admits exactly manual_seed's range
         else:
             self.generator.seed()
+        # greedy with nothing of its own per step (penalties, bias, guide, logprobs): one row of a batched argmax
+        self.plain_greedy = (params.greedy and not params.penalized and not params.logit_bias and guide is None
+                             and (params.logprobs is None or tokens is None))
         self._bias: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (vocab, ids, values) on the device
         self._logprobs: torch.Tensor | None = None  # the last step's log_softmax row (logprobs asked for)
         self._packed: torch.Tensor | None = None  # the last choice's [token, logprob, top values, top ids]
@@ -86,9 +89,16 @@ class Sampler:
 
     def accept(self, token: int) -> None:
         """Count the chosen token for the penalties and advance the guide (which refuses a token it forbade)."""
-        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.params.penalized:  # nothing else reads the counts
+            self.counts[token] = self.counts.get(token, 0) + 1
         if self.guide is not None:
             self.guide.accept(token)
+
+    @property
+    def batched(self) -> bool:
+        """Chosen in the step's batched argmax: plain greedy, and `choose` not replaced on this instance (a wrapper
+        or an injected fault, as the engine's tests do, is still called)."""
+        return self.plain_greedy and "choose" not in self.__dict__
 
     @property
     def packed(self) -> torch.Tensor | None:
@@ -173,6 +183,36 @@ class Sampler:
             sorted_probs = sorted_probs.masked_fill(drop, 0)  # not boolean indexing: that waits for the device
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+Batch = tuple[list[int], torch.Tensor]  # (row keys, their tokens as one 1-D tensor on the device)
+
+
+def greedy_tokens(logits: list[torch.Tensor]) -> torch.Tensor:
+    """Each row's argmax in one op over the stacked rows (1-D, on their device, no host sync): exactly what
+    `Sampler.choose` picks for a plain greedy row (the first maximum; a NaN counts as the maximum)."""
+    return torch.argmax(torch.stack(logits), dim=-1)
+
+
+def choose_rows(rows: list[tuple[int, Sampler, torch.Tensor]]) -> tuple[dict[int, torch.Tensor | Exception], Batch | None]:
+    """Every row's next token on the device: the plain greedy rows in one batched argmax (`Batch`), every other row
+    by its own sampler (a 0-d tensor, or the exception its sampler raised: that row's failure alone)."""
+    plain = [(key, logits) for key, sampler, logits in rows if sampler.batched]
+    batch: Batch | None = None
+    if plain:
+        try:
+            batch = [key for key, _ in plain], greedy_tokens([logits for _, logits in plain])
+        except Exception:  # noqa: BLE001 - e.g. rows on different devices: each chooses alone below
+            batch = None
+    chosen: dict[int, torch.Tensor | Exception] = {}
+    for key, sampler, logits in rows:
+        if batch is not None and sampler.batched:
+            continue
+        try:
+            chosen[key] = sampler.choose(logits)
+        except Exception as exc:
+            chosen[key] = exc
+    return chosen, batch
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -8,9 +8,12 @@ call being parsed) hand theirs to the next delta, or to `done`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +34,78 @@ if TYPE_CHECKING:
 logger = logging.getLogger("epd.decoder")
 
 
+class Outbox:
+    """Events for one asyncio loop from the engine thread, in order; one wakeup of the loop carries every event queued
+    since the last. The engine emits an event per row per step: a wakeup each cost a write to the loop's pipe and
+    a hand-over of the GIL to the loop's thread in the middle of the step. Inside `held_events()` events only queue,
+    and go out when it ends (the engine holds them for a step's postprocess, so the loop's thread handles them
+    while the next forward runs, which releases the GIL)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._scheduled = False  # a drain is on its way to the loop
+        self._lock = threading.Lock()
+
+    def put(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        if self.loop.is_closed():  # as call_soon_threadsafe says it; the request fails, as before
+            raise RuntimeError("Event loop is closed")
+        with self._lock:
+            self._items.append((queue, event))
+        held: set[Outbox] | None = getattr(_held, "boxes", None)
+        if held is not None:
+            held.add(self)
+        else:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wake the loop for the queued events (unless a wakeup is already on its way); a closed loop drops them."""
+        with self._lock:
+            if self._scheduled or not self._items:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # closed since the put: nobody is left to read them
+            with self._lock:
+                self._items, self._scheduled = [], False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
+_held = threading.local()  # .boxes: the outboxes holding events on this thread (inside held_events)
+_outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Outbox] = weakref.WeakKeyDictionary()
+_outboxes_lock = threading.Lock()
+
+
+def outbox(loop: asyncio.AbstractEventLoop) -> Outbox:
+    """The one outbox of `loop` (every job of a loop shares it, so their events share its wakeups)."""
+    with _outboxes_lock:
+        box = _outboxes.get(loop)
+        if box is None:
+            box = _outboxes[loop] = Outbox(loop)
+        return box
+
+
+@contextlib.contextmanager
+def held_events() -> Iterator[None]:
+    """Events emitted on this thread inside go to their loops when it ends, one wakeup per loop."""
+    if getattr(_held, "boxes", None) is not None:  # nested: the outer one flushes
+        yield
+        return
+    _held.boxes = set()
+    try:
+        yield
+    finally:
+        boxes, _held.boxes = _held.boxes, None
+        for box in boxes:
+            box.flush()
+
+
 @dataclass(eq=False)  # NOTE: identity, not field equality (comparing prompts' tensors raises); a dict key
 class Job:
     work: Work
@@ -42,6 +117,10 @@ class Job:
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each chosen token (engine side)
     errored: bool = False  # its one error event is sent: nothing follows it
     reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set at admission)
+    outbox: Outbox = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.outbox = outbox(self.loop)
 
     @property
     def cached_tokens(self) -> int:
@@ -57,7 +136,7 @@ class Job:
         return self.work.params
 
     def emit(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        self.outbox.put(self.events, event)
 
     def fail(self, exc: Exception, stage: str) -> None:
         """This request failed on the engine thread: log why, tell its client where to look (once)."""
@@ -95,6 +174,7 @@ class Sequence:
         self.detok = IncrementalDetokenizer(tokenizer, params.stop)
         self.parser = work.tools.parser() if work.tools is not None else None
         self.stop_ids = (set() if params.ignore_eos else eos_ids) | set(params.stop_token_ids)
+        self.max_tokens, self.logprobs = params.max_tokens, params.logprobs is not None  # read per token
         self.entries: list[TokenLogprob] = []  # logprobs of tokens whose text is not sent yet
         self.echo = work.echo  # completions' echo: the prompt's text, sent before the first token's
         self.num_generated = 0
@@ -107,7 +187,7 @@ class Sequence:
         logprobs, when the caller read them back too); returns the finish reason if done."""
         self.sampler.accept(token)  # a grammar that refuses it raises: this request fails
         self.generated.append(token)
-        if (entry := self.sampler.logprob_entry(token, logprobs)) is not None:
+        if self.logprobs and (entry := self.sampler.logprob_entry(token, logprobs)) is not None:
             self.entries.append(entry)
         now = time.perf_counter()
         (self.metrics.ttft if self.num_generated == 0 else self.metrics.itl).observe(now - self.last)
@@ -123,7 +203,7 @@ class Sequence:
         self._send(self.detok.add(token))
         if self.detok.stopped or (self.guide is not None and self.guide.terminated):
             return "stop"
-        if self.job.params.max_tokens is not None and self.num_generated >= self.job.params.max_tokens:
+        if self.max_tokens is not None and self.num_generated >= self.max_tokens:
             return "length"
         self.pending = token
         return None
@@ -162,7 +242,7 @@ class Sequence:
                                 logprobs=self._take_entries()))
 
     def _take_entries(self) -> list[TokenLogprob] | None:
-        if self.job.params.logprobs is None:
+        if not self.logprobs:
             return None
         entries, self.entries = self.entries, []
         return entries
