@@ -201,25 +201,34 @@ class Engine:
         self.postprocess(out)
 
     def postprocess(self, out: RunnerOutput) -> None:
-        """End the rows whose forward failed; every other row samples its token, then streams it or finishes."""
+        """End the rows whose forward failed; every other row samples its token, then streams it or finishes.
+
+        Plain greedy rows choose in one batched argmax, every other row by its own sampler in its own try
+        (sampling.choose_rows); every row's token comes back in one transfer, logprobs in one more."""
+        from decoder_service.engine.sampling import choose_rows  # NOTE: hoist to the imports (H3 edits only this)
+        from decoder_service.engine.sequence import held_events
+
         for key, (stage, exc) in out.failed.items():
             assert isinstance(key, int), "engine keys are ints"
             self.scheduler.fail(key, exc, stage)
+        running = self.scheduler.running
+        keys = [key for key in out.logits if isinstance(key, int)]
+        assert len(keys) == len(out.logits), "engine keys are ints"
+        picked, batch = choose_rows([(key, seq.sampler, out.logits[key]) for key in keys
+                                     if (seq := running.get(key)) is not None])
         chosen: dict[int, torch.Tensor] = {}
-        for key, logits in out.logits.items():  # every row chooses on the device, in its own try
-            assert isinstance(key, int), "engine keys are ints"
-            if key not in self.scheduler.running:  # a sibling choice failed: the whole job ended
-                continue
-            try:
-                chosen[key] = self.scheduler.running[key].sampler.choose(logits)
-            except Exception as exc:
-                self.scheduler.fail(key, exc, "sampling")
-        tokens = read_back(chosen, self.vocab_size)
-        running = self.scheduler.running  # a row whose sibling failed this step has left it
+        for key, choice in picked.items():
+            if isinstance(choice, Exception):
+                self.scheduler.fail(key, choice, "sampling")
+            else:
+                chosen[key] = choice
+        tokens = read_back(chosen, self.vocab_size, batch)
         packed = {k: p for k in chosen if (seq := running.get(k)) is not None and (p := seq.sampler.packed) is not None}
         logprobs = read_back_rows(packed)  # rows that asked for logprobs: one more transfer for all of them
-        for key, token in tokens.items():
-            self._accept(key, token, logprobs.get(key))
+        with held_events():  # the step's events go out together, one wakeup per event loop
+            for key in keys:  # in the runner's order, as each row chose
+                if (token := tokens.get(key)) is not None:
+                    self._accept(key, token, logprobs.get(key))
 
     def _accept(self, key: int, token: int | Exception, logprobs: list[float] | None = None) -> None:
         """The row's chosen token becomes its text and events; it finishes on a stop, or fails (with its siblings)."""
