@@ -7,7 +7,7 @@ model's ViT-B/16 makes 196 tokens) plus some text, a few hundred tokens in all. 
 prompt and the same seeds (choice i of the n = 4 request seeds like the i-th single request), so they
 sample the same tokens; what differs is the prefill. Reported side by side: prompt tokens prefilled
 (counted by the runner) and the time from submit until all 4 choices have their first token. Also the
-two ways to give a second slot the prompt's K/V: copying its L columns (`SlotCache.copy`, what n > 1
+two ways to give a second row the prompt's K/V: sharing its blocks and copying the last one (what n > 1
 does) against prefilling the L tokens again.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _fields(params: SamplingParams) -> dict[str, Any]:
 
 
 def copy_vs_recompute(lm: LanguageHalf, prompt: Prompt, repeats: int) -> dict[str, float]:
-    """Milliseconds to give a second slot the prompt's K/V: copy L columns, or prefill L tokens again."""
+    """Milliseconds to give a second row the prompt's K/V: share its blocks (copying the last), or prefill it again."""
     runner = BatchRunner(lm, max_slots=2, max_len=prompt.num_tokens + 8, chunk=prompt.num_tokens)
     device = runner.cache.device
     prefill, copy = [], []
@@ -98,7 +98,11 @@ def copy_vs_recompute(lm: LanguageHalf, prompt: Prompt, repeats: int) -> dict[st
         _sync(device)
         prefill.append(time.perf_counter() - start)
         start = time.perf_counter()
-        runner.cache.copy(0, 1, prompt.num_tokens)
+        blocks = runner.rows["a"].blocks  # a fork: references to the full blocks, a copy of the last one
+        runner.blocks.acquire(blocks[:-1])
+        spare = runner.blocks.allocate(1)
+        runner.cache.copy_block(blocks[-1], spare[0])
+        runner.blocks.release(blocks[:-1] + spare)
         _sync(device)
         copy.append(time.perf_counter() - start)
         runner.remove("a")

@@ -48,6 +48,21 @@ class BlockManager:
         return len(self.by_key)
 
     @property
+    def nbytes(self) -> int:
+        """K/V bytes of the blocks the prefix cache names (held by running rows or not)."""
+        return self.num_cached * self.block_bytes
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of cached blocks kept once no row references them (--prefix-cache-bytes)."""
+        return (self.cache_cap if self.cache_cap is not None else self.num_usable) * self.block_bytes
+
+    @capacity.setter
+    def capacity(self, nbytes: int) -> None:
+        self.cache_cap = nbytes // self.block_bytes
+        self._trim()
+
+    @property
     def num_usable(self) -> int:
         return self.num_blocks - 1
 

@@ -72,6 +72,15 @@ def _plan() -> StepPlan:
     return plan
 
 
+def causal_mask(starts: list[int], num_new: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(rows, 1, num_new, kv_len) bool: row i's query j (at position starts[i] + j) sees positions up to its own;
+    kv_len is the longest row's."""
+    kv = torch.arange(max(starts) + num_new, device=device).view(1, 1, 1, -1)
+    last = torch.tensor(starts).to(device, non_blocking=True).view(-1, 1, 1, 1) \
+        + torch.arange(num_new, device=device).view(1, 1, -1, 1)
+    return kv <= last
+
+
 class PagedLayer(CacheLayerMixin):
     """One layer's pool; `update` writes the forward's new K/V and hands the pool to the attention."""
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from decoder_service.engine.block_manager import BlockManager
-from decoder_service.engine.kv_cache import ATTENTION, Group, PagedCache, StepPlan
+from decoder_service.engine.kv_cache import ATTENTION, Group, PagedCache, StepPlan, causal_mask
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.outputs import RunnerOutput, SchedulerOutput
 from decoder_service.engine.prefix_hash import PrefixChain
@@ -383,10 +383,8 @@ class ModelRunner:
         kv_len = max(starts) + num_new
         width = -(-kv_len // b)
         table = torch.tensor([(r.blocks + [0] * width)[:width] for r in rows]).to(dev, non_blocking=True)
-        kv = torch.arange(kv_len, device=dev).view(1, 1, 1, -1)
-        last = torch.tensor(starts).to(dev, non_blocking=True).view(-1, 1, 1, 1) \
-            + torch.arange(num_new, device=dev).view(1, 1, -1, 1)
-        mask = self.lm.adapter.attention_mask(self.lm.config, kv <= last, starts, [r.state for r in rows])
+        mask = self.lm.adapter.attention_mask(self.lm.config, causal_mask(starts, num_new, dev), starts,
+                                              [r.state for r in rows])
         return Group(table, kv_len, mask, first, len(rows) if decode else num_new, decode, [r.key for r in rows])
 
     def _dummy_mask(self, embeds: torch.Tensor) -> Any:

@@ -1,4 +1,4 @@
-"""Batched decoding over a slot cache equals one-sequence decoding, token for token."""
+"""Batched decoding over the paged K/V pool equals one-sequence decoding, token for token; forks share blocks."""
 from __future__ import annotations
 
 from collections.abc import Hashable
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.prefix_hash import prompt_chain
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_models.chat import chat_template, render
@@ -75,51 +76,63 @@ def test_batched_greedy_equals_single_sequence_greedy(tiny_model_dirs: dict[str,
     assert batched(lm, all_prompts, max_slots=5, chunk=256, budget=4096) == expected
 
 
-def test_slot_cache_memory_is_slots_times_positions(tiny_model_dirs: dict[str, Path]) -> None:
-    lm = LanguageHalf(tiny_model_dirs["llava"])
+def test_the_pool_is_its_blocks_and_a_row_holds_only_the_blocks_its_positions_need(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    lm, (short, *_) = prompts(tiny_model_dirs["llava"])
     text = lm.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     per_position = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4  # K and V, float32
-    assert BatchRunner(lm, max_slots=3, max_len=100).cache.nbytes == 3 * 100 * per_position
+    runner = BatchRunner(lm, max_slots=3, max_len=100, prefix_block=16, num_blocks=40)
+    assert runner.cache.nbytes == 40 * 16 * per_position
+    runner.add("a", short)
+    assert len(runner.rows["a"].blocks) == -(-short.num_tokens // 16) == runner.blocks.num_usable - runner.num_free_blocks
 
 
-def test_a_forked_prompt_decodes_like_its_own_prefill_and_leaves_no_dirty_columns(
+def poison_pool(runner: BatchRunner) -> None:
+    """Earlier owners left non-finite K/V in every block but the null one."""
+    for layer in runner.cache.paged_layers:
+        for pool in (layer.keys, layer.values):
+            assert pool is not None
+            (pool[:, 1:] if runner.cache.head_major else pool[1:]).fill_(float("nan"))
+
+
+def test_forks_share_the_prompts_full_blocks_copy_its_last_and_decode_like_its_own_prefill(
         tiny_model_dirs: dict[str, Path]) -> None:
     lm, (short, _, _, long, _) = prompts(tiny_model_dirs["llava"])
     runner = BatchRunner(lm, max_slots=5, max_len=1024, chunk=16)
-    for layer in runner.cache.slot_layers:  # earlier occupants left non-finite K/V everywhere
-        assert layer.keys is not None and layer.values is not None
-        layer.keys.fill_(float("nan"))
-        layer.values.fill_(float("nan"))
-    runner.cache.dirty = [1024] * 5
+    poison_pool(runner)
     runner.add("a", long)
     runner.add("b", short)
-    runner.add("c", long, forks=["c1", "c2"])  # reserves two more slots
+    runner.add("c", long, forks=["c1", "c2"])  # reserves two more rows
     assert runner.is_full
     done = runner.prefill(budget=long.num_tokens * 2 + short.num_tokens)
-    assert [r.key for r in runner.rows] == ["a", "b", "c", "c1", "c2"] and set(done) == {"a", "b", "c", "c1", "c2"}
+    assert list(runner.rows) == ["a", "b", "c", "c1", "c2"] and set(done) == {"a", "b", "c", "c1", "c2"}
     assert runner.num_prefilled_tokens == 2 * long.num_tokens + short.num_tokens  # the forks prefilled nothing
-    for slot, row in enumerate(runner.rows):
-        assert runner.cache.dirty[slot] == row.length
-        for layer in runner.cache.slot_layers:
-            assert layer.keys is not None and layer.values is not None
-            assert torch.all(layer.keys[slot, :, row.length :] == 0) and torch.all(layer.values[slot, :, row.length :] == 0)
+    full = long.num_tokens // runner.block_size
+    c, c1, c2 = (runner.rows[k].blocks for k in ("c", "c1", "c2"))
+    assert c[:full] == c1[:full] == c2[:full]  # the same blocks: shared, not copied
+    assert len({c[full], c1[full], c2[full]}) == 3  # the partial last block: one each
+    assert all(runner.blocks.refs[b] == 3 for b in c[:full])
     tokens = {key: [int(torch.argmax(logits))] for key, logits in done.items()}
     for _ in range(NUM_NEW - 1):
         for key, logits in runner.decode({k: t[-1] for k, t in tokens.items()}).items():
             tokens[key].append(int(torch.argmax(logits)))
     assert tokens["c"] == tokens["c1"] == tokens["c2"] == tokens["a"] == single(lm, long)
+    for key in list(runner.rows):
+        runner.remove(key)
+    assert runner.num_free_blocks == runner.blocks.num_usable and not any(runner.blocks.refs)
 
 
-def test_a_fork_behind_a_row_still_prefilling_keeps_rows_packed(tiny_model_dirs: dict[str, Path]) -> None:
+def test_a_fork_behind_a_row_still_prefilling(tiny_model_dirs: dict[str, Path]) -> None:
     lm, (short, _, _, long, _) = prompts(tiny_model_dirs["llava"])
     runner = BatchRunner(lm, max_slots=4, max_len=1024, chunk=8)
     runner.add("c", short, forks=["c1"])
     runner.add("b", long)
-    done = runner.prefill(budget=short.num_tokens + 8)  # "c" completes, "b" is one chunk in
-    assert set(done) == {"c", "c1"} and [r.key for r in runner.rows] == ["c", "c1", "b"]
-    assert runner.rows[2].length == 8 and runner.cache.dirty[:3] == [short.num_tokens, short.num_tokens, 8]
-    while not runner.rows[2].prefilled:
+    done: dict[Hashable, torch.Tensor] = {}
+    while "c" not in done:  # chunks of 8 for both rows in each forward
+        done.update(runner.prefill(budget=16))
+    assert set(done) == {"c", "c1"} and list(runner.rows) == ["c", "b", "c1"] and not runner.rows["b"].prefilled
+    while not runner.rows["b"].prefilled:
         done.update(runner.prefill(budget=64))
     tokens = [int(torch.argmax(done["b"]))]
     feed: dict[Hashable, int] = {"c": int(torch.argmax(done["c"])), "c1": int(torch.argmax(done["c1"]))}
@@ -128,3 +141,20 @@ def test_a_fork_behind_a_row_still_prefilling_keeps_rows_packed(tiny_model_dirs:
         feed = {k: int(torch.argmax(out[k])) for k in ("c", "c1")}
         tokens.append(int(torch.argmax(out["b"])))
     assert tokens == single(lm, long)
+
+
+def test_prefix_reuse_is_zero_copy_the_second_rows_table_names_the_first_rows_blocks(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    lm, (_, _, _, long, _) = prompts(tiny_model_dirs["llava"])
+    chain = prompt_chain(long.input_ids.view(-1).tolist(), 16)
+    assert chain is not None
+    runner = BatchRunner(lm, max_slots=2, max_len=1024, chunk=64, prefix_bytes=1 << 30, prefix_block=16)
+    runner.add("a", long, chain=chain)
+    done = runner.prefill(budget=long.num_tokens)
+    reused = runner.add("b", long, chain=chain)
+    full = (long.num_tokens - 1) // 16
+    assert reused == full * 16 and runner.rows["b"].blocks[:full] == runner.rows["a"].blocks[:full]
+    assert all(runner.blocks.refs[b] == 2 for b in runner.rows["a"].blocks[:full])
+    done.update(runner.prefill(budget=long.num_tokens))
+    assert runner.num_prefilled_tokens == 2 * long.num_tokens - full * 16
+    assert torch.equal(int(torch.argmax(done["a"])) * torch.ones(1), int(torch.argmax(done["b"])) * torch.ones(1))

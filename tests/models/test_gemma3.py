@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig, AutoProcessor
 from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
+from decoder_service.engine.kv_cache import causal_mask
 from decoder_service.engine.model_runner import BatchRunner
-from decoder_service.engine.slots import Plan, SlotCache
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_models.base import splice_spans
@@ -97,19 +97,18 @@ def test_masks_match_transformers_in_chunks_and_rows(model_dir: Path) -> None:
     tc._attn_implementation = "sdpa"  # transformers' boolean masks
     is_image = torch.cat([ids[0] == cfg.image_token_id, torch.zeros(4, dtype=torch.bool)])  # 4 generated tokens
     want = hf_masks(tc, is_image)
-    cache = SlotCache(tc, max_slots=3, max_len=64, dtype=torch.float32)
     # prefill in chunks of at most 5 that never end inside an image
     start = 0
     while start < 30:
         end = adapter.chunk_end(state, start, min(start + 5, 30))
-        got = adapter.attention_mask(cfg, cache.set_plan(Plan(slice(0, 1), [start], end - start)), [start], [state])
+        got = adapter.attention_mask(cfg, causal_mask([start], end - start), [start], [state])
         for kind, mask in got.items():
             assert torch.equal(mask[0, 0], want[kind][0, 0, start:end, :end]), (kind, start, end)
         start = end
     # decode: three rows at their own positions, one of them text only
     text_only = hf_masks(tc, torch.zeros(34, dtype=torch.bool))
     starts = [31, 12, 33]
-    got = adapter.attention_mask(cfg, cache.set_plan(Plan(slice(0, 3), starts, 1)), starts, [state, None, state])
+    got = adapter.attention_mask(cfg, causal_mask(starts, 1), starts, [state, None, state])
     for kind, mask in got.items():
         for row, (pos, ref) in enumerate(zip(starts, [want, text_only, want], strict=True)):
             assert torch.equal(mask[row, 0, 0], ref[kind][0, 0, pos, :34]), (kind, row)
@@ -119,10 +118,9 @@ def test_masks_for_two_prefilling_rows_at_once(model_dir: Path) -> None:
     """Each row's queries at its own positions, with its own prompt's blocks (one row's image is not the other's)."""
     cfg, _, ids, state, window = two_image_prompt(model_dir)
     other = ImageBlocks(torch.full((30,), -1), ())
-    cache = SlotCache(cfg.get_text_config(), max_slots=2, max_len=64, dtype=torch.float32)
-    got = layer_masks(cache.set_plan(Plan(slice(0, 2), [3, 5], 10)), [state, other], window)
-    alone = layer_masks(cache.set_plan(Plan(slice(0, 1), [3], 10)), [state], window)
-    text = layer_masks(cache.set_plan(Plan(slice(0, 1), [5], 10)), [None], window)
+    got = layer_masks(causal_mask([3, 5], 10), [state, other], window)
+    alone = layer_masks(causal_mask([3], 10), [state], window)
+    text = layer_masks(causal_mask([5], 10), [None], window)
     for kind in ("full_attention", "sliding_attention"):
         assert torch.equal(got[kind][0, :, :, :13], alone[kind][0]) and not got[kind][0, :, :, 13:].any()
         assert torch.equal(got[kind][1], text[kind][0])

@@ -165,4 +165,4 @@ def test_eviction_under_pressure_keeps_outputs_exact(tiny_model_dirs: dict[str, 
         assert runner.prefix.nbytes <= runner.prefix.capacity
     assert runner.prefix.evicted > 0
     last, chain = prompts[-1]
-    assert runner.prefix.match(chain.keys) >= 1  # the last prompt's root survived the pressure
+    assert len(runner.prefix.match(chain.keys)) >= 1  # the last prompt's root survived the pressure
