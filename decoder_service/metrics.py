@@ -26,6 +26,7 @@ class DecoderMetrics:
         cache_gauges(registry, "epd_ec_consumer_cache", "Gathered-embedding cache", cache_stats)
         cache_gauges(registry, "epd_ec_consumer", "Connector consumer", cache_stats, CONSUMER_KEYS)
         self.prefix_stats: Callable[[], dict[str, int]] = dict  # the engine's prefix cache, once it runs one
+        self.kv_stats: Callable[[], dict[str, int]] = dict  # the engine's K/V pool, once it runs
         registry.register(_PrefixCollector(self))
 
 
@@ -35,8 +36,16 @@ _PREFIX_COUNTERS = (("hits", "Admitted prompts that reused cached K/V"),
                     ("tokens_saved", "Prompt tokens not prefilled: their K/V was reused"))
 
 
+_KV_GAUGES = (("blocks_total", "K/V blocks in the pool (the null block not counted)"),
+              ("blocks_free", "K/V blocks an allocation can take (free, or cached and unreferenced)"),
+              ("blocks_cached", "K/V blocks the prefix cache names"),
+              ("block_size", "Positions per K/V block"),
+              ("bytes_per_token", "K/V bytes of one position, every layer"))
+
+
 class _PrefixCollector:
-    """The prefix cache's counters, read at scrape time (the engine thread only adds to plain ints)."""
+    """The prefix cache's counters and the K/V pool's gauges, read at scrape time (the engine thread only adds to
+    plain ints)."""
 
     def __init__(self, metrics: DecoderMetrics):
         self.metrics = metrics
@@ -47,3 +56,8 @@ class _PrefixCollector:
             yield CounterMetricFamily(f"epd_decoder_prefix_cache_{key}", doc, value=stats.get(key, 0))
         yield GaugeMetricFamily("epd_decoder_prefix_cache_bytes", "Bytes of K/V blocks held",
                                 value=stats.get("bytes", 0))
+        kv = self.metrics.kv_stats()
+        for key, doc in _KV_GAUGES:
+            yield GaugeMetricFamily(f"epd_decoder_kv_{key}", doc, value=kv.get(key, 0))
+        yield CounterMetricFamily("epd_decoder_preemptions", "Sequences preempted (their K/V recomputed later)",
+                                  value=kv.get("preemptions", 0))

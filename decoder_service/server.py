@@ -147,7 +147,8 @@ async def health(request: Request) -> dict[str, object]:
     return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": state.identity,
             "aggregated": cfg.aggregated, "max_model_len": engine.max_model_len,
             "waiting": engine.num_waiting, "running": engine.num_running,
-            "pid": os.getpid(), "loaded": loaded, "prefix_cache": engine.prefix_summary()}
+            "pid": os.getpid(), "loaded": loaded, "prefix_cache": engine.prefix_summary(),
+            "kv_cache": engine.kv_summary()}
 
 
 async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: FatalHandler) -> Watchdog:
@@ -164,9 +165,11 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
         inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, check,
                                video_limits(cfg, cfg.max_body_bytes))
     engine = state.engine = Engine(half, state.consumer, cfg, state.metrics, inline)
-    logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, KV slots %d x %d positions = "
-                "%.1f MiB", cfg.model, half.device, str(half.dtype).removeprefix("torch."), engine.max_model_len,
-                cfg.max_num_seqs, engine.max_model_len, engine.runner.cache.nbytes / 2**20)
+    kv = engine.kv_summary()
+    logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, K/V pool %d blocks x %d positions x "
+                "%d bytes = %.1f MiB (%s)", cfg.model, half.device, str(half.dtype).removeprefix("torch."),
+                engine.max_model_len, kv["blocks_total"], kv["block_size"], kv["bytes_per_token"],
+                engine.runner.cache.nbytes / 2**20, engine.plan.source)
     return Watchdog(engine, on_fatal, cfg.engine_stall_timeout)
 
 

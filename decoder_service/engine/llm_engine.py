@@ -33,8 +33,8 @@ from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.eos import eos_token_ids
-from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.logprobs import TokenTable
+from decoder_service.engine.memory_plan import plan_engine
 from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.outputs import RunnerOutput
 from decoder_service.engine.readback import read_back, read_back_rows
@@ -64,24 +64,26 @@ class Engine:
         self.lm, self.consumer, self.cfg, self.metrics = lm, consumer, cfg, metrics
         self.inline = inline  # aggregated mode: images arrive inline and are encoded here
         self.eos_ids = eos_token_ids(lm)
-        self.max_model_len = cfg.max_model_len or int(lm.config.get_text_config().max_position_embeddings)
+        self.plan = plan_engine(cfg, lm)  # K/V blocks and max_model_len from the memory budget
+        if self.plan.warning:
+            logger.warning("%s", self.plan.warning)
+        self.max_model_len = self.plan.max_model_len
         self.vocab_size = int(lm.module.lm_head.out_features)
         self.video_config = video_config(lm.model_dir, lm.adapter.name)  # None: the model takes no video
         self.preparer = Preparer(lm, self.max_model_len, self.vocab_size, cfg.max_num_seqs, self.eos_ids,
-                                 cfg.prefix_block_size if cfg.prefix_cache_bytes else 0)
+                                 cfg.block_size if cfg.prefix_cache_bytes else 0)
         self._jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet taken by the engine thread
         self.compiles = CompilePool(cfg.grammar_compile_threads, cfg.grammar_compile_timeout)
-        block = getattr(cfg, "block_size", cfg.prefix_block_size)
-        budget = getattr(cfg, "kv_cache_memory", 0)
-        num_blocks = budget // KVShape.of(lm.config.get_text_config(), lm.dtype).bytes_per_block(block) if budget else None
         self.runner = ModelRunner(lm, cfg.max_num_seqs, self.max_model_len, chunk=1 << 30,
-                                  prefix_bytes=cfg.prefix_cache_bytes, prefix_block=block, num_blocks=num_blocks)
+                                  prefix_bytes=cfg.prefix_cache_bytes, prefix_block=cfg.block_size,
+                                  num_blocks=self.plan.num_blocks)
         if self.runner.prefix is not None:
             metrics.prefix_stats = self.runner.prefix.stats
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
                                          device=lm.device, tokens=TokenTable(lm.tokenizer))
         self.scheduler = Scheduler(self.runner, cfg.max_prefill_tokens, new_sequence,  # engine thread only
-                                   getattr(cfg, "max_num_batched_tokens", 0))
+                                   cfg.num_batched_tokens)
+        metrics.kv_stats = self.kv_summary
         self._stopping = False
         self.progress_at = time.monotonic()  # when the loop last completed an iteration
         self.dead: str | None = None  # why the engine thread stopped working, once it has
@@ -102,6 +104,11 @@ class Engine:
         """/health's view of the prefix cache (what the proxy routes conversations by)."""
         prefix = self.runner.prefix
         return prefix.summary() if prefix is not None else {"enabled": False}
+
+    def kv_summary(self) -> dict[str, int]:
+        """/health's and /metrics' view of the K/V pool (read off the engine thread: plain ints)."""
+        return {**self.runner.blocks.pool_summary(), "bytes_per_token": self.runner.shape.bytes_per_token,
+                "preemptions": self.scheduler.num_preempted}
 
     def problem(self) -> tuple[str, str] | None:
         """(code, reason) when the engine cannot serve: its thread died, or no loop iteration for too long."""

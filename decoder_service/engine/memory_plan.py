@@ -119,6 +119,34 @@ def plan_for(cfg: DecoderConfig, lm: LanguageHalf, used_bytes: int | None = None
                          used_bytes=used_now if used_bytes is None else used_bytes)
 
 
+def plan_engine(cfg: DecoderConfig, lm: LanguageHalf) -> KVPlan:
+    """The engine's plan. CUDA: measured after one profiling forward of a full step (--max-num-batched-tokens
+    positions), so its activations count as used (vLLM's rule); CPU: from the weights' bytes."""
+    used = None
+    if lm.device.type == "cuda":
+        profile_forward(lm, cfg.num_batched_tokens)
+        used = cuda_budget(lm.device)[1]
+    return plan_for(cfg, lm, used)
+
+
+@torch.inference_mode()
+def profile_forward(lm: LanguageHalf, num_tokens: int) -> None:
+    """One forward of the largest step the engine takes (without K/V), to leave its peak in the allocator's
+    reserve; the logits of every position count too (a step takes at most one per row, so this overestimates)."""
+    hidden = lm.module.language_model.config.hidden_size
+    embeds = torch.zeros(1, num_tokens, hidden, dtype=lm.dtype, device=lm.device)
+    positions = torch.arange(num_tokens, device=lm.device).view(1, -1)
+    config = lm.module.language_model.config
+    paged, config._attn_implementation = config._attn_implementation, "sdpa"  # no pool yet (or another engine's)
+    try:
+        out = lm.module.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False)
+        lm.module.lm_head(out.last_hidden_state[:, -1:])
+    finally:
+        config._attn_implementation = paged
+    del out
+    torch.cuda.synchronize(lm.device)
+
+
 def cuda_budget(device: torch.device) -> tuple[int, int]:
     """(total, used) bytes of a GPU now; used counts every process and the caching allocator's reserve."""
     free, total = torch.cuda.mem_get_info(device)
