@@ -13,6 +13,10 @@ one H200 with the estimates below); a failed step is recorded and the next one s
   <family>/build
                a random checkpoint of the real shapes, drawn on the device (epd_builders/full_size.py; cached, so
                a second run reuses it)
+  <family>/engine
+               the paged engine on that checkpoint (epd_bench/gpu_check_engine.py): its K/V plan at 0.9 utilization
+               (sequences of 1,024 / 4,096 tokens held at once), decode CUDA graphs captured and replayed, TPOT at
+               batch 1 over the HBM bound (weight bytes / the device's bandwidth), output tokens/s at 64 in flight
   <family>/epd-1enc, <family>/aggregated
                one system at a time on the one GPU (epd_bench/stacks.py: 1 encoder + 1 decoder + proxy, then the
                aggregated decoder + proxy), the `make bench` workloads scaled for a GPU against it (WORKLOADS),
@@ -30,6 +34,9 @@ Estimated wall time on one H200 (16 host cores; not yet measured at these sizes)
   LLaVA-1.5-7B build 15-40 s: 7.06B bf16 parameters drawn on the GPU in about a second, then 13.2 GiB of
     safetensors copied to the host and written at 0.5-2 GB/s (safetensors writes 0.5 GB/s on this VM's disk);
     Qwen2.5-VL-3B 10-20 s (7.0 GiB); a cached build 5 s (python start-up, the file headers) [5 s each]
+  engine 30-60 s per family, not yet measured (the LM loaded again, a profiling forward, 11 graph captures for
+    buckets up to 64 rows, 2 x 34 decode steps) [10-25 s each]; the feature benchmarks are the first to be skipped
+    when the budget runs short
   start-up of one system 20-30 s for LLaVA (the decoder reads 12.6 GiB of LM weights from the page cache and copies
     them to the GPU, the encoder 0.6 GiB, each process about 10 s of python, torch and CUDA start-up; before the
     language half was built on meta a 7B LM's random init alone took over a minute of one core), 15-20 s for Qwen
@@ -67,7 +74,7 @@ from epd_bench.gpu_check_run import GpuSampler, Run, nvidia_smi, run_logged
 from epd_bench.stacks import Running, SystemSpec, aggregated, epd
 
 TESTS = ("tests/models/test_parity.py", "tests/models/test_device.py", "tests/models/test_deepstack.py",
-         "tests/models/test_prefix_parity.py")
+         "tests/models/test_prefix_parity.py", "tests/decoder_service/test_cuda_graphs.py")  # the last: CUDA = CPU tokens
 SMALL_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or slot_cache")
 PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "fastapi", "starlette", "uvicorn", "pydantic",
            "pydantic_core", "msgspec", "pyzmq", "regex", "typing_extensions")
@@ -106,7 +113,7 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
     "gpu": torch.cuda.get_device_name(0) if cuda else None,
     "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None,
     "transformers_from": transformers.__file__}))"""
-LIMITS = {"tests": 150.0, "build": 180.0, "start": 180.0, "bench": 150.0, "feature": 240.0}  # seconds, one step
+LIMITS = {"tests": 150.0, "build": 180.0, "engine": 150.0, "start": 180.0, "bench": 150.0, "feature": 240.0}  # seconds, one step
 EXTRA_MIN_S = 60.0  # the feature benchmarks start only with this much of the budget left
 # (step, the benchmark's arguments, small arguments); the model directory is appended for n-prefill
 FEATURES = (
@@ -181,6 +188,20 @@ def build_family(run: Run, family: str) -> Path | None:
         rec.update(json.loads(log.read_text().strip().splitlines()[-1]))
         return Path(rec["path"])
     return None
+
+
+def run_engine(run: Run, family: str, model_dir: Path) -> None:
+    """The paged engine on the family's checkpoint on the device (epd_bench/gpu_check_engine.py)."""
+    with run.step(f"{family}/engine", f"engine-{family}.log") as rec:
+        args = ["-m", "epd_bench.gpu_check_engine", "--model", str(model_dir), "--device", run.args.device, "--json",
+                *(("--steps", "4") if run.args.size == "small" else ())]
+        rec["command"] = shlex.join(["python", *args])
+        log = run.work / f"engine-{family}.log"
+        if (code := run_logged([sys.executable, *args], log, run.timeout(LIMITS["engine"]))) != 0:
+            raise RuntimeError(f"the engine run exited {code} (work/{log.name})")
+        rec["result"] = json.loads(log.read_text().strip().splitlines()[-1])
+        if run.args.device.startswith("cuda") and not rec["result"]["graph_replays"]:
+            raise RuntimeError("no decode step replayed a CUDA graph")
 
 
 def serve(run: Run, family: str, spec: SystemSpec) -> None:
@@ -288,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         run_tests(run)
         for family in FAMILIES:
             if (model_dir := build_family(run, family)) is not None:
+                run_engine(run, family, model_dir)
                 for spec in systems(model_dir, args.device):
                     serve(run, family, spec)
         if run.left() < EXTRA_MIN_S:

@@ -22,7 +22,7 @@ def render_md(record: dict[str, Any], h: str = "#") -> str:
               for name, s in steps.items()]
     sub = h + "#"
     return "\n".join([*lines, *_env_lines(steps.get("env", {}), sub), *_test_lines(steps.get("tests", {}), sub),
-                      *_build_lines(steps, sub), *_serve_lines(steps, record.get("workloads", {}), sub),
+                      *_build_lines(steps, sub), *_engine_lines(steps, sub), *_serve_lines(steps, record.get("workloads", {}), sub),
                       *_feature_lines(steps, sub)]) + "\n"
 
 
@@ -86,6 +86,24 @@ def _build_lines(steps: dict[str, Any], h: str) -> list[str]:
     for family, s in built.items():
         lines.append(f"| {family} | {s['parameters']:,} | {s['safetensors_bytes'] / GIB:.2f} | "
                      f"{', '.join(s['dtypes'])} | {s['seconds']} | {'cached' if s['cached'] else 'built'} |")
+    return lines
+
+
+def _engine_lines(steps: dict[str, Any], h: str) -> list[str]:
+    """The paged engine per family: K/V plan, CUDA graphs, TPOT against the HBM bound, tokens/s at 64 rows."""
+    runs = {f: steps[f"{f}/engine"] for f in _families(steps) if "result" in steps.get(f"{f}/engine", {})}
+    if not runs:
+        return []
+    lines = ["", f"{h} The paged engine on the device (K/V at 0.9 utilization, decode CUDA graphs)", "", "```bash",
+             *(_short(s["command"]) for s in runs.values()), "```", "",
+             "| model | block | blocks | KiB/token | seqs of 1,024 / 4,096 | graphs (replays) | TPOT b=1 (ms) "
+             "| HBM bound (ms) | TPOT / bound | tokens/s, 64 rows |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for family, s in runs.items():
+        r = s["result"]
+        graphs = f"{len(r['graphs'])} ({r['graph_replays']})" if r["graphs"] else "eager"
+        lines.append(f"| {family} | {r['block_size']} | {r['num_blocks']:,} | {r['bytes_per_token'] / 1024:g} | "
+                     f"{r['sequences_1024']:,} / {r['sequences_4096']:,} | {graphs} | {r['tpot_b1_ms']} | "
+                     f"{r['hbm_bound_ms'] or '–'} | {r['tpot_over_bound'] or '–'} | {r['tokens_per_s_64']} |")
     return lines
 
 

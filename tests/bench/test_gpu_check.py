@@ -49,7 +49,7 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "logs.tar.gz"]
     record = json.loads((out / "gpu_check.json").read_text())
     steps = record["steps"]
-    per_family = [f"{f}/{s}" for f in FAMILIES for s in ("build", *SYSTEMS)]
+    per_family = [f"{f}/{s}" for f in FAMILIES for s in ("build", "engine", *SYSTEMS)]
     assert list(steps) == ["env", "tests", *per_family, "bench-model", "structured", "n-prefill"]
     assert all(s["ok"] for s in steps.values()) and steps["env"]["gpus"] == ["Fake GPU, 1.0, 1024"]
     assert steps["tests"]["passed"] >= 2 and steps["tests"]["failed"] == steps["tests"]["errors"] == 0
@@ -64,6 +64,8 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
                 w.name: w.num_prompts for w in SMALL_WORKLOADS}
             assert all(w["result"]["failed"] == 0 for w in served["workloads"].values())
             assert served["gpu_mib"] == {"pid 4242": 100, "pid 4243": 7} and served["gpu_used_peak_mib"] == 512
+        engine = steps[f"{family}/engine"]["result"]  # the paged engine on CPU: planned, eager, measured
+        assert engine["graphs"] == [] and engine["num_blocks"] > 0 and engine["tokens_per_s_64"] > 0
     structured, n_prefill = steps["structured"]["result"], steps["n-prefill"]["result"]
     assert structured["streams"] == 2 and structured["ratio"] > 0 and n_prefill["device"] == "cpu"
     md = (out / "gpu_check.md").read_text()
@@ -73,6 +75,7 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
     for text in (md, section):
         assert "--size small --device cpu" in text and "Fake GPU" in text and record["date"] in text
         assert all(f"Serving {f}" in text for f in FAMILIES) and "## Structured outputs" in text
+        assert "The paged engine on the device" in text and "| eager |" in text
         assert "| epd-1enc | 4 / 0 |" in text and "| aggregated | 2 / 0 |" in text
     assert outside(docs.read_text()) == outside(original)
     with tarfile.open(out / "logs.tar.gz") as tar:

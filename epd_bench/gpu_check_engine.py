@@ -1,0 +1,123 @@
+"""The paged engine on one checkpoint on the device: what `make gpu-check` records per family.
+
+    python -m epd_bench.gpu_check_engine --model DIR [--device cuda] [--steps 32] [--hbm-gbps GB/s] --json
+
+- K/V plan at --gpu-memory-utilization 0.9 (decoder_service/engine/memory_plan.py, after its profiling forward):
+  blocks, bytes per token, and the sequences of 1,024 and of 4,096 tokens the pool holds at once.
+- CUDA graphs captured for decode (decoder_service/engine/cuda_graphs.py; the block size is 16 when torch's
+  FlashAttention pages 16-position blocks, else 256, its paged minimum), and how many decode steps replayed them.
+- TPOT at batch 1: the mean of --steps decode steps of one row (a 32-token prompt), timed between device syncs,
+  against the HBM bound: the LM's weight bytes / the device's bandwidth (a constant per device name, or --hbm-gbps).
+- Output tokens/s with 64 rows in flight: 64 rows decoding --steps steps together (prefill not counted).
+On CPU (the dry run) the same numbers without graphs or a bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from decoder_service.config import DecoderConfig
+from decoder_service.engine.cuda_attention import paged_supported
+from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
+from decoder_service.engine.memory_plan import module_bytes, plan_engine
+from decoder_service.engine.model_runner import ModelRunner
+from decoder_service.prompt import Prompt
+from epd_models.halves import LanguageHalf
+
+# HBM bandwidth by device name (vendor data sheets: H200 SXM 4.8 TB/s, H100 SXM 3.35 TB/s); others need --hbm-gbps
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+ROWS = 64  # in flight for the throughput number
+PROMPT_TOKENS = 32
+
+
+def bandwidth(device_name: str, override_gbps: float | None) -> float | None:
+    if override_gbps:
+        return override_gbps * 1e9
+    return next((bw for name, bw in HBM_BYTES_PER_S.items() if name in device_name), None)
+
+
+def block_size(device: torch.device) -> int:
+    return 16 if device.type != "cuda" or paged_supported(16, str(device)) else 256
+
+
+def runner_for(lm: LanguageHalf, cfg: DecoderConfig, num_blocks: int, max_len: int) -> tuple[ModelRunner, Any]:
+    runner = ModelRunner(lm, ROWS, max_len, chunk=1 << 30, prefix_block=cfg.block_size, num_blocks=num_blocks)
+    graphs = DecodeGraphs(lm, runner.cache, ROWS, max_len, packed_forward(lm, runner.cache, runner._dummy_mask),
+                          enforce_eager=cfg.enforce_eager)
+    graphs.capture()
+    setattr(runner, "graphs", graphs)  # noqa: B010  # ModelRunner's hook: decode steps replay its graphs
+    return runner, graphs
+
+
+def timed_decode(runner: ModelRunner, lm: LanguageHalf, rows: int, steps: int) -> float:
+    """Seconds per decode step of `rows` rows (after prefilling their prompts and two warm-up steps)."""
+    vocab = lm.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(rows)
+    for i in range(rows):
+        ids = torch.randint(10, vocab - 10, (1, PROMPT_TOKENS), generator=gen)
+        runner.add(("r", rows, i), Prompt(ids, []))
+    feed: dict[Hashable, int] = {k: int(torch.argmax(v)) for k, v in runner.prefill(1 << 30).items()}
+    for step in range(steps + 2):
+        if step == 2:
+            _sync(lm.device)
+            started = time.perf_counter()
+        runner.grow(feed)
+        logits = runner.decode(feed)
+        feed = dict(zip(logits, torch.stack(list(logits.values())).argmax(-1).tolist(), strict=True))
+    _sync(lm.device)
+    elapsed = time.perf_counter() - started
+    for key in list(runner.rows):
+        runner.remove(key)
+    return elapsed / steps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model: str, device: str, steps: int, hbm_gbps: float | None) -> dict[str, Any]:
+    lm = LanguageHalf(model, device=device)
+    cfg = DecoderConfig(model=model, block_size=block_size(lm.device), max_num_seqs=ROWS)
+    plan = plan_engine(cfg, lm)
+    max_len = min(plan.max_model_len, 8192)  # the runs here are short; the plan's own length is reported
+    # CPU: only the blocks these runs need (the plan's share of RAM is reported, not allocated)
+    need = ROWS * -(-(PROMPT_TOKENS + steps + 4) // plan.block_size) + 1
+    runner, graphs = runner_for(lm, cfg, plan.num_blocks if lm.device.type == "cuda" else need, max_len)
+    weights = module_bytes(lm.module)
+    name = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu"
+    bw = bandwidth(name, hbm_gbps)
+    tpot = timed_decode(runner, lm, 1, steps)
+    per_step = timed_decode(runner, lm, ROWS, steps)
+    return {"device": name, "dtype": str(lm.dtype).removeprefix("torch."), "weight_bytes": weights,
+            "block_size": plan.block_size, "num_blocks": plan.num_blocks, "bytes_per_token": plan.bytes_per_token,
+            "pool_bytes": plan.pool_bytes, "max_model_len": plan.max_model_len, "plan": plan.source,
+            "sequences_1024": plan.max_tokens // 1024, "sequences_4096": plan.max_tokens // 4096,
+            "graphs": sorted(graphs.graphs), "graph_replays": graphs.num_replays,
+            "tpot_b1_ms": round(tpot * 1e3, 3), "hbm_bound_ms": round(weights / bw * 1e3, 3) if bw else None,
+            "tpot_over_bound": round(tpot / (weights / bw), 2) if bw else None,
+            f"tokens_per_s_{ROWS}": round(ROWS / per_step, 1), "steps": steps}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser("python -m epd_bench.gpu_check_engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a checkpoint directory")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per number (default: %(default)s)")
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="the device's HBM bandwidth in GB/s, for devices not in HBM_BYTES_PER_S")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = p.parse_args(argv)
+    with torch.inference_mode():
+        result = measure(args.model, args.device, args.steps, args.hbm_gbps)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
