@@ -3,7 +3,8 @@
 On `bench-lm` (epd_builders/bench_model.py: 8-layer Llama, hidden 512, 2 K/V heads of 64, float32: 8 KiB of K/V
 per token) with `kv_cache_memory=1 GiB`, `max_model_len=8192`, `max_num_seqs=256`: `REQUESTS` text prompts of 200
 to 1,500 tokens (uniform, seeded) are submitted at once, `MAX_TOKENS` greedy new tokens each (EOS ignored), far
-more than the pool holds; the engine's `scheduler.peak_running` is the most sequences it ran at once. Today's
+more than the pool holds, with `max_prefill_tokens=2048` (below); the engine's `scheduler.peak_running` is the most
+sequences it ran at once, read when the pool first runs dry (its first preemption), where the run stops. Today's
 engine gave each of `max_num_seqs` slots `max_model_len` positions up front, so the same bytes held
 floor(1 GiB / (8192 x bytes per token)) sequences (`decoder_service/engine/kv_shape.py` `KVShape`).
 """
@@ -31,6 +32,9 @@ from epd_models.halves import LanguageHalf
 KV_BUDGET = 1 << 30
 MAX_MODEL_LEN, MAX_NUM_SEQS = 8192, 256
 REQUESTS, MAX_TOKENS, PROMPT_TOKENS = 192, 96, (200, 1500)
+PREFILL_TOKENS = 2048  # prompt tokens per step while others decode: the step's whole token budget (the default
+# 32 starts one long prompt per 27 steps, so the first ones finish before the pool fills: the number then
+# measures the prefill rate, not the memory)
 
 
 def prompts(lm: LanguageHalf, n: int, seed: int = 0) -> list[Prompt]:
@@ -43,13 +47,27 @@ def prompts(lm: LanguageHalf, n: int, seed: int = 0) -> list[Prompt]:
 
 
 async def drive(engine: Engine, batch: list[Prompt]) -> int:
-    async def one(prompt: Prompt) -> int:
-        job = engine.submit(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    """Submit every prompt at once; once the pool is full (the first preemption) every request is cancelled (the
+    most sequences at once is reached by then: later admissions only replace finished ones). Completion tokens."""
+    jobs = [engine.submit(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)) for p in batch]
+
+    async def one(job: Any) -> int:
         while (event := await job.events.get()).type == "delta":
             pass
         assert event.type == "done" and event.usage is not None, event
         return int(event.usage.completion_tokens)
-    return sum(await asyncio.gather(*(one(p) for p in batch)))
+
+    async def stop_when_full() -> None:
+        while engine.scheduler.num_preempted == 0:
+            await asyncio.sleep(0.05)
+        for job in jobs:
+            job.cancelled.set()
+
+    watcher = asyncio.create_task(stop_when_full())
+    try:
+        return sum(await asyncio.gather(*(one(j) for j in jobs)))
+    finally:
+        watcher.cancel()
 
 
 def run_memory() -> dict[str, Any]:
@@ -57,7 +75,8 @@ def run_memory() -> dict[str, Any]:
         return {"skipped": "this tree's engine has no K/V block pool"}  # it would preallocate 256 x 8192 positions
     lm = LanguageHalf(ensure_bench_model(BENCH_LM_SPEC, "bench-lm"))
     shape = KVShape.of(lm.config.get_text_config(), next(lm.module.parameters()).dtype)
-    cfg = DecoderConfig(kv_cache_memory=KV_BUDGET, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+    cfg = DecoderConfig(kv_cache_memory=KV_BUDGET, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                        max_prefill_tokens=PREFILL_TOKENS)
     consumer = ECConsumer(cache_bytes=0)
     engine = Engine(lm, consumer, cfg, DecoderMetrics(CollectorRegistry(), consumer.stats))
     batch = prompts(lm, REQUESTS)
@@ -73,7 +92,8 @@ def run_memory() -> dict[str, Any]:
             "max_num_seqs": MAX_NUM_SEQS, "bytes_per_token": shape.bytes_per_token, "requests": REQUESTS,
             "prompt_tokens": {"min": min(p.num_tokens for p in batch), "max": max(p.num_tokens for p in batch),
                               "mean": round(sum(p.num_tokens for p in batch) / len(batch))},
-            "max_tokens": MAX_TOKENS, "completion_tokens": tokens, "wall_s": round(time.perf_counter() - start, 1),
-            "preemptions": getattr(engine.scheduler, "num_preemptions", None),
+            "max_tokens": MAX_TOKENS, "completion_tokens_before_stop": tokens, "wall_s": round(time.perf_counter() - start, 1),
+            "preemptions": engine.scheduler.num_preempted, "max_prefill_tokens": PREFILL_TOKENS,
+            "num_blocks": engine.plan.num_blocks, "block_size": cfg.block_size,
             "peak_running": peak, "slots_in_budget_today": slots, "paged_vs_slots": round(peak / slots, 2),
             "target_paged_vs_slots_min": 8}
