@@ -49,6 +49,7 @@ class Group:
     num_q: int  # queries in the packed sequence (rows for decode, n for a chunk)
     decode: bool
     keys: list[Any] = field(default_factory=list)  # the rows' keys, in table order
+    lens: list[int] | None = None  # positions each row reads, its new ones included (CUDA: varlen's seqused_k)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class StepPlan:
     slots: torch.Tensor  # (tokens,) where each packed position's K/V goes: block * block_size + offset
     groups: list[Group] = field(default_factory=list)
     seq_len: int = 0  # get_seq_length (positions already written in the longest row)
+    varlen: Any = None  # CUDA: the forward's cuda_attention.VarlenMeta (built by its first layer, or a graph's own)
 
 
 _current = threading.local()  # the engine thread's plan for the forward in flight

@@ -77,6 +77,8 @@ class Engine:
         self.runner = ModelRunner(lm, cfg.max_num_seqs, self.max_model_len, chunk=1 << 30,
                                   prefix_bytes=cfg.prefix_cache_bytes, prefix_block=cfg.block_size,
                                   num_blocks=self.plan.num_blocks)
+        if lm.device.type == "cuda":
+            self.runner.enable_graphs(cfg.enforce_eager)
         if self.runner.prefix is not None:
             metrics.prefix_stats = self.runner.prefix.stats
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,

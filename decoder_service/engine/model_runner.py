@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from decoder_service.engine.block_manager import BlockManager
+from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
 from decoder_service.engine.kv_cache import ATTENTION, Group, PagedCache, StepPlan, causal_mask
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.outputs import RunnerOutput, SchedulerOutput
@@ -100,6 +101,14 @@ class ModelRunner:
         cfg = lm.config
         probe = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lm.device)
         self._mask_shape = lm.adapter.attention_mask(cfg, probe, [0], [None])  # what transformers is passed
+        self.graphs: DecodeGraphs | None = None  # CUDA: decode-only steps replay captured graphs (enable_graphs)
+
+    def enable_graphs(self, enforce_eager: bool = False) -> None:
+        """CUDA: capture the decode forward for each batch-size bucket (cuda_graphs.py); a no-op elsewhere."""
+        graphs = DecodeGraphs(self.lm, self.cache, self.max_slots, self.max_len,
+                              packed_forward(self.lm, self.cache, self._dummy_mask), enforce_eager)
+        graphs.capture()
+        self.graphs = graphs if graphs.graphs else None
 
     # -- capacity -------------------------------------------------------------------------------------------
     @property
@@ -332,11 +341,13 @@ class ModelRunner:
         decode = [s for s in segments if s.decode]
         prefill = [s for s in segments if not s.decode]
         ends = list(range(len(decode))) + [g.first + g.num_q - 1 for g in plan.groups if not g.decode]
-        self.cache.activate(plan)
-        try:
-            logits = self.lm.forward_rows(embeds, positions, self.cache, self._dummy_mask(embeds), ends, **extra)
-        finally:
-            self.cache.activate(None)
+        logits = self.graphs.run(plan, embeds, positions) if self.graphs is not None and not prefill else None
+        if logits is None:
+            self.cache.activate(plan)
+            try:
+                logits = self.lm.forward_rows(embeds, positions, self.cache, self._dummy_mask(embeds), ends, **extra)
+            finally:
+                self.cache.activate(None)
         out: dict[Hashable, torch.Tensor] = {}
         for i, s in enumerate(decode):
             s.row.length += 1
@@ -385,7 +396,8 @@ class ModelRunner:
         table = torch.tensor([(r.blocks + [0] * width)[:width] for r in rows]).to(dev, non_blocking=True)
         mask = self.lm.adapter.attention_mask(self.lm.config, causal_mask(starts, num_new, dev), starts,
                                               [r.state for r in rows])
-        return Group(table, kv_len, mask, first, len(rows) if decode else num_new, decode, [r.key for r in rows])
+        return Group(table, kv_len, mask, first, len(rows) if decode else num_new, decode, [r.key for r in rows],
+                     [s + num_new for s in starts])
 
     def _dummy_mask(self, embeds: torch.Tensor) -> Any:
         """What transformers is handed as attention_mask (a 4D mask it passes through untouched); the real masks
