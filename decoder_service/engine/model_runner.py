@@ -147,9 +147,11 @@ class ModelRunner:
     # -- rows -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def add(self, key: Hashable, prompt: Prompt, forks: Iterable[Hashable] = (), chain: PrefixChain | None = None,
-            route_keys: Iterable[str] = (), fed: Sequence[int] = ()) -> int:
-        """A row for `prompt` (and `fed`: tokens a preempted row had fed back); with `forks`, that many more rows
-        copy its K/V once prefilled. Returns the positions taken from the prefix cache (not prefilled)."""
+            route_keys: Iterable[str] = (), fed: Sequence[int] | None = None) -> int:
+        """A row for `prompt`; with `fed` (maybe empty), a preempted row coming back with the tokens it had fed: its
+        prefill's last logits are not a new token's. With `forks`, that many more rows copy its K/V once prefilled.
+        Returns the positions taken from the prefix cache (not prefilled)."""
+        resumed, fed = fed is not None, tuple(fed or ())
         forks = list(forks)
         assert self.num_free_slots >= 1 + len(forks), "no free row"
         target = prompt.num_tokens + len(fed)
@@ -164,7 +166,7 @@ class ModelRunner:
         state = self.lm.prefill_state(prompt.input_ids, prompt.images)
         chain = chain if self.prefix is not None else None
         row = Row(key, prompt, embeds, positions, delta, target, state, forks=forks, chain=chain,
-                  route_keys=tuple(route_keys), fed=tuple(fed), resumed=bool(fed))
+                  route_keys=tuple(route_keys), fed=fed, resumed=resumed)
         keys = (chain.extend(fed) if fed else chain.keys) if chain is not None else ()
         shared = self._reusable(row, keys)
         need = -(-target // self.block_size) - len(shared)
@@ -178,7 +180,7 @@ class ModelRunner:
         self._fresh += fresh
         row.blocks, row.fork_blocks = shared + fresh[:need], fresh[need:]
         row.length = len(shared) * self.block_size
-        if self.prefix is not None and not fed:
+        if self.prefix is not None and not resumed:
             self.blocks.record(row.length)
         self.rows[key] = row
         return row.length
