@@ -1,0 +1,91 @@
+"""Decode attention over a paged K/V pool on this CPU: which layout and gather the engine uses, and what it costs.
+
+    python -m epd_bench.paged_attention [--json] [--rows 16 64] [--positions 992] [--repeats 10]
+
+One layer's decode attention for R rows of P positions each (bench-lm's shape: 8 query heads, 4 K/V heads, head
+size 64, float32), blocks of 16 scattered at random over a pool:
+- `slots_sdpa_ms`: SDPA over contiguous per-row K/V (the slot cache this engine had before issue 31): the floor;
+- `gather_fresh_ms` / `gather_kept_ms`: the rows' blocks gathered with `index_select` into a new tensor, or into a
+  kept workspace (what `PagedCache.gather` does);
+- `paged_head_major_ms`: gather into the workspace + SDPA over the (rows, heads, positions, dim) view of a
+  head-major pool, (kv_heads, blocks, block, dim) — the engine's CPU path;
+- `paged_block_major_ms`: the same over a block-major pool, (blocks, block, kv_heads, dim) — varlen's layout,
+  which needs a transposing copy before SDPA on the CPU.
+Medians of `repeats` calls after one warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+HEADS, KV_HEADS, DIM, BLOCK = 8, 4, 64, 16
+
+
+def _ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def measure(rows: int, positions: int, repeats: int) -> dict[str, Any]:
+    width = positions // BLOCK
+    num_blocks = rows * width + 1
+    table = (torch.randperm(num_blocks - 1)[: rows * width] + 1).view(rows, width)
+    flat = table.reshape(-1)
+    q = torch.randn(rows, HEADS, 1, DIM)
+    mask = torch.ones(rows, 1, 1, positions, dtype=torch.bool)
+    slots = torch.randn(rows, KV_HEADS, positions, DIM)
+    head_major = torch.randn(KV_HEADS, num_blocks, BLOCK, DIM)
+    block_major = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM)
+    kept = torch.empty(KV_HEADS, rows * width, BLOCK, DIM)
+
+    def gather_kept() -> torch.Tensor:
+        torch.index_select(head_major, 1, flat, out=kept)
+        return kept.view(KV_HEADS, rows, positions, DIM).transpose(0, 1)
+
+    def sdpa(k: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+
+    def block_major_path() -> torch.Tensor:
+        k = block_major.index_select(0, flat).view(rows, positions, KV_HEADS, DIM).transpose(1, 2)
+        return sdpa(k.contiguous())
+
+    return {"rows": rows, "positions": positions,
+            "slots_sdpa_ms": _ms(lambda: sdpa(slots), repeats),
+            "gather_fresh_ms": _ms(lambda: torch.index_select(head_major, 1, flat), repeats),
+            "gather_kept_ms": _ms(gather_kept, repeats),
+            "paged_head_major_ms": _ms(lambda: sdpa(gather_kept()), repeats),
+            "paged_block_major_ms": _ms(block_major_path, repeats)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser("epd_bench.paged_attention", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--positions", type=int, default=992, help="per row, a multiple of 16")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    assert args.positions % BLOCK == 0, "positions: a multiple of the block size"
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        out = [measure(r, args.positions, args.repeats) for r in args.rows]
+    if args.json:
+        print(json.dumps(out))
+        return
+    for row in out:
+        print(" ".join(f"{k}={v}" for k, v in row.items()))
+
+
+if __name__ == "__main__":
+    main()
