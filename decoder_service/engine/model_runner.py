@@ -101,6 +101,7 @@ class ModelRunner:
         cfg = lm.config
         probe = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lm.device)
         self._mask_shape = lm.adapter.attention_mask(cfg, probe, [0], [None])  # what transformers is passed
+        self._position_lead = tuple(lm.adapter.decode_position_ids(0, 0).shape[:-1])
         self.graphs: DecodeGraphs | None = None  # CUDA: decode-only steps replay captured graphs (enable_graphs)
 
     def enable_graphs(self, enforce_eager: bool = False) -> None:
@@ -372,8 +373,7 @@ class ModelRunner:
         if decode:
             ids = torch.tensor([[self._tokens[s.row.key] for s in decode]])
             embeds.append(self.lm.embed(ids, []))
-            positions.append(self.lm.to_device(torch.cat([self.lm.adapter.decode_position_ids(s.start, s.row.rope_delta)
-                                                          for s in decode], dim=-1)))
+            positions.append(self._decode_positions([s.start + s.row.rope_delta for s in decode]))
             starts = [s.start for s in decode]
             slots += [s.row.blocks[s.start // b] * b + s.start % b for s in decode]
             plan.groups.append(self._group([s.row for s in decode], starts, 1, 0, True))
@@ -390,6 +390,12 @@ class ModelRunner:
         plan.slots = torch.tensor(slots).to(dev, non_blocking=True)
         plan.seq_len = max(s.start for s in segments)
         return plan, torch.cat(embeds, dim=1), torch.cat(positions, dim=-1)
+
+    def _decode_positions(self, values: list[int]) -> torch.Tensor:
+        """Every decode row's position in one tensor, shaped as the family's (`decode_position_ids` fills its
+        (1, 1), or M-RoPE's (3, 1, 1), with past + delta)."""
+        flat = torch.tensor(values).view(*([1] * (len(self._position_lead) - 1)), 1, -1)
+        return self.lm.to_device(flat.expand(*self._position_lead, len(values)))
 
     def _group(self, rows: list[Row], starts: list[int], num_new: int, first: int, decode: bool) -> Group:
         b, dev = self.block_size, self.lm.device
