@@ -4,7 +4,7 @@ On `bench-lm` (epd_builders/bench_model.py: 8-layer Llama, hidden 512, 2 K/V hea
 per token) with `kv_cache_memory=1 GiB`, `max_model_len=8192`, `max_num_seqs=256`: `REQUESTS` text prompts of 200
 to 1,500 tokens (uniform, seeded) are submitted at once, `MAX_TOKENS` greedy new tokens each (EOS ignored), far
 more than the pool holds, with `max_prefill_tokens=2048` (below); the engine's `scheduler.peak_running` is the most
-sequences it ran at once, read when the pool first runs dry (its first preemption), where the run stops. Today's
+sequences it ran at once, read when the first request completes or the pool runs dry, where the run stops. Today's
 engine gave each of `max_num_seqs` slots `max_model_len` positions up front, so the same bytes held
 floor(1 GiB / (8192 x bytes per token)) sequences (`decoder_service/engine/kv_shape.py` `KVShape`).
 """
@@ -47,23 +47,26 @@ def prompts(lm: LanguageHalf, n: int, seed: int = 0) -> list[Prompt]:
 
 
 async def drive(engine: Engine, batch: list[Prompt]) -> int:
-    """Submit every prompt at once; once the pool is full (the first preemption) every request is cancelled (the
-    most sequences at once is reached by then: later admissions only replace finished ones). Completion tokens."""
+    """Submit every prompt at once; once the first request completes or the pool runs dry (a preemption), every
+    request is cancelled: the most sequences at once is reached by then (admission outpaces completion here,
+    2048 prompt tokens a step against 96 new tokens a request; later admissions only replace finished ones)."""
     jobs = [engine.submit(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)) for p in batch]
+    first_done = asyncio.Event()
 
     async def one(job: Any) -> int:
         while (event := await job.events.get()).type == "delta":
             pass
+        first_done.set()
         assert event.type == "done" and event.usage is not None, event
         return int(event.usage.completion_tokens)
 
-    async def stop_when_full() -> None:
-        while engine.scheduler.num_preempted == 0:
+    async def stop() -> None:
+        while engine.scheduler.num_preempted == 0 and not first_done.is_set():
             await asyncio.sleep(0.05)
         for job in jobs:
             job.cancelled.set()
 
-    watcher = asyncio.create_task(stop_when_full())
+    watcher = asyncio.create_task(stop())
     try:
         return sum(await asyncio.gather(*(one(j) for j in jobs)))
     finally:
