@@ -3,7 +3,7 @@
     python -m epd_bench.structured [--json] [--streams 16] [--max-tokens 64] [--rounds 3]
 
 Measured through the real decoder `Engine` in this process (continuous batching, one batched forward per step,
-the guide's mask applied per row inside the step), on the "small" random LLaVA of epd_bench.decoder. Each round
+the guide's mask applied per row inside the step), on the "small" random LLaVA of epd_bench.decoder_worker. Each round
 runs `streams` free requests at once, then the same prompts again with a json_schema guide (an array of nested
 objects that cannot end within max_tokens, so both rounds decode the same number of tokens); rounds alternate so
 drift hits both. Greedy, EOS ignored. Reported: output tokens/s of each (median over rounds) and their ratio
@@ -26,7 +26,7 @@ from typing import Any
 
 from decoder_service.grammar import CompiledGuide, GuideCompiler
 from decoder_service.request import Work
-from epd_bench.decoder import SMALL, Bench
+from epd_bench.decoder_worker import SMALL, Bench, small_config
 from epd_bench.grammar_cost import NESTED_SCHEMA, large_tokenizer, measure
 from epd_builders.tiny import TinySpec, build_tiny
 from epd_contracts.sampling import SamplingParams
@@ -79,7 +79,7 @@ def at_large_vocab(result: dict[str, float], streams: int, small_vocab_mask_us: 
 def run(spec: TinySpec, streams: int, max_tokens: int, rounds: int, large_vocab: int, repeats: int = 5,
         max_prefill_tokens: int = 2048) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        bench = Bench(build_tiny(spec, Path(tmp) / "model"), max_prefill_tokens)
+        bench = Bench(build_tiny(spec, Path(tmp) / "model"), small_config(max_prefill_tokens))
         try:
             result: dict[str, Any] = asyncio.run(compare(bench, streams, max_tokens, rounds))
         finally:
