@@ -75,7 +75,7 @@ from epd_bench.stacks import Running, SystemSpec, aggregated, epd
 
 TESTS = ("tests/models/test_parity.py", "tests/models/test_device.py", "tests/models/test_deepstack.py",
          "tests/models/test_prefix_parity.py", "tests/decoder_service/test_cuda_graphs.py")  # the last: CUDA = CPU tokens
-SMALL_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or slot_cache")
+SMALL_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or paged_cache")
 PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "fastapi", "starlette", "uvicorn", "pydantic",
            "pydantic_core", "msgspec", "pyzmq", "regex", "typing_extensions")
 FAMILIES = ("llava-1.5-7b", "qwen2.5-vl-3b")  # epd_builders/full_size.py presets, built and served in this order

@@ -96,9 +96,9 @@ class Sampler:
 
     @property
     def batched(self) -> bool:
-        """Chosen in the step's batched argmax: plain greedy, and `choose` not replaced on this instance (a wrapper
-        or an injected fault, as the engine's tests do, is still called)."""
-        return self.plain_greedy and "choose" not in self.__dict__
+        """Chosen in the step's batched argmax: plain greedy, and `choose` not replaced on this instance or by a
+        subclass (a wrapper or an injected fault, as the engine's tests do, is still called)."""
+        return self.plain_greedy and "choose" not in self.__dict__ and type(self).choose is Sampler.choose
 
     @property
     def packed(self) -> torch.Tensor | None:
