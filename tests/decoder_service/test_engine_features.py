@@ -171,7 +171,7 @@ def test_free_streams_are_unchanged_by_constrained_ones_in_their_batch(engine: E
     assert outs[1].texts == alone.texts  # the free row, batched with three constrained ones
     for i in (0, 2, 3):
         assert outs[i].texts[0].startswith('["') and outs[i].texts[0] != alone.texts[0]
-    assert engine.runner.rows == []  # every slot freed
+    assert engine.runner.rows == {} and engine.runner.num_free_blocks == engine.runner.blocks.num_usable  # every slot freed
 
 
 class _BreaksAfter:
@@ -210,4 +210,4 @@ def test_a_grammar_that_breaks_mid_stream_ends_its_request_alone(engine: Engine)
     bad, good = asyncio.run(together())
     assert len(bad.errors) == 1 and bad.errors[0].message and not bad.done  # one error ends both choices
     assert good.texts == alone.texts and good.done[0].finish_reason == "length"
-    assert engine.runner.rows == [] and engine.scheduler.running == {}
+    assert engine.runner.rows == {} and engine.runner.num_free_blocks == engine.runner.blocks.num_usable and engine.scheduler.running == {}
