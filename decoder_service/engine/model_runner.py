@@ -70,10 +70,7 @@ class Segment:
     row: Row
     start: int
     num: int
-
-    @property
-    def decode(self) -> bool:
-        return self.row.prefilled  # a prefilled row's segment is its one fed token
+    decode: bool  # a prefilled row's one fed token (else a prompt chunk)
 
 
 class ModelRunner:
@@ -285,7 +282,7 @@ class ModelRunner:
         rows = [self.rows[k] for k in tokens]
         assert all(r.prefilled for r in rows), "only a prefilled row is fed a token"
         self._tokens = tokens
-        return [Segment(r, r.length, 1) for r in rows]
+        return [Segment(r, r.length, 1, True) for r in rows]
 
     def _prefill_segments(self, budget: int) -> list[Segment]:
         out: list[Segment] = []
@@ -301,7 +298,7 @@ class ModelRunner:
                 end = self.lm.adapter.chunk_end(row.state, start, end)  # e.g. never inside a Gemma 3 image
             if end <= start:
                 continue
-            out.append(Segment(row, start, end - start))
+            out.append(Segment(row, start, end - start, False))
             budget -= end - start
         return out
 
