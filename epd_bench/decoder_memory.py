@@ -60,17 +60,20 @@ async def drive(engine: Engine, batch: list[Prompt]) -> int:
         assert event.type == "done" and event.usage is not None, event
         return int(event.usage.completion_tokens)
 
-    async def stop() -> None:
-        while engine.scheduler.num_preempted == 0 and not first_done.is_set():
-            await asyncio.sleep(0.05)
-        for job in jobs:
-            job.cancelled.set()
-
-    watcher = asyncio.create_task(stop())
-    try:
-        return sum(await asyncio.gather(*(one(j) for j in jobs)))
-    finally:
-        watcher.cancel()
+    tasks = [asyncio.create_task(one(j)) for j in jobs]
+    while engine.scheduler.num_preempted == 0 and not first_done.is_set():
+        await asyncio.sleep(0.05)
+    for job in jobs:
+        job.cancelled.set()
+    # running requests end with `done` (abort); waiting ones leave the queue with no event (their client is
+    # gone, as in the server): wait for the engine to be idle, then stop listening
+    while not engine.scheduler.is_idle or engine.num_waiting:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0)
+    for t in tasks:
+        t.cancel()
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    return sum(n for n in done if isinstance(n, int))
 
 
 def run_memory() -> dict[str, Any]:
