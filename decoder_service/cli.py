@@ -86,6 +86,9 @@ def _add_memory_flags(g: argparse._ActionsContainer, d: DecoderConfig) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens one step runs, prefill chunks and decode rows together (0: max(2048, --max-num-seqs))")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly, no CUDA graphs")
+    g.add_argument("--cpu-packed-linear", action="store_true",
+                   help="CPU: decode-sized linears through oneDNN's prepacked matmul (faster at 1-64 rows; the last "
+                        "bits differ from F.linear's, so greedy output may differ from transformers'; weights held twice)")
 
 
 def _resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace, d: DecoderConfig) -> None:

@@ -32,6 +32,7 @@ from connector.tensors.consumer import ECConsumer
 from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
+from decoder_service.engine import cpu_linear
 from decoder_service.engine.eos import eos_token_ids
 from decoder_service.engine.logprobs import TokenTable
 from decoder_service.engine.memory_plan import plan_engine
@@ -79,6 +80,8 @@ class Engine:
                                   num_blocks=self.plan.num_blocks)
         if lm.device.type == "cuda":
             self.runner.enable_graphs(cfg.enforce_eager)
+        if cfg.cpu_packed_linear and lm.device.type == "cpu" and cpu_linear.available():
+            logger.info("--cpu-packed-linear: %d linears prepacked for oneDNN", cpu_linear.pack_linears(lm.module))
         if self.runner.prefix is not None:
             metrics.prefix_stats = self.runner.prefix.stats
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
