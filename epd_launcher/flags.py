@@ -89,7 +89,8 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--grammar-compile-threads", positive, "threads each decoder compiles response_format and tool grammars on"),
     ("--grammar-compile-timeout", positive_seconds, "seconds one grammar compile may run on a decoder"),
 )
-DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),)
+DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),
+                    ("--cpu-packed-linear", "CPU: decoders run decode-sized linears through oneDNN's prepacked matmul"))
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max",
                   *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES))
