@@ -23,6 +23,8 @@ group, built once per forward and shared by every layer.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from decoder_service.engine.kv_shape import KVShape
 
 ATTENTION = "epd_paged"
+_LINUX_MAP_NORESERVE = 0x4000  # <sys/mman.h>; Python's mmap module names it only from 3.13
 Mask = torch.Tensor | dict[str, torch.Tensor]
 
 
@@ -126,9 +129,8 @@ class PagedCache(Cache):
         self.head_major = self.device.type != "cuda"
         dims = ((shape.kv_heads, num_blocks, block_size, shape.head_dim) if self.head_major
                 else (num_blocks, block_size, shape.kv_heads, shape.head_dim))
-        layers = [PagedLayer(torch.empty(dims, dtype=shape.dtype, device=self.device),
-                             torch.empty(dims, dtype=shape.dtype, device=self.device), self.head_major)
-                  for _ in range(shape.num_layers)]
+        layers = [PagedLayer(_pool(dims, shape.dtype, self.device), _pool(dims, shape.dtype, self.device),
+                             self.head_major) for _ in range(shape.num_layers)]
         super().__init__(layers=list(layers))
         self.paged_layers = layers
         self.zero([0])  # the null block
@@ -178,6 +180,19 @@ class PagedCache(Cache):
 
     def release_workspace(self) -> None:
         self._workspace.clear()
+
+
+def _pool(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's K or V pool, its memory touched only as blocks are used. On the CPU an anonymous MAP_NORESERVE
+    mapping: a reserve the kernel does not charge up front (a quarter of RAM per decoder by default), so a process
+    holding pools can still fork (Linux's heuristic overcommit refuses a fork whose private memory looks larger than
+    RAM: torch.empty's would count in full)."""
+    if device.type != "cpu":
+        return torch.empty(dims, dtype=dtype, device=device)
+    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", _LINUX_MAP_NORESERVE)
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1), flags=flags), dtype=dtype,
+                            count=math.prod(dims)).view(dims)
 
 
 def _mask_for(module: Any, mask: Mask) -> torch.Tensor:
