@@ -180,8 +180,10 @@ class LanguageHalf:
         the family's prefill extras; return the logits at the packed positions `ends`."""
         out = self.module.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache,
                                          attention_mask=attention_mask, use_cache=True, **extra)
-        index = torch.tensor(ends).to(self.device, non_blocking=True)
-        return self.module.lm_head(out.last_hidden_state[0].index_select(0, index)).float()
+        hidden = out.last_hidden_state[0]
+        if ends != list(range(hidden.shape[0])):  # a decode-only step wants every position: no gather
+            hidden = hidden.index_select(0, torch.tensor(ends).to(self.device, non_blocking=True))
+        return self.module.lm_head(hidden).float()
 
 
 def _to_cpu(features: list[ImageFeatures]) -> list[ImageFeatures]:

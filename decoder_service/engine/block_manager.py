@@ -13,7 +13,7 @@ Engine thread only, except `summary()` and `stats()` (under the lock, for /healt
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 MAX_ROUTE_KEYS = 4096  # the proxy's prefix keys reported in /health, most recent first
@@ -30,7 +30,9 @@ class BlockManager:
         self.num_blocks, self.block_size, self.block_bytes = num_blocks, block_size, block_bytes
         self.caching, self.cache_cap = caching, cache_cap
         self.refs = [0] * num_blocks
-        self.free: deque[int] = deque(range(1, num_blocks))
+        # free blocks as a stack (last freed, first reused): a working set stays in the pages and caches it already
+        # touched; a queue would walk the whole pool, faulting in (and on the CPU committing) every page of it
+        self.free: list[int] = list(range(num_blocks - 1, 0, -1))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.key_of: dict[int, bytes] = {}
         self.by_key: dict[bytes, int] = {}
@@ -92,7 +94,7 @@ class BlockManager:
         out: list[int] = []
         for _ in range(n):
             if self.free:
-                b = self.free.popleft()
+                b = self.free.pop()
             else:
                 b, _ = self.evictable.popitem(last=False)
                 self._forget(b)

@@ -143,10 +143,7 @@ class DecodeGraphs:
             mask = (kv.view(1, -1) < s.used[:bucket].view(-1, 1)).view(bucket, 1, 1, -1)
         plan = s.plan(bucket, self.cache.block_size, mask)
         logits = self.forward(s.embeds[:, :bucket], s.positions[..., :bucket], plan)
-        for layer in self.cache.paged_layers:  # padding rows wrote into the null block (no host index: capturable)
-            for pool in (layer.keys, layer.values):
-                assert pool is not None
-                (pool[:, 0] if self.cache.head_major else pool[0]).zero_()
+        self.cache.pool.select(self.cache.block_dim, 0).zero_()  # padding rows wrote into the null block (capturable)
         return logits
 
     @torch.inference_mode()

@@ -5,27 +5,37 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 
+def _plain_rust(tokenizer: Any) -> bool:
+    """A fast tokenizer whose transformers wrapper adds nothing to the Rust decoder (no overridden decoding, no
+    clean-up of spaces)."""
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces)
+
+
 def window_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     """`tokenizer.decode(ids, skip_special_tokens=True)`, straight to the Rust tokenizer where transformers' wrapper
-    adds nothing to it (a fast tokenizer that neither overrides decoding nor cleans up spaces): 0.45 us a call
-    instead of 3.2 us on the bench model's tokenizer, and called twice per token per sequence."""
-    cls = type(tokenizer)
-    if (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
-            and cls._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces):
+    adds nothing to it: 0.45 us a call instead of 3.2 us on the bench model's tokenizer."""
+    if _plain_rust(tokenizer):
         return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
     return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
-    """Decodes only a short window per token (prefix/read offsets, as vLLM does), not the whole output."""
+    """Decodes only a short window per token, not the whole output: the Rust tokenizer's own `DecodeStream` where
+    the wrapper adds nothing (one call per token, 0.9 us against 3.6 us for two window decodes on the ten families'
+    tokenizers; vLLM's fast path), else prefix/read offsets over `tokenizer.decode` (vLLM's slow path)."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]):
         self.tokenizer = tokenizer
         self.decode = window_decoder(tokenizer)
+        self._rust = tokenizer.backend_tokenizer if _plain_rust(tokenizer) else None
+        self._stream = DecodeStream(skip_special_tokens=True) if self._rust is not None else None
         self.stop = stop
         self.token_ids: list[int] = []
         self.text = ""  # decoded text so far (stop-truncated once stopped)
@@ -51,6 +61,8 @@ class IncrementalDetokenizer:
         return self._emit(len(self.text))
 
     def _delta(self) -> str:
+        if self._stream is not None:
+            return self._stream.step(self._rust, self.token_ids[-1]) or ""
         before = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
         after = self.decode(self.token_ids[self.prefix_offset :])
         if len(after) <= len(before) or after.endswith("\ufffd"):  # nothing new, or a partial character

@@ -39,8 +39,9 @@ from decoder_service.engine.memory_plan import plan_engine
 from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.outputs import RunnerOutput
 from decoder_service.engine.readback import read_back, read_back_rows
+from decoder_service.engine.sampling import choose_rows
 from decoder_service.engine.scheduler import Scheduler
-from decoder_service.engine.sequence import Job, Sequence
+from decoder_service.engine.sequence import Job, Sequence, hold_events, release_events
 from decoder_service.grammar import CompiledGuide
 from decoder_service.grammar_pool import Abandoned, CompilePool
 from decoder_service.metrics import DecoderMetrics
@@ -78,6 +79,7 @@ class Engine:
         self.runner = ModelRunner(lm, cfg.max_num_seqs, self.max_model_len, chunk=1 << 30,
                                   prefix_bytes=cfg.prefix_cache_bytes, prefix_block=cfg.block_size,
                                   num_blocks=self.plan.num_blocks)
+        self.runner.before_forward = release_events  # the held events go while the forward runs (step())
         if lm.device.type == "cuda":
             self.runner.enable_graphs(cfg.enforce_eager)
         if cfg.cpu_packed_linear and lm.device.type == "cpu" and cpu_linear.available():
@@ -202,32 +204,43 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
+            if self.scheduler.is_idle:
+                release_events()  # nothing runs next: the last step's events go now
             self._take_new_jobs(block=self.scheduler.is_idle)
             self.step()
             self.progress_at = time.monotonic()
+        release_events()
         self.scheduler.abort_all()
 
     def step(self) -> None:
-        scheduled = self.scheduler.schedule()
-        out = self.runner.run(scheduled)
-        self.postprocess(out)
+        """Schedule, one forward, postprocess. A step's events are held from its postprocess until the next step's
+        forward starts (`runner.before_forward`), or the engine idles: the loops' threads take them while the
+        forward runs, and the next step's host work is not interrupted by them."""
+        try:
+            scheduled = self.scheduler.schedule()
+            out = self.runner.run(scheduled)
+        finally:
+            release_events()  # the forward had none to overlap (a step with no forward), or it failed
+        hold_events()
+        try:
+            self.postprocess(out)
+        except BaseException:
+            release_events()
+            raise
 
     def postprocess(self, out: RunnerOutput) -> None:
         """End the rows whose forward failed; every other row samples its token, then streams it or finishes.
 
         Plain greedy rows choose in one batched argmax, every other row by its own sampler in its own try
         (sampling.choose_rows); every row's token comes back in one transfer, logprobs in one more."""
-        from decoder_service.engine.sampling import choose_rows  # NOTE: hoist to the imports (H3 edits only this)
-        from decoder_service.engine.sequence import held_events
-
         for key, (stage, exc) in out.failed.items():
             assert isinstance(key, int), "engine keys are ints"
             self.scheduler.fail(key, exc, stage)
         running = self.scheduler.running
         keys = [key for key in out.logits if isinstance(key, int)]
         assert len(keys) == len(out.logits), "engine keys are ints"
-        picked, batch = choose_rows([(key, seq.sampler, out.logits[key]) for key in keys
-                                     if (seq := running.get(key)) is not None])
+        picked, batch = choose_rows([(key, seq.sampler) for key in keys if (seq := running.get(key)) is not None],
+                                    out.logits)
         chosen: dict[int, torch.Tensor] = {}
         for key, choice in picked.items():
             if isinstance(choice, Exception):
@@ -237,10 +250,9 @@ class Engine:
         tokens = read_back(chosen, self.vocab_size, batch)
         packed = {k: p for k in chosen if (seq := running.get(k)) is not None and (p := seq.sampler.packed) is not None}
         logprobs = read_back_rows(packed)  # rows that asked for logprobs: one more transfer for all of them
-        with held_events():  # the step's events go out together, one wakeup per event loop
-            for key in keys:  # in the runner's order, as each row chose
-                if (token := tokens.get(key)) is not None:
-                    self._accept(key, token, logprobs.get(key))
+        for key in keys:  # in the runner's order, as each row chose (events held: step())
+            if (token := tokens.get(key)) is not None:
+                self._accept(key, token, logprobs.get(key))
 
     def _accept(self, key: int, token: int | Exception, logprobs: list[float] | None = None) -> None:
         """The row's chosen token becomes its text and events; it finishes on a stop, or fails (with its siblings)."""
@@ -263,6 +275,7 @@ class Engine:
         """An engine fault (not one request's): say so everywhere, end every request with an error."""
         self.dead = f"{type(exc).__name__}: {exc}"
         logger.critical("engine thread died: %s", self.dead, exc_info=exc)
+        release_events()
         for job in self.scheduler.drain():
             job.emit_error(_ENGINE_STOPPED)
         self._fail_queued()

@@ -18,11 +18,13 @@ Rows without a guide or logprobs pay nothing for them, and nothing here waits fo
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from decoder_service.engine.logprobs import entry
+from decoder_service.engine.outputs import RowLogits
 from epd_contracts.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -188,28 +190,31 @@ class Sampler:
 Batch = tuple[list[int], torch.Tensor]  # (row keys, their tokens as one 1-D tensor on the device)
 
 
-def greedy_tokens(logits: list[torch.Tensor]) -> torch.Tensor:
-    """Each row's argmax in one op over the stacked rows (1-D, on their device, no host sync): exactly what
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax in one op over the (rows, vocab) logits (1-D, on their device, no host sync): exactly what
     `Sampler.choose` picks for a plain greedy row (the first maximum; a NaN counts as the maximum)."""
-    return torch.argmax(torch.stack(logits), dim=-1)
+    return torch.argmax(logits, dim=-1)
 
 
-def choose_rows(rows: list[tuple[int, Sampler, torch.Tensor]]) -> tuple[dict[int, torch.Tensor | Exception], Batch | None]:
-    """Every row's next token on the device: the plain greedy rows in one batched argmax (`Batch`), every other row
-    by its own sampler (a 0-d tensor, or the exception its sampler raised: that row's failure alone)."""
-    plain = [(key, logits) for key, sampler, logits in rows if sampler.batched]
+def choose_rows(rows: list[tuple[int, Sampler]], logits: Mapping[Any, torch.Tensor]
+                ) -> tuple[dict[int, torch.Tensor | Exception], Batch | None]:
+    """Every row's next token on the device: the plain greedy rows in one batched argmax (`Batch`; over the forward's
+    own logits matrix when `logits` is the runner's RowLogits), every other row by its own sampler (a 0-d tensor,
+    or the exception its sampler raised: that row's failure alone)."""
+    plain = [key for key, sampler in rows if sampler.batched]
     batch: Batch | None = None
     if plain:
         try:
-            batch = [key for key, _ in plain], greedy_tokens([logits for _, logits in plain])
+            stacked = logits.rows_of(plain) if isinstance(logits, RowLogits) else torch.stack([logits[k] for k in plain])
+            batch = plain, greedy_tokens(stacked)
         except Exception:  # noqa: BLE001 - e.g. rows on different devices: each chooses alone below
             batch = None
     chosen: dict[int, torch.Tensor | Exception] = {}
-    for key, sampler, logits in rows:
+    for key, sampler in rows:
         if batch is not None and sampler.batched:
             continue
         try:
-            chosen[key] = sampler.choose(logits)
+            chosen[key] = sampler.choose(logits[key])
         except Exception as exc:
             chosen[key] = exc
     return chosen, batch

@@ -97,13 +97,26 @@ def held_events() -> Iterator[None]:
     if getattr(_held, "boxes", None) is not None:  # nested: the outer one flushes
         yield
         return
-    _held.boxes = set()
+    hold_events()
     try:
         yield
     finally:
-        boxes, _held.boxes = _held.boxes, None
-        for box in boxes:
-            box.flush()
+        release_events()
+
+
+def hold_events() -> None:
+    """From now on, events emitted on this thread queue until `release_events()` (the engine: from a step's
+    postprocess to the next forward, so each loop's thread handles them while that forward runs, which releases the
+    GIL, instead of taking the GIL from the next step's host work)."""
+    if getattr(_held, "boxes", None) is None:
+        _held.boxes = set()
+
+
+def release_events() -> None:
+    """Every loop with events held on this thread gets one wakeup; events go out at once again (a no-op unheld)."""
+    boxes, _held.boxes = getattr(_held, "boxes", None), None
+    for box in boxes or ():
+        box.flush()
 
 
 @dataclass(eq=False)  # NOTE: identity, not field equality (comparing prompts' tensors raises); a dict key

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from decoder_service.engine.detokenizer import window_decoder
+from decoder_service.engine.outputs import RowLogits
 from decoder_service.engine.readback import read_back
 from decoder_service.engine.sampling import Sampler, choose_rows
 from decoder_service.engine.sequence import held_events, outbox
@@ -47,7 +48,7 @@ def test_batched_choice_is_exactly_the_per_row_choice_greedy_and_seeded() -> Non
     assert [s.batched for s in batched] == [True, True, False, False, False, False, True, False, False]
     for step in range(40):
         rows = logits_rows(step)
-        picked, batch = choose_rows([(i, s, rows[i]) for i, s in enumerate(batched)])
+        picked, batch = choose_rows([(i, s) for i, s in enumerate(batched)], dict(enumerate(rows)))
         assert batch is not None and batch[0] == [0, 1, 6]
         tokens = read_back({k: t for k, t in picked.items() if isinstance(t, torch.Tensor)}, VOCAB, batch)
         expected = {i: int(s.choose(rows[i])) for i, s in enumerate(alone)}
@@ -64,7 +65,7 @@ def test_a_sampler_that_raises_fails_its_row_alone() -> None:
         raise RuntimeError("boom")
     bad.choose = broken  # type: ignore[method-assign]
     rows = logits_rows(0)
-    picked, batch = choose_rows([(0, good, rows[0]), (1, bad, rows[1])])
+    picked, batch = choose_rows([(0, good), (1, bad)], dict(enumerate(rows)))
     assert batch is not None and batch[0] == [0] and isinstance(picked[1], RuntimeError)
 
 
@@ -118,3 +119,22 @@ def test_an_engine_step_of_greedy_rows_chooses_in_one_batch_and_matches_each_row
     finally:
         engine.close()
     assert together == alone and not calls  # every greedy row chose in the batched argmax
+
+
+def test_the_runners_logits_matrix_gives_the_same_choices_as_rows() -> None:
+    """RowLogits hands the batched argmax the forward's matrix itself, a subset of it (index_select) or rows of
+    several tensors (a stack): every way, the same tokens as row by row."""
+    for step in range(10):
+        rows = logits_rows(step)
+        matrix = torch.stack(rows)
+        for keep in (range(len(ROWS)), [0, 1, 6], [6, 0]):
+            logits = RowLogits()
+            logits.put_rows(list(range(len(ROWS))), matrix)
+            logits[100] = rows[2].clone()  # a prompt's own last logits
+            logits.alias(101, 100)  # its fork
+            keys = [*keep, 100, 101]
+            assert (logits.rows_of(list(range(len(ROWS)))) is matrix) and torch.equal(logits[2], rows[2])
+            fresh = {i: Sampler(SamplingParams(temperature=0.0)) for i in keys}
+            picked, batch = choose_rows([(k, fresh[k]) for k in keys], logits)
+            assert not picked and batch is not None and batch[0] == keys
+            assert batch[1].tolist() == [int(torch.argmax(logits[k])) for k in keys]

@@ -6,6 +6,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from decoder_service.engine.detokenizer import IncrementalDetokenizer
+from epd_builders.tiny import FAMILIES
 
 
 def stream(tok: object, text: str, stop: tuple[str, ...]) -> tuple[list[str], IncrementalDetokenizer]:
@@ -43,3 +44,20 @@ def test_long_random_token_streams_join_to_the_full_decode(tiny_model_dirs: dict
         out = "".join(d.add(t) for t in ids) + d.flush()
         full = tok.decode(ids, skip_special_tokens=True)
         assert out == full.rstrip("\ufffd") or out == full
+
+
+def test_the_rust_stream_and_the_window_decode_give_the_same_pieces(tiny_model_dirs: dict[str, Path]) -> None:
+    """The fast path (tokenizers' DecodeStream) hands out exactly what the window decode does, piece by piece, on
+    every family's tokenizer: random ids (partial UTF-8, special tokens) and real text."""
+    import random
+
+    for family in FAMILIES:
+        tok = AutoTokenizer.from_pretrained(tiny_model_dirs[family])
+        rng = random.Random(family)
+        texts = [tok.encode("It is red. é ü 猫 — ok", add_special_tokens=False)]
+        texts += [[rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))] for _ in range(30)]
+        for ids in texts:
+            fast, slow = IncrementalDetokenizer(tok, ()), IncrementalDetokenizer(tok, ())
+            assert fast._stream is not None, family  # the fast path is taken
+            slow._stream = None
+            assert [fast.add(t) for t in ids] + [fast.flush()] == [slow.add(t) for t in ids] + [slow.flush()], family
