@@ -61,7 +61,7 @@ class IncrementalDetokenizer:
         return self._emit(len(self.text))
 
     def _delta(self) -> str:
-        if self._stream is not None:
+        if self._stream is not None and self._rust is not None:
             return self._stream.step(self._rust, self.token_ids[-1]) or ""
         before = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
         after = self.decode(self.token_ids[self.prefix_offset :])
