@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -237,8 +237,7 @@ class Engine:
             assert isinstance(key, int), "engine keys are ints"
             self.scheduler.fail(key, exc, stage)
         running = self.scheduler.running
-        keys = [key for key in out.logits if isinstance(key, int)]
-        assert len(keys) == len(out.logits), "engine keys are ints"
+        keys = cast(list[int], list(out.logits))  # the engine's row keys are ints (Scheduler)
         picked, batch = choose_rows([(key, seq.sampler) for key in keys if (seq := running.get(key)) is not None],
                                     out.logits)
         chosen: dict[int, torch.Tensor] = {}
