@@ -47,7 +47,7 @@ def block_size(device: torch.device) -> int:
 
 def runner_for(lm: LanguageHalf, cfg: DecoderConfig, num_blocks: int, max_len: int) -> tuple[ModelRunner, Any]:
     runner = ModelRunner(lm, ROWS, max_len, chunk=1 << 30, prefix_block=cfg.block_size, num_blocks=num_blocks)
-    graphs = DecodeGraphs(lm, runner.cache, ROWS, max_len, packed_forward(lm, runner.cache, runner._dummy_mask),
+    graphs = DecodeGraphs(lm, runner.cache, ROWS, max_len, packed_forward(lm, runner.cache, runner.inputs.dummy_mask),
                           enforce_eager=cfg.enforce_eager)
     graphs.capture()
     setattr(runner, "graphs", graphs)  # noqa: B010  # ModelRunner's hook: decode steps replay its graphs

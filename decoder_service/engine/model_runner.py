@@ -24,53 +24,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
-from decoder_service.engine.kv_cache import ATTENTION, Group, PagedCache, StepPlan, causal_mask, int_tensor
+from decoder_service.engine.kv_cache import ATTENTION, PagedCache
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.outputs import RowLogits, RunnerOutput, SchedulerOutput
 from decoder_service.engine.prefix_hash import PrefixChain
+from decoder_service.engine.step_inputs import Row, Segment, StepInputs
 from decoder_service.prompt import Prompt
 from epd_models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")
 Failed = dict[Hashable, Exception]  # row key -> what broke it
-
-
-@dataclass
-class Row:
-    key: Hashable
-    prompt: Prompt
-    embeds: torch.Tensor  # (1, T, hidden): the prompt's embeddings (images merged), then any fed tokens'
-    positions: torch.Tensor  # (1, T), or (3, 1, T) for M-RoPE
-    rope_delta: int
-    target: int  # positions to prefill: the prompt, plus the tokens a preempted row had fed
-    state: Any = None  # the family's per-prompt prefill state (FamilyAdapter.prefill_state), None for most
-    length: int = 0  # positions written
-    blocks: list[int] = field(default_factory=list)
-    forks: list[Hashable] = field(default_factory=list)  # rows that copy its K/V once prefilled
-    fork_blocks: list[int] = field(default_factory=list)  # their last, partial prompt block, reserved
-    chain: PrefixChain | None = None  # the prompt's prefix-cache keys (None: not cached)
-    route_keys: tuple[str, ...] = ()
-    fed: tuple[int, ...] = ()  # a preempted row's tokens fed back before it was preempted (prefilled again)
-    resumed: bool = False  # a preempted row prefilling again: its last logits are not a new token's
-
-    @property
-    def prefilled(self) -> bool:
-        return self.length >= self.target
-
-
-@dataclass
-class Segment:
-    row: Row
-    start: int
-    num: int
-    decode: bool  # a prefilled row's one fed token (else a prompt chunk)
 
 
 class ModelRunner:
@@ -95,17 +64,14 @@ class ModelRunner:
         self._forked: dict[Hashable, list[Hashable]] = {}  # this step: prompt row -> the forks made from it
         self._tokens: dict[Hashable, int] = {}  # this step's fed tokens
         lm.module.language_model.config._attn_implementation = ATTENTION
-        cfg = lm.config
-        probe = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lm.device)
-        self._mask_shape = lm.adapter.attention_mask(cfg, probe, [0], [None])  # what transformers is passed
-        self._position_lead = tuple(lm.adapter.decode_position_ids(0, 0).shape[:-1])
+        self.inputs = StepInputs(lm, b)
         self.graphs: DecodeGraphs | None = None  # CUDA: decode-only steps replay captured graphs (enable_graphs)
         self.before_forward: Callable[[], None] | None = None  # called once the step's inputs are ready
 
     def enable_graphs(self, enforce_eager: bool = False) -> None:
         """CUDA: capture the decode forward for each batch-size bucket (cuda_graphs.py); a no-op elsewhere."""
         graphs = DecodeGraphs(self.lm, self.cache, self.max_slots, self.max_len,
-                              packed_forward(self.lm, self.cache, self._dummy_mask), enforce_eager)
+                              packed_forward(self.lm, self.cache, self.inputs.dummy_mask), enforce_eager)
         graphs.capture()
         self.graphs = graphs if graphs.graphs else None
 
@@ -339,13 +305,13 @@ class ModelRunner:
         end that completes a row (decode rows, prompts done) into `out`."""
         self.cache.zero(self._fresh)
         self._fresh = []
-        plan, embeds, positions = self._plan(segments)
+        plan, embeds, positions = self.inputs.plan(segments, self._tokens)
         extra = self._extras(segments[0]) if len(segments) == 1 and not segments[0].decode else {}
         decode = [s for s in segments if s.decode]
         prefill = [s for s in segments if not s.decode]
         ends = list(range(len(decode))) + [g.first + g.num_q - 1 for g in plan.groups if not g.decode]
         graphs = self.graphs is not None and not prefill
-        mask = None if graphs else self._dummy_mask(embeds)
+        mask = None if graphs else self.inputs.dummy_mask(embeds)
         if self.before_forward is not None:
             self.before_forward()
         logits = self.graphs.run(plan, embeds, positions) if self.graphs is not None and graphs else None
@@ -353,7 +319,7 @@ class ModelRunner:
             self.cache.activate(plan)
             try:
                 logits = self.lm.forward_rows(embeds, positions, self.cache, mask if mask is not None
-                                              else self._dummy_mask(embeds), ends, **extra)
+                                              else self.inputs.dummy_mask(embeds), ends, **extra)
             finally:
                 self.cache.activate(None)
         for s in decode:
@@ -365,60 +331,6 @@ class ModelRunner:
             if s.row.prefilled:
                 out[s.row.key] = logits[j]
                 self._prompt_done(s.row)
-
-    def _plan(self, segments: list[Segment]) -> tuple[StepPlan, torch.Tensor, torch.Tensor]:
-        b, dev = self.block_size, self.lm.device
-        slots: list[int] = []
-        embeds: list[torch.Tensor] = []
-        positions: list[torch.Tensor] = []
-        plan = StepPlan(torch.empty(0))
-        decode = [s for s in segments if s.decode]
-        if decode:
-            ids = int_tensor([self._tokens[s.row.key] for s in decode]).view(1, -1)
-            embeds.append(self.lm.embed(ids, []))
-            positions.append(self._decode_positions([s.start + s.row.rope_delta for s in decode]))
-            starts = [s.start for s in decode]
-            slots += [s.row.blocks[s.start // b] * b + s.start % b for s in decode]
-            plan.groups.append(self._group([s.row for s in decode], starts, 1, 0, True))
-        first = len(decode)
-        for s in segments:
-            if s.decode:
-                continue
-            row, end = s.row, s.start + s.num
-            embeds.append(row.embeds[:, s.start : end])
-            positions.append(row.positions[..., s.start : end])
-            slots += [row.blocks[p // b] * b + p % b for p in range(s.start, end)]
-            plan.groups.append(self._group([row], [s.start], s.num, first, False))
-            first += s.num
-        plan.slots = int_tensor(slots).to(dev, non_blocking=True)
-        plan.seq_len = max(s.start for s in segments)
-        return plan, torch.cat(embeds, dim=1), torch.cat(positions, dim=-1)
-
-    def _decode_positions(self, values: list[int]) -> torch.Tensor:
-        """Every decode row's position in one tensor, shaped as the family's (`decode_position_ids` fills its
-        (1, 1), or M-RoPE's (3, 1, 1), with past + delta)."""
-        flat = int_tensor(values).view(*([1] * (len(self._position_lead) - 1)), 1, -1)
-        return self.lm.to_device(flat.expand(*self._position_lead, len(values)))
-
-    def _group(self, rows: list[Row], starts: list[int], num_new: int, first: int, decode: bool) -> Group:
-        b, dev = self.block_size, self.lm.device
-        kv_len = max(starts) + num_new
-        width = -(-kv_len // b)
-        flat: list[int] = []  # one flat list, one machine array: 8x faster than torch.tensor of nested lists
-        for r in rows:
-            flat += r.blocks if len(r.blocks) <= width else r.blocks[:width]
-            flat += [0] * (width - len(r.blocks))  # the null block pads short rows
-        table = int_tensor(flat).view(len(rows), width).to(dev, non_blocking=True)
-        mask = self.lm.adapter.attention_mask(self.lm.config, causal_mask(starts, num_new, dev), starts,
-                                              [r.state for r in rows])
-        return Group(table, kv_len, mask, first, len(rows) if decode else num_new, decode, [r.key for r in rows],
-                     [s + num_new for s in starts])
-
-    def _dummy_mask(self, embeds: torch.Tensor) -> Any:
-        """What transformers is handed as attention_mask (a 4D mask it passes through untouched); the real masks
-        are the plan's, per segment group."""
-        dummy = torch.ones(1, 1, embeds.shape[1], 1, dtype=torch.bool, device=embeds.device)
-        return {k: dummy for k in self._mask_shape} if isinstance(self._mask_shape, dict) else dummy
 
     def _prompt_done(self, row: Row) -> None:
         """A prompt just completed: name its blocks, make its forks, release what prefill alone needed."""

@@ -26,7 +26,7 @@ CHUNKS = [(8, 5), (0, 7)]  # prefill chunks: (start, new positions)
 
 
 def _group(tables: list[list[int]], starts: list[int], num_new: int, first: int, decode: bool) -> Group:
-    """As ModelRunner._group builds it (base adapter: the causal mask itself)."""
+    """As StepInputs.group builds it (base adapter: the causal mask itself)."""
     kv_len = max(starts) + num_new
     width = -(-kv_len // BS)
     table = torch.tensor([(t + [0] * width)[:width] for t in tables])

@@ -58,8 +58,8 @@ def test_a_decode_step_padded_to_its_bucket_gives_the_real_rows_the_eager_logits
     lm, all_prompts = prompts(tiny_model_dirs[family])
     runner = BatchRunner(lm, max_slots=8, max_len=1024, chunk=1024)
     feed = _decode_feed(runner, 3, lm, all_prompts)
-    plan, embeds, positions = runner._plan(runner._decode_segments(feed))
-    graphs = DecodeGraphs(lm, runner.cache, 8, 1024, packed_forward(lm, runner.cache, runner._dummy_mask))
+    plan, embeds, positions = runner.inputs.plan(runner._decode_segments(feed), feed)
+    graphs = DecodeGraphs(lm, runner.cache, 8, 1024, packed_forward(lm, runner.cache, runner.inputs.dummy_mask))
     assert not graphs.enabled and graphs.run(plan, embeds, positions) is None  # CPU: eager, never captured
     group = plan.groups[0]
     graphs.static.fill(4, embeds, positions, plan.slots, group.table, row_lengths(group))
@@ -77,7 +77,7 @@ def _greedy(lm: LanguageHalf, all_prompts: list, graphs: bool, block: int) -> tu
     runner = BatchRunner(lm, max_slots=4, max_len=1024, chunk=512, prefix_block=block)
     captured = None
     if graphs:
-        captured = DecodeGraphs(lm, runner.cache, 4, 1024, packed_forward(lm, runner.cache, runner._dummy_mask))
+        captured = DecodeGraphs(lm, runner.cache, 4, 1024, packed_forward(lm, runner.cache, runner.inputs.dummy_mask))
         captured.capture()
         setattr(runner, "graphs", captured)  # noqa: B010  # the runner's hook: decode steps replay its graphs
     feed = _decode_feed(runner, 4, lm, all_prompts)
