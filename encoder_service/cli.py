@@ -26,7 +26,17 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="auto: hold each embedding in its own shared-memory segment (memfd, nothing in /dev/shm) "
                         "that decoders on this host map without a copy (others use ZeroMQ); off: heap and ZeroMQ "
                         "only")
-    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="images per vision forward")
+    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
+                   help="images per vision forward of one call's in-process encode (execute_mm_encoder)")
+    g = p.add_argument_group("encode scheduler (batches across requests; admission)")
+    g.add_argument("--max-encode-batch-items", type=int, default=d.max_encode_batch_items,
+                   help="items per vision forward, from any calls")
+    g.add_argument("--max-encode-batch-tokens", type=int, default=d.max_encode_batch_tokens,
+                   help="vision tokens per vision forward, counted by the family's processor (an item larger than "
+                        "this still runs, alone)")
+    g.add_argument("--max-pending-encode-tokens", type=int, default=d.max_pending_encode_tokens,
+                   help="vision tokens waiting for the encode thread; a call past it gets 503 encoder_busy with "
+                        "Retry-After (the proxy tries another encoder)")
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
                    help="width x height above this is refused before decoding")
     p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request,
@@ -45,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="hashes all held gets may name together (bounds their memory)")
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=True)
     args = p.parse_args(argv)
+    for flag in ("max_batch_size", "max_encode_batch_items", "max_encode_batch_tokens", "max_pending_encode_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
     curve = pop_curve(p, args)
     cfg = EncoderConfig(**vars(args), curve=curve)
     refuse_open(p, cfg, security_gaps(cfg))

@@ -28,7 +28,10 @@ class EncoderConfig(HttpLimits):
     ec_cache_bytes: int = 1 << 30  # bytes of held embeddings, shared-memory segments included
     ec_shm: str = "auto"  # auto: hold embeddings in shared memory same-host decoders map; off: heap, socket only
     ec_advertise_host: str | None = None  # host decoders and proxies reach the ZeroMQ endpoints at (0.0.0.0 binds)
-    max_batch_size: int = 16  # images per vision forward
+    max_batch_size: int = 16  # images per vision forward of one call (the in-process path, execute_mm_encoder)
+    max_encode_batch_items: int = 16  # items per vision forward, across calls
+    max_encode_batch_tokens: int = 16384  # vision tokens per vision forward (an item larger still runs, alone)
+    max_pending_encode_tokens: int = 1 << 18  # vision tokens waiting for the encode thread; more: 503 encoder_busy
     max_image_pixels: int = 40_000_000
     max_items_per_request: int = MAX_ITEMS_PER_REQUEST  # items per /encode; more get a 400
     max_encode_bytes: int = MAX_ENCODE_BYTES  # decoded image (and video) bytes per /encode; more get a 413
@@ -57,6 +60,8 @@ class EncoderConfig(HttpLimits):
     def __post_init__(self) -> None:
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_batch_size >= 1, "max_batch_size must be >= 1"
+        assert min(self.max_encode_batch_items, self.max_encode_batch_tokens, self.max_pending_encode_tokens) >= 1, \
+            "max_encode_batch_items, max_encode_batch_tokens and max_pending_encode_tokens must be >= 1"
         assert self.ec_cache_bytes > 0, "ec_cache_bytes must be > 0"
         assert self.ec_shm in ("auto", "off"), f"ec_shm must be auto or off, got {self.ec_shm!r}"
         assert self.max_items_per_request >= 1 and self.max_encode_bytes >= 1, \

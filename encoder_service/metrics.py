@@ -6,7 +6,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from epd_common.metrics import PRODUCER_KEYS, cache_gauges
+from epd_common.metrics import LATENCY_BUCKETS, PRODUCER_KEYS, cache_gauges
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536)
 
 
 class EncoderMetrics:
@@ -23,5 +26,13 @@ class EncoderMetrics:
                                    "(waiting for the thread excluded): busy time, for frames or items per second",
                                    registry=registry)
         self.queue_depth = Gauge("epd_encoder_queue_depth", "Encode calls waiting or running", registry=registry)
+        self.pending_tokens = Gauge("epd_encoder_pending_tokens", "Vision tokens of the items waiting for the encode "
+                                    "thread (admission refuses calls past --max-pending-encode-tokens)", registry=registry)
+        self.batch_items = Histogram("epd_encoder_batch_items", "Items per vision forward", buckets=BATCH_BUCKETS,
+                                     registry=registry)
+        self.batch_tokens = Histogram("epd_encoder_batch_tokens", "Vision tokens per vision forward",
+                                      buckets=TOKEN_BUCKETS, registry=registry)
+        self.queue_wait = Histogram("epd_encoder_queue_wait_seconds", "An item's wait for its vision forward",
+                                    buckets=LATENCY_BUCKETS, registry=registry)
         cache_gauges(registry, "epd_ec_cache", "Embedding cache (producer side)", cache_stats)
         cache_gauges(registry, "epd_ec_producer", "Connector producer", cache_stats, PRODUCER_KEYS)

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from connector.tensors.producer import ECProducer
 from encoder_service.config import EncoderConfig
-from encoder_service.fair_queue import FairExecutor
+from encoder_service.encode_scheduler import BatchStats, Busy, EncodeScheduler
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from epd_common.errors import APIError, bad_request, install_error_handlers
@@ -26,7 +26,7 @@ from epd_common.http import install_api_key, install_body_limit, install_metrics
 from epd_common.images import ImageError
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
-from epd_contracts.encode import EncodedItem, EncodeRequest, EncodeResponse
+from epd_contracts.encode import EncodeRequest, EncodeResponse
 from epd_contracts.hashing import mm_hash
 from epd_contracts.validation import ContractError, decode_json
 from epd_contracts.video import part_hash
@@ -38,6 +38,7 @@ from epd_models.video_config import video_limits
 
 logger = logging.getLogger("epd.encoder")
 router = APIRouter()
+BUSY_RETRY_AFTER_S = 1  # a 503 encoder_busy's Retry-After: the queue moves in about a batch's time
 
 
 @dataclass
@@ -46,15 +47,15 @@ class EncoderState:
 
     cfg: EncoderConfig
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-    # the one encode thread, its calls taken round-robin by request id (encoder_service/fair_queue.py)
-    executor: FairExecutor = field(default_factory=FairExecutor)
     worker: EncoderWorker | None = None
+    # the one encode thread: every call's items batched, requests in turn (encoder_service/encode_scheduler.py)
+    scheduler: EncodeScheduler | None = None
     metrics: EncoderMetrics | None = None
     identity: dict[str, object] = field(default_factory=dict)
 
     def ready(self) -> tuple[EncoderWorker, EncoderMetrics]:
         """The worker and its metrics, or a 503 while it is built."""
-        if self.worker is None or self.metrics is None:
+        if self.worker is None or self.metrics is None or self.scheduler is None:
             raise APIError(503, "encoder is loading", code="not_ready")
         return self.worker, self.metrics
 
@@ -94,13 +95,16 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
     return out
 
 
-def _timed(w: EncoderWorker, m: EncoderMetrics, items: list[ScheduledEncoderInput]) -> list[EncodedItem]:
-    """execute_mm_encoder on the encode thread, its running time counted (the wait for the thread is not)."""
-    start = time.perf_counter()
-    try:
-        return w.execute_mm_encoder(items)
-    finally:
-        m.run_seconds.inc(time.perf_counter() - start)
+def build_scheduler(cfg: EncoderConfig, w: EncoderWorker, m: EncoderMetrics) -> EncodeScheduler:
+    def on_batch(stats: BatchStats) -> None:
+        m.run_seconds.inc(stats.seconds)
+        m.batch_items.observe(stats.items)
+        m.batch_tokens.observe(stats.tokens)
+        for wait in stats.waits:
+            m.queue_wait.observe(wait)
+    return EncodeScheduler(w.run, cfg.max_encode_batch_items, cfg.max_encode_batch_tokens,
+                           cfg.max_pending_encode_tokens, w.vision.batches_exactly, on_batch,
+                           on_failed=lambda hashes: w.producer.mark_failed(hashes))
 
 
 def build_worker(cfg: EncoderConfig) -> EncoderWorker:
@@ -136,7 +140,13 @@ async def encode(request: Request) -> Response:
     start = time.perf_counter()
     try:
         ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
-        done = await state.executor.run(request_id_var.get(), lambda: ctx.run(_timed, w, m, items))
+        held, jobs = await asyncio.to_thread(ctx.run, w.prepare_inputs, items)  # images decoded: bad bytes are 400s
+        assert state.scheduler is not None  # ready() said so
+        done = {**held, **await state.scheduler.submit(request_id_var.get(), jobs)}
+    except Busy as exc:
+        m.requests.labels("503").inc()
+        raise APIError(503, f"encoder busy: {exc}", code="encoder_busy",
+                       headers={"Retry-After": str(BUSY_RETRY_AFTER_S)}) from exc
     except ImageError as exc:
         m.requests.labels("400").inc()
         raise bad_request(str(exc), param="image", code="invalid_image") from exc
@@ -144,7 +154,7 @@ async def encode(request: Request) -> Response:
         m.requests.labels("400").inc()
         index = next(i for i, it in enumerate(items) if it.mm_hash == exc.mm_hash)
         raise bad_request(str(exc), param=f"items.{index}.data", code=exc.code) from exc
-    except Exception as exc:  # noqa: BLE001 - one call's failure is that call's own error; the executor goes on
+    except Exception as exc:  # noqa: BLE001 - one call's failure is that call's own error; the thread goes on
         logger.exception("encode failed")
         m.requests.labels("500").inc()
         raise APIError(500, f"encoding failed: {type(exc).__name__}", code="encode_failed") from exc
@@ -152,10 +162,11 @@ async def encode(request: Request) -> Response:
         m.queue_depth.dec()
     m.encode_seconds.observe(time.perf_counter() - start)
     m.requests.labels("200").inc()
-    m.items_encoded.inc(sum(not d.cached for d in done))
-    m.items_already_cached.inc(sum(d.cached for d in done))
+    described = w.describe(items, done)
+    m.items_encoded.inc(sum(not d.cached for d in described))
+    m.items_already_cached.inc(sum(d.cached for d in described))
     epoch, seq = w.producer.position()
-    reply = EncodeResponse(items=done, ec_address=w.producer.address, ec_epoch=epoch, ec_seq=seq)
+    reply = EncodeResponse(items=described, ec_address=w.producer.address, ec_epoch=epoch, ec_seq=seq)
     return Response(msgspec.json.encode(reply), media_type="application/json")
 
 
@@ -179,11 +190,14 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
         w = state.worker = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
         freeze_startup_heap()
         state.metrics = EncoderMetrics(state.registry, w.producer.stats)
+        state.scheduler = build_scheduler(cfg, w, state.metrics)
+        state.metrics.pending_tokens.set_function(lambda: state.scheduler.pending_tokens if state.scheduler else 0)
         state.identity = model_identity(w.vision.model_dir, cfg.model)
         logger.info("encoder ready: model=%s device=%s dtype=%s ec_address=%s", cfg.model, w.vision.device,
                     str(w.vision.dtype).removeprefix("torch."), w.producer.address)
         yield
-        state.executor.shutdown()
+        if state.scheduler is not None:
+            state.scheduler.shutdown()
         w.producer.close()
 
     app = FastAPI(title="EPD encoder", lifespan=lifespan)

@@ -7,7 +7,7 @@ from connector.tensors.producer import ECProducer
 from epd_common.video import VideoLimits
 from epd_contracts.encode import EncodedItem
 from epd_contracts.video import VideoPart
-from epd_models.encode import CachingEncoder, Encoded
+from epd_models.encode import CachingEncoder, Encoded, ImageJob, Job
 from epd_models.halves import VisionHalf
 
 
@@ -32,6 +32,25 @@ class EncoderWorker(CachingEncoder):
                  max_image_pixels: int = 40_000_000, video_limits: VideoLimits | None = None):
         super().__init__(vision, producer, max_batch_size, max_image_pixels, video_limits=video_limits)
         self.producer = producer
+
+    def prepare_inputs(self, inputs: list[ScheduledEncoderInput]) -> tuple[dict[str, Encoded], list[tuple[Job, int]]]:
+        """The items held already, and a job for each other with its cost in vision tokens (its image decoded, its
+        video part's frames): what the encode scheduler batches (encoder_service/encode_scheduler.py)."""
+        held, jobs = self.prepare({item.mm_hash: item.data for item in inputs},
+                                  {item.mm_hash: item.detail for item in inputs if item.detail != "auto"},
+                                  {item.mm_hash for item in inputs if item.multi_image},
+                                  {item.mm_hash: item.video for item in inputs if item.video is not None})
+        return held, [(job, self.cost(job)) for job in jobs]
+
+    def cost(self, job: Job) -> int:
+        """An item's vision tokens for the batch budget: an image's by the family's count, a video part's as its
+        frames' counted as images."""
+        if isinstance(job, ImageJob):
+            return self.vision.image_tokens(job.image.size)
+        return sum(self.vision.image_tokens(frame.size) for frame in job.clip.frames)
+
+    def describe(self, inputs: list[ScheduledEncoderInput], done: dict[str, Encoded]) -> list[EncodedItem]:
+        return [_describe(item.mm_hash, done[item.mm_hash]) for item in inputs]
 
     def execute_mm_encoder(self, scheduled_encoder_inputs: list[ScheduledEncoderInput]) -> list[EncodedItem]:
         """Encode what is not held yet and store it by mm_hash. No gather; empty input is a no-op."""

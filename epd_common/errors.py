@@ -20,10 +20,10 @@ class APIError(Exception):
     """An error that reaches the client as {"error": {...}} with this status."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 extra: dict[str, Any] | None = None):
+                 extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.extra = extra or {}
+        self.extra, self.headers = extra or {}, headers
 
     def body(self) -> dict[str, Any]:
         err = {"message": self.message, "type": _TYPES.get(self.status, "server_error" if self.status >= 500
@@ -31,7 +31,7 @@ class APIError(Exception):
         return {"error": {**err, **self.extra}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

@@ -65,6 +65,9 @@ class FamilySpec:
     layout_text: tuple[str, ...] = ()  # plain text that may appear between them (Idefics3's row newlines)
     text_edges: tuple[str, str] = ("", "")  # plain text the processor writes around the span (Gemma 3)
     batch_encode: bool = True  # one processor call and one vision forward for a batch of images
+    # a batch's rows are bit for bit each image's alone (the encoder batches across requests only then): not
+    # Qwen3-VL's, whose vision attention over the batch's joined patch sequence differs in the last bits (5.6e-8)
+    batches_exactly: bool = True
     # "low" detail: processor kwargs for the fewest tokens (families with a resolution knob), else None
     low_detail: Callable[[Any], dict[str, Any]] | None = None
     fixed_tokens: Callable[[Any], int] | None = None  # image tokens per image where the family has one count

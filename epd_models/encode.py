@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,6 +87,31 @@ class EmbeddingsRefused(Exception):
 
 
 @dataclass(frozen=True)
+class ImageJob:
+    """An image item decoded and waiting for its vision forward; images of one `group` can share a forward."""
+
+    mm_hash: str
+    image: Image.Image
+    detail: str = "auto"
+    multi_image: bool = False
+
+    @property
+    def group(self) -> tuple[str, bool]:
+        return self.detail, self.multi_image
+
+
+@dataclass(frozen=True)
+class VideoJob:
+    """A video item (a whole video or a chunk) with its frames decoded: one vision forward of its own."""
+
+    mm_hash: str
+    clip: VideoFrames
+
+
+Job = ImageJob | VideoJob
+
+
+@dataclass(frozen=True)
 class Encoded:
     features: ImageFeatures
     cached: bool  # held before this call asked for it (not encoded by it)
@@ -123,27 +148,54 @@ class CachingEncoder:
         one detail and multi_image are batched together. `videos`: mm_hash -> VideoPart for the items that are
         videos (their hash is epd_contracts.video.part_hash of the bytes and the part), each encoded on its own.
         """
-        videos = videos or {}
+        done, jobs = self.prepare(items, details, multi_image, videos)
+        groups: dict[tuple[str, bool], list[ImageJob]] = {}
+        for job in jobs:
+            if isinstance(job, ImageJob):
+                groups.setdefault(job.group, []).append(job)
+        batches = [g[i : i + self.max_batch_size] for g in groups.values() for i in range(0, len(g), self.max_batch_size)]
+        todo: list[Sequence[Job]] = [*batches, *([j] for j in jobs if isinstance(j, VideoJob))]
+        try:
+            for batch in todo:
+                done.update(self.run(batch))
+        except BaseException:
+            self.store.mark_failed([j.mm_hash for batch in todo for j in batch if j.mm_hash not in done])
+            raise
+        return done
+
+    def prepare(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None,
+                multi_image: Collection[str] = (), videos: Mapping[str, VideoPart] | None = None
+                ) -> tuple[dict[str, Encoded], list[Job]]:
+        """The items held already, and a job for each of the others: its image decoded (or its video's frames),
+        outside any lock, so bad bytes fail before any vision work (the store is told those items will not come)."""
+        videos, details = videos or {}, details or {}
         done = self._held(items)
         todo = {h: data for h, data in items.items() if h not in done}
-        if not todo:
-            return done
         try:
-            images = {h: self._load(h, data) for h, data in todo.items() if h not in videos}
-            clips = {h: self._frames(h, data, videos[h]) for h, data in todo.items() if h in videos}
-            with self._lock:
-                done.update(self._held([h for h in todo if self.store.has_cache_item(h)]))  # no miss counted twice
-                groups = _by_detail([h for h in images if h not in done], details or {}, multi_image)
-                for (detail, multi), hashes in groups.items():
-                    for start in range(0, len(hashes), self.max_batch_size):
-                        batch = {h: images[h] for h in hashes[start : start + self.max_batch_size]}
-                        done.update(self._encode_batch(batch, detail, multi))
-                for h, clip in clips.items():
-                    if h not in done:
-                        done.update(self._encode_video(h, clip))
+            jobs: list[Job] = [ImageJob(h, self._load(h, data), details.get(h, "auto"), h in multi_image)
+                               for h, data in todo.items() if h not in videos]
+            jobs += [VideoJob(h, self._frames(h, data, videos[h])) for h, data in todo.items() if h in videos]
         except BaseException:
-            self.store.mark_failed([h for h in todo if h not in done])
+            self.store.mark_failed(list(todo))
             raise
+        return done, jobs
+
+    def run(self, jobs: Sequence[Job]) -> dict[str, Encoded]:
+        """One vision forward for a batch of images of one group (`ImageJob.group`), or one video part; the items
+        the store holds by now (another call encoded them) are not encoded again. Raises as `encode` does; the
+        caller tells the store about the items that will not come."""
+        images = [j for j in jobs if isinstance(j, ImageJob)]
+        assert len({j.group for j in images}) <= 1 and (not images or len(images) == len(jobs)), \
+            "one batch is images of one group, or one video part"
+        with self._lock:
+            done = self._held([j.mm_hash for j in jobs if self.store.has_cache_item(j.mm_hash)])
+            todo = [j for j in jobs if j.mm_hash not in done]
+            batch = {j.mm_hash: j.image for j in todo if isinstance(j, ImageJob)}
+            if batch:
+                done.update(self._encode_batch(batch, *images[0].group))
+            for job in todo:
+                if isinstance(job, VideoJob):
+                    done.update(self._encode_video(job.mm_hash, job.clip))
         return done
 
     def _held(self, hashes: Iterable[str]) -> dict[str, Encoded]:
@@ -230,11 +282,3 @@ def part_indices(config: VideoConfig, info: VideoInfo, part: VideoPart, mm_hash:
         raise UndecodableVideo(mm_hash, f"frames [{part.first}, {part.first + part.count}) are not whole temporal "
                                         f"patches of {t} frames", "video_plan_mismatch")
     return indices[part.first : part.first + part.count]
-
-
-def _by_detail(hashes: list[str], details: Mapping[str, str],
-               multi_image: Collection[str]) -> dict[tuple[str, bool], list[str]]:
-    groups: dict[tuple[str, bool], list[str]] = {}
-    for h in hashes:
-        groups.setdefault((details.get(h, "auto"), h in multi_image), []).append(h)
-    return groups

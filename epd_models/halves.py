@@ -94,6 +94,28 @@ class VisionHalf:
             self._video_settings = video_settings(self.model_dir, self.image_processor, self.adapter.name)
         return self._video_settings
 
+    @property
+    def batches_exactly(self) -> bool:
+        """A batch of images gives each image's features bit for bit as alone (FamilySpec.batches_exactly)."""
+        return self.adapter.spec.batches_exactly
+
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """The vision tokens of an image of `size` (width, height), counted by the family's processor where it
+        says (`_get_num_multimodal_tokens`, what vLLM asks too), else its patches at the processor's size: what an
+        encoder's batch budget counts (an estimate: "low" detail and tiles of some families count less)."""
+        width, height = size
+        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if count is not None:
+            try:
+                return max(1, int(count(image_sizes=[(height, width)]).num_image_tokens[0]))
+            except Exception:  # noqa: BLE001 - a processor that cannot say: count patches below
+                pass
+        patch = int(getattr(self.processor, "patch_size", 0) or getattr(self.image_processor, "patch_size", 0) or 14)
+        size_cfg = getattr(self.image_processor, "size", None)
+        longest = size_cfg.get("longest_edge") if isinstance(size_cfg, dict) else getattr(size_cfg, "longest_edge", None)
+        scale = min(1.0, longest / max(width, height)) if longest else 1.0
+        return max(1, -(-int(width * scale) // patch) * -(-int(height * scale) // patch))
+
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], detail: str = "auto", multi_image: bool = False) -> list[ImageFeatures]:
         """`multi_image`: the images are each one of several in their prompts (LLaVA-OneVision encodes them apart)."""

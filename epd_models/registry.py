@@ -25,9 +25,10 @@ def _llava_tokens(cfg: Any) -> int:
     return int(n if cfg.vision_feature_select_strategy == "default" else n + 1)
 
 
-def _qwen(name: str) -> FamilySpec:
+def _qwen(name: str, batches_exactly: bool = True) -> FamilySpec:
     return FamilySpec(name=name, model_types=(name,), vision_children=("visual",),
-                      feature_inputs=("pixel_values", "image_grid_thw"), low_detail=qwen_low_detail)
+                      feature_inputs=("pixel_values", "image_grid_thw"), low_detail=qwen_low_detail,
+                      batches_exactly=batches_exactly)
 
 
 ADAPTERS: tuple[FamilyAdapter, ...] = (
@@ -35,7 +36,7 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
                              feature_inputs=("pixel_values",), fixed_tokens=_llava_tokens)),
     MRopeAdapter(_qwen("qwen2_vl")),
     MRopeAdapter(_qwen("qwen2_5_vl")),
-    Qwen3VLAdapter(_qwen("qwen3_vl")),
+    Qwen3VLAdapter(_qwen("qwen3_vl", batches_exactly=False)),
     # any-resolution tiles; unpadding and the row newlines happen inside get_image_features (image_newline)
     FamilyAdapter(FamilySpec(name="llava_next", model_types=("llava_next",),
                              vision_children=(*CLIP_STYLE, "image_newline"),
