@@ -122,7 +122,7 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=_urls(args.allowed_media_domains), media_fetch_timeout=args.media_fetch_timeout,
         media_fetch_deadline=args.media_fetch_deadline, max_concurrent_fetches=args.max_concurrent_fetches,
-        worker_timeout=args.worker_timeout,
+        worker_timeout=args.worker_timeout, encoder_busy_timeout=args.encoder_busy_timeout,
         startup_timeout=args.startup_timeout, log_level=args.log_level, pipeline_encode=args.pipeline_encode,
         aggregated=args.aggregated, api_key=args.api_key, internal_key=args.internal_key,
         dynamic_registration=args.dynamic_registration, health_interval=args.health_interval,

@@ -89,11 +89,19 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--grammar-compile-threads", positive, "threads each decoder compiles response_format and tool grammars on"),
     ("--grammar-compile-timeout", positive_seconds, "seconds one grammar compile may run on a decoder"),
 )
+# the encoders' scheduler flags, passed to each spawned encoder only when given (spawn.py)
+ENCODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("--max-encode-batch-items", positive, "items per vision forward of an encoder, from any requests"),
+    ("--max-encode-batch-tokens", positive, "vision tokens per vision forward of an encoder"),
+    ("--max-pending-encode-tokens", positive,
+     "vision tokens waiting in an encoder; a call past it gets 503 encoder_busy and the proxy tries another encoder"),
+)
 DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),
                     ("--cpu-packed-linear", "CPU: decoders run decode-sized linears through oneDNN's prepacked matmul"))
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max",
-                  *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES))
+                  *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES),
+                  *(spec[0] for spec in ENCODER_FLAGS))
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -126,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     _launcher_flags(p.add_argument_group("launcher mode (spawns the workers on this machine)"))
     _decoder_flags(p.add_argument_group("launcher mode: decoder engine (passed to each spawned decoder as its own "
                                         "flag; unset: the decoder's default)"))
+    g = p.add_argument_group("launcher mode: encode scheduler (passed to each spawned encoder; unset: its default)")
+    for flag, kind, text in ENCODER_FLAGS:
+        g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the encoder's own)")
     _attach_flags(p.add_argument_group("attach mode (workers started elsewhere)"))
     add_http_flags(p, ProxyConfig)
     return p
@@ -149,6 +160,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="send the decode request as soon as encodes are scheduled; the decoder's gather waits for "
                         "the embeddings (see docs/BENCHMARKS.md for the TTFT it saves)")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds for one encode or generation")
+    p.add_argument("--encoder-busy-timeout", type=positive_seconds, default=30.0,
+                   help="seconds an encode may wait while every encoder answers busy (503 encoder_busy: each try goes "
+                        "to another encoder first, then waits its Retry-After); then 503 encoders_saturated")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for workers to be healthy")
     p.add_argument("--api-key", default=cli_secret("EPD_API_KEY"),
                    help="clients must send `Authorization: Bearer <key>` on /v1/* (default: env EPD_API_KEY, or the "

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 
-from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, _dest
+from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, ENCODER_FLAGS, _dest
 from epd_launcher.group import Secrets, WorkerGroup
 from epd_models.resolve import resolve_model
 
@@ -21,7 +22,8 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
     common = ["--log-level", args.log_level]
     devices = _devices(num_encoders + args.num_decoders)
     enc = [group.spawn("encoder", model, wh, threads,
-                       ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *devices[i]], keys.env("encoder"))
+                       ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *_given(args, ENCODER_FLAGS),
+                        *devices[i]], keys.env("encoder"))
            for i in range(num_encoders)]
     # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
     aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
@@ -42,9 +44,14 @@ def _video_flags(args: argparse.Namespace) -> list[str]:
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     """The decoder engine flags given on the command line, for every decoder; those not given keep its defaults."""
-    given = [(spec[0], getattr(args, _dest(spec[0]))) for spec in DECODER_FLAGS]
     switches = [flag for flag, _ in DECODER_SWITCHES if getattr(args, _dest(flag))]
-    return [*(a for flag, value in given if value is not None for a in (flag, str(value))), *switches]
+    return [*_given(args, DECODER_FLAGS), *switches]
+
+
+def _given(args: argparse.Namespace, specs: tuple[tuple[str, Any, str], ...]) -> list[str]:
+    """`flag value` for each of these flags given on the command line (those not given keep the worker's default)."""
+    given = [(spec[0], getattr(args, _dest(spec[0]))) for spec in specs]
+    return [a for flag, value in given if value is not None for a in (flag, str(value))]
 
 
 def _devices(num_workers: int) -> list[list[str]]:

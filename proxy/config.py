@@ -41,6 +41,9 @@ class ProxyConfig(HttpLimits):
     media_fetch_deadline: float = 30.0  # seconds to load all of one request's images (slot wait included)
     max_concurrent_fetches: int = 16  # http(s) image downloads at once, all requests together
     worker_timeout: float = 300.0  # seconds for one encode call or one generation
+    # seconds an encode may wait while every encoder answers 503 encoder_busy (each try goes to another encoder
+    # first; when all are busy, the next try waits the answer's Retry-After); then 503 encoders_saturated
+    encoder_busy_timeout: float = 30.0
     startup_timeout: float = 300.0  # seconds to wait for workers at start
     log_level: str = "info"
     # send the decode request as soon as encodes are scheduled; the decoder's gather waits for them

@@ -47,6 +47,14 @@ class ItemRefused(APIError):
         self.mm_hash = mm_hash
 
 
+class EncoderBusy(Exception):
+    """An encoder refused a call as busy (503 encoder_busy): not down, not failed; try another, or later."""
+
+    def __init__(self, retry_after: float):
+        super().__init__(f"busy; retry after {retry_after:g} s")
+        self.retry_after = retry_after
+
+
 class WorkerFailed(Exception):
     """A worker could not do the call: the work may be retried elsewhere. `answer` is set when the worker
     answered (a 5xx about this request): it stays in service, the work is retried once on another worker,
@@ -218,6 +226,8 @@ class Fleet:
         Failover is this loop: the items the failed encoder still owed are scheduled again without any encoder
         that failed them, so each round excludes one more encoder and there are at most as many rounds as encoders.
         """
+        busy: tuple[str, ...] = ()  # encoders that answered busy since the last wait
+        deadline: float | None = None  # when every encoder has been busy for too long
         while items:
             hashes = [it.mm_hash for it in items]
             try:
@@ -225,6 +235,24 @@ class Fleet:
             except WorkerFailed as exc:
                 failures = (*failures, Failure(name, exc))
                 name, items = self._failover(items, request_id, failures)
+                continue
+            except EncoderBusy as exc:
+                self.metrics.encoder_busy.inc()
+                busy = (*busy, name)
+                loop = asyncio.get_running_loop()
+                deadline = deadline if deadline is not None else loop.time() + self.cfg.encoder_busy_timeout
+                if self._free_encoders([f.encoder for f in failures] + list(busy)):
+                    name, items = self._move(name, items, request_id, failures, busy)
+                    continue
+                wait = min(exc.retry_after, deadline - loop.time())
+                if wait <= 0:  # every encoder stayed busy past the deadline
+                    result = APIError(503, f"the encoders are saturated: every encoder answered busy for "
+                                           f"{self.cfg.encoder_busy_timeout:g} s; retry later",
+                                      code="encoders_saturated", headers={"Retry-After": f"{exc.retry_after:g}"})
+                    self.scheduler.update_from_output(name, hashes, result)
+                    return
+                await asyncio.sleep(wait)  # the encoder's Retry-After: then the same call again, here first
+                busy = ()
                 continue
             except APIError as err:  # the request's own fault (4xx): not retried elsewhere
                 result = err
@@ -259,6 +287,25 @@ class Fleet:
             self._start_call(name, todo, request_id, failures)
         return calls[0] if calls else ("", [])
 
+    def _free_encoders(self, exclude: Collection[str]) -> list[str]:
+        return [n for n in self.scheduler.healthy_names() if n not in exclude]
+
+    def _move(self, name: str, items: list[MMItem], request_id: str, failures: tuple[Failure, ...],
+              busy: tuple[str, ...]) -> tuple[str, list[MMItem]]:
+        """Reschedule a busy encoder's items on the others (not a failure: it stays in service); returns the call
+        this loop goes on with (the rest of a split starts on its own)."""
+        owed = self.scheduler.take_back(name, [it.mm_hash for it in items])
+        try:
+            out = self._schedule([it for it in items if it.mm_hash in owed], True,
+                                 [*(f.encoder for f in failures), *busy])
+        except APIError as err:  # the others went down meanwhile
+            self.scheduler.settle(name, owed, err)
+            return "", []
+        calls = [(n, call) for n, todo in out.scheduled_encoder_inputs.items() for call in encode_calls(todo)]
+        for n, todo in calls[1:]:
+            self._start_call(n, todo, request_id, failures)
+        return calls[0] if calls else ("", [])
+
     async def _post_encode(self, name: str, items: list[MMItem], request_id: str) -> str:
         worker = self.workers.by_url.get(name)
         if worker is None:
@@ -275,6 +322,8 @@ class Fleet:
         except httpx.HTTPError as exc:
             self.workers.mark_down(worker, f"encode call failed: {describe_failure(exc)}")
             raise WorkerFailed(type(exc).__name__) from exc
+        if resp.status_code == 503 and _error_code(resp.content) == "encoder_busy":
+            raise EncoderBusy(_retry_after(resp.headers.get("retry-after")))
         if resp.status_code >= 500:
             raise WorkerFailed(f"answered {resp.status_code}", upstream_error(resp, resp.content, f"encoder {name}"))
         if resp.status_code != 200:
@@ -328,3 +377,22 @@ class Fleet:
                 raise WorkerFailed(f"answered {resp.status_code}", upstream_error(resp, body, f"decoder {worker.url}"))
             raise upstream_error(resp, body, f"decoder {worker.url}")
         return resp
+
+
+_MAX_RETRY_AFTER_S = 5.0  # an encoder's Retry-After is honoured up to this (the proxy's own deadline bounds the rest)
+
+
+def _error_code(body: bytes) -> object:
+    try:
+        return msgspec.json.decode(body).get("error", {}).get("code")
+    except (msgspec.MsgspecError, AttributeError):
+        return None
+
+
+def _retry_after(value: str | None) -> float:
+    """Retry-After in seconds (its delay form), within (0, 5]; 1 when absent or not a number."""
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 0.05), _MAX_RETRY_AFTER_S) if seconds == seconds else 1.0

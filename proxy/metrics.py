@@ -34,6 +34,8 @@ class ProxyMetrics:
         self.items_scheduled = Counter("epd_proxy_items_scheduled", "Images sent to an encoder", registry=registry)
         self.retries = Counter("epd_proxy_retries", "Generations retried after re-encoding missing embeddings",
                                registry=registry)
+        self.encoder_busy = Counter("epd_proxy_encoder_busy", "Encode calls an encoder refused as busy (503 "
+                                    "encoder_busy): moved to another encoder, or tried again", registry=registry)
         self.failovers = Counter("epd_proxy_failovers", "Work moved to another worker after one failed", ["role"],
                                  registry=registry)
         self.workers_marked_down = Counter("epd_proxy_workers_marked_down", "Workers taken out of service", ["role"],

@@ -24,7 +24,11 @@ def read_back(chosen: dict[int, torch.Tensor], vocab_size: int,
         except Exception:  # e.g. rows on different devices: read each alone
             values.update((k, _scalar(t)) for k, t in good.items())
             values.update(_each(batch))
-    return {key: _token(values[key], vocab_size) for key in [*chosen, *(batch[0] if batch is not None else ())]}
+    out = {key: _token(values[key], vocab_size) for key in chosen}
+    for key in batch[0] if batch is not None else ():  # an integer tensor's tolist(): ints, or an error
+        v = values[key]
+        out[key] = v if type(v) is int and 0 <= v < vocab_size else _token(v, vocab_size)
+    return out
 
 
 def _token(value: object, vocab_size: int) -> int | Exception:

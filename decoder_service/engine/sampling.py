@@ -201,7 +201,8 @@ def choose_rows(rows: list[tuple[int, Sampler]], logits: Mapping[Any, torch.Tens
     """Every row's next token on the device: the plain greedy rows in one batched argmax (`Batch`; over the forward's
     own logits matrix when `logits` is the runner's RowLogits), every other row by its own sampler (a 0-d tensor,
     or the exception its sampler raised: that row's failure alone)."""
-    plain = [key for key, sampler in rows if sampler.batched]
+    flagged = [(key, sampler, sampler.batched) for key, sampler in rows]
+    plain = [key for key, _, batched in flagged if batched]
     batch: Batch | None = None
     if plain:
         try:
@@ -210,8 +211,8 @@ def choose_rows(rows: list[tuple[int, Sampler]], logits: Mapping[Any, torch.Tens
         except Exception:  # noqa: BLE001 - e.g. rows on different devices: each chooses alone below
             batch = None
     chosen: dict[int, torch.Tensor | Exception] = {}
-    for key, sampler in rows:
-        if batch is not None and sampler.batched:
+    for key, sampler, batched in flagged:
+        if batch is not None and batched:
             continue
         try:
             chosen[key] = sampler.choose(logits[key])

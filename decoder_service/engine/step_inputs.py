@@ -17,7 +17,7 @@ from decoder_service.prompt import Prompt
 from epd_models.halves import LanguageHalf
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     key: Hashable
     prompt: Prompt
@@ -40,7 +40,7 @@ class Row:
         return self.length >= self.target
 
 
-@dataclass
+@dataclass(slots=True)
 class Segment:
     row: Row
     start: int
