@@ -115,7 +115,7 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
     "transformers_from": transformers.__file__}))"""
 LIMITS = {"tests": 150.0, "build": 180.0, "engine": 150.0, "start": 180.0, "bench": 150.0, "feature": 240.0}  # seconds, one step
 EXTRA_MIN_S = 60.0  # the feature benchmarks start only with this much of the budget left
-# (step, the benchmark's arguments, small arguments); the model directory is appended for n-prefill
+# (step, the benchmark's arguments, small arguments); the model directory is appended for TAKES_MODEL
 FEATURES = (
     # no large-vocabulary estimate on the device: it models a CPU mask at 32k, and trains a tokenizer first
     ("structured", ("-m", "epd_bench.structured", "--json", "--large-vocab", "0"),
@@ -123,7 +123,11 @@ FEATURES = (
       "--large-vocab", "0")),
     ("n-prefill", ("-m", "epd_bench.n_prefill", "--json", "--model"),
      ("-m", "epd_bench.n_prefill", "--json", "--image-tokens", "8", "--words", "4", "--repeats", "1", "--model")),
+    ("encoder-batching", ("-m", "epd_bench.encoder_batching", "--json", "--device", "auto", "--model"),
+     ("-m", "epd_bench.encoder_batching", "--json", "--device", "auto", "--rounds", "2", "--concurrency", "4",
+      "--model")),
 )
+TAKES_MODEL = ("n-prefill", "encoder-batching")  # their arguments end with --model: the bench model's directory
 
 
 def check_env(run: Run) -> None:
@@ -267,7 +271,7 @@ def run_features(run: Run, model_dir: Path) -> None:
             run.skip(name, f"{run.left():.0f} s of the budget left, fewer than {EXTRA_MIN_S:.0f}")
             continue
         with run.step(name, f"{name}.log") as rec:
-            args = [*(small if run.args.size == "small" else full), *([str(model_dir)] if name == "n-prefill" else [])]
+            args = [*(small if run.args.size == "small" else full), *([str(model_dir)] if name in TAKES_MODEL else [])]
             rec["command"] = shlex.join(["python", *args])
             log = run.work / f"{name}.log"
             if (code := run_logged([sys.executable, *args], log, run.timeout(LIMITS["feature"]), env)) != 0:

@@ -141,7 +141,8 @@ def _memory_lines(systems: dict[str, Any]) -> list[str]:
 
 
 def _feature_lines(steps: dict[str, Any], h: str) -> list[str]:
-    """Constrained / free decoding at 16 streams, and the prefill saved by n = 4 (issue 14's benchmark rows)."""
+    """Constrained / free decoding at 16 streams, the prefill saved by n = 4 (issue 14's benchmark rows), and an
+    encoder's images per second batched across requests ÷ unbatched (issue 33's)."""
     lines: list[str] = []
     if (st := steps.get("structured", {}).get("result")) is not None:
         lines += ["", f"{h} Structured outputs: constrained / free decoding", "", "```bash",
@@ -158,4 +159,11 @@ def _feature_lines(steps: dict[str, Any], h: str) -> list[str]:
                   f"| one request, n = 4 | {n4['prompt_tokens_prefilled']} | {n4['first_token_of_all_4_ms']} |",
                   f"| four requests, n = 1 | {n1['prompt_tokens_prefilled']} | {n1['first_token_of_all_4_ms']} |", "",
                   f"K/V to a second slot: copy {kv['copy_ms']} ms, prefill again {kv['prefill_ms']} ms."]
+    if (eb := steps.get("encoder-batching", {}).get("result")) is not None:
+        rate = eb["images_per_s"]
+        lines += ["", f"{h} Encoder batching across requests ({eb['concurrency']} concurrent single-image requests, "
+                      f"{eb['device']})", "", "```bash", _short(steps["encoder-batching"]["command"]), "```", "",
+                  "| batched images/s | unbatched images/s | batched ÷ unbatched | batch sizes |", "|---:|---:|---:|---|",
+                  f"| {rate['batched']:.2f} | {rate['unbatched']:.2f} | {eb['batched_vs_unbatched']:.2f} "
+                  f"| {', '.join(map(str, eb['batch_sizes']))} |"]
     return lines

@@ -50,7 +50,7 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
     record = json.loads((out / "gpu_check.json").read_text())
     steps = record["steps"]
     per_family = [f"{f}/{s}" for f in FAMILIES for s in ("build", "engine", *SYSTEMS)]
-    assert list(steps) == ["env", "tests", *per_family, "bench-model", "structured", "n-prefill"]
+    assert list(steps) == ["env", "tests", *per_family, "bench-model", "structured", "n-prefill", "encoder-batching"]
     assert all(s["ok"] for s in steps.values()) and steps["env"]["gpus"] == ["Fake GPU, 1.0, 1024"]
     assert steps["tests"]["passed"] >= 2 and steps["tests"]["failed"] == steps["tests"]["errors"] == 0
     for family in FAMILIES:
@@ -68,6 +68,8 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
         assert engine["graphs"] == [] and engine["num_blocks"] > 0 and engine["tokens_per_s_64"] > 0
     structured, n_prefill = steps["structured"]["result"], steps["n-prefill"]["result"]
     assert structured["streams"] == 2 and structured["ratio"] > 0 and n_prefill["device"] == "cpu"
+    batching = steps["encoder-batching"]["result"]
+    assert batching["device"] == "cpu" and batching["concurrency"] == 4 and batching["batched_vs_unbatched"] > 0
     md = (out / "gpu_check.md").read_text()
     section = docs.read_text()[docs.read_text().index(BEGIN): docs.read_text().index(END)]
     rows = [[line for line in text.splitlines() if line.startswith("|")] for text in (md, section)]
@@ -76,6 +78,7 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
         assert "--size small --device cpu" in text and "Fake GPU" in text and record["date"] in text
         assert all(f"Serving {f}" in text for f in FAMILIES) and "## Structured outputs" in text
         assert "The paged engine on the device" in text and "| eager |" in text
+        assert "Encoder batching across requests" in text
         assert "| epd-1enc | 4 / 0 |" in text and "| aggregated | 2 / 0 |" in text
     assert outside(docs.read_text()) == outside(original)
     with tarfile.open(out / "logs.tar.gz") as tar:
