@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from epd_common.logs import request_id_var
 from epd_models.encode import Encoded, ImageJob, Job, VideoJob
 
 logger = logging.getLogger("epd.encoder")
@@ -160,6 +161,8 @@ class EncodeScheduler:
 
     def _serve(self) -> None:
         while (batch := self._next_batch()) is not None:
+            # the batch's log lines carry its requests' ids (one id for a batch of one request's items)
+            request_id_var.set(",".join(dict.fromkeys(it.key for it in batch)))
             start = time.perf_counter()
             try:
                 self._finish(batch, self._run([it.job for it in batch]))

@@ -158,3 +158,20 @@ def test_a_failing_item_fails_its_call_alone_and_the_store_hears_of_it_alone() -
     assert failed == ["bad"]
     assert runner.batches[1] == ["good1", "bad", "good2"]  # the batch, then each alone
     assert runner.batches[2:] == [["good1"], ["bad"], ["good2"]]
+
+
+def test_a_batchs_log_lines_carry_its_requests_ids() -> None:
+    from epd_common.logs import request_id_var
+
+    seen: list[str] = []
+
+    def run(jobs: Sequence[Job]) -> dict[str, Encoded]:
+        seen.append(request_id_var.get())
+        return {j.mm_hash: Encoded(ImageFeatures(embeds=torch.zeros(1, 4)), cached=False) for j in jobs}
+
+    async def scenario() -> None:
+        sched = EncodeScheduler(run)
+        await sched.submit("rid-1", [(job("a"), 1)])
+        sched.shutdown()
+    run_scenario(scenario)
+    assert seen == ["rid-1"]
