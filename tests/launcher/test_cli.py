@@ -263,16 +263,22 @@ ENGINE_FIELDS = {"max_model_len": 8192, "max_num_seqs": 256, "block_size": 32, "
                  "max_prefill_tokens": 64, "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5}
 
 
-def spawned_decoders(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> list[list[str]]:
-    """The extra arguments of each decoder `disagg-epd-proxy argv` would spawn (device flags left out)."""
+def spawned_workers(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> list[tuple[str, list[str]]]:
+    """(role, extra arguments) of each worker `disagg-epd-proxy argv` would spawn (nothing is started)."""
     monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
     monkeypatch.setenv("EPD_INSECURE", "1")
     _, args = parse_args(argv)
     group = RecordingGroup()
     spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
-    assert not [a for role, extra in group.spawned if role == "encoder" for a in extra if a in ENGINE_FLAGS]
+    return list(group.spawned)
+
+
+def spawned_decoders(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> list[list[str]]:
+    """The extra arguments of each decoder `disagg-epd-proxy argv` would spawn (device flags left out)."""
+    workers = spawned_workers(monkeypatch, argv)
+    assert not [a for role, extra in workers if role == "encoder" for a in extra if a in ENGINE_FLAGS]
     return [[a for a in extra if a != "--device" and not a.startswith("cuda:")]
-            for role, extra in group.spawned if role == "decoder"]
+            for role, extra in workers if role == "decoder"]
 
 
 def test_the_decoders_engine_flags_reach_every_spawned_decoder_as_vllm_serve_takes_them(
@@ -339,13 +345,9 @@ def test_spawned_encoders_get_the_proxys_video_limits(monkeypatch: pytest.Monkey
     """An encoder probes each video again: with the proxy's limits it refuses none the proxy took."""
     from encoder_service.cli import parse_args as encoder_args
 
-    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
-    monkeypatch.setenv("EPD_INSECURE", "1")
-    _, args = parse_args(["--num-encoders", "2", "--max-video-duration", "1200", "--max-video-frames", "1000",
-                          "--max-video-frame-pixels", "12345"])
-    group = RecordingGroup()
-    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
-    encoders = [extra for role, extra in group.spawned if role == "encoder"]
+    encoders = [extra for role, extra in spawned_workers(monkeypatch, [
+        "--num-encoders", "2", "--max-video-duration", "1200", "--max-video-frames", "1000",
+        "--max-video-frame-pixels", "12345"]) if role == "encoder"]
     assert len(encoders) == 2
     for extra in encoders:
         cfg = encoder_args(["--model", "demo", *[a for a in extra if a != "--device" and not a.startswith("cuda:")]])
@@ -376,15 +378,11 @@ def test_spawned_aggregated_decoders_get_the_proxys_video_limits(monkeypatch: py
 def test_the_encode_scheduler_flags_reach_every_spawned_encoder_and_no_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
     from encoder_service.cli import parse_args as encoder_args
 
-    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
-    monkeypatch.setenv("EPD_INSECURE", "1")
-    _, args = parse_args(["--num-encoders", "2", "--max-encode-batch-items", "8", "--max-encode-batch-tokens", "999",
-                          "--max-pending-encode-tokens", "5000"])
-    group = RecordingGroup()
-    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
-    encoders = [extra for role, extra in group.spawned if role == "encoder"]
+    workers = spawned_workers(monkeypatch, ["--num-encoders", "2", "--max-encode-batch-items", "8",
+                                            "--max-encode-batch-tokens", "999", "--max-pending-encode-tokens", "5000"])
+    encoders = [extra for role, extra in workers if role == "encoder"]
     assert len(encoders) == 2
     for extra in encoders:
         cfg = encoder_args([a for a in extra if a != "--device" and not a.startswith("cuda:")])
         assert (cfg.max_encode_batch_items, cfg.max_encode_batch_tokens, cfg.max_pending_encode_tokens) == (8, 999, 5000)
-    assert not [a for role, extra in group.spawned if role == "decoder" for a in extra if "encode-batch" in a]
+    assert not [a for role, extra in workers if role == "decoder" for a in extra if "encode-batch" in a]
