@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
+from connector.tensors.ungathered import UNGATHERED_MAX_AGE_S
 from encoder_service.config import EncoderConfig
 from encoder_service.server import create_app
-from epd_common.cli import Gap, key_gaps, refuse_open, run_worker, worker_parser
+from epd_common.cli import Gap, byte_size, key_gaps, refuse_open, run_worker, worker_parser
 from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
 
@@ -26,6 +27,13 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="auto: hold each embedding in its own shared-memory segment (memfd, nothing in /dev/shm) "
                         "that decoders on this host map without a copy (others use ZeroMQ); off: heap and ZeroMQ "
                         "only")
+    g = p.add_argument_group("disk tier (embeddings kept through restarts)")
+    g.add_argument("--ec-disk-dir", default=d.ec_disk_dir,
+                   help="folder every embedding is also written to (under a subfolder per model fingerprint); a "
+                        "restarted encoder indexes it and serves repeats from it without encoding them again; one "
+                        "encoder per folder (default: off)")
+    g.add_argument("--ec-disk-bytes", type=byte_size, default=d.ec_disk_bytes,
+                   help="bytes of files the disk tier keeps, least recently used evicted first, e.g. 16GiB")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
                    help="images per vision forward of one call's in-process encode (execute_mm_encoder)")
     g = p.add_argument_group("encode scheduler (batches across requests; admission)")
@@ -37,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
     g.add_argument("--max-pending-encode-tokens", type=int, default=d.max_pending_encode_tokens,
                    help="vision tokens waiting for the encode thread; a call past it gets 503 encoder_busy with "
                         "Retry-After (the proxy tries another encoder)")
+    g.add_argument("--max-ungathered-bytes", type=byte_size, default=d.max_ungathered_bytes,
+                   help="bytes of stored embeddings no decoder has fetched yet (each counted for at most "
+                        f"{UNGATHERED_MAX_AGE_S:.0f} s); past it a call with items to encode gets 503 encoder_busy "
+                        "(default: half of --ec-cache-bytes)")
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
                    help="width x height above this is refused before decoding")
     p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request,
@@ -55,8 +67,9 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="hashes all held gets may name together (bounds their memory)")
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=True)
     args = p.parse_args(argv)
-    for flag in ("max_batch_size", "max_encode_batch_items", "max_encode_batch_tokens", "max_pending_encode_tokens"):
-        if getattr(args, flag) < 1:
+    for flag in ("max_batch_size", "max_encode_batch_items", "max_encode_batch_tokens", "max_pending_encode_tokens",
+                 "ec_disk_bytes", "max_ungathered_bytes"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     curve = pop_curve(p, args)
     cfg = EncoderConfig(**vars(args), curve=curve)

@@ -28,6 +28,10 @@ class EncoderConfig(HttpLimits):
     ec_cache_bytes: int = 1 << 30  # bytes of held embeddings, shared-memory segments included
     ec_shm: str = "auto"  # auto: hold embeddings in shared memory same-host decoders map; off: heap, socket only
     ec_advertise_host: str | None = None  # host decoders and proxies reach the ZeroMQ endpoints at (0.0.0.0 binds)
+    ec_disk_dir: str | None = None  # every embedding also written here, kept through restarts; None: memory only
+    ec_disk_bytes: int = 16 << 30  # bytes of files the disk tier keeps (LRU)
+    # bytes of stored embeddings no decoder has gathered yet past which /encode answers 503; None: ec_cache_bytes / 2
+    max_ungathered_bytes: int | None = None
     max_batch_size: int = 16  # images per vision forward of one call (the in-process path, execute_mm_encoder)
     max_encode_batch_items: int = 16  # items per vision forward, across calls
     max_encode_batch_tokens: int = 16384  # vision tokens per vision forward (an item larger still runs, alone)
@@ -53,6 +57,10 @@ class EncoderConfig(HttpLimits):
     insecure: bool = False  # start without the internal key / CURVE keys (logs a WARNING)
 
     @property
+    def ungathered_limit(self) -> int:
+        return self.max_ungathered_bytes or self.ec_cache_bytes // 2
+
+    @property
     def curve_needs(self) -> tuple[str, ...]:
         """CURVE keys this worker needs to start secure (see connector.control.curve_flags.curve_gaps)."""
         return ("secret_key", "allowed_clients")
@@ -62,7 +70,8 @@ class EncoderConfig(HttpLimits):
         assert self.max_batch_size >= 1, "max_batch_size must be >= 1"
         assert min(self.max_encode_batch_items, self.max_encode_batch_tokens, self.max_pending_encode_tokens) >= 1, \
             "max_encode_batch_items, max_encode_batch_tokens and max_pending_encode_tokens must be >= 1"
-        assert self.ec_cache_bytes > 0, "ec_cache_bytes must be > 0"
+        assert self.ec_cache_bytes > 0 and self.ec_disk_bytes > 0, "ec_cache_bytes and ec_disk_bytes must be > 0"
+        assert self.max_ungathered_bytes is None or self.max_ungathered_bytes > 0, "max_ungathered_bytes must be > 0"
         assert self.ec_shm in ("auto", "off"), f"ec_shm must be auto or off, got {self.ec_shm!r}"
         assert self.max_items_per_request >= 1 and self.max_encode_bytes >= 1, \
             "max_items_per_request and max_encode_bytes must be >= 1"

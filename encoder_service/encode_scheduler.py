@@ -35,8 +35,9 @@ Runner = Callable[[Sequence[Job]], dict[str, Encoded]]  # one vision forward: a 
 class Busy(Exception):
     """The pending work is past its bound: try again later, or another encoder."""
 
-    def __init__(self, pending: int, asked: int, limit: int):
-        super().__init__(f"{pending} vision tokens are waiting and this call brings {asked}; the bound is {limit}")
+    def __init__(self, pending: int, asked: int | None, limit: int, what: str = "vision tokens are waiting"):
+        brings = "" if asked is None else f" and this call brings {asked}"
+        super().__init__(f"{pending} {what}{brings}; the bound is {limit}")
         self.pending, self.asked, self.limit = pending, asked, limit
 
 

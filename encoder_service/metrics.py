@@ -6,6 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from connector.tensors.disk_tier import DISK_KEYS
 from epd_common.metrics import LATENCY_BUCKETS, PRODUCER_KEYS, cache_gauges
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -36,3 +37,6 @@ class EncoderMetrics:
                                     buckets=LATENCY_BUCKETS, registry=registry)
         cache_gauges(registry, "epd_ec_cache", "Embedding cache (producer side)", cache_stats)
         cache_gauges(registry, "epd_ec_producer", "Connector producer", cache_stats, PRODUCER_KEYS)
+        # disk_*: the disk tier (--ec-disk-dir; 0 when off); ungathered_*: stored, not fetched by a decoder yet
+        cache_gauges(registry, "epd_ec", "Embeddings", cache_stats, (*DISK_KEYS, "ungathered_bytes",
+                                                                     "ungathered_aged_out"))

@@ -16,6 +16,7 @@ import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 
+from connector.tensors.disk_tier import DiskTier
 from connector.tensors.producer import ECProducer
 from encoder_service.config import EncoderConfig
 from encoder_service.encode_scheduler import BatchStats, Busy, EncodeScheduler
@@ -32,7 +33,7 @@ from epd_contracts.validation import ContractError, decode_json
 from epd_contracts.video import part_hash
 from epd_models.encode import UndecodableVideo
 from epd_models.halves import VisionHalf, loaded_summary
-from epd_models.identity import model_identity
+from epd_models.identity import encoder_fingerprint, model_identity
 from epd_models.resolve import resolve_model
 from epd_models.video_config import video_limits
 
@@ -109,7 +110,11 @@ def build_scheduler(cfg: EncoderConfig, w: EncoderWorker, m: EncoderMetrics) -> 
 
 def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     vision = VisionHalf(resolve_model(cfg.model), cfg.dtype, cfg.device)
-    producer = ECProducer(bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
+    disk = None
+    if cfg.ec_disk_dir is not None:
+        fingerprint = encoder_fingerprint(vision.model_dir, str(vision.dtype), str(vision.device))
+        disk = DiskTier(cfg.ec_disk_dir, cfg.ec_disk_bytes, fingerprint)
+    producer = ECProducer(disk=disk, bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
                           curve=cfg.curve, advertise_host=cfg.ec_advertise_host,
                           max_items_per_get=cfg.ec_max_items_per_get, max_reply_bytes=cfg.ec_max_reply_bytes,
                           max_parked_gets=cfg.ec_max_parked_gets, max_parked_hashes=cfg.ec_max_parked_hashes,
@@ -141,6 +146,8 @@ async def encode(request: Request) -> Response:
     try:
         ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
         held, jobs = await asyncio.to_thread(ctx.run, w.prepare_inputs, items)  # images decoded: bad bytes are 400s
+        if jobs and (ungathered := w.producer.ungathered_bytes()) > state.cfg.ungathered_limit:
+            raise Busy(ungathered, None, state.cfg.ungathered_limit, "bytes of embeddings wait for decoders to gather them")
         assert state.scheduler is not None  # ready() said so
         done = {**held, **await state.scheduler.submit(request_id_var.get(), jobs)}
     except Busy as exc:

@@ -32,6 +32,14 @@ def no_prefill(value: str) -> str:
         "requests). Pass disable, none or \"\" (as vLLM's proxy takes them), or leave the flag out")
 
 
+def positive_bytes(value: str) -> int:
+    """A bytes flag (epd_common.cli.byte_size) that must be at least 1."""
+    number = byte_size(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1 byte")
+    return number
+
+
 def non_negative(value: str) -> int:
     """An int flag that may be 0 but not below."""
     number = int(value)
@@ -95,13 +103,17 @@ ENCODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--max-encode-batch-tokens", positive, "vision tokens per vision forward of an encoder"),
     ("--max-pending-encode-tokens", positive,
      "vision tokens waiting in an encoder; a call past it gets 503 encoder_busy and the proxy tries another encoder"),
+    ("--max-ungathered-bytes", positive_bytes,
+     "bytes of embeddings an encoder stored that no decoder fetched yet; past it a call gets 503 encoder_busy"),
+    ("--ec-disk-bytes", positive_bytes, "bytes of files each encoder's disk tier keeps (with --ec-disk-dir)"),
 )
+EC_DISK_DIR = "--ec-disk-dir"  # each spawned encoder gets its own subfolder, kept across its restarts (spawn.py)
 DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),
                     ("--cpu-packed-linear", "CPU: decoders run decode-sized linears through oneDNN's prepacked matmul"))
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max",
                   *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES),
-                  *(spec[0] for spec in ENCODER_FLAGS))
+                  *(spec[0] for spec in ENCODER_FLAGS), EC_DISK_DIR)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -134,9 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     _launcher_flags(p.add_argument_group("launcher mode (spawns the workers on this machine)"))
     _decoder_flags(p.add_argument_group("launcher mode: decoder engine (passed to each spawned decoder as its own "
                                         "flag; unset: the decoder's default)"))
-    g = p.add_argument_group("launcher mode: encode scheduler (passed to each spawned encoder; unset: its default)")
+    g = p.add_argument_group("launcher mode: encoders (passed to each spawned encoder; unset: its default)")
     for flag, kind, text in ENCODER_FLAGS:
         g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the encoder's own)")
+    g.add_argument(EC_DISK_DIR, default=None,
+                   help="folder for the encoders' disk tiers: encoder i writes DIR/encoder-i and, restarted, serves "
+                        "repeats from it without encoding them again (default: memory only)")
     _attach_flags(p.add_argument_group("attach mode (workers started elsewhere)"))
     add_http_flags(p, ProxyConfig)
     return p

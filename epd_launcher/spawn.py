@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, ENCODER_FLAGS, _dest
+from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, EC_DISK_DIR, ENCODER_FLAGS, _dest
 from epd_launcher.group import Secrets, WorkerGroup
 from epd_models.resolve import resolve_model
 
@@ -23,7 +23,7 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
     devices = _devices(num_encoders + args.num_decoders)
     enc = [group.spawn("encoder", model, wh, threads,
                        ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *_given(args, ENCODER_FLAGS),
-                        *devices[i]], keys.env("encoder"))
+                        *_disk_dir(args, i), *devices[i]], keys.env("encoder"))
            for i in range(num_encoders)]
     # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
     aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
@@ -40,6 +40,12 @@ def _video_flags(args: argparse.Namespace) -> list[str]:
     return ["--max-video-duration", str(args.max_video_duration), "--max-video-frames", str(args.max_video_frames),
             "--max-video-frame-pixels", str(args.max_video_frame_pixels),
             "--max-video-decode-frames", str(args.max_video_decode_frames)]
+
+
+def _disk_dir(args: argparse.Namespace, index: int) -> list[str]:
+    """Encoder `index`'s own disk-tier folder (the same one at every restart of it), when --ec-disk-dir is given."""
+    folder = getattr(args, _dest(EC_DISK_DIR))
+    return [] if folder is None else [EC_DISK_DIR, os.path.join(os.path.abspath(folder), f"encoder-{index}")]
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:

@@ -42,3 +42,28 @@ def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str,
     return {"family": family, "served_name": served_name(str(model_dir) if model is None else model),
             "fingerprint": hashlib.sha256(canonical).hexdigest()[:16], "hidden_size": int(hidden),
             "video": video.as_dict() if video is not None else None}
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def encoder_fingerprint(model_dir: str | Path, dtype: str, device: str) -> str:
+    """The key an encoder's disk tier files its embeddings under (connector/tensors/disk_tier.py): anything that
+    changes an embedding's bits changes it. config.json and the processor's JSON files by content, the weight files
+    by name, size and modification time (hashing gigabytes at every start is not worth it; a file replaced in
+    place changes its time), the dtype and device kind, and the torch and transformers versions (an upgrade may move
+    the last bits of a vision forward, and parity is exact)."""
+    import torch
+    import transformers
+
+    root = Path(model_dir)
+    h = hashlib.sha256(b"epd-encoder-fingerprint/v1\0")
+    for name in sorted(p.name for p in root.iterdir() if p.is_file()):
+        path = root / name
+        if name.endswith(".json"):
+            h.update(f"{name}\0".encode() + path.read_bytes() + b"\0")
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            st = path.stat()
+            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    h.update(f"{dtype}\0{device.split(':')[0]}\0{torch.__version__}\0{transformers.__version__}".encode())
+    return h.hexdigest()[:32]

@@ -19,6 +19,14 @@ class Sized(Protocol):
     def nbytes(self) -> int: ...
 
 
+class Backing(Protocol):
+    """A slower tier holding items past their eviction from memory (connector/tensors/disk_tier.py)."""
+
+    def holds(self, mm_hash: str) -> bool: ...
+
+    def hashes(self) -> list[str]: ...
+
+
 T = TypeVar("T", bound=Sized)  # ImageFeatures (consumers), WireItem (producers)
 
 
@@ -29,9 +37,14 @@ class EmbeddingCache(Generic[T]):
     until `drain_events()` so a publisher can send them in order. `on_drop` is called (under the lock, so keep
     it short) with every item that leaves the cache, evicted or replaced: a producer closes its shared memory.
     A `put` may wait (up to its `wait_s`) for pins to be released when the pinned items leave it no room.
+
+    With a `backing` tier, the items held are those in memory and those the backing holds: an item evicted from
+    memory that the backing holds is not an "evicted" event, `snapshot()` lists both, and the backing reports
+    what it stops holding with `forget()`.
     """
 
-    def __init__(self, max_bytes: int, journal: bool = False, on_drop: Callable[[T], None] | None = None) -> None:
+    def __init__(self, max_bytes: int, journal: bool = False, on_drop: Callable[[T], None] | None = None,
+                 backing: Backing | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
@@ -49,6 +62,7 @@ class EmbeddingCache(Generic[T]):
         self._num_evictions = 0
         self._num_rejected = 0
         self._on_drop = on_drop
+        self._backing = backing  # NOTE: its lock is taken under this one, never the other way round
 
     def put(self, mm_hash: str, item: T, wait_s: float = 0.0) -> bool:
         """Store (or replace) an item; False if it cannot fit beside the pinned items, waiting up to `wait_s` for
@@ -118,9 +132,23 @@ class EmbeddingCache(Generic[T]):
                 self._drop(item)
 
     def snapshot(self) -> tuple[int, list[str]]:
-        """The sequence number of the last event and every held mm_hash, consistent with each other."""
+        """The sequence number of the last event and every held mm_hash (the backing's too), consistent."""
         with self._lock:
-            return self._seq, list(self._items)
+            if self._backing is None:
+                return self._seq, list(self._items)
+            return self._seq, list(dict.fromkeys([*self._items, *self._backing.hashes()]))
+
+    def holds(self, mm_hash: str) -> bool:
+        """In memory, or in the backing tier."""
+        with self._lock:
+            return mm_hash in self._items or (self._backing is not None and self._backing.holds(mm_hash))
+
+    def forget(self, mm_hashes: list[str]) -> None:
+        """The backing no longer holds these: an "evicted" event for each not in memory either."""
+        with self._lock:
+            for mm_hash in mm_hashes:
+                if mm_hash not in self._items:
+                    self._record(EVICTED, mm_hash)
 
     def drain_events(self) -> list[JournalEntry]:
         """Events recorded since the last drain, oldest first (empty without a journal)."""
@@ -192,7 +220,8 @@ class EmbeddingCache(Generic[T]):
         for mm_hash in victims:
             self._drop(self._items.pop(mm_hash))
             self._num_evictions += 1
-            self._record(EVICTED, mm_hash)
+            if self._backing is None or not self._backing.holds(mm_hash):
+                self._record(EVICTED, mm_hash)
 
     def _drop(self, item: T) -> None:
         self._nbytes -= item.nbytes

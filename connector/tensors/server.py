@@ -6,6 +6,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -56,8 +57,12 @@ class ProducerServer:
     def __init__(self, cache: EmbeddingCache[WireItem], epoch: str, *, bind: str, events_bind: str,
                  curve: CurveConfig | None, advertise_host: str | None, max_message_bytes: int,
                  max_items_per_get: int, max_reply_bytes: int, max_parked_gets: int, max_parked_hashes: int,
-                 shm_probe: Segment | None = None) -> None:
-        """`shm_probe`: the segment a ShmProbe is answered with (None: shared memory off or unavailable)."""
+                 shm_probe: Segment | None = None, lower: Callable[[str], WireItem | None] | None = None,
+                 on_gathered: Callable[[list[str]], None] | None = None) -> None:
+        """`shm_probe`: the segment a ShmProbe is answered with (None: shared memory off or unavailable).
+        `lower`: an item the memory cache lacks, from the tier below (the disk), or None. `on_gathered`: told the
+        hashes every get reply carried."""
+        self._lower, self._on_gathered = lower, on_gathered
         self.bind, self.events_bind, self.curve, self.advertise_host = bind, events_bind, curve, advertise_host
         self.max_message_bytes, self.max_items_per_get, self.max_reply_bytes = (
             max_message_bytes, max_items_per_get, max_reply_bytes)
@@ -212,7 +217,7 @@ class ProducerServer:
             if kind == "stored":
                 self._failed.discard(mm_hash)
                 settled.append(mm_hash)
-        for get in self._waits.resolve(settled, lambda h: h in self._cache or h in self._failed):
+        for get in self._waits.resolve(settled, lambda h: self._cache.holds(h) or h in self._failed):
             self._answer(get)
 
     def _event(self, seq: int, kind: EventKind, hashes: list[str]) -> CacheEvent:
@@ -245,7 +250,7 @@ class ProducerServer:
             return Pong(req_id=req_id), []
         if isinstance(header, HasRequest):
             hashes = self._check_count(header.hashes, "has")
-            return HasReply(req_id=req_id, has=[h in self._cache for h in hashes]), []
+            return HasReply(req_id=req_id, has=[self._cache.holds(h) for h in hashes]), []
         if isinstance(header, SnapshotRequest):
             seq, held = self._cache.snapshot()
             return SnapshotReply(req_id=req_id, epoch=self.epoch, seq=seq, hashes=held), []
@@ -265,12 +270,14 @@ class ProducerServer:
         req_id, hashes = header.req_id, self._check_count(header.hashes, "get")
         if len(hashes) == 1 and not header.wait and 0 <= req_id < _MAX_REQ_ID:  # the common get: one item, no wait
             mm_hash = hashes[0]
-            found = self._cache.pin(hashes)
+            found = self._pin(hashes)
             try:
                 held = found.get(mm_hash)
                 parts = None if held is None else held.reply_parts(mm_hash, header.shm and self._shm_probe is not None)
                 if held is not None and parts is not None:
                     self._send_one(identity, req_id, held, parts)
+                    if self._on_gathered is not None:
+                        self._on_gathered(hashes)
                     return
             finally:
                 self._cache.unpin(hashes)
@@ -278,7 +285,7 @@ class ProducerServer:
         if not wait <= set(hashes):
             raise WireError("get `wait` must be a list of hashes the get asks for")
         keys = list(dict.fromkeys(hashes))
-        found = self._cache.pin(keys)
+        found = self._pin(keys)
         try:
             missing = {h for h in keys if h not in found and h not in self._failed}
             if not (missing and missing <= wait and wait_ms > 0 and self._waits.can_park(len(hashes))):
@@ -288,6 +295,16 @@ class ProducerServer:
             self._cache.unpin(keys)
         self._waits.park(ParkedGet(identity, req_id, hashes, missing, time.monotonic() + wait_ms / 1000, header.shm))
         self._num_gets_waited += 1
+
+    def _pin(self, keys: list[str]) -> dict[str, WireItem]:
+        """Pin `keys` (distinct; pair with `self._cache.unpin(keys)`) and return those held, the tier below asked
+        for what memory lacks."""
+        found = self._cache.pin(keys)
+        if self._lower is not None and len(found) < len(keys):
+            for h in keys:
+                if h not in found and (item := self._lower(h)) is not None:
+                    found[h] = item
+        return found
 
     def _send_one(self, identity: bytes, req_id: int, held: WireItem, parts: tuple[bytes, bytes, bool]) -> None:
         """Send a single found item's reply from its pre-encoded header, the req_id patched in."""
@@ -310,8 +327,12 @@ class ProducerServer:
 
     def _answer(self, get: ParkedGet) -> None:
         """Answer a parked get with whatever is there now."""
-        with self._cache.pinned(get.hashes) as found:
+        keys = list(dict.fromkeys(get.hashes))
+        found = self._pin(keys)
+        try:
             self._send_get_reply(get.identity, get.req_id, get.hashes, found, get.shm)
+        finally:
+            self._cache.unpin(keys)
 
     def _send_get_reply(self, identity: bytes, req_id: int, hashes: list[str], found: dict[str, WireItem],
                         shm: bool = False) -> None:
@@ -319,6 +340,8 @@ class ProducerServer:
         assert self._router is not None
         header, frames = get_reply(req_id, hashes, found, self._failed.frozen(hashes), self.max_reply_bytes,
                                    shm and self._shm_probe is not None)
+        if self._on_gathered is not None:
+            self._on_gathered([item.mm_hash for item in header.items if item.found])
         # before the send: a consumer may read stats() the moment it has the reply
         self._num_gets_served += 1
         self._bytes_sent += sum(buf.nbytes for buf in frames)
