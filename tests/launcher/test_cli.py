@@ -373,16 +373,3 @@ def test_spawned_aggregated_decoders_get_the_proxys_video_limits(monkeypatch: py
     group = RecordingGroup()
     spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
     assert not [a for role, extra in group.spawned if role == "decoder" for a in extra if a.startswith("--max-video")]
-
-
-def test_the_encode_scheduler_flags_reach_every_spawned_encoder_and_no_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
-    from encoder_service.cli import parse_args as encoder_args
-
-    workers = spawned_workers(monkeypatch, ["--num-encoders", "2", "--max-encode-batch-items", "8",
-                                            "--max-encode-batch-tokens", "999", "--max-pending-encode-tokens", "5000"])
-    encoders = [extra for role, extra in workers if role == "encoder"]
-    assert len(encoders) == 2
-    for extra in encoders:
-        cfg = encoder_args([a for a in extra if a != "--device" and not a.startswith("cuda:")])
-        assert (cfg.max_encode_batch_items, cfg.max_encode_batch_tokens, cfg.max_pending_encode_tokens) == (8, 999, 5000)
-    assert not [a for role, extra in workers if role == "decoder" for a in extra if "encode-batch" in a]
