@@ -54,10 +54,10 @@ def written(tier: DiskTier, items: dict[str, ImageFeatures]) -> DiskTier:
     return tier
 
 
-def reopen(tiers: list[DiskTier], tier: DiskTier, **kw: int) -> DiskTier:
+def reopen(tiers: list[DiskTier], tier: DiskTier, max_bytes: int = 1 << 20) -> DiskTier:
     tiers.remove(tier)
     tier.close()
-    return open_tier(tiers, tier.directory, **kw)
+    return open_tier(tiers, tier.directory, max_bytes)
 
 
 def test_round_trip_through_a_restart_keeps_every_bit(tiers: list[DiskTier], tmp_path: Path) -> None:
@@ -96,7 +96,7 @@ def test_least_recently_used_files_go_first_and_the_bound_holds(tiers: list[Disk
 
 def test_a_lowered_bound_is_applied_at_start(tiers: list[DiskTier], tmp_path: Path) -> None:
     tier = written(open_tier(tiers, tmp_path), {f"h{i}": features(i) for i in range(4)})
-    one = tier.stats()["disk_bytes"] // 4
+    one = int(tier.stats()["disk_bytes"]) // 4
     tier = reopen(tiers, tier, max_bytes=2 * one)
     assert tier.stats()["disk_items"] == 2 and len(os.listdir(tmp_path / FP)) == 2
 

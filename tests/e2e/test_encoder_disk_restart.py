@@ -62,8 +62,13 @@ def test_a_repeat_after_kill_9_is_served_from_disk_without_a_vision_forward(stac
         os.kill(pid, signal.SIGKILL)
     poll("both workers gone", lambda: not any(pid_alive(p) for p in old.values()), 30)
     poll("a new encoder and decoder", lambda: restarted(stack, old), BACK_WITHIN_S)
-    again: list[str] = []
-    poll("the repeat answered", lambda: bool((got := answer(stack)) and again.append(got) is None), BACK_WITHIN_S)
+    again: list[str | None] = [None]
+
+    def answered() -> bool:
+        again[0] = answer(stack)
+        return again[0] is not None
+
+    poll("the repeat answered", answered, BACK_WITHIN_S)
     assert again[0] == first
     assert encoder_metric(stack, "epd_encoder_items_encoded_total") == 0  # the new process ran no vision forward
     assert encoder_metric(stack, "epd_ec_disk_hits") >= 1 and encoder_metric(stack, "epd_ec_disk_items") == 1
