@@ -1,10 +1,11 @@
 """The encoder's one encode thread, shared by every /encode call: their items in one queue, run as batched vision
 forwards within a budget, each request served in turn, and work past a bound refused at admission.
 
-- Items, not calls, are the unit: a call's images are decoded before they queue (encoder_service/server.py), and
-  the thread takes a batch of images of one group (`ImageJob.group`: detail and multi-image; a family that does not
-  batch exactly runs each image alone) across calls, within `max_batch_items` and `max_batch_tokens` (vision tokens,
-  counted by the family's processor: `VisionHalf.image_tokens`). A video part runs alone, as before.
+- Items, not calls, are the unit: a call's images (and video parts' frames) are decoded before they queue
+  (encoder_service/server.py), and the thread takes a batch of one group (`Job.group`: images of one detail and
+  multi-image kind, or video parts; a family that does not batch exactly runs each item alone) across calls, within
+  `max_batch_items` and `max_batch_tokens` (vision tokens, counted by the family's processor:
+  `VisionHalf.image_tokens`, a video part as its frames).
 - Fairness: the batch's first item is the oldest item of the request whose turn it is (request ids in turn, as the
   old per-call executor did), so a video request's many chunks never hold another user's image behind all of them;
   the rest of the batch is filled in arrival order.
@@ -26,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epd_common.logs import request_id_var
-from epd_models.encode import Encoded, ImageJob, Job, VideoJob
+from epd_models.encode import Encoded, Job, VideoJob
 
 logger = logging.getLogger("epd.encoder")
-Runner = Callable[[Sequence[Job]], dict[str, Encoded]]  # one vision forward: a batch of images or one video part
+Runner = Callable[[Sequence[Job]], dict[str, Encoded]]  # one vision forward: a batch of images or of video parts
 
 
 class Busy(Exception):
@@ -138,16 +139,15 @@ class EncodeScheduler:
         key, queue = next(iter(self._queues.items()))
         head = queue[0]
         batch = [head]
-        if isinstance(head.job, ImageJob):
-            tokens = head.cost
-            for it in self._arrival:
-                if len(batch) >= self.max_batch_items:
-                    break
-                if it is head or not isinstance(it.job, ImageJob) or it.job.group != head.job.group:
-                    continue
-                if tokens + it.cost <= self.max_batch_tokens:
-                    batch.append(it)
-                    tokens += it.cost
+        tokens = head.cost
+        for it in self._arrival:
+            if len(batch) >= self.max_batch_items:
+                break
+            if it is head or it.job.group != head.job.group:  # images of one group, or video parts
+                continue
+            if tokens + it.cost <= self.max_batch_tokens:
+                batch.append(it)
+                tokens += it.cost
         taken = {id(it) for it in batch}
         self._arrival = [it for it in self._arrival if id(it) not in taken]
         for it in batch:

@@ -180,7 +180,7 @@ class Stack:
         ttfts = asyncio.run(_send(self.workers.spec.url, requests))
         after = {k: scrape(u, names) for k, (u, names) in urls.items()}
         return {"ttft_ms": [t * 1000.0 for t in ttfts], "mean_ttft_ms": statistics.mean(ttfts) * 1000.0,
-                **{k: delta(before[k], after[k]) for k in urls}, "encoder_totals": after["encoder"]}
+                **{k: delta(before[k], after[k]) for k in urls}}
 
     def wait_written(self, n: int) -> dict[str, float]:
         """Wait until the disk tier holds n files (its writer runs behind the stores); the encoder's counters then."""
@@ -207,27 +207,30 @@ def one_round(stack: Stack, requests: list[SampleRequest], last: bool) -> dict[s
     return out
 
 
+PASSES = {"before": "before (encoder memory)", "after_disk": "after kill -9, disk tier",
+          "after_nodisk": "after kill -9, no disk tier"}
+# who served each pass's repeats: summary name -> (process, counter)
+SERVED_BY = {"items_encoded": ("encoder", "items_encoded"), "gets_served": ("encoder", "gets_served"),
+             "disk_hits": ("encoder", "disk_hits"), "decoder_remote_fetches": ("decoder", "remote_fetches"),
+             "decoder_cache_hits": ("decoder", "consumer_cache_hits"),
+             "decoder_prefix_tokens_saved": ("decoder", "prefix_tokens_saved"),
+             "proxy_items_skipped": ("proxy", "items_skipped"), "proxy_items_scheduled": ("proxy", "items_scheduled")}
+
+
 def summarize(rounds: list[dict[str, Any]], n: int) -> dict[str, Any]:
-    """Means over every round, ratios to `before`, disk rates and the facts that show what served the repeats."""
-    mean = {p: statistics.mean(t for r in rounds for t in r[p]["ttft_ms"]) for p in ("before", "after_disk",
-                                                                                   "after_nodisk")}
-    written, read = rounds[0]["written"], [r["after_disk"]["encoder_totals"] for r in rounds]
-    per_round = {f"{p}_{k}": [r[p][proc][k] for r in rounds] for p in ("before", "after_disk", "after_nodisk")
-                 for proc, k in (("encoder", "items_encoded"), ("encoder", "gets_served"),
-                                 ("decoder", "remote_fetches"), ("proxy", "items_skipped"))}
+    """Means over every round, ratios to `before`, disk rates, and per pass (one value a round) who served it."""
+    mean = {p: statistics.mean(t for r in rounds for t in r[p]["ttft_ms"]) for p in PASSES}
+    written, read = rounds[0]["written"], [r["after_disk"]["encoder"] for r in rounds]
     return {"images": n, "mean_ttft_ms": mean, "after_disk_vs_before": mean["after_disk"] / mean["before"],
             "after_nodisk_vs_before": mean["after_nodisk"] / mean["before"], "target": TARGET,
             "met": mean["after_disk"] / mean["before"] <= TARGET,
+            "disk_writes": written["disk_writes"],
             "disk_write_mb_s": rate_mb_s(written["disk_write_bytes"], written["disk_write_seconds"]),
             "disk_read_mb_s": rate_mb_s(sum(x["disk_read_bytes"] for x in read), sum(x["disk_read_seconds"] for x in read)),
-            "disk_writes": written["disk_writes"], "disk_hits_after_restart": [x["disk_hits"] for x in read],
             "items_encoded_after_restart": {"disk": [r["after_disk"]["encoder"]["items_encoded"] for r in rounds],
                                             "nodisk": [r["after_nodisk"]["encoder"]["items_encoded"] for r in rounds]},
-            "proxy_snapshot_items": {"disk": [r["restart_disk"]["proxy_snapshot_items"] for r in rounds],
-                                     "nodisk": [r["restart_nodisk"]["proxy_snapshot_items"] for r in rounds]},
-            "restart_to_synced_s": {"disk": [r["restart_disk"]["synced_s"] for r in rounds],
-                                    "nodisk": [r["restart_nodisk"]["synced_s"] for r in rounds]},
-            "per_round": per_round}
+            "served_by": {p: {k: [r[p][proc][c] for r in rounds] for k, (proc, c) in SERVED_BY.items()} for p in PASSES},
+            "restarts": {kind: [r[f"restart_{kind}"] for r in rounds] for kind in ("disk", "nodisk")}}
 
 
 def run(model: str, images: int, rounds: int, out_dir: Path, image_size: int = 224, seed: int = 0,
@@ -253,23 +256,26 @@ def run(model: str, images: int, rounds: int, out_dir: Path, image_size: int = 2
     return summary
 
 
+def _one(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
 def report(s: dict[str, Any]) -> str:
-    m, f = s["mean_ttft_ms"], (lambda x: "n/a" if x is None else f"{x:.1f}")
-    verdict = "met" if s["met"] else "missed"
+    """The summary as a table: one row per pass, each counter as one value a round."""
+    cols = ("items_encoded", "gets_served", "disk_hits", "decoder_remote_fetches", "proxy_items_skipped")
+    rows = [f"  {'pass':27s} {'mean TTFT':>10s} {'vs before':>9s}  " + "  ".join(cols)]
+    for p, title in PASSES.items():
+        by = s["served_by"][p]
+        rows.append(f"  {title:27s} {s['mean_ttft_ms'][p]:7.1f} ms {s['mean_ttft_ms'][p] / s['mean_ttft_ms']['before']:9.2f}  "
+                    + "  ".join(f"{str([round(v) for v in by[c]]):>{len(c)}s}" for c in cols))
+    restarts = {k: [(round(x["synced_s"], 1), x["proxy_snapshot_items"]) for x in v] for k, v in s["restarts"].items()}
     return "\n".join([
-        f"encoder restart: model {s['model']}, {s['images']} images, {s['rounds']} round(s), {s['cores']} cores",
-        f"  mean TTFT before restart (encoder memory)   {m['before']:8.1f} ms",
-        f"  after kill -9, with the disk tier           {m['after_disk']:8.1f} ms  x{s['after_disk_vs_before']:.2f} "
-        f"(target <= {s['target']}: {verdict})",
-        f"  after kill -9, no disk tier (re-encodes)    {m['after_nodisk']:8.1f} ms  x{s['after_nodisk_vs_before']:.2f}",
-        f"  vision forwards after restart: disk {s['items_encoded_after_restart']['disk']}, "
-        f"no disk {s['items_encoded_after_restart']['nodisk']}; disk hits {s['disk_hits_after_restart']}",
-        f"  disk: write {f(s['disk_write_mb_s'])} MB/s ({s['disk_writes']:.0f} files), read {f(s['disk_read_mb_s'])} MB/s",
-        f"  proxy snapshot after restart: disk {s['proxy_snapshot_items']['disk']} items, "
-        f"no disk {s['proxy_snapshot_items']['nodisk']}; restart to synced (s): disk "
-        f"{[round(x, 1) for x in s['restart_to_synced_s']['disk']]}, "
-        f"no disk {[round(x, 1) for x in s['restart_to_synced_s']['nodisk']]}",
-        *(f"  {k}: {v}" for k, v in s["per_round"].items()),
+        f"encoder restart: model {s['model']}, {s['images']} images, {s['rounds']} round(s), {s['cores']} cores; "
+        f"decoder {' '.join(s['decoder_flags'])}", *rows,
+        f"  after restart with the disk tier / before: {s['after_disk_vs_before']:.2f} (target <= {s['target']}: "
+        f"{'met' if s['met'] else 'missed'}); without it: {s['after_nodisk_vs_before']:.2f}",
+        f"  disk: write {_one(s['disk_write_mb_s'])} MB/s ({s['disk_writes']:.0f} files), read {_one(s['disk_read_mb_s'])} MB/s",
+        f"  restart to the proxy synced (s, items in its snapshot): disk {restarts['disk']}, no disk {restarts['nodisk']}",
         f"results: {s['run_dir']}/summary.json; wall time {s['wall_s']} s"])
 
 

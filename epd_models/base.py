@@ -165,6 +165,11 @@ class FamilyAdapter:
         `get_video_features` would make them (epd_models/video.py). Families that take video override this."""
         raise ValueError(f"video input is not supported for {self.name} checkpoints")
 
+    def encode_videos(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, settings: VideoSettings,
+                      clips: list[VideoClip]) -> list[ImageFeatures]:
+        """Several clips' features; one forward each unless the family joins them (mrope.py, onevision.py)."""
+        return [self.encode_video(vision, processor, cfg, settings, clip) for clip in clips]
+
     # decoder half
 
     def build_language(self, cfg: PretrainedConfig) -> LanguageModules:

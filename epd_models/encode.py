@@ -10,7 +10,8 @@ Videos (items with a VideoPart: a whole video, or a chunk of its sampled frames;
 same path one at a time: outside the lock, where images are decoded, the bytes are probed under `video_limits`,
 the frame indices are recomputed from the part's frame count with this checkpoint's own VideoConfig
 (epd_models/video_config.py) and checked against the part's plan (its total and fps: else `video_plan_mismatch`),
-and only the part's frames are decoded; under the lock each part is one `VisionHalf.encode_video`. A video that
+and only the part's frames are decoded; under the lock parts batched together are one `VisionHalf.encode_videos`
+(one forward where the family joins clips). A video that
 cannot be used raises UndecodableVideo naming its item and the 400 code it gets.
 
 The store is the encoder's connector producer, or the aggregated decoder's own cache: this module imports
@@ -102,10 +103,14 @@ class ImageJob:
 
 @dataclass(frozen=True)
 class VideoJob:
-    """A video item (a whole video or a chunk) with its frames decoded: one vision forward of its own."""
+    """A video item (a whole video or a chunk) with its frames decoded; video items can share a forward."""
 
     mm_hash: str
     clip: VideoFrames
+
+    @property
+    def group(self) -> tuple[str, bool]:
+        return "video", False
 
 
 Job = ImageJob | VideoJob
@@ -185,17 +190,16 @@ class CachingEncoder:
         the store holds by now (another call encoded them) are not encoded again. Raises as `encode` does; the
         caller tells the store about the items that will not come."""
         images = [j for j in jobs if isinstance(j, ImageJob)]
-        assert len({j.group for j in images}) <= 1 and (not images or len(images) == len(jobs)), \
-            "one batch is images of one group, or one video part"
+        assert len({j.group for j in jobs}) <= 1, "one batch is images of one group, or video parts"
         with self._lock:
             done = self._held([j.mm_hash for j in jobs if self.store.has_cache_item(j.mm_hash)])
             todo = [j for j in jobs if j.mm_hash not in done]
             batch = {j.mm_hash: j.image for j in todo if isinstance(j, ImageJob)}
             if batch:
                 done.update(self._encode_batch(batch, *images[0].group))
-            for job in todo:
-                if isinstance(job, VideoJob):
-                    done.update(self._encode_video(job.mm_hash, job.clip))
+            videos = [j for j in todo if isinstance(j, VideoJob)]
+            if videos:
+                done.update(self._encode_videos(videos))
         return done
 
     def _held(self, hashes: Iterable[str]) -> dict[str, Encoded]:
@@ -229,15 +233,24 @@ class CachingEncoder:
             raise UndecodableVideo(mm_hash, str(exc), code) from exc
         return VideoFrames(part, frames, [i / info.fps for i in wanted])
 
-    def _encode_video(self, mm_hash: str, clip: VideoFrames) -> dict[str, Encoded]:
-        """Encode, check and store one video part (under the lock)."""
-        sampling = clip.part.sampling
+    def _encode_videos(self, jobs: list[VideoJob]) -> dict[str, Encoded]:
+        """Encode, check and store video parts batched together (under the lock)."""
+        clips = []
+        for job in jobs:
+            sampling = job.clip.part.sampling
+            try:
+                clips.append(self.vision.video_clip(job.clip.frames, sampling.fps, sampling.max_pixels,
+                                                    frame_times=job.clip.times, last=job.clip.part.last,
+                                                    total_frames=job.clip.part.total))
+            except VideoInputsError as exc:
+                raise UndecodableVideo(job.mm_hash, str(exc)) from exc
         try:
-            out = self.vision.encode_video(clip.frames, sampling.fps, sampling.max_pixels, frame_times=clip.times,
-                                           last=clip.part.last, total_frames=clip.part.total)
+            outs = self.vision.encode_videos(clips)
         except VideoInputsError as exc:  # frames the family's video inputs cannot be made of (size, pixel budget)
-            raise UndecodableVideo(mm_hash, str(exc)) from exc
-        return self._store({mm_hash: out}, "video part")
+            # NOTE: a batch of several that fails is rerun part by part (the encode scheduler), so the error names
+            # the part it belongs to
+            raise UndecodableVideo(jobs[0].mm_hash, str(exc)) from exc
+        return self._store({job.mm_hash: out for job, out in zip(jobs, outs, strict=True)}, "video part")
 
     def _encode_batch(self, images: dict[str, Image.Image], detail: str = "auto",
                       multi_image: bool = False) -> dict[str, Encoded]:

@@ -123,15 +123,21 @@ class VisionHalf:
             return []
         return _to_cpu(self.adapter.encode(self.module, self.processor, self.config, images, detail, multi_image))
 
-    @torch.inference_mode()
     def encode_video(self, frames: list[Image.Image], fps: float, max_pixels: int | None = None,
                      max_bytes: int | None = None, frame_times: Sequence[float] | None = None,
                      last: bool = True, total_frames: int | None = None) -> ImageFeatures:
-        """One video's (or one chunk of a video's) CPU features from its sampled frames at `fps` frames per second
-        (epd_models/video.py: `max_pixels` overrides the checkpoint's pixel budget (its video processor's
+        """One video's (or one chunk of a video's) CPU features from its sampled frames (see `video_clip`)."""
+        return self.encode_videos([self.video_clip(frames, fps, max_pixels, max_bytes, frame_times, last,
+                                                   total_frames)])[0]
+
+    def video_clip(self, frames: list[Image.Image], fps: float, max_pixels: int | None = None,
+                   max_bytes: int | None = None, frame_times: Sequence[float] | None = None,
+                   last: bool = True, total_frames: int | None = None) -> VideoClip:
+        """One video's (or one chunk of a video's) sampled frames at `fps` frames per second, checked for this
+        checkpoint (epd_models/video.py: `max_pixels` overrides the checkpoint's pixel budget (its video processor's
         size["longest_edge"]: per frame for Qwen2, over the whole video for Qwen3-VL, unused by LLaVA-OneVision's
         fixed frame size), `max_bytes` bounds the pixel tensors; frames that cannot be made into the family's
-        video inputs raise VideoError, a ValueError).
+        video inputs raise VideoError, a ValueError, when encoded).
 
         A chunk is frames [first, first + n) of the video's sampled frames, whole temporal patches except the
         video's last chunk, and its features are exactly those frames' rows of the whole video's, so the decoder
@@ -142,12 +148,18 @@ class VisionHalf:
         whole video, or its last chunk when the family does not need it)."""
         if self.adapter.name not in VIDEO_FAMILIES:  # before any pixel work
             raise ValueError(f"video input is not supported for {self.adapter.name} checkpoints")
-        settings = self.video_settings
-        if settings.pixels_per_video and not last and total_frames is None:
+        if self.video_settings.pixels_per_video and not last and total_frames is None:
             raise ValueError(f"a chunk of a {self.adapter.name} video needs the video's total_frames")
-        clip = VideoClip(frames, fps, max_pixels, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes,
+        return VideoClip(frames, fps, max_pixels, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes,
                          None if frame_times is None else tuple(frame_times), total_frames, last)
-        return _to_cpu([self.adapter.encode_video(self.module, self.processor, self.config, settings, clip)])[0]
+
+    @torch.inference_mode()
+    def encode_videos(self, clips: list[VideoClip]) -> list[ImageFeatures]:
+        """Several clips (videos or chunks, of any requests) in as few vision forwards as the family allows, each
+        exactly what it gives alone where `batches_exactly` (tests/models/test_encode_batching.py)."""
+        if not clips:
+            return []
+        return _to_cpu(self.adapter.encode_videos(self.module, self.processor, self.config, self.video_settings, clips))
 
 
 class LanguageHalf:

@@ -70,18 +70,27 @@ class MRopeAdapter(FamilyAdapter):
     def encode_video(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, settings: VideoSettings,
                      clip: VideoClip) -> ImageFeatures:
         """Qwen2-VL / Qwen2.5-VL: the rows, grid and seconds per temporal patch."""
-        video = qwen_video_inputs(processor.image_processor, settings, clip)
-        res = video_features(vision, video)
-        return ImageFeatures(embeds=_rows(res.pooler_output), grid_thw=video.video_grid_thw,
-                             second_per_grid_t=video.second_per_grid_t)
+        return self.encode_videos(vision, processor, cfg, settings, [clip])[0]
+
+    def encode_videos(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, settings: VideoSettings,
+                      clips: list[VideoClip]) -> list[ImageFeatures]:
+        """Qwen2-VL / Qwen2.5-VL: every clip's patches in one forward (the tower attends within each clip's grid,
+        as it does for a batch of images), split back per clip."""
+        videos = [qwen_video_inputs(processor.image_processor, settings, clip) for clip in clips]
+        res = video_features(vision, videos)
+        return [ImageFeatures(embeds=_rows(rows), grid_thw=video.video_grid_thw,
+                              second_per_grid_t=video.second_per_grid_t)
+                for rows, video in zip(res.pooler_output, videos, strict=True)]
 
 
-def video_features(vision: nn.Module, video: VideoInputs) -> Any:
-    """The model's `get_video_features` on one video's inputs, on the vision's device and dtype."""
+def video_features(vision: nn.Module, videos: list[VideoInputs]) -> Any:
+    """The model's `get_video_features` on videos' inputs joined (its pooler_output is split per video), on the
+    vision's device and dtype."""
     weight = next(vision.parameters())
-    grid = torch.tensor([video.video_grid_thw], device=weight.device)
+    grid = torch.tensor([video.video_grid_thw for video in videos], device=weight.device)
+    pixels = torch.cat([video.pixel_values_videos for video in videos])
     return vision.get_video_features(  # type: ignore[operator]
-        pixel_values_videos=_to(video.pixel_values_videos, weight), video_grid_thw=grid)
+        pixel_values_videos=_to(pixels, weight), video_grid_thw=grid)
 
 
 def _temporal(cfg: PretrainedConfig, item: ImageFeatures, t: int) -> torch.Tensor:

@@ -49,12 +49,32 @@ class OnevisionAdapter(FamilyAdapter):
                      clip: VideoClip) -> ImageFeatures:
         """The frames' pooled rows, and the newline row when the clip ends the video. No grid (1-D positions);
         second_per_grid_t is a frame's seconds (one frame a temporal step) and marks the item as a video."""
+        return self.encode_videos(vision, processor, cfg, settings, [clip])[0]
+
+    def encode_videos(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, settings: VideoSettings,
+                      clips: list[VideoClip]) -> list[ImageFeatures]:
+        """Clips of as many frames as the first go through the tower as one batch (the model's own video batch
+        dimension); the others one by one."""
         side = cfg.vision_config.image_size
         if settings.frame_size != (side, side):
             raise ValueError(f"the video processor's frame size {settings.frame_size} is not the vision tower's "
                              f"input ({side}, {side})")
-        pixels = frame_pixels(processor.image_processor, settings, clip)
+        pixels = [frame_pixels(processor.image_processor, settings, clip) for clip in clips]
         weight = next(vision.parameters())
-        rows = vision.get_video_features(  # type: ignore[operator]
-            pixel_values_videos=_to(pixels[None], weight)).pooler_output[0]
-        return ImageFeatures(embeds=rows if clip.last else rows[:-1], second_per_grid_t=1 / clip.fps)
+        rows: list[torch.Tensor] = []
+        for same in _runs_of_equal_shape(pixels):
+            rows.extend(vision.get_video_features(  # type: ignore[operator]
+                pixel_values_videos=_to(torch.stack(same), weight)).pooler_output)
+        return [ImageFeatures(embeds=r if clip.last else r[:-1], second_per_grid_t=1 / clip.fps)
+                for r, clip in zip(rows, clips, strict=True)]
+
+
+def _runs_of_equal_shape(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one shape together, in order (what torch.stack can join)."""
+    runs: list[list[torch.Tensor]] = []
+    for t in tensors:
+        if runs and runs[-1][0].shape == t.shape:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.base import _rows
+from epd_models.base import FamilyAdapter, _rows
 from epd_models.mrope import MRopeAdapter, Run, video_features
 from epd_models.video import qwen_video_inputs
 from epd_models.video_qwen3 import video_span
@@ -77,12 +77,16 @@ class Qwen3VLAdapter(MRopeAdapter):
         merge = cfg.vision_config.spatial_merge_size
         return [(torch.zeros(1, dtype=torch.long), h // merge, w // merge, True)] * t
 
+    # one forward per clip (the base's loop, not Qwen2's join): Qwen3-VL's vision does not batch exactly
+    # (FamilySpec.batches_exactly), and each clip's DeepStack features come from its own forward
+    encode_videos = FamilyAdapter.encode_videos
+
     def encode_video(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, settings: VideoSettings,
                      clip: VideoClip) -> ImageFeatures:
         """The rows, their DeepStack features (K, N, hidden) and the span with the patches' time stamps."""
         times = clip.times()  # before any pixel work: a chunk without them is refused
         video = qwen_video_inputs(processor.image_processor, settings, clip)
-        res = video_features(vision, video)
+        res = video_features(vision, [video])
         rows = _rows(res.pooler_output)
         per_patch = rows.shape[0] // video.video_grid_thw[0]
         span = video_span(processor, times, settings.temporal_patch_size, per_patch)

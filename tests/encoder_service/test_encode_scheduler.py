@@ -15,13 +15,17 @@ from PIL import Image
 
 from encoder_service.encode_scheduler import BatchStats, Busy, EncodeScheduler
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.encode import Encoded, ImageJob, Job
+from epd_models.encode import Encoded, ImageJob, Job, VideoJob
 
 IMAGE = Image.new("RGB", (8, 8))
 
 
 def job(name: str, detail: str = "auto") -> ImageJob:
     return ImageJob(name, IMAGE, detail)
+
+
+def video(name: str) -> VideoJob:
+    return VideoJob(name, clip=None)  # type: ignore[arg-type]  # the scheduler never looks at the frames
 
 
 class Runner:
@@ -79,18 +83,20 @@ def test_items_of_concurrent_calls_share_a_forward_within_the_item_and_token_bud
     run_scenario(scenario)
 
 
-@pytest.mark.parametrize(("exact", "expected"), [(True, [["h"], ["a1", "a2"], ["l1"]]),
-                                                  (False, [["h"], ["a1"], ["l1"], ["a2"]])])
+@pytest.mark.parametrize(("exact", "expected"), [(True, [["h"], ["a1", "a2"], ["l1"], ["v1", "v2"]]),
+                                                  (False, [["h"], ["a1"], ["l1"], ["v1"], ["v2"], ["a2"]])])
 def test_only_items_of_one_group_share_a_forward_and_an_inexact_family_runs_each_alone(
         exact: bool, expected: list[list[str]]) -> None:
+    """Images of one detail share a forward, video parts of any requests share one, never with images."""
     runner = Runner()
 
     async def scenario() -> None:
         sched, submit = held(runner, batches_exactly=exact)
         first = submit("hold", [(job("h"), 1)])
         await until(runner.started.is_set)
-        calls = [submit("x", [(job("a1"), 1), (job("a2"), 1)]), submit("y", [(job("l1", "low"), 1)])]
-        await until(lambda: sched.num_waiting == 3)
+        calls = [submit("x", [(job("a1"), 1), (job("a2"), 1)]), submit("y", [(job("l1", "low"), 1)]),
+                 submit("z", [(video("v1"), 1)]), submit("w", [(video("v2"), 1)])]
+        await until(lambda: sched.num_waiting == 5)
         runner.gate.set()
         await asyncio.gather(first, *calls)
         sched.shutdown()

@@ -23,6 +23,7 @@ from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.video import VideoPart, VideoSampling, part_hash
 from epd_models import encode as encode_module
 from epd_models.halves import VisionHalf
+from epd_models.video import VideoClip
 from epd_models.video_config import video_config, video_limits
 from tests.encoder_service.video_plan import PlannedVideo, plan_video
 from tests.factories import frame_number, make_video
@@ -121,13 +122,13 @@ def test_each_chunk_decodes_its_planned_frames(one: tuple[TestClient, EncoderWor
     config = w.video_config
     assert config is not None
     seen: list[dict[str, Any]] = []
-    real = w.vision.encode_video
+    real = w.vision.video_clip
 
-    def spy(frames: list[Any], fps: float, *args: Any, **kwargs: Any) -> ImageFeatures:
+    def spy(frames: list[Any], fps: float, *args: Any, **kwargs: Any) -> VideoClip:
         seen.append({"frames": [frame_number(f) for f in frames], "fps": fps, **kwargs})
         return real(frames, fps, *args, **kwargs)
 
-    monkeypatch.setattr(w.vision, "encode_video", spy)
+    monkeypatch.setattr(w.vision, "video_clip", spy)
     resp = c.post("/encode", json={"items": [plan.item(chunk) for chunk in plan.chunks]})
     assert resp.status_code == 200, resp.text
     info = probe_video(VIDEO)
@@ -211,7 +212,7 @@ def test_a_vision_error_is_a_500_of_that_call(one: tuple[TestClient, EncoderWork
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA error: device-side assert")
 
-    monkeypatch.setattr(w.vision, "encode_video", broken)
+    monkeypatch.setattr(w.vision, "encode_videos", broken)
     assert error(c.post("/encode", json={"items": [plan.item(plan.chunks[0])]}))[0:2] == (500, "encode_failed")
     assert failed == [plan.chunks[0].mm_hash]
 

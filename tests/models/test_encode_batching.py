@@ -14,6 +14,7 @@ from decoder_service.aggregated import InlineCache
 from epd_builders.tiny import FAMILIES
 from epd_models.encode import CachingEncoder, ImageJob
 from epd_models.halves import VisionHalf
+from epd_models.video import VIDEO_FAMILIES
 from tests.factories import make_image
 
 SIZES = ((224, 224), (320, 200))
@@ -41,3 +42,26 @@ def test_a_batch_of_two_sizes_equals_each_image_alone(tiny_model_dirs: dict[str,
         assert all(same), family
     else:  # the scheduler keeps such a family's images apart; the test shows why it must
         assert family == "qwen3_vl" and not all(same)
+
+
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
+def test_video_parts_of_different_requests_in_one_batch_equal_each_alone(
+        tiny_model_dirs: dict[str, Path], family: str) -> None:
+    """Two videos of other frame sizes and lengths, and two chunks of a third, batched as the scheduler batches
+    video parts: each part's features bit for bit as encoding it alone."""
+    vision = VisionHalf(tiny_model_dirs[family])
+    colors = ("red", "green", "blue", "yellow")
+    short = [make_image(168, 112, c) for c in colors[:2]]
+    other = [make_image(112, 168, c, "square") for c in colors]  # other size (LLaVA-OneVision resizes anyway)
+    whole = [make_image(168, 112, c, "square") for c in colors]
+    times = [i / 3.0 for i in range(4)]
+    clips = [vision.video_clip(short, 3.0), vision.video_clip(other, 3.0),
+             vision.video_clip(whole[:2], 3.0, frame_times=times[:2], last=False, total_frames=4),
+             vision.video_clip(whole[2:], 3.0, frame_times=times[2:], last=True, total_frames=4)]
+    batched = vision.encode_videos(clips)
+    alone = [vision.encode_videos([clip])[0] for clip in clips]
+    for a, b in zip(batched, alone, strict=True):
+        assert torch.equal(a.embeds, b.embeds) and a.grid_thw == b.grid_thw and a.span == b.span
+        assert a.second_per_grid_t == b.second_per_grid_t
+        assert (a.deepstack is None) == (b.deepstack is None)
+        assert a.deepstack is None or torch.equal(a.deepstack, b.deepstack)
