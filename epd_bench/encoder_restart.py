@@ -17,8 +17,9 @@ First each image is sent once (encoded; written to disk by the writer thread, wa
   4. if a round follows: kill -9, start with the disk tier, each image once untimed (back in memory).
 TTFT is the time to the first streamed content chunk (epd_bench/backends.py). Disk MB/s are the encoder's gauges
 (bytes / seconds: file encoding and digest checks included).
-NOTE: the files were written seconds before the restart, so their reads come from the page cache; a restart after a
-reboot (a cold cache) reads from the device. Results go to runs/bench-encoder-restart/<time>/.
+Before each restart with the disk tier the files are dropped from the page cache (fsync, then
+POSIX_FADV_DONTNEED: `drop_cached`), so the restarted encoder reads them from the device as after a reboot.
+Results go to runs/bench-encoder-restart/<time>/.
 """
 from __future__ import annotations
 
@@ -70,6 +71,20 @@ SERVED_BY = {"items_encoded": ("encoder", "items_encoded"), "items_already_cache
              "decoder_prefix_tokens_saved": ("decoder", "prefix_tokens_saved"),
              "proxy_items_skipped": ("proxy", "items_skipped"), "proxy_items_scheduled": ("proxy", "items_scheduled")}
 SYNCED = re.compile(r"cache index synced with (\S+): epoch \S+ seq \d+, (\d+) item\(s\)")
+
+
+def drop_cached(folder: Path) -> int:
+    """Write the disk tier's files down and ask the kernel to drop their pages, so the next reads go to the device;
+    the number of files."""
+    files = list(folder.glob("*/*.emb"))
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(files)
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
@@ -166,6 +181,7 @@ class Stack:
         start = time.monotonic()
         self.encoder.procs[0].send_signal(signal.SIGKILL)
         self.encoder.procs[0].wait()
+        dropped = drop_cached(self.disk_dir) if disk else 0
         self._start_encoder(disk)
         healthy_s = time.monotonic() - start
         address = httpx.get(f"{self.encoder_url}/health", timeout=10.0).json()["ec_address"]
@@ -178,7 +194,7 @@ class Stack:
 
         wait_for(synced, 60.0, f"the proxy's cache index synced with {address}")
         return {"disk": disk, "healthy_s": healthy_s, "synced_s": time.monotonic() - start,
-                "proxy_snapshot_items": found[-1]}
+                "proxy_snapshot_items": found[-1], "files_dropped_from_page_cache": dropped}
 
     def timed_pass(self, requests: list[SampleRequest]) -> dict[str, Any]:
         """The requests one at a time through the proxy: TTFTs and what each process counted meanwhile."""

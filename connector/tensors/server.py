@@ -275,9 +275,9 @@ class ProducerServer:
                 held = found.get(mm_hash)
                 parts = None if held is None else held.reply_parts(mm_hash, header.shm and self._shm_probe is not None)
                 if held is not None and parts is not None:
-                    self._send_one(identity, req_id, held, parts)
-                    if self._on_gathered is not None:
+                    if self._on_gathered is not None:  # before the send, as the counters: the consumer may look
                         self._on_gathered(hashes)
+                    self._send_one(identity, req_id, held, parts)
                     return
             finally:
                 self._cache.unpin(hashes)
