@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 
 
 def get_reply(req_id: int, hashes: list[str], found: dict[str, WireItem], failed: frozenset[str] = frozenset(),
-              max_bytes: int | None = None, shm: bool = False) -> tuple[GetReply, list[memoryview]]:
-    """Header and tensor frames answering a `get`: one item per requested hash (`failed`: encoding failed).
+              max_bytes: int | None = None, shm: bool = False,
+              later: frozenset[str] = frozenset()) -> tuple[GetReply, list[memoryview]]:
+    """Header and tensor frames answering a `get`: one item per requested hash (`failed`: encoding failed; `later`:
+    held but not read for this reply, answered `more`).
     With `shm`, found items held in shared memory are answered by handle (GetItem.shm), the others by frames.
 
     With `max_bytes`, found items past that many tensor bytes (by handle or by frame) are left out with `more`
@@ -27,7 +29,7 @@ def get_reply(req_id: int, hashes: list[str], found: dict[str, WireItem], failed
     for mm_hash in hashes:
         held = found.get(mm_hash)
         if held is None:
-            items.append(GetItem(mm_hash=mm_hash, failed=mm_hash in failed))
+            items.append(GetItem(mm_hash=mm_hash, failed=mm_hash in failed, more=mm_hash in later))
         elif max_bytes is not None and total and total + held.nbytes > max_bytes:
             items.append(GetItem(mm_hash=mm_hash, more=True))
         else:

@@ -287,7 +287,7 @@ class ProducerServer:
         keys = list(dict.fromkeys(hashes))
         found = self._pin(keys)
         try:
-            missing = {h for h in keys if h not in found and h not in self._failed}
+            missing = {h for h in keys if h not in found and h not in self._failed and not self._cache.holds(h)}
             if not (missing and missing <= wait and wait_ms > 0 and self._waits.can_park(len(hashes))):
                 self._send_get_reply(identity, req_id, hashes, found, header.shm)
                 return
@@ -298,12 +298,17 @@ class ProducerServer:
 
     def _pin(self, keys: list[str]) -> dict[str, WireItem]:
         """Pin `keys` (distinct; pair with `self._cache.unpin(keys)`) and return those held, the tier below asked
-        for what memory lacks."""
+        for what memory lacks, up to one reply's bytes (the rest are answered `more`: held, ask again), so one get
+        of many disk items never reads more than it can send."""
         found = self._cache.pin(keys)
         if self._lower is not None and len(found) < len(keys):
+            read = 0
             for h in keys:
-                if h not in found and (item := self._lower(h)) is not None:
+                if h in found or (read and read >= self.max_reply_bytes):
+                    continue
+                if (item := self._lower(h)) is not None:
                     found[h] = item
+                    read += item.nbytes or 1
         return found
 
     def _send_one(self, identity: bytes, req_id: int, held: WireItem, parts: tuple[bytes, bytes, bool]) -> None:
@@ -338,8 +343,9 @@ class ProducerServer:
                         shm: bool = False) -> None:
         """Send a get's reply; the caller keeps the items pinned until ZeroMQ has taken the frames."""
         assert self._router is not None
+        later = frozenset(h for h in hashes if h not in found and self._cache.holds(h)) if self._lower else frozenset()
         header, frames = get_reply(req_id, hashes, found, self._failed.frozen(hashes), self.max_reply_bytes,
-                                   shm and self._shm_probe is not None)
+                                   shm and self._shm_probe is not None, later)
         if self._on_gathered is not None:
             self._on_gathered([item.mm_hash for item in header.items if item.found])
         # before the send: a consumer may read stats() the moment it has the reply

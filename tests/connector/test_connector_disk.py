@@ -37,9 +37,9 @@ def consumer() -> Iterator[ECConsumer]:
 
 
 def start(folder: Path, memory_items: int = 2, disk_bytes: int = 1 << 20, shm: bool = False,
-          max_age_s: float = 60.0) -> ECProducer:
+          max_age_s: float = 60.0, **kw: int) -> ECProducer:
     return ECProducer(cache_bytes=memory_items * ITEM_BYTES, shm=shm, shm_min_bytes=0,
-                      disk=DiskTier(folder, disk_bytes, "fp"), ungathered_max_age_s=max_age_s).start()
+                      disk=DiskTier(folder, disk_bytes, "fp"), ungathered_max_age_s=max_age_s, **kw).start()
 
 
 def saved(producer: ECProducer, n: int) -> dict[str, ImageFeatures]:
@@ -67,6 +67,19 @@ def test_items_past_memory_stay_advertised_and_are_served_from_disk(
         got = consumer.gather(list(items), dict.fromkeys(items, producer.address), timeout=GUARD_S)
         assert all(torch.equal(got[h].embeds, f.embeds) and got[h].grid_thw == f.grid_thw for h, f in items.items())
         assert producer.stats()["disk_hits"] >= 3
+    finally:
+        producer.close()
+
+
+def test_one_get_reads_no_more_disk_items_than_one_reply_sends(tmp_path: Path, consumer: ECConsumer) -> None:
+    producer = start(tmp_path, memory_items=1, max_reply_bytes=ITEM_BYTES)  # one item a reply
+    try:
+        items = saved(producer, 4)  # memory keeps h3; h0..h2 only on disk
+        gets_before = producer.stats()["gets_served"]
+        got = consumer.gather(list(items), dict.fromkeys(items, producer.address), timeout=GUARD_S)
+        assert all(torch.equal(got[h].embeds, f.embeds) for h, f in items.items())
+        # the disk items came a reply at a time (`more`), each read once, none read and then dropped unsent
+        assert producer.stats()["gets_served"] - gets_before == 4 and producer.stats()["disk_hits"] == 3
     finally:
         producer.close()
 
