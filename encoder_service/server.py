@@ -146,7 +146,7 @@ async def encode(request: Request) -> Response:
     try:
         ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
         held, jobs = await asyncio.to_thread(ctx.run, w.prepare_inputs, items)  # images decoded: bad bytes are 400s
-        if jobs and (ungathered := w.producer.ungathered_bytes()) > state.cfg.ungathered_limit:
+        if jobs and (ungathered := w.producer.ungathered_bytes(request_id_var.get())) > state.cfg.ungathered_limit:
             raise Busy(ungathered, None, state.cfg.ungathered_limit, "bytes of embeddings wait for decoders to gather them")
         assert state.scheduler is not None  # ready() said so
         done = {**held, **await state.scheduler.submit(request_id_var.get(), jobs)}

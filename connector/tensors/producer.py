@@ -16,6 +16,7 @@ from connector.tensors.server import ProducerServer
 from connector.tensors.shm import Segment, raise_fd_limit
 from connector.tensors.ungathered import UNGATHERED_MAX_AGE_S, Ungathered
 from connector.tensors.waiters import MAX_PARKED, MAX_PARKED_HASHES
+from epd_common.logs import request_id_var
 from epd_contracts.embeddings import ImageFeatures
 
 logger = logging.getLogger("epd.connector")
@@ -111,7 +112,8 @@ class ECProducer:
         if self.disk is not None:  # first: an eviction from memory right after the put must find it on disk
             self.disk.put(mm_hash, item.features)
         if self._cache.put(mm_hash, item, wait_s=self.pin_wait_s):
-            self._ungathered.stored(mm_hash, item.nbytes)
+            # the requests it was encoded for (the encode thread runs a batch under their ids, comma-joined)
+            self._ungathered.stored(mm_hash, item.nbytes, frozenset(request_id_var.get().split(",")))
         else:
             item.release()
             if self.disk is None or not self.disk.holds(mm_hash):
@@ -139,9 +141,10 @@ class ECProducer:
         self._cache.forget(mm_hashes)
         self._server.wake()
 
-    def ungathered_bytes(self) -> int:
-        """Bytes of items stored that no get has fetched yet (aged out after a while; connector/tensors/ungathered.py)."""
-        return self._ungathered.nbytes()
+    def ungathered_bytes(self, exclude: str | None = None) -> int:
+        """Bytes of items stored that no get has fetched yet, those of request `exclude` left out (aged out after a
+        while; connector/tensors/ungathered.py)."""
+        return self._ungathered.nbytes(exclude)
 
     def _placed(self, features: ImageFeatures) -> WireItem:
         """The item to hold: copied once into its own shared-memory segment, or (shm off, unavailable or full,

@@ -12,6 +12,7 @@ from connector.control.cache_index import FleetCacheIndex
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.disk_tier import DiskTier
 from connector.tensors.producer import ECProducer
+from tests.decoder_service.engine_run import wait_until
 from epd_contracts.embeddings import ImageFeatures
 
 GUARD_S = 10.0  # upper bound on any wait here; never reached when things work
@@ -135,5 +136,16 @@ def test_stored_bytes_nobody_gathers_age_out(tmp_path: Path) -> None:
     try:
         saved(producer, 2)
         assert producer.ungathered_bytes() == 0 and producer.stats()["ungathered_aged_out"] == 2
+    finally:
+        producer.close()
+
+
+def test_stored_bytes_evicted_before_anyone_gathered_them_stop_counting() -> None:
+    """An item the cache evicted can never be gathered: it must not hold admission shut (no disk tier here)."""
+    producer = ECProducer(cache_bytes=ITEM_BYTES, shm=False).start()  # room for one item
+    try:
+        producer.save_caches("h0", output(0))
+        producer.save_caches("h1", output(1))  # evicts h0
+        assert wait_until(lambda: producer.ungathered_bytes() == ITEM_BYTES)
     finally:
         producer.close()

@@ -45,7 +45,10 @@ def internal_key(launcher_pid: int) -> str:
     """The internal key in the environment of one of the launcher's children (its workers)."""
     for task in Path(f"/proc/{launcher_pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            key = environ(int(child)).get("EPD_INTERNAL_KEY")
+            try:
+                key = environ(int(child)).get("EPD_INTERNAL_KEY")
+            except (ProcessLookupError, FileNotFoundError):  # a child that exited meanwhile (a worker restarting)
+                continue
             if key:
                 return key
     raise AssertionError(f"no child of the launcher {launcher_pid} holds an internal key")

@@ -14,6 +14,7 @@ from connector.tensors.producer import ECProducer
 from encoder_service.config import EncoderConfig
 from encoder_service.server import create_app
 from encoder_service.worker import EncoderWorker
+from epd_common.http import REQUEST_ID_HEADER
 from epd_contracts.hashing import mm_hash
 from epd_models.halves import VisionHalf
 from tests.encoder_service.test_server import item, png
@@ -46,3 +47,14 @@ def test_work_past_the_ungathered_bound_is_refused_until_a_decoder_gathers(
     assert worker.producer.ungathered_bytes() == 0
     assert client.post("/encode", json={"items": [item(png("blue"))]}).status_code == 200
     assert "epd_ec_ungathered_bytes" in client.get("/metrics").text
+
+
+def test_a_requests_own_ungathered_items_never_refuse_its_next_call(encoder: tuple[TestClient, EncoderWorker]) -> None:
+    """A request whose first items wait for its last ones (its decoder gathers them together) must not wait for
+    itself: only other requests' items count (one request's two calls here, as a re-encode or a second encoder's)."""
+    client, _ = encoder
+    own = {REQUEST_ID_HEADER: "one-request"}
+    assert client.post("/encode", json={"items": [item(png("red"))]}, headers=own).status_code == 200
+    assert client.post("/encode", json={"items": [item(png("blue"))]}, headers=own).status_code == 200
+    other = client.post("/encode", json={"items": [item(png("green"))]}, headers={REQUEST_ID_HEADER: "another"})
+    assert other.status_code == 503 and other.json()["error"]["code"] == "encoder_busy"
