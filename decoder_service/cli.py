@@ -54,6 +54,19 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--prefix-cache-bytes", type=int, default=d.prefix_cache_bytes,
                    help="bytes of prompt-prefix K/V blocks no running sequence uses, kept for reuse by later "
                         "requests (LRU, inside the K/V pool; 0 turns prefix caching off)")
+    g = p.add_argument_group("prefill and decode apart (E -> P -> D)")
+    g.add_argument("--role", choices=("both", "prefill", "decode"), default=d.role,
+                   help="both: prefill and decode every request here; prefill: also prefill requests the proxy hands "
+                        "off (their first token streamed, their K/V kept for a decode worker); decode: also continue "
+                        "hand-offs from the K/V a prefill worker kept (prefilling here if it cannot be had)")
+    g.add_argument("--kv-bind", default=d.kv_bind,
+                   help="prefill: ZeroMQ endpoint decode workers fetch K/V blocks from (tcp://HOST:PORT or ipc://)")
+    g.add_argument("--kv-advertise-host", default=d.kv_advertise_host,
+                   help="prefill: host other machines reach --kv-bind at (when it binds 0.0.0.0)")
+    g.add_argument("--kv-store-bytes", type=byte_size, default=d.kv_store_bytes,
+                   help="prefill: bytes of handed-off K/V kept for pickup, e.g. 4GiB (oldest dropped first)")
+    g.add_argument("--kv-ttl", type=float, default=d.kv_ttl,
+                   help="prefill: seconds handed-off K/V is kept for pickup")
     g = p.add_argument_group("connector limits (ZeroMQ consumer)")
     g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
                    help="tensor bytes of one reply from an encoder; a larger reply is refused before it is decoded")
@@ -64,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=False)
     args = p.parse_args(argv)
     _resolve_block_size(p, args, d)
+    if args.kv_store_bytes < 1 or not args.kv_ttl > 0:
+        p.error("--kv-store-bytes and --kv-ttl must be > 0")
     curve = pop_curve(p, args)
     cfg = DecoderConfig(**vars(args), curve=curve)
     refuse_open(p, cfg, security_gaps(cfg))

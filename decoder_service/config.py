@@ -44,6 +44,13 @@ class DecoderConfig(HttpLimits):
     engine_stall_timeout: float = 120.0  # seconds the engine loop may go without an iteration; then 503 + exit
     grammar_compile_threads: int = 2  # threads compiling response_format / tool grammars (no other request waits)
     grammar_compile_timeout: float = 10.0  # seconds one compile may run; then that request's 400 schema_too_complex
+    # E -> P -> D (decoder_service/handoff.py): both (prefill and decode its own requests), prefill (also hands
+    # requests off after their first token: K/V served on kv_bind), decode (also continues hand-offs)
+    role: str = "both"
+    kv_bind: str = "tcp://127.0.0.1:0"  # prefill: the ZeroMQ endpoint decode workers fetch K/V blocks from
+    kv_advertise_host: str | None = None  # prefill: the host other machines reach kv_bind at (0.0.0.0 binds)
+    kv_store_bytes: int = 4 << 30  # prefill: bytes of handed-off K/V kept for pickup (oldest dropped first)
+    kv_ttl: float = 30.0  # prefill: seconds handed-off K/V is kept; a decode worker later prefills it itself
     log_level: str = "info"
     internal_key: str | None = field(default=None, repr=False)  # Bearer key /generate requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
@@ -82,6 +89,8 @@ class DecoderConfig(HttpLimits):
             "max_video_duration, max_video_frames, max_video_frame_pixels and max_video_decode_frames must be > 0"
         assert self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0 (0: off)"
         assert self.block_size >= 1, "block_size must be >= 1"
+        assert self.role in ("both", "prefill", "decode"), f"role must be both, prefill or decode, got {self.role!r}"
+        assert self.kv_store_bytes >= 1 and self.kv_ttl > 0, "kv_store_bytes and kv_ttl must be > 0"
         assert 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"
         assert self.kv_cache_memory >= 0, "kv_cache_memory must be >= 0 (0: automatic)"
         assert self.max_num_batched_tokens == 0 or self.max_num_batched_tokens >= self.max_num_seqs, \

@@ -15,6 +15,9 @@ from epd_common.metrics import CONSUMER_KEYS, LATENCY_BUCKETS, cache_gauges
 class DecoderMetrics:
     def __init__(self, registry: CollectorRegistry, cache_stats: Callable[[], dict[str, Any]]):
         self.requests = Counter("epd_decoder_requests", "Generate calls by outcome", ["status"], registry=registry)
+        self.handoffs = Counter("epd_decoder_handoff_resumes", "Requests continued from a prefill worker's hand-off, by "
+                                "how their prompt's K/V came: kv (received) or recomputed (prefilled here: the blocks "
+                                "could not be had)", ["how"], registry=registry)
         self.ttft = TokenHistogram("epd_decoder_ttft_seconds", "Arrival to first token", registry)
         self.itl = TokenHistogram("epd_decoder_inter_token_seconds", "Between consecutive tokens", registry)
         self.e2e = Histogram("epd_decoder_e2e_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, registry=registry)

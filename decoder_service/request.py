@@ -26,6 +26,7 @@ from epd_models.chat import PromptTooLong, chat_template, image_edges, render
 from epd_models.tool_parsers import ToolFormat, tool_format
 
 if TYPE_CHECKING:
+    from decoder_service.handoff import Resume
     from epd_models.guide_spec import GuideSpec
     from epd_models.halves import LanguageHalf
 
@@ -64,6 +65,8 @@ class Work:
     held_image_positions: tuple[int, ...] = ()  # sorted prompt positions of the held image (video) rows' tokens
     chain: PrefixChain | None = None  # the prompt's prefix-cache keys (None: the cache is off, or not cacheable)
     route_keys: tuple[str, ...] = ()  # the proxy's prefix keys (routing hints, reported in /health)
+    handoff_key: str | None = None  # prefill worker: hand the request off under this key after its first tokens
+    resume: Resume | None = None  # decode worker: continue what a prefill worker began (decoder_service/handoff.py)
 
     @property
     def cached_tokens(self) -> int:

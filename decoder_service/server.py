@@ -18,9 +18,12 @@ from connector.tensors.consumer import ECConsumer
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.embedding_check import EmbeddingCheck
+from decoder_service.engine.kv_blocks import kv_layout
+from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.memory_plan import KVPlanError, plan_for
 from decoder_service.engine.sequence import Job
+from decoder_service.handoff import HandoffEndpoints
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
 from epd_common.errors import APIError, bad_request, install_error_handlers
@@ -50,6 +53,7 @@ class DecoderState:
     embedding_check: EmbeddingCheck | None = None
     identity: dict[str, object] = field(default_factory=dict)
     refused: str | None = None  # why it would not start (a KVPlanError: the budget cannot hold what was asked)
+    handoff: HandoffEndpoints = field(default_factory=HandoffEndpoints)  # its K/V endpoints for its --role
 
     def check_embedding(self, out: ImageFeatures) -> str | None:
         """The consumer's check of every gathered embedding (gathers only run once the LM is loaded)."""
@@ -78,15 +82,17 @@ async def _read(request: Request) -> GenerateRequest:
 
 
 async def _stream(job: Job, request_id: str) -> AsyncIterator[bytes]:
-    """The job's events as NDJSON lines, until each of its n choices is `done`, or its one `error`."""
+    """The job's events as NDJSON lines, until each of its choices is `done` (those a prefill worker did not end,
+    for a continued request), or its one `error`, or its `handoff` (a prefill worker's)."""
     request_id_var.set(request_id)
     encoder = msgspec.json.Encoder()
-    num_running = job.params.n
+    resume = job.work.resume
+    num_running = job.params.n if resume is None else resume.rows
     try:
         while num_running:
             event = await job.events.get()
             yield encoder.encode(event) + b"\n"
-            if event.type == "error":
+            if event.type in ("error", "handoff"):
                 return
             num_running -= event.type == "done"
     finally:  # client gone (or done): stop the sequence at its next step
@@ -148,6 +154,7 @@ async def health(request: Request) -> dict[str, object]:
             "aggregated": cfg.aggregated, "max_model_len": engine.max_model_len,
             "waiting": engine.num_waiting, "running": engine.num_running,
             "pid": os.getpid(), "loaded": loaded, "prefix_cache": engine.prefix_summary(),
+            "decoder_role": cfg.role, "kv_address": state.handoff.address,
             "kv_cache": engine.kv_summary()}
 
 
@@ -164,7 +171,12 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
         vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)
         inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, check,
                                video_limits(cfg, cfg.max_body_bytes))
-    engine = state.engine = Engine(half, state.consumer, cfg, state.metrics, inline)
+    layout = kv_layout(KVShape.of(half.config.get_text_config(), half.dtype), cfg.block_size,
+                       str(state.identity["fingerprint"]))
+    state.handoff = HandoffEndpoints.start(cfg.role, layout, cfg.curve, cfg.kv_bind, cfg.kv_advertise_host,
+                                           cfg.kv_store_bytes, cfg.kv_ttl)
+    engine = state.engine = Engine(half, state.consumer, cfg, state.metrics, inline, handoff_out=state.handoff.out,
+                                   kv_fetch=state.handoff.fetch, fingerprint=layout.fingerprint)
     kv = engine.kv_summary()
     logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, K/V pool %d blocks x %d positions x "
                 "%d bytes = %.1f MiB (%s)", cfg.model, half.device, str(half.dtype).removeprefix("torch."),
@@ -198,6 +210,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
         watchdog.stop()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.close)
+        state.handoff.close()
         consumer.close()
 
     app = FastAPI(title="EPD decoder", lifespan=lifespan)

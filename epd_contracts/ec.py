@@ -2,7 +2,9 @@
 
 Each is a msgspec Struct tagged by `op` and travels msgpack-encoded after the magic+version prefix
 (connector/control/wire.py frames it; tensor frames follow a `get_reply`). Field types and bounds are
-checked on decode, so a handler never sees a malformed header. Torch-free: every process imports it.
+checked on decode, so a handler never sees a malformed header. The unions also carry the K/V hand-off's
+`kv_get`/`kv_reply` (epd_contracts/kv.py), as every connector op travels the same wire. Torch-free: every process
+imports it.
 """
 from __future__ import annotations
 
@@ -10,35 +12,27 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from epd_contracts.header import DTYPE_SIZES as DTYPE_SIZES
+from epd_contracts.header import MAX_TOKEN_ID as MAX_TOKEN_ID
+from epd_contracts.header import DType, NonNegative, TokenId, _Header
+from epd_contracts.kv import KVGetReply, KVGetRequest
+
 MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
 MAX_HASH_LEN = 256  # characters of one mm_hash on the wire (real ones are 64)
 MAX_NDIM = 8
 MAX_SPAN_IDS = 1 << 17  # token ids of one image's span (a 4k image in the largest layouts is ~20k)
-MAX_TOKEN_ID = (1 << 31) - 1
 HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
 SHM_TAG_BYTES = 16  # random bytes heading every shared-memory segment; a handle must name them
 MAX_PID = (1 << 22)  # Linux's pid_max ceiling
 MAX_FD = (1 << 30)  # file descriptor numbers a handle may name (RLIMIT_NOFILE is far lower)
-# wire dtype name -> bytes per element; a closed table, so no dtype name is ever evaluated
-DTYPE_SIZES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
-}
 
 Hash = Annotated[str, msgspec.Meta(max_length=MAX_HASH_LEN)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8"]
 Shape = Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_NDIM)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 Span = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SPAN_IDS)]
 MAX_SECOND_PER_GRID_T = 1e6  # a video's seconds per temporal patch; finite and > 0 (NaN and inf are refused)
 SecondsPerPatch = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECOND_PER_GRID_T)]
 EventKind = Literal["stored", "evicted", "heartbeat"]
 ShmTag = Annotated[bytes, msgspec.Meta(min_length=SHM_TAG_BYTES, max_length=SHM_TAG_BYTES)]
-
-
-class _Header(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
-    req_id: int
 
 
 # requests a producer serves
@@ -154,6 +148,6 @@ class CacheEvent(_Header, tag="event", kw_only=True):
     hashes: list[Hash]
 
 
-Request = GetRequest | HasRequest | PingRequest | SnapshotRequest | ShmProbe
-Reply = GetReply | HasReply | Pong | SnapshotReply | ShmProbeReply | ErrorReply
+Request = GetRequest | HasRequest | PingRequest | SnapshotRequest | ShmProbe | KVGetRequest  # kv_get: epd_contracts/kv.py
+Reply = GetReply | HasReply | Pong | SnapshotReply | ShmProbeReply | ErrorReply | KVGetReply
 Message = Request | Reply | CacheEvent

@@ -5,6 +5,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from epd_contracts.kv import MAX_CHOICES, MAX_GENERATOR_STATE, KVKey
 from epd_contracts.limits import MAX_MESSAGES, MAX_TOTAL_PARTS, parts_error
 from epd_contracts.sampling import SamplingParams
 from epd_contracts.validation import FieldError
@@ -66,6 +67,30 @@ class ToolChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     parallel: bool = True  # OpenAI's parallel_tool_calls: more than one call allowed in one answer
 
 
+class HandoffChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """One choice at its hand-off: its first token and its sampler's generator state after drawing it (empty:
+    greedy, nothing drawn). `first_token` None: the choice ended at its first token on the prefill worker, which
+    sent its `done`; the decode worker runs no row for it."""
+
+    first_token: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
+    generator_state: Annotated[bytes, msgspec.Meta(max_length=MAX_GENERATOR_STATE)] = b""
+    # the first token's logprobs when its text was held back (a partial character, a possible stop string): they
+    # ride on the decode worker's first delta, as they would have on the next delta of one worker
+    logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=1)] = msgspec.field(default_factory=list)
+
+
+class Handoff(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """A request a prefill worker prefilled (E -> P -> D): where its K/V blocks are (`source`, the prefill worker's
+    K/V endpoint, under `key`; epd_contracts/kv.py), how many prompt positions they hold, and each choice's state.
+    The prefill worker sends it as a `handoff` event; the proxy passes it to the decode worker in /generate, which
+    continues the choices (and, if the blocks cannot be had, prefills the prompt itself)."""
+
+    key: KVKey
+    source: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    num_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    choices: Annotated[list[HandoffChoice], msgspec.Meta(min_length=1, max_length=MAX_CHOICES)]
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     """POST /generate; an unknown field is a 400, so a proxy and a decoder that disagree find out at once.
 
@@ -92,6 +117,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, o
     # which the decoder reports in /health while it holds the K/V of a request that carried them
     prefix_keys: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PREFIX_KEY_CHARS)]],
                            msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(default_factory=list)
+    # E -> P -> D: to a prefill worker, `handoff_key` (prefill, sample each choice's first token, keep the K/V under
+    # this key and end with a `handoff` event); to a decode worker, `handoff` (continue what a prefill worker began)
+    handoff_key: KVKey | None = None
+    handoff: Handoff | None = None
 
     def __post_init__(self) -> None:
         """The proxy's caps on content parts, held again here (a caller may reach /generate directly)."""
@@ -104,6 +133,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, o
         error = parts_error([len(c) if isinstance(c := m.get("content"), list) else 0 for m in self.messages])
         if error:
             raise FieldError("messages", error)
+        if self.handoff_key is not None and self.handoff is not None:
+            raise FieldError("handoff", "a request is either prefilled for a hand-off or continued from one")
+        if self.handoff is not None and len(self.handoff.choices) != self.sampling.n:
+            raise FieldError("handoff", f"{len(self.handoff.choices)} hand-off choices for n = {self.sampling.n}")
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
@@ -145,10 +178,12 @@ class ToolCallDelta(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tru
 class Event(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """One NDJSON line: a delta, a choice's `done` (with its usage), or an `error` (ends every choice).
 
-    With n choices the stream interleaves their events (`index`) and ends after n `done`s or an error.
+    With n choices the stream interleaves their events (`index`) and ends after n `done`s or an error. A prefill
+    worker's stream (`handoff_key`) ends instead with one `handoff` event once every choice has its first token
+    (choices that ended there have their `done` before it).
     """
 
-    type: Literal["delta", "done", "error"]
+    type: Literal["delta", "done", "error", "handoff"]
     index: int = 0  # the choice (0 .. n-1)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per token behind this delta (sampling.logprobs is set)
@@ -161,3 +196,4 @@ class Event(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     status: Annotated[int, msgspec.Meta(ge=400, le=499)] | None = None
     code: str | None = None
     param: str | None = None
+    handoff: Handoff | None = None  # a `handoff` event (prefill worker): where the request continues from

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     curve = pop_curve(parser, args)
     try:
         encode_urls, decode_urls = _worker_urls(args.encode_servers_urls), _worker_urls(args.decode_servers_urls)
+        args.prefill_urls = _prefill_urls(args.prefill_servers_urls)
         policy = RestartPolicy(args.max_restarts, args.restart_window, args.restart_backoff, args.restart_backoff_max)
     except (ValueError, AssertionError) as exc:
         parser.error(str(exc) or "invalid --max-restarts / --restart-* values")
@@ -67,7 +68,9 @@ def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig |
     group = WorkerGroup(env={"EPD_INSECURE": ""}, policy=policy)  # workers get keys: they need no waiver
     try:
         urls = spawn_workers(group, args, keys)
-        cfg = _config(args, *urls, keys.proxy_curve(), args.served_model_name or served_name(args.model))
+        encode_urls, decode_urls, args.prefill_urls = urls
+        cfg = _config(args, encode_urls, decode_urls, keys.proxy_curve(),
+                      args.served_model_name or served_name(args.model))
         group.supervise()
         _serve(cfg, args.proxy_workers, policy, on_ready=lambda: _print_banner(cfg))
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signals
@@ -88,6 +91,14 @@ def _serve(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy,
 def _urls(values: list[str] | None) -> tuple[str, ...]:
     """Accept both `--x a b` and `--x a,b`."""
     return tuple(u.strip().rstrip("/") for v in values or [] for u in v.split(",") if u.strip())
+
+
+def _prefill_urls(values: list[str] | None) -> tuple[str, ...]:
+    """--prefill-servers-urls: the prefill workers' URLs; none for vLLM's disable / none / "" (E + PD)."""
+    urls = [v for v in values or [] if v != "disable"]
+    if urls and len(urls) != len(values or []):
+        raise ValueError("--prefill-servers-urls: give prefill worker URLs, or disable / none / \"\", not both")
+    return _worker_urls(urls)
 
 
 def _worker_urls(values: list[str] | None) -> tuple[str, ...]:
@@ -111,7 +122,8 @@ def _check_port_free(host: str, port: int) -> None:
 def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls: tuple[str, ...],
             curve: CurveConfig | None, served_model_name: str | None) -> ProxyConfig:
     return ProxyConfig(
-        encode_urls=encode_urls, decode_urls=decode_urls, served_model_name=served_model_name,
+        encode_urls=encode_urls, decode_urls=decode_urls, prefill_urls=getattr(args, "prefill_urls", ()),
+        served_model_name=served_model_name,
         host=args.host, port=args.port, max_images_per_request=args.max_images_per_request,
         max_image_bytes=args.max_image_bytes, **{n: getattr(args, n) for n in HttpLimits.__dataclass_fields__},
         max_image_pixels=args.max_image_pixels, max_videos_per_request=args.max_videos_per_request,
@@ -150,7 +162,8 @@ def _require_credentials(parser: argparse.ArgumentParser, args: argparse.Namespa
 def _print_banner(cfg: ProxyConfig) -> None:
     url = f"http://{cfg.host}:{cfg.port}"
     print(f"\nEPD is up: {url}/v1  (model {cfg.served_model_name!r}; "
-          f"{len(cfg.encode_urls)} encoder(s), {len(cfg.decode_urls)} decoder(s))\n"
+          f"{len(cfg.encode_urls)} encoder(s), {len(cfg.decode_urls)} decoder(s)"
+          f"{f', {len(cfg.prefill_urls)} prefill worker(s)' if cfg.prefill_urls else ''})\n"
           f"Try:  .venv/bin/python -m proxy.example --base-url {url}/v1\n", flush=True)
 
 

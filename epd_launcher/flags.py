@@ -23,13 +23,9 @@ def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def no_prefill(value: str) -> str:
-    """--prefill-servers-urls: only vLLM's "no separate prefill" values; the decoders prefill here."""
-    if value.strip().lower() in NO_PREFILL:
-        return "disable"
-    raise argparse.ArgumentTypeError(
-        f"{value!r}: a separate prefill stage is not supported; EPD serves E + PD (each decoder prefills its own "
-        "requests). Pass disable, none or \"\" (as vLLM's proxy takes them), or leave the flag out")
+def prefill_url(value: str) -> str:
+    """--prefill-servers-urls: a prefill worker's URL, or vLLM's "no separate prefill stage" (disable, none, "")."""
+    return "disable" if value.strip().lower() in NO_PREFILL else value
 
 
 def positive_bytes(value: str) -> int:
@@ -110,7 +106,8 @@ ENCODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
 EC_DISK_DIR = "--ec-disk-dir"  # each spawned encoder gets its own subfolder, kept across its restarts (spawn.py)
 DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),
                     ("--cpu-packed-linear", "CPU: decoders run decode-sized linears through oneDNN's prepacked matmul"))
-LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--worker-host", "--max-restarts",
+LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--num-prefills", "--worker-host",
+                  "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max",
                   *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES),
                   *(spec[0] for spec in ENCODER_FLAGS), EC_DISK_DIR)
@@ -255,6 +252,9 @@ def _launcher_flags(g: argparse._ActionsContainer) -> None:
                    "'bench-video'), a checkpoint directory, or a hub id")
     g.add_argument("--num-encoders", type=int, default=1, help="encoder processes to spawn")
     g.add_argument("--num-decoders", type=int, default=1, help="decoder processes to spawn")
+    g.add_argument("--num-prefills", type=int, default=0,
+                   help="prefill workers to spawn (E -> P -> D: each request prefills on one, then decodes on a "
+                        "decoder, which runs --role decode); 0: the decoders prefill (E + PD)")
     g.add_argument("--worker-host", default="127.0.0.1", help="address the spawned workers bind")
     g.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one worker within --restart-window; past that it is left down")
@@ -275,8 +275,10 @@ def _decoder_flags(g: argparse._ActionsContainer) -> None:
 def _attach_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--encode-servers-urls", nargs="+", help="encoder base URLs (space- or comma-separated)")
     g.add_argument("--decode-servers-urls", nargs="+", help="decoder base URLs (space- or comma-separated)")
-    g.add_argument("--prefill-servers-urls", type=no_prefill, default="disable",
-                   help="vLLM's flag, accepted as disable, none or \"\": prefill runs on the decoders (E + PD)")
+    g.add_argument("--prefill-servers-urls", nargs="*", type=prefill_url, default=["disable"],
+                   help="prefill workers' base URLs (epd-decoder --role prefill; space- or comma-separated): each "
+                        "request prefills there and continues on a decoder (E -> P -> D); vLLM's disable, none or "
+                        "\"\" (the default): the decoders prefill (E + PD)")
     g.add_argument("--dynamic-registration", action="store_true",
                    help="workers may also be added/removed at run time with POST/DELETE /instances (the URL lists "
                         "may then be empty); needs --internal-key")

@@ -13,14 +13,15 @@ from epd_models.resolve import resolve_model
 
 
 def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
-                  keys: Secrets) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(encoder URLs, decoder URLs) of the spawned workers, once all are healthy."""
+                  keys: Secrets) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(encoder URLs, decoder URLs, prefill worker URLs) of the spawned workers, once all are healthy."""
     model = str(resolve_model(args.model))
     num_encoders = 0 if args.aggregated else args.num_encoders
-    threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders))
+    num_prefills = 0 if args.aggregated else args.num_prefills
+    threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders + num_prefills))
     wh = args.worker_host
     common = ["--log-level", args.log_level]
-    devices = _devices(num_encoders + args.num_decoders)
+    devices = _devices(num_encoders + args.num_decoders + num_prefills)
     enc = [group.spawn("encoder", model, wh, threads,
                        ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *_given(args, ENCODER_FLAGS),
                         *_disk_dir(args, i), *devices[i]], keys.env("encoder"))
@@ -28,10 +29,16 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
     # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
     aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
     dec_flags = [*common, *aggregated, *_engine_flags(args)]
-    dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *devices[num_encoders + i]], keys.env("decoder"))
+    roles = ["--role", "decode"] if num_prefills else []  # E -> P -> D: the decoders continue hand-offs
+    dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *roles, *devices[num_encoders + i]],
+                       keys.env("decoder"))
            for i in range(args.num_decoders)]
+    first = num_encoders + args.num_decoders
+    pre = [group.spawn("decoder", model, wh, threads, [*dec_flags, "--role", "prefill", "--kv-bind", f"tcp://{wh}:0",
+                                                       *devices[first + i]], keys.env("decoder"))
+           for i in range(num_prefills)]
     group.wait_healthy(args.startup_timeout)
-    return tuple(w.url for w in enc), tuple(w.url for w in dec)
+    return tuple(w.url for w in enc), tuple(w.url for w in dec), tuple(w.url for w in pre)
 
 
 def _video_flags(args: argparse.Namespace) -> list[str]:

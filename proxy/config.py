@@ -13,6 +13,9 @@ from epd_contracts.video import MAX_VIDEO_FRAMES
 class ProxyConfig(HttpLimits):
     encode_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
+    # E -> P -> D: decoders started with --role prefill; a request prefills there (its first token streamed from
+    # there), then a decode worker continues it from the handed-off K/V. Empty: E + PD (each decoder prefills)
+    prefill_urls: tuple[str, ...] = ()
     served_model_name: str | None = "demo"  # None: the model the workers report (Workers.model_name)
     host: str = "127.0.0.1"
     port: int = 8000

@@ -111,8 +111,11 @@ class Fleet:
             self.workers.add("encoder", url)
         for url in self.cfg.decode_urls:
             self.workers.add("decoder", url)
+        for url in self.cfg.prefill_urls:
+            self.workers.add("prefill", url)
         deadline = time.monotonic() + self.cfg.startup_timeout
-        await self.workers.wait_healthy([*self.cfg.encode_urls, *self.cfg.decode_urls], deadline)
+        await self.workers.wait_healthy([*self.cfg.encode_urls, *self.cfg.decode_urls, *self.cfg.prefill_urls],
+                                        deadline)
         addresses = [w.info["ec_address"] for w in self.workers.of("encoder")]
         if not await asyncio.to_thread(self.index.wait_for, lambda: all(map(self.index.is_synced, addresses)), 5.0):
             logger.warning("cache index not synced with every encoder yet; it will catch up from their events")
@@ -344,8 +347,13 @@ class Fleet:
 
     # decoding
 
-    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = ()) -> Worker:
-        return self.workers.acquire_decoder(exclude, prefix_keys)
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder") -> Worker:
+        return self.workers.acquire_decoder(exclude, prefix_keys, role)
+
+    @property
+    def splits_prefill(self) -> bool:
+        """E -> P -> D: prefill workers are configured (or registered); a request then starts on one of them."""
+        return not self.cfg.aggregated and bool(self.workers.of("prefill"))
 
     def release_decoder(self, worker: Worker, finished_keys: Sequence[str] = ()) -> None:
         """The generation is over; `finished_keys`: it finished there, so the decoder holds their K/V now."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import secrets
 from collections.abc import AsyncIterator
 
 import httpx
 import msgspec
 
 from epd_common.errors import APIError
-from epd_contracts.generate import ChunkRef, Event, ImageRef
+from epd_contracts.generate import ChunkRef, Event, Handoff, ImageRef
 from proxy.decoder_http import DecoderResponse
 from proxy.fleet import Fleet, ItemRefused, WorkerFailed
 from proxy.prepare import PreparedChat
@@ -23,10 +24,20 @@ logger = logging.getLogger("epd.proxy")
 
 class Generation:
     """Decoder failures before the first token are invisible to the client: the generation is reopened on
-    another decoder. After the first token a failure ends the stream with an error event."""
+    another decoder. After the first token a failure ends the stream with an error event.
+
+    E -> P -> D (prefill workers configured): the generation opens on a prefill worker (by prefix affinity and load)
+    with a hand-off key; its first tokens stream to the client as they come, and its `handoff` event (not sent on)
+    reopens the generation on a decode worker (by load) with that hand-off, whose events continue the same stream.
+    A prefill worker that fails before its first event is replaced like a decoder; with none healthy the request
+    runs E + PD on a decoder. A decode worker that fails before its first event is replaced too, with the same
+    hand-off (it fetches the K/V, or prefills the prompt itself when the K/V is gone)."""
 
     def __init__(self, fleet: Fleet, chat: PreparedChat, request_id: str):
         self.fleet, self.chat, self.request_id = fleet, chat, request_id
+        self.role = "prefill" if fleet.splits_prefill else "decoder"  # where the next open goes
+        self.handoff_key = secrets.token_hex(16)
+        self.handoff: Handoff | None = None  # the prefill worker's, once it came
         self.decoder: Worker | None = None
         self.tried: set[str] = set()  # decoders that failed this request
         self.answered: APIError | None = None  # a decoder's 5xx answer to this request (it stays in service)
@@ -46,9 +57,14 @@ class Generation:
         if cached is not None:
             self.cached = cached
         while True:
+            keys = self.chat.prefix_keys if self.handoff is None else ()  # a decode worker is chosen by load
             try:
-                decoder = self.decoder = self.fleet.acquire_decoder(self.tried, self.chat.prefix_keys)  # 503: all failed
+                decoder = self.decoder = self.fleet.acquire_decoder(self.tried, keys, self.role)  # 503: all failed
             except APIError:
+                if self.role == "prefill":  # no prefill worker can take it: E + PD on a decoder
+                    logger.warning("no prefill worker available; the request prefills on a decoder")
+                    self.role = "decoder"
+                    continue
                 if self.answered is not None:  # no other decoder: the answer is the request's own error
                     raise self.answered from None
                 raise
@@ -74,6 +90,10 @@ class Generation:
         assert self.decoder is not None
         for attempt in (0, 1):
             body = self.chat.request([self._ref(it, pending) for it in self.chat.items])
+            if self.role == "prefill":
+                body = msgspec.structs.replace(body, handoff_key=self.handoff_key)
+            elif self.handoff is not None:
+                body = msgspec.structs.replace(body, handoff=self.handoff)
             try:
                 self.resp = await self.fleet.open_generation(self.decoder, body, self.request_id)
                 return
@@ -161,14 +181,45 @@ class Generation:
                     yield _lost(exc)
                     return
                 continue
+            if first.type == "handoff":
+                if (error := await self._hand_over(first)) is not None:
+                    yield self._seen(error)
+                    return
+                continue
             yield self._seen(first)
+            handed: Event | None = None
             try:
                 async for line in lines:
                     if line:
-                        yield self._seen(_decode_event(line))
+                        event = _decode_event(line)
+                        if event.type == "handoff":
+                            handed = event
+                            break
+                        yield self._seen(event)
             except httpx.HTTPError as exc:
                 yield self._seen(_lost(exc))
-            return
+            if handed is None:
+                return
+            if (error := await self._hand_over(handed)) is not None:
+                yield self._seen(error)
+                return
+
+    async def _hand_over(self, event: Event) -> Event | None:
+        """The prefill worker's `handoff`: the generation continues on a decode worker with it; an error event
+        when none can take it (the stream then ends after the first tokens already sent)."""
+        if event.handoff is None or self.role != "prefill":
+            return Event(type="error", message="a decoder sent a hand-off this request did not ask for")
+        self.fleet.metrics.handoffs.inc()
+        self.handoff, self.role, self.tried = event.handoff, "decoder", set()
+        self.finished = True  # the prefill worker holds the prompt's K/V in its prefix cache now
+        await self.close_stream()
+        self._release()
+        try:
+            await self.open(self.sources)
+        except APIError as exc:
+            logger.warning("no decode worker could continue the hand-off: %s", exc.message)
+            return Event(type="error", message=f"no decode worker could continue the request: {exc.message}")
+        return None
 
     def _seen(self, event: Event) -> Event:
         if event.type != "delta":  # an error is the stream's last event: it undoes an earlier choice's `done`

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epd_common.metrics import LATENCY_BUCKETS
 from proxy.affinity import ROUTES
+from proxy.workers import ROLES
 
 if TYPE_CHECKING:
     from proxy.fleet import Fleet
@@ -32,6 +33,8 @@ class ProxyMetrics:
                                     "Images not encoded again: another request's encode of them was in flight",
                                     registry=registry)
         self.items_scheduled = Counter("epd_proxy_items_scheduled", "Images sent to an encoder", registry=registry)
+        self.handoffs = Counter("epd_proxy_handoffs", "Generations handed from a prefill worker to a decode worker "
+                                "(E -> P -> D)", registry=registry)
         self.retries = Counter("epd_proxy_retries", "Generations retried after re-encoding missing embeddings",
                                registry=registry)
         self.encoder_busy = Counter("epd_proxy_encoder_busy", "Encode calls an encoder refused as busy (503 "
@@ -56,7 +59,7 @@ class ProxyMetrics:
 
     def watch(self, fleet: Fleet) -> None:
         """Gauges read from the fleet at scrape time."""
-        for role in ("encoder", "decoder"):
+        for role in ROLES:  # prefill workers (E -> P -> D) too: 0 when there are none
             self.workers_healthy.labels(role).set_function(partial(_num_healthy, fleet, role))
         self.encoder_outstanding.set_function(lambda: sum(fleet.scheduler.outstanding.values()))
 

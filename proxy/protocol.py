@@ -275,6 +275,6 @@ class InstanceRequest(BaseModel):
     """POST/DELETE /instances: a worker to add or remove."""
 
     model_config = ConfigDict(extra="forbid")
-    role: Literal["encoder", "decoder"]
+    role: Literal["encoder", "decoder", "prefill"]
     url: Annotated[str, Field(pattern=r"^https?://[^\s/]+$", max_length=512,
                               description="the worker's base URL, e.g. http://10.0.0.7:8001")]

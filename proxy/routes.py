@@ -19,7 +19,7 @@ from proxy.prepare import check_model
 from proxy.protocol import ChatCompletionRequest, InstanceRequest
 from proxy.state import ProxyState, proxy_state
 from proxy.streaming import respond
-from proxy.workers import ModelMismatch
+from proxy.workers import ROLES, ModelMismatch
 
 logger = logging.getLogger("epd.proxy")
 router = APIRouter()
@@ -132,7 +132,7 @@ def _registration(request: Request) -> Fleet:
 
 
 def _instances(fleet: Fleet) -> dict[str, Any]:
-    return {f"{role}s": [w.describe() for w in fleet.workers.of(role)] for role in ("encoder", "decoder")}
+    return {f"{role}s": [w.describe() for w in fleet.workers.of(role)] for role in ROLES}
 
 
 router.include_router(completions_router)  # POST /v1/completions (proxy/completions.py)

@@ -17,7 +17,8 @@ from proxy.affinity import HeldPrefixes, Route, choose, least_loaded
 
 logger = logging.getLogger("epd.proxy")
 T = TypeVar("T")
-ROLES = ("encoder", "decoder")
+ROLES = ("encoder", "decoder", "prefill")  # prefill: a decoder started with --role prefill (E -> P -> D)
+GENERATORS = ("decoder", "prefill")  # the roles that run /generate
 
 
 _UNREACHABLE_LOG_S = 10.0  # while waiting at start, an unreachable worker is logged at most this often
@@ -219,7 +220,11 @@ class Workers:
             return False
         if ok:
             worker.failures, worker.info = 0, dict(info)
-            if worker.role == "decoder":
+            if worker.role == "prefill" and info.get("decoder_role") != "prefill":
+                self.mark_down(worker, "not a prefill worker: its /health says decoder_role "
+                                       f"{info.get('decoder_role')!r} (start it with epd-decoder --role prefill)")
+                return False
+            if worker.role in GENERATORS:
                 worker.prefixes.update(info.get("prefix_cache"), mark)
             if self.model_name is None and isinstance(info.get("model"), str):
                 self.model_name = served_name(info["model"])
@@ -267,12 +272,12 @@ class Workers:
                 return f"no healthy {role} ({reasons})"
         return None
 
-    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = ()) -> Worker:
-        """A healthy decoder not in `exclude`, by prefix affinity for a request with `prefix_keys` (by load alone
-        when affinity is off); its load goes up by one."""
-        candidates = [w for w in self.healthy("decoder") if w.url not in exclude]
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder") -> Worker:
+        """A healthy decoder (or prefill worker) not in `exclude`, by prefix affinity for a request with
+        `prefix_keys` (by load alone when affinity is off, or with no keys); its load goes up by one."""
+        candidates = [w for w in self.healthy(role) if w.url not in exclude]
         if not candidates:
-            raise APIError(503, "no healthy decoder is available", code="decoder_unavailable")
+            raise APIError(503, f"no healthy {role} is available", code=f"{role}_unavailable")
         if self.load_gap is None:
             worker = least_loaded(candidates)
         else:

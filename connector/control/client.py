@@ -12,6 +12,7 @@ import zmq
 from connector.control.channel import ChannelPool, PeerChannel
 from connector.control.security import CurveConfig
 from connector.control.wire import (
+    MAX_FRAMES,
     MAX_REPLY_HEADER_BYTES,
     MAX_TENSOR_BYTES,
     WireError,
@@ -41,10 +42,12 @@ class ProducerClient:
     """Sends requests to producers and collects their replies (one pooled socket per request in flight)."""
 
     def __init__(self, curve: CurveConfig | None = None, max_message_bytes: int = MAX_TENSOR_BYTES,
-                 max_reply_bytes: int = MAX_TENSOR_BYTES) -> None:
+                 max_reply_bytes: int = MAX_TENSOR_BYTES, max_frames: int = MAX_FRAMES) -> None:
         """`max_message_bytes` bounds each frame (libzmq drops a peer sending a bigger part);
-        `max_reply_bytes` bounds the tensor bytes of one reply (checked before any tensor is built)."""
+        `max_reply_bytes` bounds the tensor bytes of one reply (checked before any tensor is built);
+        `max_frames` the frames of one reply (a K/V consumer allows one per block: MAX_KV_FRAMES)."""
         self.max_message_bytes, self.max_reply_bytes = max_message_bytes, max_reply_bytes
+        self._max_frames = max_frames
         self._pool = ChannelPool(zmq.Context.instance(), curve, max_message_bytes)
         self._req_ids = itertools.count(1)
 
@@ -150,7 +153,7 @@ class ProducerClient:
         """Decode one reply; None for a malformed one or a stale one of an earlier request."""
         frames = sock.recv_multipart(copy=False)
         try:
-            header, buffers = decode_message(frames, self.max_message_bytes, MAX_REPLY_HEADER_BYTES)
+            header, buffers = decode_message(frames, self.max_message_bytes, MAX_REPLY_HEADER_BYTES, self._max_frames)
         except WireError as e:
             logger.warning("malformed reply from %s: %s", address, e)
             if peek_req_id(frames) == req_id:  # the answer to this request, unusable: fail now, not at the timeout

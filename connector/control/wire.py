@@ -14,11 +14,13 @@ import msgspec
 import zmq
 
 from epd_contracts.ec import DTYPE_SIZES, GetReply, Message
+from epd_contracts.kv import MAX_BLOCKS, KVGetReply
 
 MAGIC_VERSION = b"EPDC" + bytes([3])  # version 3: msgspec-typed headers (v2 framing unchanged)
 _MAGIC_LEN = len(MAGIC_VERSION)
 MAX_TENSOR_BYTES = 1 << 30  # per tensor frame, checked before any tensor is built
 MAX_FRAMES = 1 + 4096  # magic+header and up to 4096 tensor frames; checked before any frame is read
+MAX_KV_FRAMES = 1 + MAX_BLOCKS  # a kv_reply: magic+header and one frame per block (a prompt's blocks travel together)
 MAX_HEADER_BYTES = 1 << 20  # checked before the header is decoded
 MAX_REPLY_HEADER_BYTES = 64 << 20  # consumers: a snapshot of about a million hashes
 
@@ -57,20 +59,24 @@ def apply_socket_limits(sock: zmq.Socket[Any], max_bytes: int) -> None:
 
 
 def decode_message(frames: Sequence[Frame], max_bytes: int = MAX_TENSOR_BYTES,
-                   max_header_bytes: int = MAX_HEADER_BYTES) -> tuple[Message, list[memoryview]]:
+                   max_header_bytes: int = MAX_HEADER_BYTES,
+                   max_frames: int = MAX_FRAMES) -> tuple[Message, list[memoryview]]:
     """Check a received message and return its header and tensor frame buffers.
 
     Producers keep the default header bound (requests carry hashes only); consumers allow larger replies
-    (MAX_REPLY_HEADER_BYTES) because a snapshot lists every hash a producer holds.
+    (MAX_REPLY_HEADER_BYTES) because a snapshot lists every hash a producer holds, and a K/V consumer more frames
+    (MAX_KV_FRAMES).
     """
-    if not 1 <= len(frames) <= MAX_FRAMES:
-        raise WireError(f"expected 1 to {MAX_FRAMES} frames (magic+header, tensors), got {len(frames)}")
+    if not 1 <= len(frames) <= max_frames:
+        raise WireError(f"expected 1 to {max_frames} frames (magic+header, tensors), got {len(frames)}")
     first = as_buffer(frames[0])
     if first[:_MAGIC_LEN] != MAGIC_VERSION:  # compares without copying the frame
         raise WireError(f"bad magic/version {bytes(first[:_MAGIC_LEN])!r}, expected {MAGIC_VERSION!r}")
     header = _decode_header(first[_MAGIC_LEN:], max_header_bytes)
     buffers = [as_buffer(f) for f in frames[1:]]
-    if buffers or isinstance(header, GetReply):
+    if isinstance(header, KVGetReply):
+        _check_kv_frames(header, buffers, max_bytes)
+    elif buffers or isinstance(header, GetReply):
         _check_tensor_specs(header, buffers, max_bytes)
     return header, buffers
 
@@ -123,3 +129,22 @@ def _check_tensor_specs(header: Message, buffers: list[memoryview], max_bytes: i
         nbytes = tensor_nbytes(dtype, shape, max_bytes)
         if buffers[index].nbytes != nbytes:
             raise WireError(f"frame {index} has {buffers[index].nbytes} bytes, header declares {nbytes}")
+
+
+def _check_kv_frames(header: KVGetReply, buffers: list[memoryview], max_bytes: int) -> None:
+    """A found kv_reply has a layout and one frame of `layout.block_shape` per block from `first_block`; any other
+    kv_reply has no frames."""
+    layout = header.layout
+    if not header.found or layout is None:
+        if header.found or buffers:
+            raise WireError(f"a kv_reply without blocks (found={header.found}, layout={layout is not None}) "
+                            f"has {len(buffers)} frame(s)")
+        return
+    num_sent = header.num_blocks - header.first_block
+    if num_sent != len(buffers):
+        raise WireError(f"kv_reply declares blocks {header.first_block}..{header.num_blocks}, "
+                        f"message has {len(buffers)} frame(s)")
+    nbytes = tensor_nbytes(layout.dtype, layout.block_shape, max_bytes)
+    for index, buf in enumerate(buffers):
+        if buf.nbytes != nbytes:
+            raise WireError(f"kv block frame {index} has {buf.nbytes} bytes, the layout declares {nbytes}")

@@ -1,4 +1,4 @@
-"""Why a gather returned no embeddings for some items."""
+"""Why a gather returned no embeddings for some items, or a K/V fetch no blocks."""
 from __future__ import annotations
 
 
@@ -24,3 +24,15 @@ class InvalidEmbeddings(Exception):
 
     def __str__(self) -> str:
         return "embeddings refused: " + "; ".join(f"{h}: {why}" for h, why in self.reasons.items())
+
+
+class KVUnavailable(Exception):
+    """Raised when a K/V hand-off cannot be had from its producer (gone, refused, timed out, or failing the
+    consumer's checks); nothing was built, and the decode worker recomputes the prefill."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)  # args holds the reason, so the exception survives a process boundary
+
+    def __str__(self) -> str:
+        return f"K/V unavailable: {self.reason}"

@@ -61,7 +61,7 @@ class ProducerServer:
                  on_gathered: Callable[[list[str]], None] | None = None) -> None:
         """`shm_probe`: the segment a ShmProbe is answered with (None: shared memory off or unavailable).
         `lower`: an item the memory cache lacks, from the tier below (the disk), or None. `on_gathered`: told the
-        hashes every get reply carried."""
+        hashes every get reply carried, and those evicted (neither is waiting to be gathered any more)."""
         self._lower, self._on_gathered = lower, on_gathered
         self.bind, self.events_bind, self.curve, self.advertise_host = bind, events_bind, curve, advertise_host
         self.max_message_bytes, self.max_items_per_get, self.max_reply_bytes = (
@@ -211,12 +211,17 @@ class ProducerServer:
             mm_hash = self._failed_inbox.popleft()
             self._failed.add(mm_hash)
             settled.append(mm_hash)
+        evicted: list[str] = []
         for seq, kind, mm_hash in self._cache.drain_events():
             self._publish(pub, self._event(seq, kind, [mm_hash]))
             self._published_seq = seq
             if kind == "stored":
                 self._failed.discard(mm_hash)
                 settled.append(mm_hash)
+            else:
+                evicted.append(mm_hash)
+        if evicted and self._on_gathered is not None:  # gone: nobody can gather them any more (ungathered.py)
+            self._on_gathered(evicted)
         for get in self._waits.resolve(settled, lambda h: self._cache.holds(h) or h in self._failed):
             self._answer(get)
 
@@ -258,7 +263,7 @@ class ProducerServer:
             self._num_shm_probes += 1
             probe = self._shm_probe
             return ShmProbeReply(req_id=req_id, epoch=self.epoch, handle=None if probe is None else probe.handle()), []
-        raise WireError(f"{type(header).__name__} is not a request")
+        raise WireError(f"{type(header).__name__} is not a request an EC producer serves")
 
     def _check_count(self, hashes: list[str], op: str) -> list[str]:
         if len(hashes) > self.max_items_per_get:

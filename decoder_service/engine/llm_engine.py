@@ -19,6 +19,7 @@ code is an engine fault: every request gets an error event, `problem()` reports 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import queue
@@ -34,6 +35,7 @@ from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.engine import cpu_linear
 from decoder_service.engine.eos import eos_token_ids
+from decoder_service.engine.kv_blocks import kv_layout
 from decoder_service.engine.logprobs import TokenTable
 from decoder_service.engine.memory_plan import plan_engine
 from decoder_service.engine.model_runner import ModelRunner
@@ -44,6 +46,7 @@ from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import Job, Sequence, hold_events, release_events
 from decoder_service.grammar import CompiledGuide
 from decoder_service.grammar_pool import Abandoned, CompilePool
+from decoder_service.handoff import HandoffOut, KVFetch, resume_from
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
 from decoder_service.request import PendingGuide, Preparer, Work
@@ -62,9 +65,14 @@ _ENGINE_STOPPED = "generation failed: the decoder engine stopped; retry on anoth
 
 class Engine:
     def __init__(self, lm: LanguageHalf, consumer: ECConsumer, cfg: DecoderConfig, metrics: DecoderMetrics,
-                 inline: InlineEncoder | None = None):
+                 inline: InlineEncoder | None = None, handoff_out: HandoffOut | None = None,
+                 kv_fetch: KVFetch | None = None, fingerprint: str = ""):
+        """`handoff_out`: this worker prefills for others (E -> P -> D); `kv_fetch`: it continues requests others
+        prefilled, fetching their K/V (decoder_service/handoff.py)."""
         self.lm, self.consumer, self.cfg, self.metrics = lm, consumer, cfg, metrics
         self.inline = inline  # aggregated mode: images arrive inline and are encoded here
+        self.handoff_out, self.kv_fetch = handoff_out, kv_fetch
+        self._handing_off: dict[Job, None] = {}  # prefill-only jobs whose first tokens came this step
         self.eos_ids = eos_token_ids(lm)
         self.plan = plan_engine(cfg, lm)  # K/V blocks and max_model_len from the memory budget
         if self.plan.warning:
@@ -86,6 +94,7 @@ class Engine:
             logger.info("--cpu-packed-linear: %d linears prepacked for oneDNN", cpu_linear.pack_linears(lm.module))
         if self.runner.prefix is not None:
             metrics.prefix_stats = self.runner.prefix.stats
+        self.kv_layout = kv_layout(self.runner.shape, cfg.block_size, fingerprint)
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
                                          device=lm.device, tokens=TokenTable(lm.tokenizer))
         self.scheduler = Scheduler(self.runner, cfg.max_prefill_tokens, new_sequence,  # engine thread only
@@ -134,7 +143,18 @@ class Engine:
     def prepare(self, req: GenerateRequest, guide: CompiledGuide | None = None, compiled: bool = False) -> Work:
         """Tokens, embeddings, checked sampling and guide (blocking: a worker thread); APIError for what cannot run.
         `compiled`: `guide` is the request's, from `Engine.guide` (else it is compiled here)."""
-        return self.preparer.prepare(req, self._gather, guide=guide, compiled=compiled)
+        work = self.preparer.prepare(req, self._gather, guide=guide, compiled=compiled)
+        if req.handoff_key is not None:
+            if self.handoff_out is None:
+                raise bad_request("this decoder does not prefill for hand-offs (it is not --role prefill)",
+                                  param="handoff_key")
+            work = dataclasses.replace(work, handoff_key=req.handoff_key)
+        elif req.handoff is not None:
+            resume = resume_from(req.handoff, work.prompt.num_tokens, self.kv_fetch, self.kv_layout,
+                                 self.runner.shape, self.cfg.gather_timeout)
+            self.metrics.handoffs.labels("kv" if resume.kv is not None else "recomputed").inc()
+            work = dataclasses.replace(work, resume=resume)
+        return work
 
     async def guide(self, req: GenerateRequest, left: asyncio.Future[Any]) -> CompiledGuide | None:
         """The request's grammar: looked up and checked on a worker thread, compiled on the grammar pool (so no
@@ -252,6 +272,28 @@ class Engine:
         for key in keys:  # in the runner's order, as each row chose (events held: step())
             if (token := tokens.get(key)) is not None:
                 self._accept(key, token, logprobs.get(key))
+        if self._handing_off:
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        """Prefill-only jobs whose choices all have their first token: their K/V kept for a decode worker, a
+        `handoff` event, their rows freed (decoder_service/handoff.py)."""
+        assert self.handoff_out is not None
+        jobs, self._handing_off = list(self._handing_off), {}
+        running = self.scheduler.running
+        for job in jobs:
+            keys = [k for k in self.scheduler.keys.get(job, []) if k in running]
+            if not keys:  # every choice ended at its first token: their `done`s end the stream
+                continue
+            request_id_var.set(job.request_id)
+            try:
+                job.emit(self.handoff_out.hand_off(job, [running[k] for k in keys], self.runner.rows[keys[0]].blocks,
+                                                   self.runner.cache))
+            except Exception as exc:
+                self.scheduler.fail(keys[0], exc, "handoff")
+                continue
+            for key in keys:
+                self.scheduler.finish(key, "handoff")
 
     def _accept(self, key: int, token: int | Exception, logprobs: list[float] | None = None) -> None:
         """The row's chosen token becomes its text and events; it finishes on a stop, or fails (with its siblings)."""
@@ -267,6 +309,8 @@ class Engine:
         except Exception as exc:
             self.scheduler.fail(key, exc, "output")
             return
+        if seq.job.work.handoff_key is not None and seq.num_generated == 1:
+            self._handing_off[seq.job] = None  # its first token: handed off after this step's postprocess
         if reason is not None:
             self.scheduler.finish(key, reason)
 

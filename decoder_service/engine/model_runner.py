@@ -30,6 +30,7 @@ import torch
 
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
+from decoder_service.engine.kv_blocks import import_blocks
 from decoder_service.engine.kv_cache import ATTENTION, PagedCache
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.outputs import RowLogits, RunnerOutput, SchedulerOutput
@@ -149,6 +150,29 @@ class ModelRunner:
             self.blocks.record(row.length)
         self.rows[key] = row
         return row.length
+
+    @torch.inference_mode()
+    def add_prefilled(self, key: Hashable, prompt: Prompt, kv: torch.Tensor, chain: PrefixChain | None = None,
+                      route_keys: Iterable[str] = ()) -> None:
+        """A row whose prompt another worker prefilled (E -> P -> D): its blocks taken and filled with `kv` (checked:
+        decoder_service/engine/kv_blocks.py), so it decodes from its first token on with no prefill here."""
+        assert self.num_free_slots >= 1, "no free row"
+        target = prompt.num_tokens
+        assert target < self.max_len, "prompt does not fit the context"
+        positions, delta = self.lm.position_ids(prompt.input_ids, prompt.images)  # M-RoPE: the decode positions' delta
+        chain = chain if self.prefix is not None else None
+        row = Row(key, prompt, positions.new_empty((1, 0, 0), dtype=torch.float32), positions, delta, target,
+                  chain=chain, route_keys=tuple(route_keys))
+        row.blocks = self.blocks.allocate(-(-target // self.block_size))
+        try:
+            import_blocks(self.cache, row.blocks, kv, 0, target)  # every position written: not zeroed again
+        except Exception:
+            self.blocks.release(row.blocks)
+            raise
+        row.length = target
+        if chain is not None:
+            self._name(row, chain.keys)
+        self.rows[key] = row
 
     def _reusable(self, row: Row, keys: Sequence[bytes]) -> list[int]:
         """The cached blocks the row starts from: the longest match, leaving the last position to compute (its

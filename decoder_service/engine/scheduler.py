@@ -117,10 +117,13 @@ class Scheduler:
 
     def finish(self, key: int, reason: str) -> None:
         """Free the slot (a choice that ended well gives its K/V to the prefix cache first), then send the choice's
-        last text and `done` (its job's one error event if that fails)."""
-        if reason in ("stop", "length"):
+        last text and `done` (its job's one error event if that fails). "handoff": the choice continues on a decode
+        worker (E -> P -> D), which sends its text and `done`; here it only gives its blocks back."""
+        if reason in ("stop", "length", "handoff"):
             self.runner.donate(key, self.running[key].generated)
         seq = self._drop(key, reason)
+        if reason == "handoff":
+            return
         try:
             seq.finish(reason)
         except Exception as exc:
@@ -167,12 +170,18 @@ class Scheduler:
         while (self.waiting and not self.preempted and self.runner.num_free_slots >= self.waiting[0].params.n
                and self.runner.num_prefill_tokens_left < budget):
             job = self.waiting[0]
-            need = self.runner.blocks_to_admit(job.prompt.num_tokens, job.params.n, job.work.chain)
+            if job.work.resume is None:
+                need = self.runner.blocks_to_admit(job.prompt.num_tokens, job.params.n, job.work.chain)
+            else:  # a row per continuing choice, each with the whole prompt's blocks (no forks)
+                need = job.work.resume.rows * self.runner.blocks_to_admit(job.prompt.num_tokens, 1, job.work.chain)
             if need + self._watermark > self.runner.num_free_blocks and self.running:
                 return
             self.waiting.popleft()
-            keys = [next(self._keys) for _ in range(job.params.n)]
             request_id_var.set(job.request_id)
+            if job.work.resume is not None:
+                self._admit_resumed(job)
+                continue
+            keys = [next(self._keys) for _ in range(job.params.n)]
             try:  # its samplers (seeds), guides, embedding merge and positions: its failure is its own
                 seqs = [self.new_sequence(job, i) for i in range(job.params.n)]
                 job.reused_tokens = self.runner.add(keys[0], job.prompt, forks=keys[1:], chain=job.work.chain,
@@ -184,6 +193,39 @@ class Scheduler:
             self.running.update(zip(keys, seqs, strict=True))
             self.keys[job] = keys
         self.peak_running = max(self.peak_running, len(self.running))
+
+    def _admit_resumed(self, job: Job) -> None:
+        """A job a prefill worker began (E -> P -> D): each continuing choice replays its first token and takes a row
+        over the received K/V blocks (or, when they could not be had, a row that prefills the prompt here with its
+        logits dropped, as a preempted row's); a row per choice, each decoding on from its first token."""
+        resume = job.work.resume
+        assert resume is not None
+        keys: list[int] = []
+        try:
+            for i, choice in enumerate(resume.handoff.choices):
+                if choice.first_token is None:  # it ended at its first token on the prefill worker
+                    continue
+                seq = self.new_sequence(job, i)
+                if (reason := seq.replay(choice.first_token, choice.generator_state, choice.logprobs)) is not None:
+                    seq.finish(reason)  # not expected (the prefill worker ran the same rules): end it here
+                    continue
+                key = next(self._keys)
+                if resume.kv is not None:
+                    self.runner.add_prefilled(key, job.prompt, resume.kv, chain=job.work.chain,
+                                              route_keys=job.work.route_keys)
+                else:
+                    self.runner.add(key, job.prompt, chain=job.work.chain, route_keys=job.work.route_keys, fed=())
+                self.running[key] = seq
+                keys.append(key)
+        except Exception as exc:
+            for key in keys:
+                self.runner.remove(key)
+                del self.running[key]
+            self.finished["error"] += 1
+            job.fail(exc, "admission")
+            return
+        if keys:
+            self.keys[job] = keys
 
     def _fail_job(self, job: Job, exc: Exception, stage: str) -> None:
         self._unpreempt(lambda seq: seq.job is job)

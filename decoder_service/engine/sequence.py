@@ -194,6 +194,23 @@ class Sequence:
         self.generated: list[int] = []  # every chosen token (the prefix cache keeps the ones fed back)
         self.last = job.arrival
         self.pending: int | None = None
+        self.muted = False  # replaying a token another worker already streamed: its events are not sent again
+
+    def replay(self, token: int, generator_state: bytes = b"", logprobs: list[TokenLogprob] | None = None) -> str | None:
+        """Take the first token a prefill worker chose and streamed (E -> P -> D): the sampler (its generator state
+        as it was after that draw, the grammar, the penalty counts), detokenizer, stop rules and tool parser advance
+        exactly as they did there, and nothing is sent again; `logprobs`: the token's, if its text was held back
+        there (they go with the next delta here). Returns the finish reason if the token ended it."""
+        if generator_state:
+            self.sampler.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        self.muted = True
+        try:
+            reason = self.on_token(token)
+        finally:
+            self.muted = False
+        if self.logprobs:
+            self.entries = list(logprobs or [])
+        return reason
 
     def on_token(self, token: int, logprobs: list[float] | None = None) -> str | None:
         """Take the token `sampler.choose` picked (read back by the caller, with `logprobs`: its sampler's packed
@@ -203,11 +220,12 @@ class Sequence:
         if self.logprobs and (entry := self.sampler.logprob_entry(token, logprobs)) is not None:
             self.entries.append(entry)
         now = time.perf_counter()
-        (self.metrics.ttft if self.num_generated == 0 else self.metrics.itl).observe(now - self.last)
+        if not self.muted:
+            (self.metrics.ttft if self.num_generated == 0 else self.metrics.itl).observe(now - self.last)
         self.last, self.num_generated = now, self.num_generated + 1
         self.job.token_times.append(now)
         if self.echo:
-            self.job.emit(Event(type="delta", index=self.index, text=self.echo))
+            self._emit(Event(type="delta", index=self.index, text=self.echo))
             self.echo = ""
         if token in self.stop_ids:  # EOS or a stop_token_ids entry: not emitted, nor its logprobs
             if self.entries:
@@ -251,8 +269,12 @@ class Sequence:
             parsed = self.parser.flush() if final else self.parser.feed(text)
             text, calls = parsed.content, parsed.calls or None
         if text or calls:
-            self.job.emit(Event(type="delta", index=self.index, text=text, tool_calls=calls,
-                                logprobs=self._take_entries()))
+            self._emit(Event(type="delta", index=self.index, text=text, tool_calls=calls,
+                             logprobs=self._take_entries()))
+
+    def _emit(self, event: Event) -> None:
+        if not self.muted:
+            self.job.emit(event)
 
     def _take_entries(self) -> list[TokenLogprob] | None:
         if not self.logprobs:

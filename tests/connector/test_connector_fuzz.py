@@ -36,6 +36,7 @@ from epd_contracts.ec import (
     SnapshotRequest,
 )
 from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.kv import KVGetRequest, KVLayout
 
 GUARD_MS = 5000  # upper bound on any wait; never reached while the producer answers
 RSS_BOUND = 64 << 20  # the producer's process may grow by less than this over the whole fuzz run
@@ -84,10 +85,12 @@ def frame(header_bytes: bytes) -> bytes:
 
 
 def valid_requests() -> list[list[bytes]]:
-    """Well-formed requests of every op the producer serves, as raw frames."""
+    """Well-formed requests of every op, as raw frames (a kv_get is answered with an error: KVServer serves it)."""
     requests: list[Message] = [GetRequest(req_id=7, hashes=[HASH, "missing"]), HasRequest(req_id=7, hashes=[HASH, "x"]),
                                PingRequest(req_id=7), SnapshotRequest(req_id=7), ShmProbe(req_id=7),
-                               GetRequest(req_id=7, hashes=[HASH], shm=True)]
+                               GetRequest(req_id=7, hashes=[HASH], shm=True),
+                               KVGetRequest(req_id=7, key=HASH, layout=KVLayout(fingerprint="m", num_layers=1, kv_heads=1,
+                                                                                head_dim=8, block_size=4, dtype="bfloat16"))]
     assert {type(r) for r in requests} == set(get_args(Request)), "a new request op needs a sample here"
     return [[bytes(f) for f in encode_message(r)] for r in requests]
 
@@ -123,6 +126,7 @@ def live() -> Iterator[Live]:
         for frames in valid_requests():  # warm up every path before measuring memory
             exchange(state, frames)
         state.rss_before, state.bad_before = rss_bytes(), producer.stats()["bad_messages"]
+        state.errors = 0  # the warm-up's kv_get was answered with an error, counted in bad_before
         yield state
     finally:
         dealer.close()

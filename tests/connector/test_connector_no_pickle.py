@@ -106,8 +106,12 @@ for module in (pickle, _pickle):
 from connector.control.wire import MAGIC_VERSION, decode_message
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.producer import ECProducer
+from connector.tensors.kv_client import KVClient
+from connector.tensors.kv_server import KVServer
+from connector.tensors.kv_store import KVStore
 from epd_contracts.ec import ErrorReply
 from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.kv import KVChoice, KVLayout
 
 outs = {
     "f32": ImageFeatures(torch.randn(5, 8)),
@@ -133,6 +137,16 @@ try:
     assert raw.poll(10_000), "no reply to a malformed message"
     assert isinstance(decode_message(raw.recv_multipart())[0], ErrorReply)
     raw.close(linger=0)
+    layout = KVLayout(fingerprint="m", num_layers=2, kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+    blocks = torch.randn(3, *layout.block_shape).to(torch.bfloat16)
+    store = KVStore(1 << 20, 60)
+    store.put("k", layout, 10, blocks, [KVChoice(first_token=1, generator_state=b"s")])
+    kv_server, kv_client = KVServer(store).start(), KVClient()
+    try:
+        assert torch.equal(kv_client.fetch(kv_server.address, "k", layout, timeout=10).blocks, blocks)
+    finally:
+        kv_client.close()
+        kv_server.close()
 finally:
     consumer.close()
     producer.close()

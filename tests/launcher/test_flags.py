@@ -125,13 +125,23 @@ def test_the_mode_follows_the_flags_given_and_defaults_still_apply() -> None:
 
 @pytest.mark.parametrize("value", ["disable", "none", "", "NONE", " Disable "])
 def test_vllm_prefill_servers_urls_meaning_no_prefill_stage_is_accepted(value: str) -> None:
+    from epd_launcher.cli import _prefill_urls
+
     _, args = parse_args([*ATTACH, "--prefill-servers-urls", value])
-    assert args.attach and args.prefill_servers_urls == "disable"
+    assert args.attach and _prefill_urls(args.prefill_servers_urls) == ()
 
 
-def test_a_real_prefill_url_is_a_clear_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    err = usage_error(parse_args, [*ATTACH, "--prefill-servers-urls", "http://p:8100"], capsys)
-    assert "argument --prefill-servers-urls" in err and "separate prefill stage is not supported" in err
+def test_prefill_urls_are_taken_in_attach_mode_and_reach_the_proxy_config() -> None:
+    from epd_launcher.cli import _config, _prefill_urls
+
+    _, args = parse_args([*ATTACH, "--prefill-servers-urls", "http://p1:8300", "http://p2:8300/"])
+    args.prefill_urls = _prefill_urls(args.prefill_servers_urls)
+    assert _config(args, ("http://e:1",), ("http://d:2",), None, None).prefill_urls == ("http://p1:8300",
+                                                                                          "http://p2:8300")
+    with pytest.raises(ValueError, match="not both"):
+        _prefill_urls(["http://p1:8300", "disable"])
+    with pytest.raises(ValueError):
+        _prefill_urls(["p1:8300/path"])
 
 
 def test_prefix_affinity_flags_work_in_both_modes_and_reach_the_proxy_config() -> None:

@@ -46,17 +46,25 @@ class FakeFleet:
     def __init__(self, script: dict[str, list[Any]]):
         self.script = script
         self.workers = Workers(None, 1.0, 1.0, 3, on_up=lambda w: None, on_down=lambda w: None)  # type: ignore[arg-type]
-        for url in script:
-            self.workers.add("decoder", url).healthy = True
+        for url in script:  # "p..." URLs are prefill workers (E -> P -> D)
+            self.workers.add("prefill" if url.startswith("p") else "decoder", url).healthy = True
         self.encode_calls: list[tuple[list[str], bool]] = []
         self.opened: list[tuple[str, dict[str, Any]]] = []
         self.failed: list[tuple[str, bool]] = []
         self.released: list[tuple[str, list[str]]] = []  # (decoder, the keys it was told it holds now)
         self.cfg = type("Cfg", (), {"aggregated": False})()
-        self.metrics = type("M", (), {"retries": type("C", (), {"inc": lambda self: None})()})()
+        counter = type("C", (), {"inc": lambda self: None})
+        self.metrics = type("M", (), {"retries": counter(), "handoffs": counter()})()
+        self.acquired: list[tuple[str, list[str]]] = []  # (worker, the prefix keys it was chosen by)
 
-    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = ()) -> Worker:
-        return self.workers.acquire_decoder(exclude, prefix_keys)
+    @property
+    def splits_prefill(self) -> bool:
+        return bool(self.workers.of("prefill"))
+
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder") -> Worker:
+        worker = self.workers.acquire_decoder(exclude, prefix_keys, role)
+        self.acquired.append((worker.url, list(prefix_keys)))
+        return worker
 
     def release_decoder(self, worker: Worker, finished_keys: Sequence[str] = ()) -> None:
         worker.load -= 1

@@ -1,0 +1,136 @@
+"""A prefill worker's K/V hand-offs held for pickup, bounded in bytes and in time; the oldest go first.
+
+The engine puts a prompt's blocks once, after its prefill; the KV server's thread reads them for every kv_get.
+A get does not remove an entry: a decode worker whose fetch timed out may ask again, so only the TTL, the byte
+bound and `drop` free one. Every entry lives `ttl_s`, so put order is expiry order and the oldest are at the front.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from connector.tensors.frames import DTYPES, tensor_buffer
+from connector.tensors.kv_checks import extent_error
+from epd_contracts.kv import MAX_CHOICES, KVChoice, KVGetReply, KVLayout
+
+_REPLY_DECODER = msgspec.msgpack.Decoder(KVGetReply)
+
+
+@dataclass(frozen=True, eq=False)
+class KVEntry:
+    """One hand-off: a prompt's K/V blocks and its choices' states after their first token."""
+
+    layout: KVLayout
+    num_tokens: int
+    blocks: torch.Tensor  # CPU, contiguous (num_blocks, *layout.block_shape), the layout's dtype
+    choices: list[KVChoice]
+    expires_at: float  # on the store's clock
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.nbytes // self.num_blocks if self.num_blocks else 0
+
+    def block_buffers(self, first_block: int) -> list[memoryview]:
+        """One byte view per block from `first_block` on, over the blocks' memory (no copy)."""
+        flat, size = tensor_buffer(self.blocks), self.block_nbytes
+        return [flat[i * size:(i + 1) * size] for i in range(first_block, self.num_blocks)]
+
+
+class KVStore:
+    """Thread-safe: the engine puts and drops, the KV server's thread gets."""
+
+    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: seconds, monotonic (tests pass a fake one)."""
+        if max_bytes < 0 or ttl_s < 0:
+            raise ValueError(f"max_bytes and ttl_s must be >= 0, got {max_bytes} and {ttl_s}")
+        self.max_bytes, self.ttl_s, self._clock = max_bytes, ttl_s, clock
+        self._entries: collections.OrderedDict[str, KVEntry] = collections.OrderedDict()  # key -> entry, oldest first
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._counts = dict.fromkeys(("puts", "hits", "misses", "expired", "evicted", "rejected"), 0)
+
+    def put(self, key: str, layout: KVLayout, num_tokens: int, blocks: torch.Tensor, choices: list[KVChoice]) -> bool:
+        """Hold `blocks` under `key` (replacing what it held) for `ttl_s`, evicting the oldest entries to make room;
+        False, and nothing held under `key`, when they alone are over `max_bytes`. ValueError for an inconsistent
+        hand-off (shapes, dtype, counts, bounds of the contract).
+
+        NOTE: `blocks` are kept, not copied, and sent from their memory: the caller must not write to them after."""
+        _check_put(key, layout, num_tokens, blocks, choices)
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            self._remove(key)
+            nbytes = blocks.numel() * blocks.element_size()
+            if nbytes > self.max_bytes:
+                self._counts["rejected"] += 1
+                return False
+            while self._bytes + nbytes > self.max_bytes:
+                self._remove(next(iter(self._entries)))
+                self._counts["evicted"] += 1
+            self._entries[key] = KVEntry(layout, num_tokens, blocks, list(choices), now + self.ttl_s)
+            self._bytes += nbytes
+            self._counts["puts"] += 1
+        return True
+
+    def get(self, key: str) -> KVEntry | None:
+        """The entry under `key` if it has not expired; it stays held."""
+        with self._lock:
+            self._expire(self._clock())
+            entry = self._entries.get(key)
+            self._counts["hits" if entry is not None else "misses"] += 1
+            return entry
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._remove(key)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            self._expire(self._clock())
+            return {"items": len(self._entries), "bytes": self._bytes, "max_bytes": self.max_bytes, **self._counts}
+
+    def _expire(self, now: float) -> None:
+        while self._entries and next(iter(self._entries.values())).expires_at <= now:
+            self._remove(next(iter(self._entries)))
+            self._counts["expired"] += 1
+
+    def _remove(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+
+
+def _check_put(key: str, layout: KVLayout, num_tokens: int, blocks: torch.Tensor, choices: list[KVChoice]) -> None:
+    """What a consumer would refuse is refused here, where the bug is: the fields against the contract's bounds
+    (by a msgpack round trip of the reply they make), then the tensor against the layout."""
+    reply = KVGetReply(req_id=0, key=key, found=True, layout=layout, num_tokens=num_tokens,
+                       num_blocks=int(blocks.shape[0]) if blocks.dim() else 0, choices=list(choices))
+    try:
+        _REPLY_DECODER.decode(msgspec.msgpack.encode(reply))
+    except msgspec.ValidationError as e:
+        raise ValueError(f"K/V hand-off {key[:64]!r} breaks the contract: {e}") from e
+    shape = (reply.num_blocks, *layout.block_shape)
+    if blocks.device.type != "cpu" or not blocks.is_contiguous() or tuple(blocks.shape) != shape:
+        raise ValueError(f"blocks must be a contiguous CPU tensor of {list(shape)}, got {list(blocks.shape)} "
+                         f"on {blocks.device}, contiguous={blocks.is_contiguous()}")
+    if blocks.dtype != DTYPES[layout.dtype]:
+        raise ValueError(f"blocks are {blocks.dtype}, the layout says {layout.dtype}")
+    if error := extent_error(layout, num_tokens, reply.num_blocks):
+        raise ValueError(error)
+    if not 1 <= len(choices) <= MAX_CHOICES:
+        raise ValueError(f"a hand-off has 1 to {MAX_CHOICES} choices, got {len(choices)}")

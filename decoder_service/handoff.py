@@ -1,0 +1,168 @@
+"""E -> P -> D on a decoder worker: a prefill worker hands a request off after its first tokens, a decode worker
+continues it.
+
+Prefill side (`--role prefill`, a request with `handoff_key`): the engine prefills the prompt and samples each
+choice's first token as usual (streaming it), then `HandoffOut.hand_off` copies the prompt's K/V blocks out of the
+pool (decoder_service/engine/kv_blocks.py), keeps them under the key for a decode worker to fetch (bounded in bytes
+and time: connector/tensors/kv_store.py), and ends the stream with a `handoff` event: where the blocks are, and
+each choice's first token and sampler state. The rows give their blocks back (to the prefix cache).
+
+Decode side (`--role decode`, a request with `handoff`): `resume_from` fetches and checks the blocks off the engine
+thread (while the request is prepared); the engine replays each choice's first token without sending it again and
+decodes on over the received blocks. Whatever keeps the blocks away (no source, the prefill worker gone, a
+timeout, a block that fails its check, another prompt length) leaves `Resume.kv` None: the decode worker then
+prefills the prompt itself, and the request goes on exactly as it would have (counted, never failed).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from connector.control.security import CurveConfig
+from decoder_service.engine.kv_blocks import KVRefused, check_blocks, export_blocks, kv_layout
+from decoder_service.engine.kv_shape import KVShape
+from decoder_service.engine.sequence import Job, Sequence
+from epd_contracts.generate import Event, Handoff, HandoffChoice
+from epd_contracts.kv import KVChoice, KVLayout
+
+logger = logging.getLogger("epd.decoder")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A request to continue: its hand-off, and the checked blocks of its prompt (None: prefill it here, `why`)."""
+
+    handoff: Handoff
+    kv: torch.Tensor | None = None  # (blocks, *KVLayout.block_shape) on the host
+    why: str = ""
+
+    @property
+    def rows(self) -> int:
+        """Choices that continue here (the others ended at their first token on the prefill worker)."""
+        return sum(c.first_token is not None for c in self.handoff.choices)
+
+
+class KVFetch(Protocol):
+    """connector/tensors/kv_client.py KVClient.fetch: raises (KVUnavailable) when the blocks cannot be had."""
+
+    def __call__(self, address: str, key: str, layout: KVLayout, first_block: int = 0,
+                 timeout: float = 10.0) -> Any: ...
+
+
+def resume_from(handoff: Handoff, num_tokens: int, fetch: KVFetch | None, layout: KVLayout, shape: KVShape,
+                timeout: float) -> Resume:
+    """The blocks of `handoff`, fetched and checked against this worker's model and this prompt of `num_tokens`;
+    a Resume without them (and why) when anything is off."""
+    if fetch is None or not handoff.source:
+        return Resume(handoff, None, "no K/V source")
+    if handoff.num_tokens != num_tokens:
+        return Resume(handoff, None, f"the hand-off covers {handoff.num_tokens} positions, the prompt here has "
+                                     f"{num_tokens}")
+    try:
+        got = fetch(handoff.source, handoff.key, layout, 0, timeout)
+        want_blocks = -(-num_tokens // layout.block_size)
+        if got.num_tokens != num_tokens or got.num_blocks != want_blocks or got.first_block != 0:
+            raise KVRefused(f"{got.num_blocks} blocks of {got.num_tokens} positions from block {got.first_block}; "
+                            f"the prompt needs {want_blocks} blocks of {num_tokens}")
+        if [c.first_token for c in got.choices] != [c.first_token for c in handoff.choices if c.first_token is not None]:
+            raise KVRefused("the blocks' first tokens are not the hand-off's")
+        check_blocks(got.blocks, layout, shape, layout.block_size, num_tokens, values=False)  # values: the client's
+    except Exception as exc:  # noqa: BLE001 - whatever keeps the blocks away, the prompt is prefilled here
+        logger.warning("hand-off %s: K/V from %s not used (%s: %s); prefilling here", handoff.key, handoff.source,
+                       type(exc).__name__, exc)
+        return Resume(handoff, None, f"{type(exc).__name__}: {exc}")
+    return Resume(handoff, got.blocks)
+
+
+class KVKeep(Protocol):
+    """connector/tensors/kv_store.py KVStore.put."""
+
+    def put(self, key: str, layout: KVLayout, num_tokens: int, blocks: torch.Tensor,
+            choices: list[KVChoice]) -> bool: ...
+
+
+@dataclass
+class HandoffOut:
+    """A prefill worker's side: where its blocks are kept and fetched from."""
+
+    store: KVKeep
+    source: Callable[[], str]  # the K/V endpoint's address (known once its server is bound)
+    layout: KVLayout
+
+    @classmethod
+    def of(cls, store: KVKeep, source: Callable[[], str], shape: KVShape, block_size: int,
+           fingerprint: str) -> HandoffOut:
+        return cls(store, source, kv_layout(shape, block_size, fingerprint))
+
+    def hand_off(self, job: Job, seqs: list[Sequence], pool_blocks: list[int], cache: Any) -> Event:
+        """Keep the prompt's blocks (`pool_blocks`, the first row's) under the job's key; the `handoff` event naming
+        them and each continuing choice (`seqs`, each with its first token) for the proxy."""
+        key = job.work.handoff_key
+        assert key is not None
+        num_tokens = job.prompt.num_tokens
+        choices = [HandoffChoice() for _ in range(job.params.n)]
+        for seq in seqs:
+            state = b"" if job.params.greedy else bytes(seq.sampler.generator.get_state().numpy())
+            choices[seq.index] = HandoffChoice(first_token=seq.generated[0], generator_state=state,
+                                               logprobs=list(seq.entries))  # held back with its text
+        data = export_blocks(cache, pool_blocks[: -(-num_tokens // self.layout.block_size)])
+        kept = self.store.put(key, self.layout, num_tokens, data,
+                              [KVChoice(first_token=c.first_token, generator_state=c.generator_state)
+                               for c in choices if c.first_token is not None])
+        if not kept:  # larger than the store: the decode worker prefills it itself
+            logger.warning("hand-off %s: %d bytes of K/V do not fit the store; the decode worker will prefill",
+                           key, data.nbytes)
+        return Event(type="handoff", handoff=Handoff(key=key, source=self.source() if kept else "",
+                                                     num_tokens=num_tokens, choices=choices))
+
+
+def kv_curves(curve: CurveConfig | None) -> tuple[CurveConfig | None, CurveConfig | None]:
+    """(the K/V server's, the K/V client's) CURVE keys, from the decoders' own client key pair: a prefill worker
+    serves with it and admits only it, a decode worker connects with it and expects it. No new key material, and
+    only holders of the decoders' secret key (decoders and proxies) can pull K/V."""
+    if curve is None:
+        return None, None
+    server = CurveConfig(curve.secret_key, curve.public_key, allowed_clients=frozenset({curve.public_key}))
+    return server, CurveConfig(curve.secret_key, curve.public_key, server_key=curve.public_key)
+
+
+@dataclass
+class HandoffEndpoints:
+    """A decoder's K/V endpoints for its role: the store and server a prefill worker keeps blocks in and serves them
+    from, the client a decode worker fetches with."""
+
+    out: HandoffOut | None = None
+    server: Any = None  # connector/tensors/kv_server.py KVServer
+    client: Any = None  # connector/tensors/kv_client.py KVClient
+
+    @classmethod
+    def start(cls, role: str, layout: KVLayout, curve: CurveConfig | None, bind: str, advertise_host: str | None,
+              store_bytes: int, ttl_s: float) -> HandoffEndpoints:
+        from connector.tensors.kv_client import KVClient
+        from connector.tensors.kv_server import KVServer
+        from connector.tensors.kv_store import KVStore
+
+        server_curve, client_curve = kv_curves(curve)
+        out = cls(client=KVClient(curve=client_curve) if role in ("decode", "both") else None)
+        if role == "prefill":
+            store = KVStore(store_bytes, ttl_s)
+            out.server = KVServer(store, bind=bind, curve=server_curve, advertise_host=advertise_host).start()
+            out.out = HandoffOut(store, lambda: str(out.server.address), layout)
+        return out
+
+    @property
+    def fetch(self) -> KVFetch | None:
+        return None if self.client is None else self.client.fetch
+
+    @property
+    def address(self) -> str | None:
+        return None if self.server is None else str(self.server.address)
+
+    def close(self) -> None:
+        for part in (self.server, self.client):
+            if part is not None:
+                part.close()

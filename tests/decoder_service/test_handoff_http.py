@@ -1,0 +1,76 @@
+"""E -> P -> D between two decoder workers over HTTP and the K/V connector (ZeroMQ on loopback): a prefill worker's
+stream ends with a `handoff` event naming its K/V endpoint; a decode worker given that hand-off fetches the blocks
+and streams the rest; joined, the two streams are the stream one worker sends alone. A hand-off whose K/V is gone
+is prefilled by the decode worker (counted), and a worker that is not --role prefill refuses `handoff_key`."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from decoder_service.config import DecoderConfig
+from decoder_service.server import create_app
+from epd_models.halves import LanguageHalf
+
+MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "Name three colours and describe each one."}]}]
+SAMPLING = {"temperature": 0.8, "seed": 9, "max_tokens": 20, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dirs: dict[str, Path]) -> Iterator[dict[str, TestClient]]:
+    lm = LanguageHalf(tiny_model_dirs["qwen2_vl"])
+    clients: dict[str, TestClient] = {}
+    try:
+        for role in ("both", "prefill", "decode"):
+            app = create_app(DecoderConfig(max_num_seqs=4, role=role, max_model_len=512, kv_ttl=60), lm=lm)
+            clients[role] = TestClient(app).__enter__()
+        yield clients
+    finally:
+        for client in clients.values():
+            client.__exit__(None, None, None)
+
+
+def events(client: TestClient, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with client.stream("POST", "/generate", json={"messages": MESSAGES, "sampling": SAMPLING, **body}) as resp:
+        assert resp.status_code == 200, resp.read()
+        return [json.loads(line) for line in resp.iter_lines() if line]
+
+
+def shown(stream: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(e["type"], e.get("text", ""), e.get("finish_reason"), (e.get("usage") or {}).get("completion_tokens"))
+            for e in stream if e["type"] != "handoff"]
+
+
+def metric(client: TestClient, name: str) -> str:
+    return "\n".join(line for line in client.get("/metrics").text.splitlines() if line.startswith(name))
+
+
+def test_a_request_prefilled_on_one_worker_continues_on_another(workers: dict[str, TestClient]) -> None:
+    alone = events(workers["both"], {})
+    first = events(workers["prefill"], {"handoff_key": "req-1"})
+    handoff = first[-1]
+    assert handoff["type"] == "handoff" and handoff["handoff"]["source"].startswith("tcp://")
+    assert workers["prefill"].get("/health").json()["kv_address"] == handoff["handoff"]["source"]
+    rest = events(workers["decode"], {"handoff": handoff["handoff"]})
+    assert shown(first) + shown(rest) == shown(alone)
+    assert 'how="kv"} 1.0' in metric(workers["decode"], "epd_decoder_handoff_resumes_total")
+
+
+def test_a_hand_off_whose_blocks_are_gone_is_prefilled_by_the_decode_worker(workers: dict[str, TestClient]) -> None:
+    alone = events(workers["both"], {})
+    first = events(workers["prefill"], {"handoff_key": "req-2"})
+    lost = {**first[-1]["handoff"], "key": "never-kept"}  # the prefill worker has nothing under this key
+    rest = events(workers["decode"], {"handoff": lost})
+    assert shown(first) + shown(rest) == shown(alone)
+    assert 'how="recomputed"} 1.0' in metric(workers["decode"], "epd_decoder_handoff_resumes_total")
+
+
+def test_only_a_prefill_worker_takes_a_handoff_key(workers: dict[str, TestClient]) -> None:
+    resp = workers["decode"].post("/generate", json={"messages": MESSAGES, "sampling": SAMPLING, "handoff_key": "x"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "handoff_key"
+    resp = workers["decode"].post("/generate", json={"messages": MESSAGES, "sampling": SAMPLING, "handoff_key": "a b"})
+    assert resp.status_code == 400  # not a key's characters

@@ -1,0 +1,79 @@
+"""E -> P -> D in the proxy's Generation: a request opens on a prefill worker with a hand-off key, its first tokens
+reach the client from there, its `handoff` event (never sent on) reopens it on a decode worker with the hand-off;
+a prefill worker that fails before its first event is replaced, none healthy means E + PD on a decoder, and a
+decode worker that fails before its first event is replaced with the same hand-off."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from proxy.fleet import WorkerFailed
+from tests.proxy.test_generation import CHAT, DONE, FakeFleet, FakeStream, delta, run
+
+HANDOFF = {"key": "k", "source": "tcp://p0:9", "num_tokens": 7, "choices": [{"first_token": 42}]}
+
+
+def handoff() -> dict[str, Any]:
+    return {"type": "handoff", "handoff": HANDOFF}
+
+
+def test_the_first_token_comes_from_the_prefill_worker_and_the_rest_from_a_decoder() -> None:
+    fleet = FakeFleet({"p0": [FakeStream([delta("Hel"), handoff()])], "d0": [FakeStream([delta("lo"), DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert events == [delta("Hel"), delta("lo"), DONE]  # the hand-off itself never reaches the client
+    (p_url, p_body), (d_url, d_body) = fleet.opened
+    assert (p_url, d_url) == ("p0", "d0")
+    assert p_body["handoff_key"] and "handoff" not in p_body
+    assert d_body["handoff"] == HANDOFF and "handoff_key" not in d_body
+    assert [w.load for w in fleet.workers.by_url.values()] == [0, 0]
+
+
+def test_a_first_token_that_ends_the_request_needs_no_decoder() -> None:
+    fleet = FakeFleet({"p0": [FakeStream([delta("x"), DONE])], "d0": []})
+    _, events = asyncio.run(run(fleet))
+    assert events == [delta("x"), DONE] and [url for url, _ in fleet.opened] == ["p0"]
+
+
+def test_a_prefill_worker_lost_before_its_first_event_is_replaced() -> None:
+    fleet = FakeFleet({"p0": [WorkerFailed("ConnectError")], "p1": [FakeStream([delta("a"), handoff()])],
+                       "d0": [FakeStream([delta("b"), DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert events == [delta("a"), delta("b"), DONE]
+    assert [url for url, _ in fleet.opened] == ["p0", "p1", "d0"]
+
+
+def test_with_no_prefill_worker_healthy_the_request_runs_on_a_decoder() -> None:
+    fleet = FakeFleet({"p0": [], "d0": [FakeStream([delta("ab"), DONE])]})
+    fleet.workers.mark_down(fleet.workers.by_url["p0"], "down")
+    _, events = asyncio.run(run(fleet))
+    assert events == [delta("ab"), DONE]
+    assert [url for url, _ in fleet.opened] == ["d0"] and "handoff_key" not in fleet.opened[0][1]
+
+
+def test_a_decoder_lost_before_its_first_event_is_replaced_with_the_same_hand_off() -> None:
+    fleet = FakeFleet({"p0": [FakeStream([delta("a"), handoff()])], "d0": [FakeStream([], drop=True)],
+                       "d1": [FakeStream([delta("b"), DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert events == [delta("a"), delta("b"), DONE]
+    assert [url for url, _ in fleet.opened] == ["p0", "d0", "d1"] and fleet.opened[2][1]["handoff"] == HANDOFF
+
+
+def test_no_decoder_for_a_hand_off_ends_the_stream_with_an_error() -> None:
+    fleet = FakeFleet({"p0": [FakeStream([delta("a"), handoff()])]})
+    _, events = asyncio.run(run(fleet))
+    assert events[0] == delta("a") and events[1]["type"] == "error" and len(events) == 2
+    assert "decode worker" in events[1]["message"]
+
+
+def test_a_hand_off_from_a_decoder_that_was_not_asked_for_one_is_an_error() -> None:
+    fleet = FakeFleet({"d0": [FakeStream([delta("a"), handoff()])]})
+    _, events = asyncio.run(run(fleet))
+    assert events[0] == delta("a") and events[1]["type"] == "error"
+
+
+def test_the_prefill_worker_is_chosen_by_prefix_and_the_decoder_by_load() -> None:
+    fleet = FakeFleet({"p0": [FakeStream([delta("a"), handoff()])], "d0": [FakeStream([DONE])]})
+    asyncio.run(run(fleet))
+    (_, prefill_keys), (_, decode_keys) = fleet.acquired
+    assert decode_keys == []  # by load alone; the prefill worker by the request's prefix keys
+    assert prefill_keys == list(CHAT.prefix_keys)
