@@ -243,3 +243,42 @@ def test_structured_outputs_and_tool_calls_continue_from_the_first_token(
         assert engine.metrics.handoffs.labels("kv")._value.get() == 1
     finally:
         engine.close()
+
+
+def test_refused_blocks_leave_the_other_streams_unchanged(tiny_model_dirs: dict[str, Path]) -> None:
+    """A hand-off whose blocks were refused (non-finite values from a broken or hostile prefill worker) is prefilled
+    here; a stream decoding beside it gets exactly what it gets alone, the refused one what it would have, and no
+    block stays held."""
+    lm = LanguageHalf(tiny_model_dirs["qwen2_vl"])
+    bystander, handed = prompts(tiny_model_dirs["qwen2_vl"], lm)[0], prompts(tiny_model_dirs["qwen2_vl"], lm)[-1]
+    store = MemoryStore()
+    engine = handoff_engine(tiny_model_dirs["qwen2_vl"], lm, store)
+    params = CASES["seeded"]
+    try:
+        solo = run_one(engine, Work(bystander, params), 1)
+        first = run_one(engine, Work(handed, params, handoff_key="poisoned"), 1)
+        handoff = first.events[-1].handoff
+        assert handoff is not None
+        # KVClient refuses non-finite blocks (tests/connector/test_kv_hostile.py): the request is prefilled here
+        refused = Resume(handoff, None, "KVUnavailable: a block holds non-finite values")
+
+        async def together() -> tuple[Stream, Stream]:
+            jobs = [engine.submit(Work(bystander, params)), engine.submit(Work(handed, params, resume=refused))]
+            outs = []
+            for job in jobs:
+                out = Stream()
+                while True:
+                    event = await asyncio.wait_for(job.events.get(), 60)
+                    out.add(event)
+                    if event.type in ("done", "error"):
+                        break
+                outs.append(out)
+            return outs[0], outs[1]
+
+        alone = run_one(engine, Work(handed, params), 1)
+        beside, rest = asyncio.run(together())
+        assert beside.per_choice() == solo.per_choice()
+        assert first.per_choice().get(0, []) + rest.per_choice()[0] == alone.per_choice()[0]
+        assert engine.runner.rows == {} and not any(engine.runner.blocks.refs)
+    finally:
+        engine.close()
