@@ -12,8 +12,8 @@ from connector.control.cache_index import FleetCacheIndex
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.disk_tier import DiskTier
 from connector.tensors.producer import ECProducer
-from tests.decoder_service.engine_run import wait_until
 from epd_contracts.embeddings import ImageFeatures
+from tests.decoder_service.engine_run import wait_until
 
 GUARD_S = 10.0  # upper bound on any wait here; never reached when things work
 ITEM_BYTES = 4 * 8 * 4  # output(): 4 rows of 8 float32

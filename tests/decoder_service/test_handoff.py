@@ -140,8 +140,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_handed_off_request_continues_token_for_token(tiny_model_dirs: dict[str, Path], family: str) -> None:
-    lm = LanguageHalf(tiny_model_dirs[family])
+def test_a_handed_off_request_continues_token_for_token(tiny_model_dirs: dict[str, Path], family: str,
+                                                        device: str) -> None:
+    """On --device cuda (make gpu-check) too: the blocks leave and enter the block-major CUDA pool."""
+    lm = LanguageHalf(tiny_model_dirs[family], device=device)
     image_prompt = prompts(tiny_model_dirs[family], lm)[-1]  # an image, then text
     store = MemoryStore()
     engine = handoff_engine(tiny_model_dirs[family], lm, store)
