@@ -37,8 +37,9 @@ class Resume:
     """A request to continue: its hand-off, and the checked blocks of its prompt (None: prefill it here, `why`)."""
 
     handoff: Handoff
-    kv: torch.Tensor | None = None  # (blocks, *KVLayout.block_shape) on the host
+    kv: torch.Tensor | None = None  # (blocks from first_block on, *KVLayout.block_shape) on the host
     why: str = ""
+    first_block: int = 0  # the blocks before it were held here already, under the same prefix keys: not fetched
 
     @property
     def rows(self) -> int:
@@ -54,20 +55,23 @@ class KVFetch(Protocol):
 
 
 def resume_from(handoff: Handoff, num_tokens: int, fetch: KVFetch | None, layout: KVLayout, shape: KVShape,
-                timeout: float) -> Resume:
-    """The blocks of `handoff`, fetched and checked against this worker's model and this prompt of `num_tokens`;
-    a Resume without them (and why) when anything is off."""
+                timeout: float, held: int = 0) -> Resume:
+    """The blocks of `handoff` from block `held` on (those before it are this worker's prefix cache's), fetched and
+    checked against this worker's model and this prompt of `num_tokens`; a Resume without them (and why) when
+    anything is off."""
     if fetch is None or not handoff.source:
         return Resume(handoff, None, "no K/V source")
     if handoff.num_tokens != num_tokens:
         return Resume(handoff, None, f"the hand-off covers {handoff.num_tokens} positions, the prompt here has "
                                      f"{num_tokens}")
     try:
-        got = fetch(handoff.source, handoff.key, layout, 0, timeout)
+        got = fetch(handoff.source, handoff.key, layout, held, timeout)
         want_blocks = -(-num_tokens // layout.block_size)
-        if got.num_tokens != num_tokens or got.num_blocks != want_blocks or got.first_block != 0:
-            raise KVRefused(f"{got.num_blocks} blocks of {got.num_tokens} positions from block {got.first_block}; "
-                            f"the prompt needs {want_blocks} blocks of {num_tokens}")
+        if got.num_tokens != num_tokens or got.num_blocks != want_blocks or got.first_block != held \
+                or got.blocks.shape[0] != want_blocks - held:
+            raise KVRefused(f"{got.blocks.shape[0]} of {got.num_blocks} blocks of {got.num_tokens} positions from "
+                            f"block {got.first_block}; the prompt needs {want_blocks} blocks of {num_tokens} from "
+                            f"block {held}")
         if [c.first_token for c in got.choices] != [c.first_token for c in handoff.choices if c.first_token is not None]:
             raise KVRefused("the blocks' first tokens are not the hand-off's")
         check_blocks(got.blocks, layout, shape, layout.block_size, num_tokens, values=False)  # values: the client's
@@ -75,7 +79,7 @@ def resume_from(handoff: Handoff, num_tokens: int, fetch: KVFetch | None, layout
         logger.warning("hand-off %s: K/V from %s not used (%s: %s); prefilling here", handoff.key, handoff.source,
                        type(exc).__name__, exc)
         return Resume(handoff, None, f"{type(exc).__name__}: {exc}")
-    return Resume(handoff, got.blocks)
+    return Resume(handoff, got.blocks, first_block=held)
 
 
 class KVKeep(Protocol):

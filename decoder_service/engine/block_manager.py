@@ -79,6 +79,18 @@ class BlockManager:
                 found.append(block)
         return found
 
+    def held_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of the chain's first blocks are held now (any thread: a hint, `match` again on the engine thread)."""
+        if not self.caching:
+            return 0
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self.by_key:
+                    break
+                n += 1
+            return n
+
     def acquire(self, blocks: Sequence[int]) -> None:
         """References to held blocks (a prefix match, or an n > 1 fork's shared prompt blocks)."""
         for b in blocks:

@@ -53,7 +53,7 @@ from decoder_service.request import PendingGuide, Preparer, Work
 from decoder_service.video_gather import Gathered, plan_gather
 from epd_common.errors import APIError, bad_request
 from epd_common.logs import request_id_var
-from epd_contracts.generate import GenerateRequest
+from epd_contracts.generate import GenerateRequest, Handoff
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
 from epd_models.video_config import video_config
@@ -150,11 +150,17 @@ class Engine:
                                   param="handoff_key")
             work = dataclasses.replace(work, handoff_key=req.handoff_key)
         elif req.handoff is not None:
-            resume = resume_from(req.handoff, work.prompt.num_tokens, self.kv_fetch, self.kv_layout,
-                                 self.runner.shape, self.cfg.gather_timeout)
-            self.metrics.handoffs.labels("kv" if resume.kv is not None else "recomputed").inc()
-            work = dataclasses.replace(work, resume=resume)
+            work = self.continue_from(work, req.handoff)
         return work
+
+    def continue_from(self, work: Work, handoff: Handoff) -> Work:
+        """`work` continuing a prefill worker's hand-off: its blocks fetched and checked (blocking: a worker thread),
+        all but those this pool's prefix cache holds under the same keys; without them it prefills here."""
+        held = self.runner.blocks.held_prefix(work.chain.keys) if work.chain is not None else 0
+        resume = resume_from(handoff, work.prompt.num_tokens, self.kv_fetch, self.kv_layout, self.runner.shape,
+                             self.cfg.gather_timeout, held)
+        self.metrics.handoffs.labels("kv" if resume.kv is not None else "recomputed").inc()
+        return dataclasses.replace(work, resume=resume)
 
     async def guide(self, req: GenerateRequest, left: asyncio.Future[Any]) -> CompiledGuide | None:
         """The request's grammar: looked up and checked on a worker thread, compiled on the grammar pool (so no

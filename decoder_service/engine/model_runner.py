@@ -153,19 +153,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def add_prefilled(self, key: Hashable, prompt: Prompt, kv: torch.Tensor, chain: PrefixChain | None = None,
-                      route_keys: Iterable[str] = ()) -> None:
-        """A row whose prompt another worker prefilled (E -> P -> D): its blocks taken and filled with `kv` (checked:
-        decoder_service/engine/kv_blocks.py), so it decodes from its first token on with no prefill here."""
+                      route_keys: Iterable[str] = (), first_block: int = 0) -> None:
+        """A row whose prompt another worker prefilled (E -> P -> D): its first `first_block` blocks are the prefix
+        cache's (by reference), the rest taken and filled with `kv` (checked: decoder_service/engine/kv_blocks.py),
+        so it decodes from its first token on with no prefill here. ValueError if the cache dropped that prefix."""
         assert self.num_free_slots >= 1, "no free row"
         target = prompt.num_tokens
         assert target < self.max_len, "prompt does not fit the context"
-        positions, delta = self.lm.position_ids(prompt.input_ids, prompt.images)  # M-RoPE: the decode positions' delta
         chain = chain if self.prefix is not None else None
+        shared = self.blocks.match(chain.keys[:first_block]) if chain is not None and first_block else []
+        if len(shared) != first_block:
+            raise ValueError(f"the prefix cache no longer holds the prompt's first {first_block} blocks")
+        positions, delta = self.lm.position_ids(prompt.input_ids, prompt.images)  # M-RoPE: the decode positions' delta
         row = Row(key, prompt, positions.new_empty((1, 0, 0), dtype=torch.float32), positions, delta, target,
                   chain=chain, route_keys=tuple(route_keys))
-        row.blocks = self.blocks.allocate(-(-target // self.block_size))
+        self.blocks.acquire(shared)  # before allocating: the match must not be evicted by it
         try:
-            import_blocks(self.cache, row.blocks, kv, 0, target)  # every position written: not zeroed again
+            fresh = self.blocks.allocate(-(-target // self.block_size) - len(shared))
+        except Exception:
+            self.blocks.release(shared)
+            raise
+        row.blocks = shared + fresh
+        try:  # every position of the fresh blocks written: not zeroed again
+            import_blocks(self.cache, fresh, kv, first_block * self.block_size, target)
         except Exception:
             self.blocks.release(row.blocks)
             raise

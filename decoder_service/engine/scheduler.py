@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from decoder_service.engine.model_runner import ModelRunner
     from decoder_service.engine.sequence import Job, Sequence
 
+logger = logging.getLogger("epd.decoder")
 WATERMARK = 0.01  # of the pool's blocks kept free at admission, so new rows can grow before anyone is preempted
 
 
@@ -210,11 +212,7 @@ class Scheduler:
                     seq.finish(reason)  # not expected (the prefill worker ran the same rules): end it here
                     continue
                 key = next(self._keys)
-                if resume.kv is not None:
-                    self.runner.add_prefilled(key, job.prompt, resume.kv, chain=job.work.chain,
-                                              route_keys=job.work.route_keys)
-                else:
-                    self.runner.add(key, job.prompt, chain=job.work.chain, route_keys=job.work.route_keys, fed=())
+                self._add_resumed(key, job)
                 self.running[key] = seq
                 keys.append(key)
         except Exception as exc:
@@ -226,6 +224,19 @@ class Scheduler:
             return
         if keys:
             self.keys[job] = keys
+
+    def _add_resumed(self, key: int, job: Job) -> None:
+        """A continuing choice's row: over the received blocks (after the held prefix), else prefilled here."""
+        resume, work = job.work.resume, job.work
+        assert resume is not None
+        if resume.kv is not None:
+            try:
+                self.runner.add_prefilled(key, job.prompt, resume.kv, chain=work.chain, route_keys=work.route_keys,
+                                          first_block=resume.first_block)
+                return
+            except ValueError as exc:  # the held prefix was evicted since the fetch: prefill here after all
+                logger.warning("request %s: %s; prefilling here", job.request_id, exc)
+        self.runner.add(key, job.prompt, chain=work.chain, route_keys=work.route_keys, fed=())
 
     def _fail_job(self, job: Job, exc: Exception, stage: str) -> None:
         self._unpreempt(lambda seq: seq.job is job)

@@ -16,6 +16,7 @@ import torch
 
 from decoder_service.engine.kv_blocks import KVRefused, check_blocks
 from decoder_service.engine.llm_engine import Engine
+from decoder_service.engine.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.engine.sequence import Job
 from decoder_service.handoff import HandoffOut, Resume, resume_from
 from decoder_service.prompt import Prompt
@@ -37,6 +38,7 @@ class MemoryStore:
 
     kept: dict[str, Any] = field(default_factory=dict)
     fail: bool = False  # every fetch fails (the prefill worker is gone)
+    asked_from: list[int] = field(default_factory=list)  # each fetch's first_block
 
     def put(self, key: str, layout: KVLayout, num_tokens: int, blocks: torch.Tensor, choices: list[KVChoice]) -> bool:
         self.kept[key] = SimpleNamespace(layout=layout, num_tokens=num_tokens, num_blocks=blocks.shape[0],
@@ -48,7 +50,8 @@ class MemoryStore:
             raise ConnectionError("the prefill worker is gone")
         got = self.kept[key]
         assert got.layout == layout and address == "mem://prefill"
-        return got
+        self.asked_from.append(first_block)
+        return SimpleNamespace(**{**vars(got), "first_block": first_block, "blocks": got.blocks[first_block:]})
 
 
 @dataclass
@@ -123,6 +126,13 @@ def prefill_then_decode(engine: Engine, store: MemoryStore, prompt: Prompt, para
     resume = resume_from(handoff, prompt.num_tokens, store.fetch, engine.kv_layout, engine.runner.shape, 10.0)
     rest = run_one(engine, Work(prompt, params, resume=resume), resume.rows)
     return first, rest, resume
+
+
+def chain_of(engine: Engine, prompt: Prompt) -> PrefixChain | None:
+    """The prompt's prefix-cache keys, as the preparer makes them (its images named img0, img1, ...)."""
+    return prompt_chain(prompt.input_ids[0].tolist(), engine.runner.block_size, "", engine.lm.image_token_id,
+                        [(f"img{i}", im.num_tokens) for i, im in enumerate(prompt.images)],
+                        video_token_id=engine.lm.video_token_id)
 
 
 def handoff_engine(model_dir: Path, lm: LanguageHalf, store: MemoryStore, **cfg: Any) -> Engine:
@@ -282,5 +292,31 @@ def test_refused_blocks_leave_the_other_streams_unchanged(tiny_model_dirs: dict[
         assert beside.per_choice() == solo.per_choice()
         assert first.per_choice().get(0, []) + rest.per_choice()[0] == alone.per_choice()[0]
         assert engine.runner.rows == {} and not any(engine.runner.blocks.refs)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+def test_blocks_the_decoder_holds_under_the_same_prefix_are_not_sent(tiny_model_dirs: dict[str, Path],
+                                                                      family: str) -> None:
+    """The decode engine's prefix cache holds the prompt's first blocks (an earlier request): only the rest travel,
+    and the request still continues token for token."""
+    lm = LanguageHalf(tiny_model_dirs[family])
+    image_prompt = prompts(tiny_model_dirs[family], lm)[-1]
+    store = MemoryStore()
+    engine = handoff_engine(tiny_model_dirs[family], lm, store, prefix_cache_bytes=1 << 26)
+    params = CASES["seeded"]
+    try:
+        alone = run_one(engine, Work(image_prompt, params, chain=chain_of(engine, image_prompt)), 1)  # names the prefix
+        first = run_one(engine, Work(image_prompt, params, handoff_key="k", chain=chain_of(engine, image_prompt)), 1)
+        handoff = first.events[-1].handoff
+        assert handoff is not None
+        work = engine.continue_from(Work(image_prompt, params, chain=chain_of(engine, image_prompt)), handoff)
+        assert work.resume is not None and work.resume.kv is not None and work.resume.first_block > 0
+        assert store.asked_from == [work.resume.first_block]
+        full = -(-image_prompt.num_tokens // engine.runner.block_size)
+        assert work.resume.kv.shape[0] == full - work.resume.first_block  # only the blocks not held here
+        rest = run_one(engine, work, 1)
+        assert first.per_choice().get(0, []) + rest.per_choice()[0] == alone.per_choice()[0]
     finally:
         engine.close()
