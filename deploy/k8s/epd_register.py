@@ -95,7 +95,7 @@ def run(args: argparse.Namespace, key: str | None, stop: threading.Event) -> Non
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("epd-register", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", nargs="?", choices=["run", "deregister"], default="run")
-    p.add_argument("--role", required=True, choices=["encoder", "decoder"])
+    p.add_argument("--role", required=True, choices=["encoder", "decoder", "prefill"])
     p.add_argument("--url", required=True, help="this worker's base URL as the proxies reach it (the pod IP)")
     p.add_argument("--proxy", default=os.environ.get("EPD_PROXY_URL"),
                    help="proxy base URL; a name resolving to several addresses reaches each (env EPD_PROXY_URL)")

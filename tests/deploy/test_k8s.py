@@ -33,11 +33,12 @@ from tests.deploy.manifests import (
 
 def test_k8s_has_a_deployment_and_a_service_for_every_role() -> None:
     services = by_kind("Service").values()
-    for component in (*WORKERS, "proxy"):
+    for component in (*WORKERS, "prefill", "proxy"):
         d = deployment_of(component)
         labels = d["spec"]["template"]["metadata"]["labels"]
         assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        assert main_container(d)["command"][0] == {"proxy": "disagg-epd-proxy"}.get(component, f"epd-{component}")
+        program = {"proxy": "disagg-epd-proxy", "prefill": "epd-decoder"}.get(component, f"epd-{component}")
+        assert main_container(d)["command"][0] == program
         selecting = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
         assert selecting, f"no Service selects the {component} pods"
         ports = {p["name"]: p["containerPort"] for p in main_container(d)["ports"]}
@@ -74,7 +75,7 @@ def test_k8s_workers_register_their_pod_ip_with_every_proxy() -> None:
     assert headless["selector"].items() <= deployment_of("proxy")["spec"]["template"]["metadata"]["labels"].items()
     assert [port_number(proxy, p["targetPort"]) for p in headless["ports"]] == [port]
     assert port == int(one(proxy["command"], "--port"))
-    for component in WORKERS:
+    for component in (*WORKERS, "prefill"):
         d = deployment_of(component)
         worker, sidecar = main_container(d), containers(d)["register"]
         self_url = f"http://10.1.2.3:{one(resolve_k8s_vars(worker), '--port')}"
@@ -97,9 +98,23 @@ def test_k8s_encoders_advertise_their_pod_ip_on_the_ports_they_expose() -> None:
     assert port_number(c, "ec") == bind.port and port_number(c, "ec-events") == bind.port + 1  # events: port + 1
 
 
+def test_k8s_prefill_workers_serve_their_kv_on_their_pod_ip_to_the_decoders() -> None:
+    """E -> P -> D: a prefill worker binds its K/V endpoint on every interface, advertises its pod IP on the port its
+    pod and Service expose, and holds the decoders' CURVE keys (its K/V server admits only that key pair)."""
+    c = main_container(deployment_of("prefill"))
+    argv = resolve_k8s_vars(c, pod_ip="10.1.2.3")
+    assert one(argv, "--role") == "prefill"
+    bind = urlsplit(one(argv, "--kv-bind"))
+    assert bind.hostname == "0.0.0.0" and one(argv, "--kv-advertise-host") == "10.1.2.3"
+    assert port_number(c, "kv") == bind.port
+    decoder = k8s_env(main_container(deployment_of("decoder")))
+    for var in ("EPD_EC_CURVE_SECRET_KEY", "EPD_EC_CURVE_SERVER_KEY"):
+        assert k8s_env(c)[var] == decoder[var]
+
+
 def test_k8s_workers_each_get_one_gpu_and_the_shared_model_volume() -> None:
     claims = by_kind("PersistentVolumeClaim")
-    for component in WORKERS:
+    for component in (*WORKERS, "prefill"):
         d = deployment_of(component)
         c = main_container(d)
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -158,11 +173,11 @@ def test_k8s_hpa_scales_encoders_on_the_queue_depth_they_export() -> None:
     assert "\nepd_encoder_queue_depth 0.0\n" in generate_latest(registry).decode()
 
 
-def test_kustomization_lists_every_manifest_but_the_optional_hpa() -> None:
+def test_kustomization_lists_every_manifest_but_the_optional_hpa_and_prefill_workers() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "encoder-hpa.yaml"}
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "encoder-hpa.yaml", "prefill.yaml"}
     assert set(kustomization["resources"]) == manifests
     assert [i["name"] for i in kustomization["images"]] == ["epd-worker", "epd-proxy"]
-    for component in (*WORKERS, "proxy"):  # the torch-free image for the proxy, the worker image (and its sidecar)
+    for component in (*WORKERS, "prefill", "proxy"):  # the torch-free image for the proxy, the worker image
         images = {c["image"] for c in containers(deployment_of(component)).values()}
         assert images == {"epd-proxy" if component == "proxy" else "epd-worker"}, component
