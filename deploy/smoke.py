@@ -12,7 +12,10 @@ Phases:
   build      deploy/tools/images.sh cpu (wheelhouses, images; the base too where none exists)
   refuse     `up` without the key files: compose refuses, and nothing is left running
   up         `up -d --wait`: every container healthy (compose health checks), the proxy answering
-  answer     proxy/example.py through the published port, with the official OpenAI client: 'red', 'circle'
+  answer     proxy/example.py through the published port, with the official OpenAI client: 'red', 'circle';
+             each request prefilled on prefill-0 and handed off to decoder-0 (the proxy's hand-off counter)
+  prefill    `docker kill` prefill-0: requests are still answered (E + PD on decoder-0); started again, hand-offs
+             resume
   kill       `docker kill` encoder-0; the proxy takes it out; new images are still answered (encoder-1)
   take-back  `docker compose start encoder-0`; the proxy routes new images to it again (its own encode counter)
   crash      the encoder-1 container's init killed with SIGKILL: Docker's restart policy brings it back by itself
@@ -89,7 +92,14 @@ class Smoke:
             health = httpx.get(f"{self.base}/health", headers={"Authorization": f"Bearer {key}"}, timeout=5).json()
         except (httpx.HTTPError, ValueError):
             return None
-        return next(w["healthy"] for w in health["encoders"] + health["decoders"] if w["url"] == url)
+        workers = health["encoders"] + health["decoders"] + health.get("prefills", [])
+        return next(w["healthy"] for w in workers if w["url"] == url)
+
+    def handoffs(self) -> float:
+        """Requests the proxy has handed from a prefill worker to a decoder (its /metrics)."""
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("epd_proxy_handoffs_total"))
 
     def ask(self, text: str = "What color is the shape?") -> str:
         """One chat completion with a new image (never sent before, so some encoder must encode it)."""
@@ -196,6 +206,21 @@ def run(smoke: Smoke, secrets_dir: Path) -> None:
                              capture_output=True, text=True, timeout=120, check=True).stdout
         rec["answers"] = [line.split("(usage")[0].strip() for line in out.splitlines()]
         assert "-> 'red'" in out and "-> 'circle'" in out, out
+        rec["handoffs"] = smoke.handoffs()
+        assert rec["handoffs"] >= 1, "no request went through the prefill worker"
+    with smoke.phase("prefill") as rec:
+        subprocess.run(["docker", "kill", smoke.container("prefill-0")], check=True, capture_output=True, timeout=60)
+        rec["proxy_takes_it_out_after_s"] = wait(lambda: smoke.proxy_sees("http://prefill-0:8003") is False, 60,
+                                                 "the proxy to take prefill-0 out")
+        rec["answered_without_it"] = sum(1 for _ in range(4) if smoke.ask())
+        assert rec["answered_without_it"] == 4
+        smoke.compose("start", "prefill-0")
+        rec["proxy_sees_it_after_s"] = wait(lambda: smoke.proxy_sees("http://prefill-0:8003") is True, 120,
+                                            "the proxy to see prefill-0 again")
+        before = smoke.handoffs()
+        assert smoke.ask()
+        rec["handed_off_again"] = smoke.handoffs() - before
+        assert rec["handed_off_again"] == 1
     with smoke.phase("kill") as rec:
         subprocess.run(["docker", "kill", smoke.container("encoder-0")], check=True, capture_output=True, timeout=60)
         rec["proxy_takes_it_out_after_s"] = smoke.until_proxy_has("encoder-0", False)

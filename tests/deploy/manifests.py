@@ -92,7 +92,11 @@ def compose(path: Path) -> dict[str, Any]:
 
 
 def role(service: dict[str, Any]) -> str | None:
-    return PROGRAM_ROLES.get(service["command"][0])
+    """The service's EPD role: its program's, or "prefill" for a decoder started with --role prefill."""
+    command = service["command"]
+    if command[0] == "epd-decoder" and "--role" in command and command[command.index("--role") + 1] == "prefill":
+        return "prefill"
+    return PROGRAM_ROLES.get(command[0])
 
 
 def flag(argv: list[str], name: str) -> list[str]:

@@ -35,15 +35,17 @@ COMPOSE_FILES = pytest.mark.parametrize("path", [COMPOSE_GPU, COMPOSE_CPU], ids=
 @COMPOSE_FILES
 def test_compose_runs_every_role_and_the_proxy_points_at_each_worker(path: Path) -> None:
     services = compose(path)
-    by_role = {r: {n: s for n, s in services.items() if role(s) == r} for r in ("encoder", "decoder", "proxy")}
+    by_role = {r: {n: s for n, s in services.items() if role(s) == r}
+               for r in ("encoder", "decoder", "prefill", "proxy")}
     assert len(by_role["proxy"]) == 1 and by_role["encoder"] and by_role["decoder"]
     (proxy,) = by_role["proxy"].values()
-    for r, url_flag in (("encoder", "--encode-servers-urls"), ("decoder", "--decode-servers-urls")):
+    for r, url_flag in (("encoder", "--encode-servers-urls"), ("decoder", "--decode-servers-urls"),
+                        ("prefill", "--prefill-servers-urls")):  # prefill workers: the CPU file's E -> P -> D
         expected = [f"http://{name}:{one(s['command'], '--port')}" for name, s in by_role[r].items()]
         assert flag(proxy["command"], url_flag) == expected
         for s in by_role[r].values():
             assert one(s["command"], "--host") == "0.0.0.0"  # reachable from the proxy's container
-    assert set(proxy["depends_on"]) == set(by_role["encoder"]) | set(by_role["decoder"])
+    assert set(proxy["depends_on"]) == set(by_role["encoder"]) | set(by_role["decoder"]) | set(by_role["prefill"])
     assert all(d["condition"] == "service_healthy" for d in proxy["depends_on"].values())
     published = [p.rsplit(":", 1) for p in proxy["ports"]]
     assert [target for _, target in published] == [one(proxy["command"], "--port")]
@@ -52,10 +54,17 @@ def test_compose_runs_every_role_and_the_proxy_points_at_each_worker(path: Path)
 @COMPOSE_FILES
 def test_compose_encoders_advertise_a_name_other_containers_resolve(path: Path) -> None:
     for name, s in compose(path).items():
-        if role(s) == "encoder":
-            bind = one(s["command"], "--ec-bind")
+        binds = {"encoder": ("--ec-bind", "--ec-advertise-host"), "prefill": ("--kv-bind", "--kv-advertise-host")}
+        if (r := role(s)) in binds:
+            bind_flag, advertise_flag = binds[r]
+            bind = one(s["command"], bind_flag)
             assert urlsplit(bind).hostname == "0.0.0.0", bind
-            assert one(s["command"], "--ec-advertise-host") == name  # the service name is its DNS name
+            assert one(s["command"], advertise_flag) == name  # the service name is its DNS name
+
+
+def test_the_cpu_compose_splits_prefill_from_decode() -> None:
+    """The laptop stack (and so the smoke test) runs E -> P -> D: a prefill worker the proxy sends requests to."""
+    assert [name for name, s in compose(COMPOSE_CPU).items() if role(s) == "prefill"] == ["prefill-0"]
 
 
 @COMPOSE_FILES
@@ -120,7 +129,7 @@ SECRETS_OF = {
     "decoder": {"EPD_INTERNAL_KEY_FILE": "internal_key", "EPD_EC_CURVE_SECRET_KEY_FILE": "clients_secret_key",
                 "EPD_EC_CURVE_SERVER_KEY_FILE": "encoders_public_key"},
 }
-SECRETS_OF["proxy"] = SECRETS_OF["decoder"]
+SECRETS_OF["proxy"] = SECRETS_OF["prefill"] = SECRETS_OF["decoder"]  # prefill: its K/V server uses the decoders' pair
 
 
 @COMPOSE_FILES

@@ -15,7 +15,7 @@ import pytest
 from tests.deploy.manifests import deploy_script
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ["build", "refuse", "up", "answer", "kill", "take-back", "crash", "down"]
+PHASES = ["build", "refuse", "up", "answer", "prefill", "kill", "take-back", "crash", "down"]
 
 
 @pytest.mark.e2e
@@ -36,6 +36,9 @@ def test_the_cpu_compose_stack_runs_for_real(tmp_path: Path) -> None:
     assert phases["build"]["bytes"]["epd-proxy:latest"] <= 300e6  # the torch-free proxy image stays small
     assert [a.split("-> ")[1] for a in phases["answer"]["answers"]] == ["'red'", "'circle'"]
     assert phases["kill"]["answered_without_it"] == 8
+    assert phases["answer"]["handoffs"] >= 1  # E -> P -> D: prefilled on prefill-0, decoded on decoder-0
+    assert phases["prefill"]["answered_without_it"] == 4  # E + PD while the prefill worker is gone...
+    assert phases["prefill"]["handed_off_again"] == 1  # ...and hand-offs again once it is back
     for name in ("take-back", "crash"):
         assert phases[name]["requests_until_it_encoded"] >= 1
     assert phases["down"]["left_behind"] == {}
