@@ -165,19 +165,24 @@ class EncodeScheduler:
             # the batch's log lines carry its requests' ids (one id for a batch of one request's items)
             request_id_var.set(",".join(dict.fromkeys(it.key for it in batch)))
             start = time.perf_counter()
+            done: dict[str, Any] | None = None
+            failure: BaseException = RuntimeError("the batch returned nothing")
             try:
-                self._finish(batch, self._run([it.job for it in batch]))
+                done = self._run([it.job for it in batch])
             except BaseException as exc:  # noqa: BLE001 - the callers get it; the thread goes on
-                if len(batch) == 1:
-                    self._fail(batch[0], exc)
-                else:
-                    logger.warning("a batch of %d items failed (%s: %s); running each alone", len(batch),
-                                   type(exc).__name__, exc)
-                    self._one_by_one(batch)
+                failure = exc
             self.num_batches += 1
-            if self.on_batch is not None:
+            if self.on_batch is not None:  # before any caller hears: its metrics include the batch it was in
                 self.on_batch(BatchStats(len(batch), sum(it.cost for it in batch),
                                          [start - it.queued for it in batch], time.perf_counter() - start))
+            if done is not None:
+                self._finish(batch, done)
+            elif len(batch) == 1:
+                self._fail(batch[0], failure)
+            else:
+                logger.warning("a batch of %d items failed (%s: %s); running each alone", len(batch),
+                               type(failure).__name__, failure)
+                self._one_by_one(batch)
 
     def _one_by_one(self, batch: list[_Item]) -> None:
         for it in batch:

@@ -93,7 +93,7 @@ def test_workers_refuse_calls_without_the_internal_key(cluster: Cluster) -> None
 
 def test_workers_registered_at_run_time_take_traffic(cluster: Cluster) -> None:
     proxy = cluster.proxy("--dynamic-registration")
-    assert instances(proxy) == {"encoders": [], "decoders": []}
+    assert instances(proxy) == {"encoders": [], "decoders": [], "prefills": []}
     assert ask(proxy, "red", range(3000, 3001)).status_code == 503  # nobody to do the work yet
     body = {"role": "encoder", "url": cluster.encoders[1][0]}
     assert httpx.post(f"{proxy}/instances", json=body, timeout=10).status_code == 401  # the key is required

@@ -41,7 +41,7 @@ def test_the_lifespan_starts_the_fleet() -> None:
         assert state.started is not None
         assert c.get("/health").json() == {"status": "ok", "role": "proxy"}  # the details need the internal key
         assert c.get("/health", headers=AUTH).json() == {"status": "ok", "role": "proxy", "pid": os.getpid(),
-                                                         "encoders": [], "decoders": []}  # pid: which process answered
+                                                         "encoders": [], "decoders": [], "prefills": []}  # pid: who
 
 
 def test_ready_names_the_missing_role(client: TestClient) -> None:
@@ -52,7 +52,7 @@ def test_ready_names_the_missing_role(client: TestClient) -> None:
 
 def test_instances_need_the_internal_key(client: TestClient) -> None:
     assert client.get("/instances").status_code == 401
-    assert client.get("/instances", headers=AUTH).json() == {"encoders": [], "decoders": []}
+    assert client.get("/instances", headers=AUTH).json() == {"encoders": [], "decoders": [], "prefills": []}
     resp = client.request("DELETE", "/instances", json={"role": "decoder", "url": "http://127.0.0.1:1"}, headers=AUTH)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
 
