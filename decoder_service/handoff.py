@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -96,15 +97,18 @@ class HandoffOut:
     store: KVKeep
     source: Callable[[], str]  # the K/V endpoint's address (known once its server is bound)
     layout: KVLayout
+    _keeper: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "epd-kv-keep"))
 
     @classmethod
     def of(cls, store: KVKeep, source: Callable[[], str], shape: KVShape, block_size: int,
            fingerprint: str) -> HandoffOut:
         return cls(store, source, kv_layout(shape, block_size, fingerprint))
 
-    def hand_off(self, job: Job, seqs: list[Sequence], pool_blocks: list[int], cache: Any) -> Event:
-        """Keep the prompt's blocks (`pool_blocks`, the first row's) under the job's key; the `handoff` event naming
-        them and each continuing choice (`seqs`, each with its first token) for the proxy."""
+    def hand_off(self, job: Job, seqs: list[Sequence], pool_blocks: list[int], cache: Any) -> None:
+        """Copy the prompt's blocks (`pool_blocks`, the first row's) out of the pool now (the engine frees them next),
+        then, on the keeper's thread, keep them under the job's key and send the `handoff` event naming them and each
+        continuing choice (`seqs`, each with its first token): placing them in shared memory costs about a copy and
+        a check more, which the engine thread does not wait for."""
         key = job.work.handoff_key
         assert key is not None
         num_tokens = job.prompt.num_tokens
@@ -114,14 +118,27 @@ class HandoffOut:
             choices[seq.index] = HandoffChoice(first_token=seq.generated[0], generator_state=state,
                                                logprobs=list(seq.entries))  # held back with its text
         data = export_blocks(cache, pool_blocks[: -(-num_tokens // self.layout.block_size)])
-        kept = self.store.put(key, self.layout, num_tokens, data,
-                              [KVChoice(first_token=c.first_token, generator_state=c.generator_state)
-                               for c in choices if c.first_token is not None])
-        if not kept:  # larger than the store: the decode worker prefills it itself
-            logger.warning("hand-off %s: %d bytes of K/V do not fit the store; the decode worker will prefill",
+        self._keeper.submit(self._keep, job, key, num_tokens, data, choices)
+
+    def _keep(self, job: Job, key: str, num_tokens: int, data: torch.Tensor, choices: list[HandoffChoice]) -> None:
+        try:
+            kept = self.store.put(key, self.layout, num_tokens, data,
+                                  [KVChoice(first_token=c.first_token, generator_state=c.generator_state)
+                                   for c in choices if c.first_token is not None])
+        except Exception:  # noqa: BLE001 - whatever it was, the decode worker prefills the prompt itself
+            logger.exception("hand-off %s: its K/V could not be kept; the decode worker will prefill", key)
+            kept = False
+        if not kept:
+            logger.warning("hand-off %s: %d bytes of K/V not kept (the store's bound); the decode worker will prefill",
                            key, data.nbytes)
-        return Event(type="handoff", handoff=Handoff(key=key, source=self.source() if kept else "",
-                                                     num_tokens=num_tokens, choices=choices))
+        try:
+            job.emit(Event(type="handoff", handoff=Handoff(key=key, source=self.source() if kept else "",
+                                                           num_tokens=num_tokens, choices=choices)))
+        except Exception:  # noqa: BLE001 - its loop is gone: the client left
+            logger.warning("hand-off %s: its client is gone", key)
+
+    def close(self) -> None:
+        self._keeper.shutdown(wait=True)
 
 
 def kv_curves(curve: CurveConfig | None) -> tuple[CurveConfig | None, CurveConfig | None]:
@@ -142,6 +159,7 @@ class HandoffEndpoints:
     out: HandoffOut | None = None
     server: Any = None  # connector/tensors/kv_server.py KVServer
     client: Any = None  # connector/tensors/kv_client.py KVClient
+    store: Any = None  # connector/tensors/kv_store.py KVStore (its shared-memory segments' fds)
 
     @classmethod
     def start(cls, role: str, layout: KVLayout, curve: CurveConfig | None, bind: str, advertise_host: str | None,
@@ -153,7 +171,7 @@ class HandoffEndpoints:
         server_curve, client_curve = kv_curves(curve)
         out = cls(client=KVClient(curve=client_curve) if role in ("decode", "both") else None)
         if role == "prefill":
-            store = KVStore(store_bytes, ttl_s)
+            store = out.store = KVStore(store_bytes, ttl_s)
             out.server = KVServer(store, bind=bind, curve=server_curve, advertise_host=advertise_host).start()
             out.out = HandoffOut(store, lambda: str(out.server.address), layout)
         return out
@@ -167,6 +185,8 @@ class HandoffEndpoints:
         return None if self.server is None else str(self.server.address)
 
     def close(self) -> None:
-        for part in (self.server, self.client):
+        if self.out is not None:
+            self.out.close()
+        for part in (self.server, self.client, self.store):
             if part is not None:
                 part.close()

@@ -14,7 +14,9 @@ import msgspec
 
 from epd_contracts.header import DTYPE_SIZES as DTYPE_SIZES
 from epd_contracts.header import MAX_TOKEN_ID as MAX_TOKEN_ID
+from epd_contracts.header import SHM_TAG_BYTES as SHM_TAG_BYTES
 from epd_contracts.header import DType, NonNegative, TokenId, _Header
+from epd_contracts.header import ShmHandle as ShmHandle
 from epd_contracts.kv import KVGetReply, KVGetRequest
 
 MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
@@ -22,9 +24,6 @@ MAX_HASH_LEN = 256  # characters of one mm_hash on the wire (real ones are 64)
 MAX_NDIM = 8
 MAX_SPAN_IDS = 1 << 17  # token ids of one image's span (a 4k image in the largest layouts is ~20k)
 HEARTBEAT_S = 0.5  # an idle producer still publishes its last seq this often
-SHM_TAG_BYTES = 16  # random bytes heading every shared-memory segment; a handle must name them
-MAX_PID = (1 << 22)  # Linux's pid_max ceiling
-MAX_FD = (1 << 30)  # file descriptor numbers a handle may name (RLIMIT_NOFILE is far lower)
 
 Hash = Annotated[str, msgspec.Meta(max_length=MAX_HASH_LEN)]
 Shape = Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_NDIM)]
@@ -32,7 +31,6 @@ Span = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SPAN_IDS)]
 MAX_SECOND_PER_GRID_T = 1e6  # a video's seconds per temporal patch; finite and > 0 (NaN and inf are refused)
 SecondsPerPatch = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECOND_PER_GRID_T)]
 EventKind = Literal["stored", "evicted", "heartbeat"]
-ShmTag = Annotated[bytes, msgspec.Meta(min_length=SHM_TAG_BYTES, max_length=SHM_TAG_BYTES)]
 
 
 # requests a producer serves
@@ -66,18 +64,6 @@ class SnapshotRequest(_Header, tag="snapshot"):
 
 
 # replies
-
-
-class ShmHandle(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A producer's shared-memory segment, opened by a same-host consumer at /proc/<pid>/fd/<fd>.
-
-    The segment is `size` bytes: `tag` (SHM_TAG_BYTES random bytes, checked after mapping: fd numbers are reused,
-    the tag is not), then the embeddings, then the DeepStack features if any (connector/tensors/shm.py)."""
-
-    pid: Annotated[int, msgspec.Meta(gt=0, le=MAX_PID)]
-    fd: Annotated[int, msgspec.Meta(ge=0, le=MAX_FD)]
-    tag: ShmTag
-    size: NonNegative
 
 
 class GetItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):

@@ -11,6 +11,12 @@ layout's dtype, whatever the producer's pool layout on its device. Block i holds
 that holds the prompt's first blocks already (its prefix cache, under the same chain keys) asks from `first_block`
 and gets only the rest. The consumer checks the reply against the layout it expects (its own model) before it
 builds a tensor: every declared size, the frame count and lengths, and then the values (finite).
+
+Same host: a consumer that has probed the producer (ec.py ShmProbe, answered with a probe segment it could map)
+asks with `shm`, and a hand-off the producer holds in shared memory is answered with its segment's handle instead
+of frames. The segment holds all `num_blocks` blocks back to back after the tag, so block i starts at byte
+i * (the bytes of one block of `layout`) past the tag; the consumer checks the handle's size against the layout and
+the block count, maps it copy-on-write and checks the tag, then the values, as for frames.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from typing import Annotated
 
 import msgspec
 
-from epd_contracts.header import DType, NonNegative, TokenId, _Header
+from epd_contracts.header import DType, NonNegative, ShmHandle, TokenId, _Header
 
 MAX_KV_KEY_LEN = 128
 MAX_LAYERS = 1024
@@ -57,16 +63,19 @@ class KVChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class KVGetRequest(_Header, tag="kv_get"):
-    """The hand-off `key`'s blocks from `first_block` on, for a consumer whose model is `layout`."""
+    """The hand-off `key`'s blocks from `first_block` on, for a consumer whose model is `layout`. `shm`: the consumer
+    has probed this producer and maps its shared memory, so blocks held there may be answered by handle."""
 
     key: KVKey
     layout: KVLayout
     first_block: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0
+    shm: bool = False
 
 
 class KVGetReply(_Header, tag="kv_reply"):
     """Found: `num_tokens` prompt positions in `num_blocks` blocks, of which blocks `first_block`.. follow as frames
-    (one each, `layout.block_shape`); the choices' first tokens and sampler states. Not found (expired, never
+    (one each, `layout.block_shape`), or, answering a `shm` get, are in the segment of `shm` (all `num_blocks`
+    blocks after its tag; no frames); the choices' first tokens and sampler states. Not found (expired, never
     there, or a layout that is not the producer's): `found` false and `error` says which."""
 
     key: KVKey
@@ -77,3 +86,4 @@ class KVGetReply(_Header, tag="kv_reply"):
     num_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0
     first_block: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0
     choices: Annotated[list[KVChoice], msgspec.Meta(max_length=MAX_CHOICES)] = []
+    shm: ShmHandle | None = None

@@ -132,13 +132,18 @@ def _check_tensor_specs(header: Message, buffers: list[memoryview], max_bytes: i
 
 
 def _check_kv_frames(header: KVGetReply, buffers: list[memoryview], max_bytes: int) -> None:
-    """A found kv_reply has a layout and one frame of `layout.block_shape` per block from `first_block`; any other
-    kv_reply has no frames."""
+    """A found kv_reply has a layout and one frame of `layout.block_shape` per block from `first_block`, or a
+    shared-memory handle and no frame (its size is the consumer's to check, before it maps it); any other kv_reply
+    has neither."""
     layout = header.layout
     if not header.found or layout is None:
-        if header.found or buffers:
+        if header.found or buffers or header.shm is not None:
             raise WireError(f"a kv_reply without blocks (found={header.found}, layout={layout is not None}) "
-                            f"has {len(buffers)} frame(s)")
+                            f"has {len(buffers)} frame(s) and {'a' if header.shm is not None else 'no'} handle")
+        return
+    if header.shm is not None:
+        if buffers:
+            raise WireError(f"a kv_reply by shared-memory handle has {len(buffers)} frame(s)")
         return
     num_sent = header.num_blocks - header.first_block
     if num_sent != len(buffers):

@@ -13,7 +13,7 @@ from connector.control.wire import MAX_TENSOR_BYTES, WireError
 from connector.tensors.cache import EmbeddingCache
 from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
 from connector.tensors.replies import more_of, read_get_reply
-from connector.tensors.shm import ShmError, open_handle
+from connector.tensors.shm import ShmError, probed_pid
 from connector.tensors.shm_peers import ShmPeers
 from epd_contracts.ec import GetReply, GetRequest, ShmProbe, ShmProbeReply, SnapshotReply
 from epd_contracts.embeddings import ImageFeatures
@@ -254,14 +254,11 @@ class ECConsumer:
             self._num_shm_probes += len(addresses)
         for addr in addresses:
             try:
-                handle = expect(replies.get(addr), ShmProbeReply, addr).handle
-                if handle is None:
-                    raise ShmError("the producer holds no shared memory")
-                open_handle(handle, handle.pid, 0).close()
+                pid = probed_pid(expect(replies.get(addr), ShmProbeReply, addr).handle)
             except (WireError, ShmError) as e:
                 self._peers.failed(addr, str(e))
             else:
-                self._peers.verified(addr, handle.pid)
+                self._peers.verified(addr, pid)
 
     def _get_request(self, hashes: list[str], wait_for: set[str], wait_ms: int, shm: bool) -> GetRequest:
         """A `get`; the hashes in `wait_for` may still be encoding, and the producer may hold the reply for them;

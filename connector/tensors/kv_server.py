@@ -1,13 +1,16 @@
 """A prefill worker's K/V endpoint: a ROUTER thread answering `kv_get` (and `ping`) from a KVStore.
 
 A found hand-off is a KVGetReply header and one raw frame per block from the asked `first_block`, sent from the
-stored tensor's memory. Anything else is answered without frames: not found, a layout that is not the one held
-(another model must never get these blocks), or more bytes than one reply may carry. A malformed request gets
-an ErrorReply and the thread keeps serving. CURVE as on every connector link (connector/control/security.py).
+stored tensor's memory; or, for a decode worker that asks with `shm` (it has mapped this server's probe segment:
+`shm_probe`) and a hand-off held in shared memory, the header alone with the segment's handle. Anything else is
+answered without frames: not found, a layout that is not the one held (another model must never get these
+blocks), or more bytes than one reply may carry. A malformed request gets an ErrorReply and the thread keeps
+serving. CURVE as on every connector link (connector/control/security.py).
 """
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from typing import Any
 
@@ -19,7 +22,7 @@ from connector.control.waker import Waker
 from connector.control.wire import WireError, apply_socket_limits, decode_message, encode_message, peek_req_id
 from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES, layout_difference
 from connector.tensors.kv_store import KVStore
-from epd_contracts.ec import ErrorReply, Message, PingRequest, Pong
+from epd_contracts.ec import ErrorReply, Message, PingRequest, Pong, ShmProbe, ShmProbeReply
 from epd_contracts.kv import KVGetReply, KVGetRequest
 
 logger = logging.getLogger("epd.connector")
@@ -38,6 +41,7 @@ class KVServer:
         """`advertise_host`: the host peers on other hosts reach (None: the bound address)."""
         self.bind, self.curve, self.advertise_host, self.max_reply_bytes = bind, curve, advertise_host, max_reply_bytes
         self._store = store
+        self._epoch = secrets.token_hex(8)  # what a probe reply names: a restarted server is a new epoch
         # NOTE: a ZAP authenticator is per context, so a server that checks client keys has its own.
         self._ctx: zmq.Context[Any] = (zmq.Context() if curve is not None and curve.allowed_clients is not None
                                        else zmq.Context.instance())
@@ -46,7 +50,9 @@ class KVServer:
         self._start_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._waker = Waker()
+        # blocks_sent, bytes_sent: by frames; shm_*: answered by handle (no byte sent)
         self._counts = dict.fromkeys(("kv_gets_served", "kv_gets_refused", "blocks_sent", "bytes_sent",
+                                      "shm_gets_served", "shm_blocks_served", "shm_bytes_served", "shm_probes",
                                       "bad_messages"), 0)
 
     def start(self) -> KVServer:
@@ -139,6 +145,9 @@ class KVServer:
             return self._kv_get(header)
         if isinstance(header, PingRequest):
             return Pong(req_id=header.req_id), []
+        if isinstance(header, ShmProbe):
+            self._counts["shm_probes"] += 1
+            return ShmProbeReply(req_id=header.req_id, epoch=self._epoch, handle=self._store.probe_handle()), []
         raise WireError(f"{type(header).__name__} is not a request a KV server serves")
 
     def _kv_get(self, request: KVGetRequest) -> tuple[KVGetReply, list[memoryview]]:
@@ -153,13 +162,20 @@ class KVServer:
         nbytes = (entry.num_blocks - request.first_block) * entry.block_nbytes
         if nbytes > self.max_reply_bytes:
             return self._refuse(request, f"{nbytes} bytes of blocks are over the {self.max_reply_bytes}-byte limit")
-        blocks = entry.block_buffers(request.first_block)
-        self._counts["kv_gets_served"] += 1  # before the send: a consumer may read stats() the moment it has it
-        self._counts["blocks_sent"] += len(blocks)
-        self._counts["bytes_sent"] += nbytes
+        handle = entry.shm if request.shm else None  # None for a hand-off on the heap: frames
+        blocks = [] if handle is not None else entry.block_buffers(request.first_block)
+        self._count_served(handle is not None, entry.num_blocks - request.first_block, nbytes)
         return KVGetReply(req_id=request.req_id, key=request.key, found=True, layout=entry.layout,
                           num_tokens=entry.num_tokens, num_blocks=entry.num_blocks, first_block=request.first_block,
-                          choices=entry.choices), blocks
+                          choices=entry.choices, shm=handle), blocks
+
+    def _count_served(self, by_handle: bool, num_blocks: int, nbytes: int) -> None:
+        """Before the send: a consumer may read stats() the moment it has the reply."""
+        self._counts["kv_gets_served"] += 1
+        self._counts["shm_gets_served"] += by_handle
+        blocks, nbytes_key = ("shm_blocks_served", "shm_bytes_served") if by_handle else ("blocks_sent", "bytes_sent")
+        self._counts[blocks] += num_blocks
+        self._counts[nbytes_key] += nbytes
 
     def _refuse(self, request: KVGetRequest, error: str) -> tuple[KVGetReply, list[memoryview]]:
         self._counts["kv_gets_refused"] += 1

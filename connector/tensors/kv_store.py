@@ -3,10 +3,17 @@
 The engine puts a prompt's blocks once, after its prefill; the KV server's thread reads them for every kv_get.
 A get does not remove an entry: a decode worker whose fetch timed out may ask again, so only the TTL, the byte
 bound and `drop` free one. Every entry lives `ttl_s`, so put order is expiry order and the oldest are at the front.
+
+With shared memory on, a put copies the blocks once into a sealed memfd segment (connector/tensors/shm.py) and the
+entry's tensor views it, so a same-host decode worker maps the blocks (the server answers with the segment's
+handle) and the socket path sends from the same memory; an entry that cannot have one (small, memfd unavailable or
+memory full) stays on the heap and goes by socket. Freeing an entry closes its segment's fd: the pages live on
+while a send in flight or a decode worker's mapping still views them.
 """
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,8 +25,11 @@ import torch
 
 from connector.tensors.frames import DTYPES, tensor_buffer
 from connector.tensors.kv_checks import extent_error
+from connector.tensors.shm import SHM_MIN_BYTES, Segment, open_probe
+from epd_contracts.header import ShmHandle
 from epd_contracts.kv import MAX_CHOICES, KVChoice, KVGetReply, KVLayout
 
+logger = logging.getLogger("epd.connector")
 _REPLY_DECODER = msgspec.msgpack.Decoder(KVGetReply)
 
 
@@ -32,6 +42,10 @@ class KVEntry:
     blocks: torch.Tensor  # CPU, contiguous (num_blocks, *layout.block_shape), the layout's dtype
     choices: list[KVChoice]
     expires_at: float  # on the store's clock
+    segment: Segment | None = None  # the shared memory `blocks` view (right after its tag), or None: the heap
+    # NOTE: made once at the put, while the fd is open: an entry freed after a get still has it, and a decode worker
+    # opening it then finds its fd closed or reused (the tag check), never another entry's bytes
+    shm: ShmHandle | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -50,42 +64,76 @@ class KVEntry:
         flat, size = tensor_buffer(self.blocks), self.block_nbytes
         return [flat[i * size:(i + 1) * size] for i in range(first_block, self.num_blocks)]
 
+    def release(self) -> None:
+        """The store freed this entry: close its segment's fd (its memory goes with the last view)."""
+        if self.segment is not None:
+            self.segment.close()
+
 
 class KVStore:
     """Thread-safe: the engine puts and drops, the KV server's thread gets."""
 
-    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock`: seconds, monotonic (tests pass a fake one)."""
+    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic, shm: bool = True,
+                 shm_min_bytes: int = SHM_MIN_BYTES) -> None:
+        """`clock`: seconds, monotonic (tests pass a fake one). `shm`: hold hand-offs of at least `shm_min_bytes` in
+        shared memory that same-host decode workers map, falling back to the heap per entry; False: heap only."""
         if max_bytes < 0 or ttl_s < 0:
             raise ValueError(f"max_bytes and ttl_s must be >= 0, got {max_bytes} and {ttl_s}")
-        self.max_bytes, self.ttl_s, self._clock = max_bytes, ttl_s, clock
+        self.max_bytes, self.ttl_s, self._clock, self.shm_min_bytes = max_bytes, ttl_s, clock, shm_min_bytes
         self._entries: collections.OrderedDict[str, KVEntry] = collections.OrderedDict()  # key -> entry, oldest first
         self._lock = threading.Lock()
         self._bytes = 0
-        self._counts = dict.fromkeys(("puts", "hits", "misses", "expired", "evicted", "rejected"), 0)
+        self._counts = dict.fromkeys(("puts", "hits", "misses", "expired", "evicted", "rejected", "shm_placed",
+                                      "shm_place_failures"), 0)
+        self._shm_probe = open_probe("K/V blocks") if shm else None
+
+    def probe_handle(self) -> ShmHandle | None:
+        """The probe segment a decode worker maps before asking for handles (None: heap only, blocks by socket)."""
+        with self._lock:  # close() may be closing it
+            return None if self._shm_probe is None else self._shm_probe.handle()
 
     def put(self, key: str, layout: KVLayout, num_tokens: int, blocks: torch.Tensor, choices: list[KVChoice]) -> bool:
         """Hold `blocks` under `key` (replacing what it held) for `ttl_s`, evicting the oldest entries to make room;
         False, and nothing held under `key`, when they alone are over `max_bytes`. ValueError for an inconsistent
         hand-off (shapes, dtype, counts, bounds of the contract).
 
-        NOTE: `blocks` are kept, not copied, and sent from their memory: the caller must not write to them after."""
+        NOTE: `blocks` are copied once into shared memory, or else kept, not copied, and sent from their memory:
+        the caller must not write to them after."""
         _check_put(key, layout, num_tokens, blocks, choices)
+        nbytes = blocks.numel() * blocks.element_size()
         with self._lock:
-            now = self._clock()
-            self._expire(now)
+            self._expire(self._clock())
             self._remove(key)
-            nbytes = blocks.numel() * blocks.element_size()
             if nbytes > self.max_bytes:
                 self._counts["rejected"] += 1
                 return False
-            while self._bytes + nbytes > self.max_bytes:
-                self._remove(next(iter(self._entries)))
-                self._counts["evicted"] += 1
-            self._entries[key] = KVEntry(layout, num_tokens, blocks, list(choices), now + self.ttl_s)
+            self._make_room(nbytes)
+        # NOTE: the copy runs outside the lock, so the server's gets never wait for it
+        held, segment = self._placed(blocks)
+        with self._lock:
+            self._remove(key)  # a put of the same key meanwhile
+            self._make_room(nbytes)
+            self._entries[key] = KVEntry(layout, num_tokens, held, list(choices), self._clock() + self.ttl_s, segment,
+                                         None if segment is None else segment.handle())
             self._bytes += nbytes
             self._counts["puts"] += 1
+            self._counts["shm_placed"] += segment is not None
         return True
+
+    def _placed(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Segment | None]:
+        """The blocks to hold and their segment: copied once into a new one, or (shm off or unavailable, small,
+        memory full) `blocks` themselves on the heap, and None."""
+        nbytes = blocks.numel() * blocks.element_size()
+        if self._shm_probe is None or nbytes < self.shm_min_bytes:
+            return blocks, None
+        try:
+            segment = Segment(nbytes, [blocks])
+        except OSError as e:  # ENOSPC, ENOMEM, EMFILE...: this entry stays on the heap and goes by socket
+            logger.warning("no shared memory for %d bytes of K/V (%s); the hand-off is held on the heap", nbytes, e)
+            with self._lock:
+                self._counts["shm_place_failures"] += 1
+            return blocks, None
+        return segment.tensor(0, blocks.dtype, tuple(blocks.shape)), segment
 
     def get(self, key: str) -> KVEntry | None:
         """The entry under `key` if it has not expired; it stays held."""
@@ -100,9 +148,26 @@ class KVStore:
             self._remove(key)
 
     def stats(self) -> dict[str, Any]:
+        """Counters (`shm_placed`: hand-offs held in shared memory so far, `shm_place_failures`: those that fell
+        back to the heap because shared memory was unavailable or full)."""
         with self._lock:
             self._expire(self._clock())
-            return {"items": len(self._entries), "bytes": self._bytes, "max_bytes": self.max_bytes, **self._counts}
+            return {"items": len(self._entries), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                    "shm": self._shm_probe is not None, **self._counts}
+
+    def close(self) -> None:
+        """Free every entry and the probe segment (their fds; pages a decode worker still maps live until it unmaps)."""
+        with self._lock:
+            while self._entries:
+                self._remove(next(iter(self._entries)))
+            if self._shm_probe is not None:
+                self._shm_probe.close()
+                self._shm_probe = None
+
+    def _make_room(self, nbytes: int) -> None:
+        while self._bytes + nbytes > self.max_bytes:
+            self._remove(next(iter(self._entries)))
+            self._counts["evicted"] += 1
 
     def _expire(self, now: float) -> None:
         while self._entries and next(iter(self._entries.values())).expires_at <= now:
@@ -113,6 +178,7 @@ class KVStore:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
+            entry.release()
 
 
 def _check_put(key: str, layout: KVLayout, num_tokens: int, blocks: torch.Tensor, choices: list[KVChoice]) -> None:

@@ -13,7 +13,7 @@ from connector.tensors.cache import EmbeddingCache
 from connector.tensors.disk_tier import DiskTier
 from connector.tensors.frames import WireItem
 from connector.tensors.server import ProducerServer
-from connector.tensors.shm import Segment, raise_fd_limit
+from connector.tensors.shm import SHM_MIN_BYTES, Segment, open_probe
 from connector.tensors.ungathered import UNGATHERED_MAX_AGE_S, Ungathered
 from connector.tensors.waiters import MAX_PARKED, MAX_PARKED_HASHES
 from epd_common.logs import request_id_var
@@ -23,9 +23,6 @@ logger = logging.getLogger("epd.connector")
 
 MAX_ITEMS_PER_GET = 256  # hashes one get or has may ask for; more get an error reply
 MAX_REPLY_BYTES = 256 << 20  # tensor bytes of one get reply (besides its first item); the rest are sent as `more`
-# items smaller than this stay on the heap and go by socket: opening and mapping a segment (~65 us of syscalls)
-# costs about what sending 64 KiB does (docs/BENCHMARKS.md, "EC connector vs raw ZeroMQ")
-SHM_MIN_BYTES = 128 << 10
 # a save that finds the cache full of pinned items waits this long for a pin to go: the serving thread pins an item
 # only while it builds a reply and hands it to ZeroMQ (no network wait), and dropping a fresh item costs a re-encode
 PIN_WAIT_S = 1.0
@@ -61,7 +58,7 @@ class ECProducer:
         self._cache: EmbeddingCache[WireItem] = EmbeddingCache(cache_bytes, journal=True, on_drop=WireItem.release,
                                                                backing=disk)
         self._ungathered = Ungathered(ungathered_max_age_s)
-        self._shm_probe = self._open_shm() if shm else None
+        self._shm_probe = open_probe("embeddings") if shm else None
         self._num_shm_items = self._num_shm_failures = 0
         self._server = ProducerServer(
             self._cache, self.epoch, bind=self.bind, events_bind=self.events_bind, curve=curve,
@@ -71,16 +68,6 @@ class ECProducer:
             on_gathered=self._ungathered.gathered)
         if disk is not None:
             disk.on_forget = self._forget
-
-    @staticmethod
-    def _open_shm() -> Segment | None:
-        """The probe segment consumers check they can map (None: memfd unavailable here, heap only)."""
-        raise_fd_limit()  # one fd per item held in shared memory
-        try:
-            return Segment(0)
-        except OSError as e:
-            logger.warning("shared memory unavailable (%s); embeddings go by socket only", e)
-            return None
 
     @property
     def address(self) -> str:

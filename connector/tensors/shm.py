@@ -1,7 +1,9 @@
-"""Same-host shared memory for embeddings: one anonymous memfd segment per held item, mapped by consumers.
+"""Same-host shared memory for embeddings and K/V hand-offs: one anonymous memfd segment per held item, mapped by
+consumers.
 
-A producer places an item's bytes once in a segment [16-byte random tag][embeds][deepstack] (`Segment.place`);
-its cached tensors are views over that mapping, so the socket path sends from the same memory. A consumer on the
+A producer places an item's bytes once in a segment [16-byte random tag][embeds][deepstack] (`Segment.place`; a
+prefill worker's hand-off: [tag][blocks], connector/tensors/kv_store.py); its held tensors are views over that
+mapping, so the socket path sends from the same memory. A consumer on the
 same host (same uid, same pid namespace) maps the segment through `/proc/<producer pid>/fd/<fd>` with
 MAP_PRIVATE (copy on write: torch gets a writable buffer and no byte is copied) and checks the tag, because fd
 numbers are reused after an eviction and a stale handle must never read another item's bytes.
@@ -42,6 +44,10 @@ from epd_contracts.ec import SHM_TAG_BYTES, ShmHandle
 from epd_contracts.embeddings import ImageFeatures
 
 logger = logging.getLogger("epd.connector")
+
+# items smaller than this stay on the heap and go by socket: opening and mapping a segment (~65 us of syscalls)
+# costs about what sending 64 KiB does (docs/BENCHMARKS.md, "EC connector vs raw ZeroMQ")
+SHM_MIN_BYTES = 128 << 10
 
 NAME = "epd-ec"  # what /proc/<pid>/maps and /proc/<pid>/fd show: "/memfd:epd-ec (deleted)"
 _LINK_PREFIX = f"/memfd:{NAME}"
@@ -203,6 +209,26 @@ def _view(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[int, ...
     if count == 0:
         return torch.empty(shape, dtype=dtype)  # frombuffer rejects empty views
     return torch.frombuffer(memoryview(buf), dtype=dtype, count=count, offset=offset).view(shape)
+
+
+def open_probe(what: str) -> Segment | None:
+    """The probe segment consumers check they can map before asking for handles (None: memfd unavailable here, and
+    `what` go by socket only); the open-file limit is raised first, as a producer holds one fd per segment."""
+    raise_fd_limit()
+    try:
+        return Segment(0)
+    except OSError as e:
+        logger.warning("shared memory unavailable (%s); %s go by socket only", e, what)
+        return None
+
+
+def probed_pid(handle: ShmHandle | None) -> int:
+    """The pid of a producer whose probe segment (`handle`, from its ShmProbeReply) this process maps, the tag
+    checked; ShmError when there is none or it cannot be mapped (another host, pid namespace or user)."""
+    if handle is None:
+        raise ShmError("the producer holds no shared memory")
+    open_handle(handle, handle.pid, 0).close()
+    return handle.pid
 
 
 def raise_fd_limit() -> None:

@@ -292,9 +292,9 @@ class Engine:
             if not keys:  # every choice ended at its first token: their `done`s end the stream
                 continue
             request_id_var.set(job.request_id)
-            try:
-                job.emit(self.handoff_out.hand_off(job, [running[k] for k in keys], self.runner.rows[keys[0]].blocks,
-                                                   self.runner.cache))
+            try:  # the blocks are copied out now; the `handoff` event follows once they are kept
+                self.handoff_out.hand_off(job, [running[k] for k in keys], self.runner.rows[keys[0]].blocks,
+                                          self.runner.cache)
             except Exception as exc:
                 self.scheduler.fail(keys[0], exc, "handoff")
                 continue

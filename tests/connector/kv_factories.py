@@ -1,23 +1,29 @@
-"""Small factories the K/V transfer tests share: a layout, blocks that fill a prompt, a served store."""
+"""Small factories the K/V transfer tests share: a layout, blocks that fill a prompt, a served store, a fake server."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import msgspec
 import torch
+import zmq
 
 from connector.control.security import CurveConfig
+from connector.control.wire import decode_message, encode_message
 from connector.tensors.frames import DTYPES
 from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES
 from connector.tensors.kv_server import KVServer
 from connector.tensors.kv_store import KVStore
-from epd_contracts.kv import KVChoice, KVLayout
+from epd_contracts.ec import ShmHandle, ShmProbe, ShmProbeReply
+from epd_contracts.kv import KVChoice, KVGetRequest, KVLayout
 
 GUARD_S = 10.0  # upper bound on any wait; never reached while the server answers
 LAYOUT = KVLayout(fingerprint="f" * 64, num_layers=2, kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 CHOICES = [KVChoice(first_token=7, generator_state=bytes(range(256)) * 20), KVChoice(first_token=9)]
+Answer = Callable[[KVGetRequest], list[Any]]  # the request -> the frames to send back
 
 
 def layout(**changes: object) -> KVLayout:
@@ -42,3 +48,35 @@ def serving(store: KVStore, curve: CurveConfig | None = None,
         yield server
     finally:
         server.close()
+
+
+@contextmanager
+def fake_producer(answer: Answer, probe: ShmHandle | None = None) -> Iterator[str]:
+    """A raw ROUTER in a thread answering each kv_get with `answer(request)` (nothing when it returns []), and each
+    shared-memory probe with `probe` (None: no shared memory, so clients ask for frames)."""
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                identity, *frames = sock.recv_multipart()
+                request, _ = decode_message(frames)
+                if isinstance(request, ShmProbe):
+                    out = encode_message(ShmProbeReply(req_id=request.req_id, epoch="fake", handle=probe))
+                else:
+                    assert isinstance(request, KVGetRequest)
+                    out = answer(request)
+                if out:
+                    sock.send_multipart([identity, *out], copy=False)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        thread.join(GUARD_S)
+        sock.close()

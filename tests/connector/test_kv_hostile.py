@@ -4,28 +4,24 @@ raised within the fetch's timeout, and no tensor comes back."""
 from __future__ import annotations
 
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
 import torch
-import zmq
 
-from connector.control.wire import decode_message, encode_message
+from connector.control.wire import encode_message
 from connector.tensors.errors import KVUnavailable
 from connector.tensors.frames import DTYPES, tensor_buffer
 from connector.tensors.kv_client import KVClient
 from epd_contracts.ec import ErrorReply, Pong
 from epd_contracts.kv import KVChoice, KVGetReply, KVGetRequest
-from tests.connector.kv_factories import CHOICES, GUARD_S, LAYOUT, layout, make_blocks
+from tests.connector.kv_factories import CHOICES, GUARD_S, LAYOUT, Answer, fake_producer, layout, make_blocks
 
 NUM_TOKENS = 10  # 3 blocks of LAYOUT.block_size 4
 BLOCKS = make_blocks(LAYOUT, NUM_TOKENS)
-Answer = Callable[[KVGetRequest], list[Any]]  # the request -> the frames to send back
 
 
 def reply(request: KVGetRequest, blocks: torch.Tensor = BLOCKS, **fields: Any) -> list[Any]:
@@ -34,33 +30,6 @@ def reply(request: KVGetRequest, blocks: torch.Tensor = BLOCKS, **fields: Any) -
               "num_tokens": NUM_TOKENS, "num_blocks": 3, "first_block": request.first_block, "choices": CHOICES,
               **fields}
     return encode_message(KVGetReply(**header), [tensor_buffer(b) for b in blocks[request.first_block:]])
-
-
-@contextmanager
-def fake_producer(answer: Answer) -> Iterator[str]:
-    """A raw ROUTER in a thread answering each kv_get with `answer(request)` (nothing when it returns [])."""
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            if sock.poll(50):
-                identity, *frames = sock.recv_multipart()
-                request, _ = decode_message(frames)
-                assert isinstance(request, KVGetRequest)
-                if out := answer(request):
-                    sock.send_multipart([identity, *out], copy=False)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"tcp://127.0.0.1:{port}"
-    finally:
-        stop.set()
-        thread.join(GUARD_S)
-        sock.close()
 
 
 def with_values(index: int, *values: float) -> torch.Tensor:
