@@ -84,9 +84,8 @@ def failover_error(err: APIError, failures: tuple[Failure, ...]) -> APIError:
 
 
 def encode_calls(items: list[MMItem]) -> list[list[MMItem]]:
-    """An encoder's share of a schedule as /encode calls: its images in one call, each video chunk in a call of its
-    own (each chunk carries the whole video file: several in one body would multiply it past the encoder's body
-    limit; apart, they also run at once)."""
+    """An encoder's share of a schedule as /encode calls: its images in one, each video chunk in its own (a chunk
+    carries the whole video file: several in one body would multiply it past the encoder's body limit)."""
     images = [it for it in items if it.video is None]
     return ([images] if images else []) + [[it] for it in items if it.video is not None]
 
@@ -107,15 +106,12 @@ class Fleet:
 
     async def start(self) -> None:
         """Wait for every configured worker's /health (learning each encoder's ZeroMQ address); start probing."""
-        for url in self.cfg.encode_urls:
-            self.workers.add("encoder", url)
-        for url in self.cfg.decode_urls:
-            self.workers.add("decoder", url)
-        for url in self.cfg.prefill_urls:
-            self.workers.add("prefill", url)
+        roles = {"encoder": self.cfg.encode_urls, "decoder": self.cfg.decode_urls, "prefill": self.cfg.prefill_urls}
+        for role, urls in roles.items():
+            for url in urls:
+                self.workers.add(role, url)
         deadline = time.monotonic() + self.cfg.startup_timeout
-        await self.workers.wait_healthy([*self.cfg.encode_urls, *self.cfg.decode_urls, *self.cfg.prefill_urls],
-                                        deadline)
+        await self.workers.wait_healthy([url for urls in roles.values() for url in urls], deadline)
         addresses = [w.info["ec_address"] for w in self.workers.of("encoder")]
         if not await asyncio.to_thread(self.index.wait_for, lambda: all(map(self.index.is_synced, addresses)), 5.0):
             logger.warning("cache index not synced with every encoder yet; it will catch up from their events")
@@ -345,14 +341,12 @@ class Fleet:
         if not self.index.has_seen(*position):
             await asyncio.to_thread(self.index.wait_for, lambda: self.index.has_seen(*position), _SEEN_TIMEOUT_S)
 
-    # decoding
-
+    # decoding (and prefill workers: E -> P -> D)
     def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder") -> Worker:
         return self.workers.acquire_decoder(exclude, prefix_keys, role)
 
     @property
-    def splits_prefill(self) -> bool:
-        """E -> P -> D: prefill workers are configured (or registered); a request then starts on one of them."""
+    def splits_prefill(self) -> bool:  # E -> P -> D: prefill workers configured or registered; requests start there
         return not self.cfg.aggregated and bool(self.workers.of("prefill"))
 
     def release_decoder(self, worker: Worker, finished_keys: Sequence[str] = ()) -> None:
@@ -400,7 +394,7 @@ def _error_code(body: bytes) -> object:
 def _retry_after(value: str | None) -> float:
     """Retry-After in seconds (its delay form), within (0, 5]; 1 when absent or not a number."""
     try:
-        seconds = float(value) if value is not None else 1.0
+        seconds = float(value if value is not None else 1.0)
     except ValueError:
-        seconds = 1.0
+        return 1.0
     return min(max(seconds, 0.05), _MAX_RETRY_AFTER_S) if seconds == seconds else 1.0
