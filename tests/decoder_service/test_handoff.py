@@ -17,7 +17,6 @@ import torch
 from decoder_service.engine.kv_blocks import KVRefused, check_blocks
 from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.prefix_hash import PrefixChain, prompt_chain
-from decoder_service.engine.sequence import Job
 from decoder_service.handoff import HandoffOut, Resume, resume_from
 from decoder_service.prompt import Prompt
 from decoder_service.request import Work
@@ -82,26 +81,6 @@ class Stream:
         for e in self.events:
             out.setdefault(e.index, []).extend(e.logprobs or [])
         return out
-
-
-def drain(job: Job, dones: int) -> Stream:
-    """Events until `dones` choices are done, or a handoff or error."""
-    async def main() -> Stream:
-        out, left = Stream(), dones
-        while left:
-            event = await asyncio.wait_for(job.events.get(), 60)
-            out.add(event)
-            if event.type in ("handoff", "error"):
-                break
-            left -= event.type == "done"
-        return out
-    return asyncio.run(main())
-
-
-def submit(engine: Engine, work: Work) -> Job:
-    async def main() -> Job:  # a job belongs to the loop it was submitted on: drained on its own loop below
-        return engine.submit(work)
-    return asyncio.run(main())
 
 
 def run_one(engine: Engine, work: Work, dones: int) -> Stream:
