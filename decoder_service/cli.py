@@ -67,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
                    help="prefill: bytes of handed-off K/V kept for pickup, e.g. 4GiB (oldest dropped first)")
     g.add_argument("--kv-ttl", type=float, default=d.kv_ttl,
                    help="prefill: seconds handed-off K/V is kept for pickup")
+    g.add_argument("--handoff-min-tokens", type=int, default=d.handoff_min_tokens,
+                   help="prefill: hand off only prompts with at least this many tokens not in this worker's prefix "
+                        "cache; a shorter one is declined and prefills on the decode worker (0: hand off every "
+                        "prompt)")
     g = p.add_argument_group("connector limits (ZeroMQ consumer)")
     g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
                    help="tensor bytes of one reply from an encoder; a larger reply is refused before it is decoded")
@@ -79,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     _resolve_block_size(p, args, d)
     if args.kv_store_bytes < 1 or not args.kv_ttl > 0:
         p.error("--kv-store-bytes and --kv-ttl must be > 0")
+    if args.handoff_min_tokens < 0:
+        p.error("--handoff-min-tokens must be >= 0")
     curve = pop_curve(p, args)
     cfg = DecoderConfig(**vars(args), curve=curve)
     refuse_open(p, cfg, security_gaps(cfg))

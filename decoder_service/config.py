@@ -51,6 +51,9 @@ class DecoderConfig(HttpLimits):
     kv_advertise_host: str | None = None  # prefill: the host other machines reach kv_bind at (0.0.0.0 binds)
     kv_store_bytes: int = 4 << 30  # prefill: bytes of handed-off K/V kept for pickup (oldest dropped first)
     kv_ttl: float = 30.0  # prefill: seconds handed-off K/V is kept; a decode worker later prefills it itself
+    # prefill: a prompt with fewer tokens not in this worker's prefix cache is declined (the decode worker prefills
+    # it: splitting it would cost its stream a hand-off for a prefill shorter than one); 0 hands off every prompt
+    handoff_min_tokens: int = 512
     log_level: str = "info"
     internal_key: str | None = field(default=None, repr=False)  # Bearer key /generate requires
     curve: CurveConfig | None = None  # CURVE keys for connector links (flags --ec-curve-*)
@@ -91,6 +94,7 @@ class DecoderConfig(HttpLimits):
         assert self.block_size >= 1, "block_size must be >= 1"
         assert self.role in ("both", "prefill", "decode"), f"role must be both, prefill or decode, got {self.role!r}"
         assert self.kv_store_bytes >= 1 and self.kv_ttl > 0, "kv_store_bytes and kv_ttl must be > 0"
+        assert self.handoff_min_tokens >= 0, "handoff_min_tokens must be >= 0"
         assert 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"
         assert self.kv_cache_memory >= 0, "kv_cache_memory must be >= 0 (0: automatic)"
         assert self.max_num_batched_tokens == 0 or self.max_num_batched_tokens >= self.max_num_seqs, \

@@ -48,6 +48,11 @@ class Resume:
         return sum(c.first_token is not None for c in self.handoff.choices)
 
 
+class HandoffDeclined(Exception):
+    """A prefill worker declines a hand-off (its prompt is short: --handoff-min-tokens): the proxy runs the request
+    on a decode worker, which prefills it itself. Not an error: the stream's one event is `declined`."""
+
+
 class KVFetch(Protocol):
     """connector/tensors/kv_client.py KVClient.fetch: raises (KVUnavailable) when the blocks cannot be had."""
 
@@ -163,13 +168,14 @@ class HandoffEndpoints:
 
     @classmethod
     def start(cls, role: str, layout: KVLayout, curve: CurveConfig | None, bind: str, advertise_host: str | None,
-              store_bytes: int, ttl_s: float) -> HandoffEndpoints:
+              store_bytes: int, ttl_s: float, shm: bool = True) -> HandoffEndpoints:
+        """`shm`: a decode worker maps same-host prefill workers' shared memory (after a probe), else socket only."""
         from connector.tensors.kv_client import KVClient
         from connector.tensors.kv_server import KVServer
         from connector.tensors.kv_store import KVStore
 
         server_curve, client_curve = kv_curves(curve)
-        out = cls(client=KVClient(curve=client_curve) if role in ("decode", "both") else None)
+        out = cls(client=KVClient(curve=client_curve, shm=shm) if role in ("decode", "both") else None)
         if role == "prefill":
             store = out.store = KVStore(store_bytes, ttl_s)
             out.server = KVServer(store, bind=bind, curve=server_curve, advertise_host=advertise_host).start()

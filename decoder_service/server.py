@@ -23,7 +23,7 @@ from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.memory_plan import KVPlanError, plan_for
 from decoder_service.engine.sequence import Job
-from decoder_service.handoff import HandoffEndpoints
+from decoder_service.handoff import HandoffDeclined, HandoffEndpoints
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
 from epd_common.errors import APIError, bad_request, install_error_handlers
@@ -31,7 +31,7 @@ from epd_common.http import install_api_key, install_body_limit, install_metrics
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
 from epd_contracts.embeddings import ImageFeatures
-from epd_contracts.generate import GenerateRequest
+from epd_contracts.generate import Event, GenerateRequest
 from epd_contracts.validation import ContractError, decode_json
 from epd_models.halves import LanguageHalf, VisionHalf, loaded_summary
 from epd_models.identity import model_identity
@@ -120,6 +120,11 @@ async def generate(request: Request) -> Response:
         guide = await engine.guide(req, watcher)
         work = await asyncio.to_thread(engine.prepare, *((req,) if guide is None else (req, guide, True)))
         job = engine.submit(work, cancelled=cancelled)
+    except HandoffDeclined as exc:  # a short prompt: the proxy runs it on a decode worker
+        metrics.requests.labels("200").inc()
+        metrics.waiting.dec()
+        line = msgspec.json.encode(Event(type="declined", message=str(exc))) + b"\n"
+        return StreamingResponse(iter((line,)), media_type="application/x-ndjson")
     except Exception as exc:  # an APIError is this request's answer; anything else its 500 (error handlers)
         metrics.requests.labels(str(exc.status) if isinstance(exc, APIError) else "500").inc()
         metrics.waiting.dec()
@@ -174,7 +179,7 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
     layout = kv_layout(KVShape.of(half.config.get_text_config(), half.dtype), cfg.block_size,
                        str(state.identity["fingerprint"]))
     state.handoff = HandoffEndpoints.start(cfg.role, layout, cfg.curve, cfg.kv_bind, cfg.kv_advertise_host,
-                                           cfg.kv_store_bytes, cfg.kv_ttl)
+                                           cfg.kv_store_bytes, cfg.kv_ttl, shm=cfg.ec_shm == "auto")
     engine = state.engine = Engine(half, state.consumer, cfg, state.metrics, inline, handoff_out=state.handoff.out,
                                    kv_fetch=state.handoff.fetch, fingerprint=layout.fingerprint)
     kv = engine.kv_summary()

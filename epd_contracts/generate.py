@@ -180,10 +180,11 @@ class Event(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
 
     With n choices the stream interleaves their events (`index`) and ends after n `done`s or an error. A prefill
     worker's stream (`handoff_key`) ends instead with one `handoff` event once every choice has its first token
-    (choices that ended there have their `done` before it).
+    (choices that ended there have their `done` before it), or is one `declined` event (`message`: why) when the
+    prompt is too short to hand off: the proxy then runs the request on a decode worker.
     """
 
-    type: Literal["delta", "done", "error", "handoff"]
+    type: Literal["delta", "done", "error", "handoff", "declined"]
     index: int = 0  # the choice (0 .. n-1)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per token behind this delta (sampling.logprobs is set)

@@ -92,6 +92,8 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
      "bytes of prompt-prefix K/V each decoder keeps for reuse (0 turns prefix caching off)"),
     ("--grammar-compile-threads", positive, "threads each decoder compiles response_format and tool grammars on"),
     ("--grammar-compile-timeout", positive_seconds, "seconds one grammar compile may run on a decoder"),
+    ("--handoff-min-tokens", non_negative,
+     "with --num-prefills: prompts with fewer tokens to prefill are not handed off (the decoders prefill them)"),
 )
 # the encoders' scheduler flags, passed to each spawned encoder only when given (spawn.py)
 ENCODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (

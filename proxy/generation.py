@@ -31,7 +31,8 @@ class Generation:
     reopens the generation on a decode worker (by load) with that hand-off, whose events continue the same stream.
     A prefill worker that fails before its first event is replaced like a decoder; with none healthy the request
     runs E + PD on a decoder. A decode worker that fails before its first event is replaced too, with the same
-    hand-off (it fetches the K/V, or prefills the prompt itself when the K/V is gone)."""
+    hand-off (it fetches the K/V, or prefills the prompt itself when the K/V is gone). A prefill worker declines a
+    short prompt before prefilling it (its one event is `declined`): the request then runs E + PD on a decoder."""
 
     def __init__(self, fleet: Fleet, chat: PreparedChat, request_id: str):
         self.fleet, self.chat, self.request_id = fleet, chat, request_id
@@ -181,8 +182,8 @@ class Generation:
                     yield _lost(exc)
                     return
                 continue
-            if first.type == "handoff":
-                if (error := await self._hand_over(first)) is not None:
+            if first.type in ("handoff", "declined"):
+                if (error := await (self._hand_over(first) if first.type == "handoff" else self._declined(first))):
                     yield self._seen(error)
                     return
                 continue
@@ -195,6 +196,8 @@ class Generation:
                         if event.type == "handoff":
                             handed = event
                             break
+                        if event.type == "declined":  # only ever a prefill worker's first and only event
+                            event = Event(type="error", message="a decoder declined a hand-off after its first tokens")
                         yield self._seen(event)
             except httpx.HTTPError as exc:
                 yield self._seen(_lost(exc))
@@ -219,6 +222,23 @@ class Generation:
         except APIError as exc:
             logger.warning("no decode worker could continue the hand-off: %s", exc.message)
             return Event(type="error", message=f"no decode worker could continue the request: {exc.message}")
+        return None
+
+    async def _declined(self, event: Event) -> Event | None:
+        """The prefill worker declined the hand-off (a short prompt: its --handoff-min-tokens): the request runs on a
+        decode worker, which prefills it (E + PD); an error event when none can take it."""
+        if self.role != "prefill":
+            return Event(type="error", message="a decoder declined a hand-off this request did not ask for")
+        self.fleet.metrics.handoffs_declined.inc()
+        logger.debug("prefill worker declined the hand-off: %s", event.message)
+        self.role = "decoder"
+        await self.close_stream()
+        self._release()
+        try:
+            await self.open(self.sources)
+        except APIError as exc:
+            logger.warning("no decode worker could take a declined hand-off: %s", exc.message)
+            return Event(type="error", message=f"no decode worker could take the request: {exc.message}")
         return None
 
     def _seen(self, event: Event) -> Event:

@@ -35,6 +35,9 @@ class ProxyMetrics:
         self.items_scheduled = Counter("epd_proxy_items_scheduled", "Images sent to an encoder", registry=registry)
         self.handoffs = Counter("epd_proxy_handoffs", "Generations handed from a prefill worker to a decode worker "
                                 "(E -> P -> D)", registry=registry)
+        self.handoffs_declined = Counter("epd_proxy_handoffs_declined", "Generations a prefill worker declined to "
+                                         "hand off (a short prompt: --handoff-min-tokens), run on a decode worker",
+                                         registry=registry)
         self.retries = Counter("epd_proxy_retries", "Generations retried after re-encoding missing embeddings",
                                registry=registry)
         self.encoder_busy = Counter("epd_proxy_encoder_busy", "Encode calls an encoder refused as busy (503 "

@@ -46,7 +46,7 @@ from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import Job, Sequence, hold_events, release_events
 from decoder_service.grammar import CompiledGuide
 from decoder_service.grammar_pool import Abandoned, CompilePool
-from decoder_service.handoff import HandoffOut, KVFetch, resume_from
+from decoder_service.handoff import HandoffDeclined, HandoffOut, KVFetch, resume_from
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
 from decoder_service.request import PendingGuide, Preparer, Work
@@ -148,10 +148,20 @@ class Engine:
             if self.handoff_out is None:
                 raise bad_request("this decoder does not prefill for hand-offs (it is not --role prefill)",
                                   param="handoff_key")
+            self._worth_handing_off(work)
             work = dataclasses.replace(work, handoff_key=req.handoff_key)
         elif req.handoff is not None:
             work = self.continue_from(work, req.handoff)
         return work
+
+    def _worth_handing_off(self, work: Work) -> None:
+        """HandoffDeclined for a prompt with fewer than --handoff-min-tokens tokens not in this pool's prefix cache:
+        its prefill is short, and a hand-off would cost its stream more than prefilling it on the decode worker."""
+        held = self.runner.blocks.held_prefix(work.chain.keys) if work.chain is not None else 0
+        new = work.prompt.num_tokens - held * self.runner.block_size
+        if new < self.cfg.handoff_min_tokens:
+            raise HandoffDeclined(f"{new} prompt tokens to prefill, under --handoff-min-tokens "
+                                  f"{self.cfg.handoff_min_tokens}")
 
     def continue_from(self, work: Work, handoff: Handoff) -> Work:
         """`work` continuing a prefill worker's hand-off: its blocks fetched and checked (blocking: a worker thread),

@@ -115,7 +115,8 @@ def chain_of(engine: Engine, prompt: Prompt) -> PrefixChain | None:
 
 
 def handoff_engine(model_dir: Path, lm: LanguageHalf, store: MemoryStore, **cfg: Any) -> Engine:
-    engine = make_engine(model_dir, lm, **{"prefix_cache_bytes": 0, "max_model_len": 2048, **cfg})
+    engine = make_engine(model_dir, lm, **{"prefix_cache_bytes": 0, "max_model_len": 2048, "handoff_min_tokens": 0,
+                                           **cfg})
     engine.handoff_out = HandoffOut(store, lambda: "mem://prefill", engine.kv_layout)
     engine.kv_fetch = store.fetch
     return engine

@@ -25,9 +25,11 @@ def workers(tiny_model_dirs: dict[str, Path]) -> Iterator[dict[str, TestClient]]
     lm = LanguageHalf(tiny_model_dirs["qwen2_vl"])
     clients: dict[str, TestClient] = {}
     try:
-        for role in ("both", "prefill", "decode"):
-            app = create_app(DecoderConfig(max_num_seqs=4, role=role, max_model_len=512, kv_ttl=60), lm=lm)
-            clients[role] = TestClient(app).__enter__()
+        for name, role, min_tokens in (("both", "both", 0), ("prefill", "prefill", 0), ("decode", "decode", 0),
+                                       ("picky", "prefill", 10_000)):  # picky: hands off no prompt shorter than 10k
+            app = create_app(DecoderConfig(max_num_seqs=4, role=role, max_model_len=512, kv_ttl=60,
+                                           handoff_min_tokens=min_tokens), lm=lm)
+            clients[name] = TestClient(app).__enter__()
         yield clients
     finally:
         for client in clients.values():
@@ -74,3 +76,14 @@ def test_only_a_prefill_worker_takes_a_handoff_key(workers: dict[str, TestClient
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "handoff_key"
     resp = workers["decode"].post("/generate", json={"messages": MESSAGES, "sampling": SAMPLING, "handoff_key": "a b"})
     assert resp.status_code == 400  # not a key's characters
+
+
+def test_a_prefill_worker_declines_a_prompt_under_its_handoff_min_tokens(workers: dict[str, TestClient]) -> None:
+    picky = workers["picky"]
+    prompt_tokens = next(e for e in events(workers["both"], {}) if e["type"] == "done")["usage"]["prompt_tokens"]
+    before = picky.get("/health").json()["kv_cache"]
+    assert events(picky, {"handoff_key": "short-1"}) == [
+        {"type": "declined", "message": f"{prompt_tokens} prompt tokens to prefill, under --handoff-min-tokens 10000"}]
+    after = picky.get("/health").json()
+    assert after["kv_cache"] == before and after["running"] == after["waiting"] == 0  # nothing prefilled or kept
+    assert 'status="200"} 1.0' in metric(picky, "epd_decoder_requests_total")

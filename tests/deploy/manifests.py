@@ -17,6 +17,8 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE_GPU, COMPOSE_CPU = DEPLOY / "docker-compose.yml", DEPLOY / "docker-compose.cpu.yml"
 INSECURE = DEPLOY / "docker-compose.insecure.yml"
+PREFILL_GPU = DEPLOY / "docker-compose.prefill.yml"  # an override of COMPOSE_GPU: compose_doc merges the two
+GPU_FILES = (COMPOSE_GPU, PREFILL_GPU)
 ENV_EXAMPLE = DEPLOY / ".env.example"
 
 PROGRAM_ROLES = {"epd-encoder": "encoder", "epd-decoder": "decoder", "disagg-epd-proxy": "proxy"}
@@ -68,9 +70,28 @@ class ComposeLoader(yaml.SafeLoader):
     """YAML as compose reads it: `!reset VALUE` (an override that replaces instead of merging) is VALUE."""
 
 
-ComposeLoader.add_constructor("!reset", lambda loader, node: (
-    loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
-    else loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_scalar(node)))
+for _tag in ("!reset", "!override"):  # `!override VALUE`: replaces the base file's value instead of merging with it
+    ComposeLoader.add_constructor(_tag, lambda loader, node: (
+        loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode)
+        else loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_scalar(node)))
+
+
+def merged(base: Any, override: Any) -> Any:
+    """Compose's merge of an override file as these files use it: mappings merge key by key, anything else (a
+    command; a list marked !override) is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {**base, **{k: merged(base[k], v) if k in base else v for k, v in override.items()}}
+    return override
+
+
+def with_override(base: Path, override: Path) -> dict[str, Any]:
+    """`docker compose -f base -f override`: `extends` resolved (its file relative to the override's folder)."""
+    doc, extra = load_compose(base), load_compose(override)
+    for name, service in extra["services"].items():
+        if (ext := service.pop("extends", None)) is not None:
+            service = merged(load_compose(override.parent / ext["file"])["services"][ext["service"]], service)
+        extra["services"][name] = service
+    return dict(merged(doc, extra))
 
 
 def load_compose(path: Path) -> dict[str, Any]:
@@ -79,9 +100,11 @@ def load_compose(path: Path) -> dict[str, Any]:
 
 
 def compose_doc(path: Path) -> dict[str, Any]:
-    """A compose file, interpolated with deploy/.env.example (the GPU file) or nothing."""
-    env = env_file(ENV_EXAMPLE) if path == COMPOSE_GPU else {}
-    doc: dict[str, Any] = interpolate(load_compose(path), env)
+    """A compose file (the prefill override: on top of the GPU file), interpolated with deploy/.env.example (the
+    GPU files) or nothing."""
+    env = env_file(ENV_EXAMPLE) if path in GPU_FILES else {}
+    raw = with_override(COMPOSE_GPU, path) if path == PREFILL_GPU else load_compose(path)
+    doc: dict[str, Any] = interpolate(raw, env)
     return doc
 
 

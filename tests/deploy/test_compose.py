@@ -14,6 +14,7 @@ from tests.deploy.manifests import (
     COMPOSE_GPU,
     ENV_EXAMPLE,
     INSECURE,
+    PREFILL_GPU,
     accepted,
     compose,
     compose_doc,
@@ -29,7 +30,8 @@ from tests.deploy.manifests import (
     role,
 )
 
-COMPOSE_FILES = pytest.mark.parametrize("path", [COMPOSE_GPU, COMPOSE_CPU], ids=["gpu", "cpu"])
+COMPOSE_FILES = pytest.mark.parametrize("path", [COMPOSE_GPU, PREFILL_GPU, COMPOSE_CPU],
+                                        ids=["gpu", "gpu+prefill", "cpu"])
 
 
 @COMPOSE_FILES
@@ -62,9 +64,16 @@ def test_compose_encoders_advertise_a_name_other_containers_resolve(path: Path) 
             assert one(s["command"], advertise_flag) == name  # the service name is its DNS name
 
 
-def test_the_cpu_compose_splits_prefill_from_decode() -> None:
-    """The laptop stack (and so the smoke test) runs E -> P -> D: a prefill worker the proxy sends requests to."""
+def test_the_cpu_compose_and_the_gpu_override_split_prefill_from_decode() -> None:
+    """The laptop stack (and so the smoke test) runs E -> P -> D: a prefill worker the proxy sends requests to; on
+    the GPU host the prefill override adds one on its own GPU, the base file's proxy command otherwise unchanged."""
     assert [name for name, s in compose(COMPOSE_CPU).items() if role(s) == "prefill"] == ["prefill-0"]
+    split, base = compose(PREFILL_GPU), compose(COMPOSE_GPU)
+    assert [name for name, s in split.items() if role(s) == "prefill"] == ["prefill-0"]
+    assert split["proxy"]["command"] == [*base["proxy"]["command"], "--prefill-servers-urls", "http://prefill-0:8003"]
+    gpus = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for s in split.values() if role(s) != "proxy"]
+    assert len(gpus) == len({g[0] for g in gpus}) == 5  # one GPU each, none shared
 
 
 @COMPOSE_FILES
@@ -106,7 +115,7 @@ def test_cpu_compose_runs_the_demo_model_with_no_gpu_and_no_env_file() -> None:
 
 def test_env_example_defines_exactly_what_the_gpu_compose_reads() -> None:
     example = env_file(ENV_EXAMPLE)
-    used = {name for name, _, _ in compose_vars(COMPOSE_GPU)}
+    used = {name for path in (COMPOSE_GPU, PREFILL_GPU) for name, _, _ in compose_vars(path)}
     assert used - set(example) == set(), "compose reads variables .env.example does not define"
     assert set(example) - used == set(), ".env.example defines variables compose never reads"
     required = {name for name, op, _ in compose_vars(COMPOSE_GPU) if op in (":?", "?")}
@@ -140,7 +149,7 @@ def test_compose_workers_are_secure_by_default_with_the_generated_keys(path: Pat
         r = role(s)
         assert r is not None
         files = compose_secret_files(s, doc)
-        api_key = {"EPD_API_KEY_FILE": "api_key"} if path == COMPOSE_GPU and r == "proxy" else {}
+        api_key = {"EPD_API_KEY_FILE": "api_key"} if path != COMPOSE_CPU and r == "proxy" else {}
         assert files == {**SECRETS_OF[r], **api_key}, name  # each role mounts only the keys it needs
         assert set(s["secrets"]) == set(files.values()), f"{name} mounts a secret it never reads"
         # no other key variable, but the CPU proxy's EPD_API_KEY, which passes the shell's on (empty when unset)

@@ -19,7 +19,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, St
     env = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("EPD_")}  # keys made per start
     try:
         with launched(tmp_path_factory.mktemp("epd"), "--model", "demo", "--num-encoders", "1",
-                      "--num-decoders", "1", "--num-prefills", "1") as split, \
+                      "--num-decoders", "1", "--num-prefills", "1", "--handoff-min-tokens", "0") as split, \
                 launched(tmp_path_factory.mktemp("e-pd"), "--model", "demo", "--num-encoders", "1",
                          "--num-decoders", "1") as together:
             yield split, together

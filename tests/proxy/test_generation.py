@@ -40,6 +40,16 @@ class FakeStream:
         self.closed = True
 
 
+class Count:
+    """A prometheus counter's inc(), counted."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self) -> None:
+        self.value += 1
+
+
 class FakeFleet:
     """Real worker bookkeeping; decoders behave as scripted: url -> list of outcomes, one per open."""
 
@@ -53,8 +63,7 @@ class FakeFleet:
         self.failed: list[tuple[str, bool]] = []
         self.released: list[tuple[str, list[str]]] = []  # (decoder, the keys it was told it holds now)
         self.cfg = type("Cfg", (), {"aggregated": False})()
-        counter = type("C", (), {"inc": lambda self: None})
-        self.metrics = type("M", (), {"retries": counter(), "handoffs": counter()})()
+        self.metrics = type("M", (), {name: Count() for name in ("retries", "handoffs", "handoffs_declined")})()
         self.acquired: list[tuple[str, list[str]]] = []  # (worker, the prefix keys it was chosen by)
 
     @property

@@ -1,7 +1,8 @@
 """E -> P -> D in the proxy's Generation: a request opens on a prefill worker with a hand-off key, its first tokens
 reach the client from there, its `handoff` event (never sent on) reopens it on a decode worker with the hand-off;
 a prefill worker that fails before its first event is replaced, none healthy means E + PD on a decoder, and a
-decode worker that fails before its first event is replaced with the same hand-off."""
+decode worker that fails before its first event is replaced with the same hand-off. A prefill worker's `declined`
+(a short prompt) runs the request on a decoder, E + PD."""
 from __future__ import annotations
 
 import asyncio
@@ -69,6 +70,27 @@ def test_a_hand_off_from_a_decoder_that_was_not_asked_for_one_is_an_error() -> N
     fleet = FakeFleet({"d0": [FakeStream([delta("a"), handoff()])]})
     _, events = asyncio.run(run(fleet))
     assert events[0] == delta("a") and events[1]["type"] == "error"
+
+
+def test_a_declined_hand_off_runs_on_a_decoder_without_one() -> None:
+    declined = {"type": "declined", "message": "12 prompt tokens to prefill, under --handoff-min-tokens 512"}
+    fleet = FakeFleet({"p0": [FakeStream([declined])], "d0": [FakeStream([delta("ab"), DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert events == [delta("ab"), DONE]  # the decline never reaches the client
+    (p_url, p_body), (d_url, d_body) = fleet.opened
+    assert (p_url, d_url) == ("p0", "d0") and p_body["handoff_key"]
+    assert "handoff" not in d_body and "handoff_key" not in d_body  # E + PD: the decoder prefills it
+    assert (fleet.metrics.handoffs_declined.value, fleet.metrics.handoffs.value) == (1, 0)
+    assert [w.load for w in fleet.workers.by_url.values()] == [0, 0] and fleet.failed == []
+
+
+def test_a_decline_after_first_tokens_or_unasked_for_is_an_error() -> None:
+    declined = {"type": "declined", "message": "short"}
+    for script in ({"p0": [FakeStream([delta("a"), declined])], "d0": []}, {"d0": [FakeStream([declined])]}):
+        fleet = FakeFleet(script)
+        _, events = asyncio.run(run(fleet))
+        assert events[-1]["type"] == "error" and "declined" in events[-1]["message"]
+        assert fleet.metrics.handoffs_declined.value == 0
 
 
 def test_the_prefill_worker_is_chosen_by_prefix_and_the_decoder_by_load() -> None:
