@@ -1,12 +1,13 @@
 """Prefill and decode apart (E -> P -> D) against together (E + PD): the running streams' inter-token latency while
 long prompts arrive, what the K/V hand-off adds to a long request, and the transfer's rate against raw ZeroMQ.
 
-    python -m epd_bench.prefill_decode [--model bench-lm] [--rounds 4] [--streams 4] [--long-prompts 4] [--json]
+    python -m epd_bench.prefill_decode [--model bench-lm] [--rounds 4] [--handoff-min-tokens N] [--json]
 
 Two stacks on loopback (epd_bench/stacks.py processes, `--insecure`, the proxy in attach mode), started together and
 measured one after the other in rounds of alternating order: e+pd (an encoder, a decoder `--role both`, the proxy)
 and e+p+d (an encoder, a prefill worker `--role prefill`, a decoder `--role decode`, the proxy with
-`--prefill-servers-urls`: it hands off every request, the short ones too). Pinned with taskset as `make bench` pins
+`--prefill-servers-urls`: the prefill worker hands off the long prompts and, by its default --handoff-min-tokens,
+declines the short ones, which prefill on the decoder; 0 hands off every one). Pinned with taskset as `make bench` pins
 (OMP threads = cores): the decode-side decoder of either stack has the first half of the cores to itself, the
 prefill worker, encoder and proxy share the rest (2 cores: core 0, core 1); the client (this process) is not pinned.
 
@@ -28,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import multiprocessing as mp
 import os
 import random
 import shlex
@@ -42,30 +41,18 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime
 from itertools import accumulate, count
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import numpy as np
-import torch
-import zmq
-from transformers import AutoConfig
 
-from connector.tensors.frames import DTYPES
-from connector.tensors.kv_client import KVClient
-from connector.tensors.kv_server import KVServer
-from connector.tensors.kv_store import KVStore
-from decoder_service.engine.kv_blocks import kv_layout
-from decoder_service.engine.kv_shape import KVShape
 from epd_bench.backends import RequestInput, RequestOutput, openai_chat
 from epd_bench.compare import ROOT, resolve_model, systems_summary
-from epd_bench.connector import check, child, summary, timed
 from epd_bench.dataset import DatasetSpec, SampleRequest, noise_image, random_words
 from epd_bench.encoder_restart import delta, scrape
+from epd_bench.kv_transfer import layout_of, transfer
 from epd_bench.stacks import HOST, ProcSpec, Running, SystemSpec
-from epd_contracts.kv import KVChoice, KVLayout
 from epd_launcher.group import free_port
 
 TARGET = 0.5  # the short streams' ITL p99, E+P+D / E+PD, at most
@@ -73,10 +60,9 @@ SERVED = "bench"
 START_TIMEOUT_S = 600.0
 # every decoder: a K/V pool that holds a few long prompts (the CPU default, a quarter of RAM, times four processes)
 DECODER_FLAGS = ("--kv-cache-memory", "512MiB")
-PROXY = {"handoffs": "epd_proxy_handoffs_total"}
+PROXY = {"handoffs": "epd_proxy_handoffs_total", "declined": "epd_proxy_handoffs_declined_total"}
 DECODER = {"resumed_kv": 'epd_decoder_handoff_resumes_total{how="kv"}',
            "recomputed": 'epd_decoder_handoff_resumes_total{how="recomputed"}'}
-KV_KEY = "bench-handoff"
 
 
 @dataclass(frozen=True)
@@ -91,6 +77,7 @@ class Workload:
     interval_s: float = 4.0  # between long arrivals
     lead_s: float = 1.0  # the short streams decode this long before the first long prompt arrives
     seed: int = 0
+    handoff_min_tokens: int = -1  # e+p+d's decoders' --handoff-min-tokens (-1: their default, 512)
 
     def longs(self, round_: int) -> list[SampleRequest]:
         """Round `round_`'s long prompts (round -1: the warm-up's), the same for both stacks, new every round."""
@@ -120,14 +107,16 @@ def _worker(name: str, module: str, cpus: tuple[int, ...] | None, *flags: str) -
     return ProcSpec(name, argv, cpus, len(cpus) if cpus else None, f"http://{HOST}:{port}")
 
 
-def build_systems(model_dir: Path, pin: bool) -> list[SystemSpec]:
+def build_systems(model_dir: Path, pin: bool, handoff_min_tokens: int = -1) -> list[SystemSpec]:
     """e+pd and e+p+d (in start order: encoder, decoders, proxy), pinned as the module docstring says."""
     decode_cpus, other_cpus = core_halves() if pin else (None, None)
     model, specs = ("--model", str(model_dir)), []
     for name, roles in (("e+pd", (("decoder", "both", decode_cpus),)),
                         ("e+p+d", (("prefill", "prefill", other_cpus), ("decoder", "decode", decode_cpus)))):
         enc = _worker("encoder", "encoder_service.cli", other_cpus, *model, "--ec-bind", f"tcp://{HOST}:0")
-        decs = [_worker(n, "decoder_service.cli", cpus, *model, "--role", role, *DECODER_FLAGS) for n, role, cpus in roles]
+        decs = [_worker(n, "decoder_service.cli", cpus, *model, "--role", role, *DECODER_FLAGS,
+                        *(("--handoff-min-tokens", str(handoff_min_tokens)) if handoff_min_tokens >= 0 else ()))
+                for n, role, cpus in roles]
         prefill = ("--prefill-servers-urls", decs[0].url) if len(decs) > 1 else ()
         proxy = _worker("proxy", "epd_launcher.cli", other_cpus, "--served-model-name", SERVED, "--encode-servers-urls",
                         enc.url, "--decode-servers-urls", decs[-1].url, *prefill)
@@ -202,68 +191,6 @@ def warm_up(run: Running, w: Workload) -> dict[str, Any]:
     return {k: r[k] for k in ("long_ttft_s", "long_prompt_tokens", "proxy", "decoder")}
 
 
-# the K/V transfer, outside the stacks
-
-def layout_of(model_dir: Path, health: dict[str, Any]) -> KVLayout:
-    """The decode worker's K/V layout: its model's shape in the dtype whose bytes per token its /health reports."""
-    text, kv = AutoConfig.from_pretrained(model_dir).get_text_config(), health["kv_cache"]
-    shape = next(s for s in (KVShape.of(text, d) for d in (torch.float32, torch.bfloat16))
-                 if s.bytes_per_token == kv["bytes_per_token"])
-    return kv_layout(shape, kv["block_size"], str(health["model_identity"]["fingerprint"]))
-
-
-def serve_kv(layout_json: bytes, num_tokens: int, conn: Connection) -> None:
-    """Child: a KVServer over a KVStore holding one hand-off of `num_tokens`; its address on `conn`, until it closes."""
-    layout = msgspec.json.decode(layout_json, type=KVLayout)
-    blocks = torch.randn(-(-num_tokens // layout.block_size), *layout.block_shape).to(DTYPES[layout.dtype])
-    store = KVStore(max_bytes=blocks.nbytes + (1 << 20), ttl_s=24 * 3600.0)
-    store.put(KV_KEY, layout, num_tokens, blocks, [KVChoice(first_token=1)])
-    server = KVServer(store).start()
-    conn.send(server.address)
-    with contextlib.suppress(EOFError):  # the parent closed its end: stop
-        conn.recv()
-    server.close()
-
-
-def transfer(layout: KVLayout, num_tokens: int) -> dict[str, Any]:
-    """KVClient.fetch of `num_tokens` positions of K/V from a KVServer child vs raw ZeroMQ of the same bytes."""
-    num_blocks = -(-num_tokens // layout.block_size)
-    nbytes = num_blocks * int(np.prod(layout.block_shape)) * DTYPES[layout.dtype].itemsize
-    iters = max(30, min(300, (1 << 30) // nbytes))
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    server = ctx.Process(target=serve_kv, args=(msgspec.json.encode(layout), num_tokens, theirs), daemon=True)
-    server.start()
-    theirs.close()
-    client = KVClient()
-    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    closing: list[Any] = [client, dealer, ours]  # ours: the child's recv ends
-    try:
-        check(ours.poll(120), "the KV server child did not start")
-        address = ours.recv()
-        with child(["--serve", "raw", "--bind", f"tcp://{HOST}:0", "--sizes", str(nbytes)]) as (raw_proc, raw_address):
-            closing.append(raw_proc.stdout)  # NOTE: child() leaves the pipe open (a ResourceWarning)
-            dealer.connect(raw_address)
-
-            def fetch() -> None:
-                check(client.fetch(address, KV_KEY, layout, timeout=60).blocks.nbytes == nbytes, "kv_fetch: size")
-
-            def raw() -> None:
-                dealer.send_multipart([str(nbytes).encode()])
-                check(len(dealer.recv_multipart(copy=False)[-1]) == nbytes, "raw_zmq: size")
-
-            times = timed({"kv_fetch": fetch, "raw_zmq": raw}, iters, warmup=max(3, iters // 20))
-    finally:
-        for each in closing:
-            each.close()
-        server.join(timeout=10)
-    stats = {k: summary(v, nbytes) for k, v in times.items()}
-    return {"num_tokens": num_tokens, "blocks": num_blocks, "bytes": nbytes, "layout": msgspec.to_builtins(layout),
-            **stats, **{f"{k}_mb_s": round(s["throughput_gbps"] * 1000.0, 1) for k, s in stats.items()},
-            "ratio": round(float(np.median(times["raw_zmq"]) / np.median(times["kv_fetch"])), 3)}
-
-
 # the run
 def _ms(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000.0, 2) if values else None
@@ -306,8 +233,8 @@ def run(model: str, w: Workload, rounds: int, out_dir: Path, pin: bool = True, c
     started, load_before = time.monotonic(), os.getloadavg()
     run_dir = out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
     model_dir, pin = resolve_model(model), pin and shutil.which("taskset") is not None
-    specs = build_systems(model_dir, pin)
-    running = [Running(spec, run_dir / "logs") for spec in specs]
+    specs, running = build_systems(model_dir, pin, w.handoff_min_tokens), []
+    running += [Running(spec, run_dir / "logs") for spec in specs]
     detail: dict[str, list[dict[str, Any]]] = {s.name: [] for s in specs}
     try:
         for r in running:
@@ -343,7 +270,7 @@ def run(model: str, w: Workload, rounds: int, out_dir: Path, pin: bool = True, c
 # report column -> where its value is in a system's summary
 COLUMNS = {"ITL p50": "itl_ms.p50", "p99": "itl_ms.p99", "running p99": "itl_running_ms.p99",
            "short TTFT p50": "short_ttft_ms.p50", "chunks/s": "short_chunks_per_s", "long TTFT": "long_ttft_ms",
-           "1st->2nd": "long_first_to_second_ms", "hand-offs": "proxy_handoffs", "kv": "decoder_resumed_kv",
+           "1st->2nd": "long_first_to_second_ms", "hand-offs": "proxy_handoffs", "declined": "proxy_declined", "kv": "decoder_resumed_kv",
            "recomputed": "decoder_recomputed", "failed": "failed"}
 
 

@@ -284,7 +284,7 @@ class ModelRunner:
         return dict(out.logits)
 
     def _decode_segments(self, tokens: dict[Hashable, int]) -> list[Segment]:
-        rows = [self.rows[k] for k in tokens]
+        rows = sorted((self.rows[k] for k in tokens), key=lambda r: r.length)  # by length: StepInputs.decode_runs
         assert all(r.prefilled for r in rows), "only a prefilled row is fed a token"
         self._tokens = tokens
         return [Segment(r, r.length, 1, True) for r in rows]

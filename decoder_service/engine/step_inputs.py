@@ -16,6 +16,8 @@ from decoder_service.engine.prefix_hash import PrefixChain
 from decoder_service.prompt import Prompt
 from epd_models.halves import LanguageHalf
 
+DECODE_SPLIT_BLOCKS = 8  # CPU: a decode row this many blocks longer than its group's first (and twice as long) splits
+
 
 @dataclass(slots=True)
 class Row:
@@ -56,6 +58,7 @@ class StepInputs:
         probe = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=lm.device)
         self._mask_shape = lm.adapter.attention_mask(lm.config, probe, [0], [None])  # what transformers is passed
         self._position_lead = tuple(lm.adapter.decode_position_ids(0, 0).shape[:-1])
+        self.split_decode = lm.device.type == "cpu"  # decode_runs
 
     def plan(self, segments: list[Segment], tokens: dict[Hashable, int]) -> tuple[StepPlan, torch.Tensor, torch.Tensor]:
         """The forward's plan (slot mapping, block tables and masks per group), its packed embeddings and positions:
@@ -70,9 +73,11 @@ class StepInputs:
             ids = int_tensor([tokens[s.row.key] for s in decode]).view(1, -1)
             embeds.append(self.lm.embed(ids, []))
             positions.append(self.decode_positions([s.start + s.row.rope_delta for s in decode]))
-            starts = [s.start for s in decode]
             slots += [s.row.blocks[s.start // b] * b + s.start % b for s in decode]
-            plan.groups.append(self.group([s.row for s in decode], starts, 1, 0, True))
+            first = 0
+            for run in self.decode_runs(decode):
+                plan.groups.append(self.group([s.row for s in run], [s.start for s in run], 1, first, True))
+                first += len(run)
         first = len(decode)
         for s in segments:
             if s.decode:
@@ -86,6 +91,23 @@ class StepInputs:
         plan.slots = int_tensor(slots).to(dev, non_blocking=True)
         plan.seq_len = max(s.start for s in segments)
         return plan, torch.cat(embeds, dim=1), torch.cat(positions, dim=-1)
+
+    def decode_runs(self, decode: list[Segment]) -> list[list[Segment]]:
+        """The decode rows' attention groups. CUDA: one (varlen attention reads each row's own length, and a CUDA
+        graph replays a one-group step). CPU: the rows come sorted by length (ModelRunner._decode_segments), and a
+        row more than twice as long as its group's first, and longer by at least DECODE_SPLIT_BLOCKS blocks, starts
+        a new group: one long row would otherwise make every short row gather and attend over its length (a row of
+        1,500 positions among rows of 100 made each step about twice as slow)."""
+        if not self.split_decode:
+            return [decode]
+        runs: list[list[Segment]] = []
+        for s in decode:
+            if runs and not (s.start > 2 * runs[-1][0].start and
+                             s.start - runs[-1][0].start >= DECODE_SPLIT_BLOCKS * self.block_size):
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        return runs
 
     def decode_positions(self, values: list[int]) -> torch.Tensor:
         """Every decode row's position in one tensor, shaped as the family's (`decode_position_ids` fills its

@@ -1,7 +1,7 @@
 """The prefill/decode benchmark: which gaps it counts, how it pins the two stacks, and one run end to end on the demo
-model (one round, two short streams, one long prompt), where E + P + D hands every request off and its decode worker
-resumes each from the prefill worker's K/V while E + PD hands off none, and every request answers. No timing is
-asserted: the ratios' target is the benchmark's to report, not a test's."""
+model (one round, two short streams, one long prompt), where E + P + D hands the long prompt off (its decode worker
+resumes it from the prefill worker's K/V) and declines the short ones while E + PD hands off none, and every request
+answers. No timing is asserted: the ratios' target is the benchmark's to report, not a test's."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,8 @@ import pytest
 
 from epd_bench.backends import RequestOutput
 from epd_bench.prefill_decode import build_systems, core_halves, in_window, main
+
+MIN_TOKENS = 64  # the demo's short prompts are under it, its 60-word long prompt over it
 
 
 def answered(ttft: float, itl: list[float]) -> RequestOutput:
@@ -42,13 +44,17 @@ def test_the_decode_side_has_its_cores_and_the_prefill_worker_shares_the_rest_wi
     assert apart.procs[-1].argv[-2:] == ("--prefill-servers-urls", apart.procs[1].url)
     assert "--prefill-servers-urls" not in together.procs[-1].argv
     assert together.decoder_url == together.procs[1].url and apart.decoder_url == apart.procs[2].url
+    assert "--handoff-min-tokens" not in apart.procs[1].argv  # the prefill worker's default
+    _, apart = build_systems(Path("/model"), pin=True, handoff_min_tokens=0)
+    assert apart.procs[1].argv[-2:] == ("--handoff-min-tokens", "0")
 
 
 @pytest.mark.e2e  # starts two stacks: two encoders, three decoders, two proxies
-def test_e_p_d_hands_every_request_off_to_the_decode_worker_and_e_pd_none(
+def test_e_p_d_hands_the_long_prompt_off_to_the_decode_worker_and_e_pd_none(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     main(["--model", "demo", "--rounds", "1", "--streams", "2", "--long-prompts", "1", "--long-words", "60",
-          "--short-tokens", "8", "--long-tokens", "3", "--lead-s", "0.2", "--out-dir", str(tmp_path), "--json"])
+          "--short-tokens", "8", "--long-tokens", "3", "--lead-s", "0.2", "--handoff-min-tokens", str(MIN_TOKENS),
+          "--out-dir", str(tmp_path), "--json"])
     s = json.loads(capsys.readouterr().out)
     assert json.loads((Path(s["run_dir"]) / "summary.json").read_text()) == s
     apart, together = s["systems"]["e+p+d"], s["systems"]["e+pd"]
@@ -56,10 +62,13 @@ def test_e_p_d_hands_every_request_off_to_the_decode_worker_and_e_pd_none(
         assert x["failed"] == 0 and x["errors"] == [] and x["requests"] >= 3  # the long one and a short one a stream
         assert x["long_prompt_tokens"] > 100 and x["long_ttft_ms"] > 0 and x["long_first_to_second_ms"] > 0
         assert x["itl_ms"]["n"] >= x["itl_running_ms"]["n"]
-    # every e+p+d request, the short ones too, prefilled on the prefill worker and resumed from its K/V
-    assert apart["proxy_handoffs"] == apart["decoder_resumed_kv"] == apart["requests"]
-    assert apart["decoder_recomputed"] == 0
+    # the long e+p+d request prefilled on the prefill worker and resumed from its K/V; the short ones, under
+    # --handoff-min-tokens, declined there and prefilled on the decoder
+    assert apart["long_prompt_tokens"] >= MIN_TOKENS
+    assert apart["proxy_handoffs"] == apart["decoder_resumed_kv"] == 1 and apart["decoder_recomputed"] == 0
+    assert apart["proxy_declined"] == apart["requests"] - 1
     assert together["proxy_handoffs"] == together["decoder_resumed_kv"] == together["decoder_recomputed"] == 0
+    assert together["proxy_declined"] == 0
     assert s["warm_up"]["e+p+d"]["decoder"]["resumed_kv"] >= 1 and s["warm_up"]["e+pd"]["proxy"]["handoffs"] == 0
     # the transfer, measured at the long prompt's K/V size
     kv = s["transfer"]

@@ -58,7 +58,9 @@ def test_a_decode_step_padded_to_its_bucket_gives_the_real_rows_the_eager_logits
     lm, all_prompts = prompts(tiny_model_dirs[family])
     runner = BatchRunner(lm, max_slots=8, max_len=1024, chunk=1024)
     feed = _decode_feed(runner, 3, lm, all_prompts)
-    plan, embeds, positions = runner.inputs.plan(runner._decode_segments(feed), feed)
+    runner.inputs.split_decode = False  # a CUDA step's plan: its decode rows in one group
+    segments = runner._decode_segments(feed)  # in the plan's row order
+    plan, embeds, positions = runner.inputs.plan(segments, feed)
     graphs = DecodeGraphs(lm, runner.cache, 8, 1024, packed_forward(lm, runner.cache, runner.inputs.dummy_mask))
     assert not graphs.enabled and graphs.run(plan, embeds, positions) is None  # CPU: eager, never captured
     group = plan.groups[0]
@@ -69,8 +71,8 @@ def test_a_decode_step_padded_to_its_bucket_gives_the_real_rows_the_eager_logits
     for pool in (runner.cache.paged_layers[0].keys, runner.cache.paged_layers[0].values):
         assert pool is not None and pool[:, 0].eq(0).all()  # the padding row's K/V left the null block
     eager = runner.decode(feed)  # the same K/V written again, then the unpadded forward
-    for i, key in enumerate(feed):
-        torch.testing.assert_close(padded[i], eager[key], rtol=1e-4, atol=1e-4)
+    for i, segment in enumerate(segments):
+        torch.testing.assert_close(padded[i], eager[segment.row.key], rtol=1e-4, atol=1e-4)
 
 
 def _greedy(lm: LanguageHalf, all_prompts: list, graphs: bool, block: int) -> tuple[list[list[int]], int]:
