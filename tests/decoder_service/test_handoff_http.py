@@ -87,3 +87,11 @@ def test_a_prefill_worker_declines_a_prompt_under_its_handoff_min_tokens(workers
     after = picky.get("/health").json()
     assert after["kv_cache"] == before and after["running"] == after["waiting"] == 0  # nothing prefilled or kept
     assert 'status="200"} 1.0' in metric(picky, "epd_decoder_requests_total")
+
+
+@pytest.mark.parametrize("ec_shm", ["auto", "off"])
+def test_ec_shm_off_keeps_a_decode_workers_k_v_fetches_on_zeromq(tiny_model_dirs: dict[str, Path], ec_shm: str) -> None:
+    app = create_app(DecoderConfig(max_num_seqs=2, role="decode", max_model_len=256, ec_shm=ec_shm),
+                     lm=LanguageHalf(tiny_model_dirs["qwen2_vl"]))
+    with TestClient(app):
+        assert app.state.decoder.handoff.client._peers.enabled is (ec_shm == "auto")
