@@ -9,6 +9,7 @@ from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, po
 from decoder_service.config import DecoderConfig
 from decoder_service.server import create_app
 from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_worker, worker_parser
+from epd_common.tracing import add_tracing_flags
 from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
 
@@ -79,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
                    help="hashes asked of one encoder per get (keep at most the encoders' --ec-max-items-per-get)")
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=False)
+    add_tracing_flags(p)
     args = p.parse_args(argv)
     _resolve_block_size(p, args, d)
     if args.kv_store_bytes < 1 or not args.kv_ttl > 0:

@@ -5,13 +5,14 @@ from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
 from epd_common.server import HttpLimits
+from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits
 
 DEFAULT_LIMITS = VideoLimits()
 
 
 @dataclass(frozen=True)
-class DecoderConfig(HttpLimits):
+class DecoderConfig(HttpLimits, TraceSettings):
     model: str = "demo"
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16

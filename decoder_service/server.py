@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,12 +23,14 @@ from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.memory_plan import KVPlanError, plan_for
 from decoder_service.engine.sequence import Job
 from decoder_service.handoff import HandoffDeclined, HandoffEndpoints
+from decoder_service.job_trace import trace_job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
 from epd_common.errors import APIError, bad_request, install_error_handlers
-from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id
+from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id, internal_pid
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
+from epd_common.tracing import install_tracing, start_tracing
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import Event, GenerateRequest
 from epd_contracts.validation import ContractError, decode_json
@@ -97,6 +98,7 @@ async def _stream(job: Job, request_id: str) -> AsyncIterator[bytes]:
             num_running -= event.type == "done"
     finally:  # client gone (or done): stop the sequence at its next step
         job.cancelled.set()
+        trace_job(job)
 
 
 async def _set_on_disconnect(request: Request, cancelled: threading.Event) -> None:
@@ -158,9 +160,9 @@ async def health(request: Request) -> dict[str, object]:
     return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": state.identity,
             "aggregated": cfg.aggregated, "max_model_len": engine.max_model_len,
             "waiting": engine.num_waiting, "running": engine.num_running,
-            "pid": os.getpid(), "loaded": loaded, "prefix_cache": engine.prefix_summary(),
+            "loaded": loaded, "prefix_cache": engine.prefix_summary(),
             "decoder_role": cfg.role, "kv_address": state.handoff.address,
-            "kv_cache": engine.kv_summary()}
+            "kv_cache": engine.kv_summary(), **internal_pid(request.headers, cfg.internal_key)}
 
 
 async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: FatalHandler) -> Watchdog:
@@ -221,6 +223,8 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
     app = FastAPI(title="EPD decoder", lifespan=lifespan)
     app.state.decoder = state
     install_error_handlers(app)
+    start_tracing("epd-decoder", cfg)
+    install_tracing(app, ("/generate",))
     install_request_id(app)
     install_metrics(app, registry)
     install_body_limit(app, cfg.max_body_bytes, cfg.body_read_timeout)  # bytes received, chunked or not

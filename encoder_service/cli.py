@@ -6,6 +6,7 @@ from connector.tensors.ungathered import UNGATHERED_MAX_AGE_S
 from encoder_service.config import EncoderConfig
 from encoder_service.server import create_app
 from epd_common.cli import Gap, byte_size, key_gaps, refuse_open, run_worker, worker_parser
+from epd_common.tracing import add_tracing_flags
 from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
 
@@ -66,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
     g.add_argument("--ec-max-parked-hashes", type=int, default=d.ec_max_parked_hashes,
                    help="hashes all held gets may name together (bounds their memory)")
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=True)
+    add_tracing_flags(p)
     args = p.parse_args(argv)
     for flag in ("max_batch_size", "max_encode_batch_items", "max_encode_batch_tokens", "max_pending_encode_tokens",
                  "ec_disk_bytes", "max_ungathered_bytes"):

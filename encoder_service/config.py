@@ -7,6 +7,7 @@ from connector.control.security import CurveConfig
 from connector.tensors.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
 from connector.tensors.waiters import MAX_PARKED
 from epd_common.server import HttpLimits
+from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits
 
 DEFAULT_LIMITS = VideoLimits()
@@ -17,7 +18,7 @@ MAX_ITEMS_PER_GET = 256
 
 
 @dataclass(frozen=True)
-class EncoderConfig(HttpLimits):
+class EncoderConfig(HttpLimits, TraceSettings):
     model: str = "demo"
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16

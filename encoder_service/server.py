@@ -6,7 +6,6 @@ import base64
 import binascii
 import contextvars
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,10 +22,11 @@ from encoder_service.encode_scheduler import BatchStats, Busy, EncodeScheduler
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from epd_common.errors import APIError, bad_request, install_error_handlers
-from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id
+from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id, internal_pid
 from epd_common.images import ImageError
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
+from epd_common.tracing import install_tracing, span, start_tracing
 from epd_contracts.encode import EncodeRequest, EncodeResponse
 from epd_contracts.hashing import mm_hash
 from epd_contracts.validation import ContractError, decode_json
@@ -145,11 +145,13 @@ async def encode(request: Request) -> Response:
     start = time.perf_counter()
     try:
         ctx = contextvars.copy_context()  # so the worker thread's log lines carry the request id
-        held, jobs = await asyncio.to_thread(ctx.run, w.prepare_inputs, items)  # images decoded: bad bytes are 400s
+        with span("preprocess", {"epd.items": len(items)}):
+            held, jobs = await asyncio.to_thread(ctx.run, w.prepare_inputs, items)  # images decoded: bad bytes: 400s
         if jobs and (ungathered := w.producer.ungathered_bytes(request_id_var.get())) > state.cfg.ungathered_limit:
             raise Busy(ungathered, None, state.cfg.ungathered_limit, "bytes of embeddings wait for decoders to gather them")
         assert state.scheduler is not None  # ready() said so
-        done = {**held, **await state.scheduler.submit(request_id_var.get(), jobs)}
+        with span("encode", {"epd.items.held": len(held), "epd.items.encoded": len(jobs)}):  # batched with others
+            done = {**held, **await state.scheduler.submit(request_id_var.get(), jobs)}
     except Busy as exc:
         m.requests.labels("503").inc()
         raise APIError(503, f"encoder busy: {exc}", code="encoder_busy",
@@ -185,7 +187,8 @@ async def health(request: Request) -> dict[str, object]:
     return {"status": "ok", "role": "encoder", "model": state.cfg.model, "model_identity": state.identity,
             "ec_address": w.producer.address,
             "ec_events_address": w.producer.events_address, "ec_epoch": w.producer.epoch,
-            "num_encoded": w.num_encoded, "pid": os.getpid(), "loaded": loaded_summary(w.vision.module)}
+            "num_encoded": w.num_encoded, "loaded": loaded_summary(w.vision.module),
+            **internal_pid(request.headers, state.cfg.internal_key)}
 
 
 def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastAPI:
@@ -210,6 +213,8 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
     app = FastAPI(title="EPD encoder", lifespan=lifespan)
     app.state.encoder = state
     install_error_handlers(app)
+    start_tracing("epd-encoder", cfg)
+    install_tracing(app, ("/encode",))
     install_request_id(app)
     install_metrics(app, state.registry)
     install_body_limit(app, cfg.max_body_bytes, cfg.body_read_timeout)  # bytes received, chunked or not

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -36,6 +37,7 @@ CHAT = {"model": "demo", "stream": True, "max_tokens": 64, "temperature": 0.0, "
 GENERATE = {"messages": MESSAGES}
 INTERNAL_KEY = "bench-proxy-internal-key"  # the proxy's /health names its pid only to a caller with the internal key
 INTERNAL = {"Authorization": f"Bearer {INTERNAL_KEY}"}
+TRACE_RATIOS = (0.01, 1.0)  # --tracing
 
 
 @dataclass
@@ -96,6 +98,10 @@ def wait_procs(url: str, num_procs: int, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url}: {len(pids)} of {num_procs} proxy processes serve after {timeout}s")
         pids.add(httpx.get(f"{url}/health", headers={"Connection": "close", **INTERNAL}, timeout=2.0).json()["pid"])
+
+
+def traced_args(decoder_url: str, endpoint: str, ratio: float, port: int) -> list[str]:
+    return [*proxy_args(decoder_url, port), "--otlp-traces-endpoint", endpoint, "--otlp-traces-sample-ratio", str(ratio)]
 
 
 def proxy_args(decoder_url: str, port: int, num_procs: int = 1) -> list[str]:
@@ -196,6 +202,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         if args.baseline_rev:
             tree = baseline_tree(args.baseline_rev)
             start("baseline", lambda p: proxy_args(decoder_url, p), cwd=tree, pythonpath=shipped_path(Path(tree)))
+        if args.tracing:  # the proxy exporting to a sink (epd_bench.otlp_sink), at ratio 0.01 and 1.0
+            sink_port = free_port()
+            procs.append(sink := spawn(["-m", "epd_bench.otlp_sink", "--port", str(sink_port)]))
+            wait_ready(f"http://127.0.0.1:{sink_port}", sink)
+            for ratio in TRACE_RATIOS:
+                start(f"traced_{ratio:g}", partial(traced_args, decoder_url, f"http://127.0.0.1:{sink_port}/v1/traces",
+                                                   ratio))
         p50 = asyncio.run(latency(targets, args.requests))
         tput = asyncio.run(throughput(targets[1:], args.clients, args.seconds, args.rounds))
     finally:
@@ -217,6 +230,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         result["baseline_rev"] = args.baseline_rev
         result["overhead_ms_p50_baseline"] = p50["baseline"] - p50["direct"]
         result["ratio_rps_per_core_vs_baseline"] = tput["proxy"]["rps_per_core"] / tput["baseline"]["rps_per_core"]
+    if args.tracing:  # tracing off is `proxy`; absent is `baseline` at a revision before tracing (--baseline-rev)
+        result["tracing"] = {f"traced_{r:g}": {"overhead_ms_p50": p50[f"traced_{r:g}"] - p50["direct"],
+                                               "rps_per_core_vs_off": tput[f"traced_{r:g}"]["rps_per_core"]
+                                               / tput["proxy"]["rps_per_core"]} for r in TRACE_RATIOS}
     return result
 
 
@@ -228,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients for throughput")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds of load per target and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the targets for throughput")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also the proxy exporting traces (ratio 0.01 and 1.0) to a sink; with --baseline-rev at a "
+                             "revision before tracing, `ratio_rps_per_core_vs_baseline` is tracing off against absent")
     args = parser.parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=None if args.json else 2))

@@ -76,6 +76,14 @@ def fraction(value: str) -> float:
     return number
 
 
+def seconds(value: str) -> float:
+    """A duration flag: a finite number of seconds, 0 or more."""
+    number = float(value)
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value}: must be a number of seconds >= 0")
+    return number
+
+
 MAX_SECRET_FILE_BYTES = 64 * 1024
 
 
@@ -144,7 +152,7 @@ def add_http_flags(p: argparse.ArgumentParser, defaults: Any) -> None:
                    help="seconds to receive a request's headers (from connect, or the first byte on a kept-alive "
                         "connection); the connection is closed after (slow-header clients)")
     g.add_argument("--limit-concurrency", type=int, default=d["limit_concurrency"],
-                   help="open connections + requests in progress; beyond it requests get 503 (0: no limit)")
+                   help="open connections + requests in progress; beyond it requests get 503 overloaded (0: no limit)")
     g.add_argument("--timeout-keep-alive", type=int, default=d["timeout_keep_alive"],
                    help="seconds an idle keep-alive connection stays open")
     g.add_argument("--max-header-bytes", type=int, default=d["max_header_bytes"],
@@ -154,6 +162,9 @@ def add_http_flags(p: argparse.ArgumentParser, defaults: Any) -> None:
     g.add_argument("--send-timeout", type=float, default=d["send_timeout"],
                    help="seconds a response may wait on a client that reads nothing (its window full); then the "
                         "connection is dropped and its generation stopped")
+    g.add_argument("--shutdown-timeout", type=seconds, default=d["shutdown_timeout"],
+                   help="seconds the requests in progress (streams included) may run after SIGTERM, while new "
+                        "requests get 503 shutting_down; then they are cut and the server exits")
 
 
 def key_gaps(cfg: Any) -> list[Gap]:

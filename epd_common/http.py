@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 import uuid
 from collections.abc import Coroutine
@@ -188,6 +189,19 @@ def has_bearer(headers: Headers, key: str) -> bool:
     # NOTE: the compare runs whatever the scheme, so a wrong scheme takes as long as a wrong key
     matches = hmac.compare_digest(token.strip(" ").encode(), key.encode())
     return matches and scheme.lower() == "bearer"
+
+
+def is_internal(headers: Headers, key: str | None) -> bool:
+    """Whether a request carries the internal key; never when none is set (a /health's details need it)."""
+    if not key:
+        return False
+    return has_bearer(headers, key)
+
+
+def internal_pid(headers: Headers, key: str | None) -> dict[str, int]:
+    """{"pid": this process's id} for a /health caller with the internal key (the fleet's own tools), else {}:
+    an open probe learns nothing about the host's processes."""
+    return {"pid": os.getpid()} if is_internal(headers, key) else {}
 
 
 class _BearerKey:

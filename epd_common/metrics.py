@@ -5,7 +5,11 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics
+
+# every counter is exported as `_total` alone: no `_created` twin per series (a timestamp no dashboard reads, doubling
+# what a scrape carries). Every service's metrics module imports this one before making a metric.
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # seconds
 CACHE_KEYS = ("num_items", "bytes", "max_bytes", "hits", "misses", "evictions", "rejected")

@@ -1,4 +1,5 @@
-"""Running uvicorn with EPD's server-side limits: body, header and send deadlines, header size, connections.
+"""Running uvicorn with EPD's server-side limits: body, header and send deadlines, header size, connections, and
+the drain on shutdown.
 
 `HttpLimits` is the one declaration of those limits (every service config inherits it); `serve` runs an app under
 them until SIGINT/SIGTERM, on its own socket or on one made by `reuseport_socket` (several processes on one port).
@@ -19,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -27,6 +29,7 @@ except ImportError:  # pragma: no cover - httptools is a dependency; h11 serves 
     HttpToolsProtocol = H11Protocol  # type: ignore[misc, assignment]
     HAVE_HTTPTOOLS = False
 
+from epd_common.admission import Admit, GracefulServer
 from epd_common.errors import APIError
 from epd_common.http import closing_response
 
@@ -43,17 +46,19 @@ class HttpLimits:
     max_body_bytes: int = 64 << 20  # request body, counted as received (chunked or not); 413 above
     body_read_timeout: float = 60.0  # seconds to receive a whole request body; 408 after
     header_timeout: float = 10.0  # seconds from a connection's first byte (or its opening) to a request's last header
-    limit_concurrency: int = 2048  # connections + requests in progress; uvicorn answers 503 beyond (0: no limit)
+    limit_concurrency: int = 2048  # connections + requests in progress; 503 overloaded beyond (0: no limit)
     timeout_keep_alive: int = 5  # seconds an idle keep-alive connection is kept
     max_header_bytes: int = 16 << 10  # request line + headers: 431 above (400 when they arrive in pieces)
     backlog: int = 2048  # connections the kernel queues before accept
     send_timeout: float = 60.0  # seconds a response may wait on a client that reads nothing; then it is dropped
+    shutdown_timeout: float = 30.0  # seconds requests in progress may run after SIGTERM (new ones: 503); then cut
 
     def __post_init__(self) -> None:
         assert self.max_body_bytes > 0 and self.max_header_bytes > 0 and self.backlog > 0, "limits must be > 0"
         assert self.body_read_timeout > 0 and self.header_timeout > 0 and self.timeout_keep_alive > 0
         assert self.send_timeout > 0, "send_timeout must be > 0"
         assert self.limit_concurrency >= 0, "limit_concurrency must be >= 0 (0: no limit)"
+        assert self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"
 
     @classmethod
     def of(cls, cfg: object) -> HttpLimits:
@@ -87,23 +92,28 @@ class _Deadlines:
     for `send_timeout`, the connection is aborted (not closed: close() would wait to flush to a client that
     never reads): the app sees a disconnect, which stops the generation like any client that went away.
 
-    Mixed in before a uvicorn protocol class, which supplies `loop`, `transport`, `client` and the callbacks; the
-    protocol's own subclass says whether the current request's headers are still incomplete (`_headers_pending`).
+    Every request passes `Admit` (epd_common/admission.py: --limit-concurrency, the drain) and the header cap first.
+
+    Mixed in before a uvicorn protocol class, which supplies `loop`, `transport`, `client`, `server_state` and the
+    callbacks; the protocol's own subclass says whether the current request's headers are still incomplete
+    (`_headers_pending`).
     """
 
     header_timeout = 10.0
     max_header_bytes = 16 << 10
     send_timeout = 60.0
+    concurrency_limit = 0  # NOTE: not `limit_concurrency`: uvicorn's protocols set that one from its config (None)
     _header_timer: asyncio.TimerHandle | None = None
     _send_timer: asyncio.TimerHandle | None = None
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     client: Any
     app: ASGIApp
+    server_state: ServerState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.app = _HeaderCap(self.app, self.max_header_bytes)
+        self.app = Admit(_HeaderCap(self.app, self.max_header_bytes), self.concurrency_limit, self.server_state)
 
     def _headers_pending(self) -> bool:
         raise NotImplementedError
@@ -233,16 +243,17 @@ def http_protocol(limits: HttpLimits, http: str = "auto") -> type[H11Protocol | 
         else _DeadlinesH11
     return type(f"Deadlines{base.__name__.removeprefix('_Deadlines')}", (base,),
                 {"header_timeout": limits.header_timeout, "max_header_bytes": limits.max_header_bytes,
-                 "send_timeout": limits.send_timeout})
+                 "send_timeout": limits.send_timeout, "concurrency_limit": limits.limit_concurrency})
 
 
 def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "info",
                    limits: HttpLimits | None = None, http: str = "auto") -> uvicorn.Config:
-    """uvicorn's config with the server-side limits (connections, keep-alive, header size and time, backlog)."""
+    """uvicorn's config with the server-side limits (keep-alive, header size and time, backlog, shutdown time), for
+    a GracefulServer. NOTE: uvicorn's limit_concurrency stays off: the protocol enforces it (epd_common.admission)."""
     lim = limits or HttpLimits()
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
-                          access_log=False, http=http_protocol(lim, http),
-                          limit_concurrency=lim.limit_concurrency or None, timeout_keep_alive=lim.timeout_keep_alive,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=lim.shutdown_timeout,  # type: ignore[arg-type]  # float s is fine
+                          access_log=False, http=http_protocol(lim, http), timeout_keep_alive=lim.timeout_keep_alive,
                           h11_max_incomplete_event_size=lim.max_header_bytes, backlog=lim.backlog)
 
 
@@ -271,9 +282,10 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info", limits: HttpLimits | None = None,
           sock: socket.socket | None = None) -> None:
-    """Run uvicorn until SIGINT/SIGTERM; in-flight requests finish (bounded) before exit. `sock`: serve on this bound
-    socket (e.g. `reuseport_socket`) instead of binding host:port here."""
+    """Run uvicorn until SIGINT/SIGTERM; then new requests get 503 while those in flight finish (up to the limits'
+    shutdown_timeout) before exit. `sock`: serve on this bound socket (e.g. `reuseport_socket`) instead of binding
+    host:port here."""
     if sock is None and os.environ.get(ENV_REUSE_PORT) == "1":
         sock = reuseport_socket(host, port)  # the launcher holds the port for us (epd_launcher.group.reserve_port)
-    server = uvicorn.Server(uvicorn_config(app, host, port, log_level, limits))
+    server = GracefulServer(uvicorn_config(app, host, port, log_level, limits))
     server.run(sockets=None if sock is None else [sock])

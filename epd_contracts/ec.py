@@ -45,6 +45,8 @@ class GetRequest(_Header, tag="get"):
     wait: list[Hash] = []
     wait_ms: NonNegative = 0
     shm: bool = False
+    # the consumer's span (W3C traceparent) when tracing is on: the producer's `ec.get` span is its child
+    traceparent: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class ShmProbe(_Header, tag="shm_probe"):

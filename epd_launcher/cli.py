@@ -14,7 +14,7 @@ from connector.control.security import CurveConfig
 from epd_common.logs import setup_logging
 from epd_common.server import ENV_REUSE_PORT, HttpLimits, serve
 from epd_launcher.flags import parse_args
-from epd_launcher.group import RestartPolicy, Secrets, WorkerGroup
+from epd_launcher.group import STOP_MARGIN_S, RestartPolicy, Secrets, WorkerGroup
 from epd_launcher.proxy_procs import serve_proxies
 from proxy.app import create_app
 from proxy.config import ProxyConfig
@@ -47,8 +47,8 @@ def attach(parser: argparse.ArgumentParser, args: argparse.Namespace, encode_url
     if not args.dynamic_registration and (not decode_urls or not (encode_urls or args.aggregated)):
         raise SystemExit("attach mode needs both --encode-servers-urls and --decode-servers-urls "
                          "(only the decoders with --aggregated)")
-    _require_credentials(parser, args, curve)
-    cfg = _config(args, encode_urls, decode_urls, curve, args.served_model_name)  # None: the workers' model
+    insecure = _require_credentials(parser, args, curve)
+    cfg = _config(args, encode_urls, decode_urls, curve, args.served_model_name, insecure)  # None: workers' model
     _check_port_free(cfg.host, cfg.port)
     _serve(cfg, args.proxy_workers, policy)
 
@@ -76,7 +76,7 @@ def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig |
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signals
         raise SystemExit(130) from None
     finally:
-        group.stop()
+        group.stop(args.shutdown_timeout + STOP_MARGIN_S)  # the workers drain under the same --shutdown-timeout
 
 
 def _serve(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy,
@@ -120,7 +120,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls: tuple[str, ...],
-            curve: CurveConfig | None, served_model_name: str | None) -> ProxyConfig:
+            curve: CurveConfig | None, served_model_name: str | None, insecure: bool = False) -> ProxyConfig:
     return ProxyConfig(
         encode_urls=encode_urls, decode_urls=decode_urls, prefill_urls=getattr(args, "prefill_urls", ()),
         served_model_name=served_model_name,
@@ -140,11 +140,14 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         dynamic_registration=args.dynamic_registration, health_interval=args.health_interval,
         health_timeout=args.health_timeout, health_failures=args.health_failures,
         prefix_affinity=args.prefix_affinity, affinity_load_gap=args.affinity_load_gap, curve=curve,
+        insecure=insecure, otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_sample_ratio=args.otlp_traces_sample_ratio,
     )
 
 
-def _require_credentials(parser: argparse.ArgumentParser, args: argparse.Namespace, curve: CurveConfig | None) -> None:
-    """Attach mode: internal HTTP and ZeroMQ are authenticated unless --insecure says otherwise (logged)."""
+def _require_credentials(parser: argparse.ArgumentParser, args: argparse.Namespace, curve: CurveConfig | None) -> bool:
+    """Attach mode: internal HTTP and ZeroMQ are authenticated unless --insecure says otherwise (logged); True when
+    the proxy runs open (--insecure, a key missing)."""
     missing = [] if args.internal_key else ["--internal-key (env EPD_INTERNAL_KEY or EPD_INTERNAL_KEY_FILE): anyone "
                                             "who reaches a worker can call its /encode and /generate"]
     if curve is None and not args.aggregated:
@@ -152,11 +155,13 @@ def _require_credentials(parser: argparse.ArgumentParser, args: argparse.Namespa
                        "EPD_EC_CURVE_SERVER_KEY or their _FILE forms; make them with `epd-ec-keygen env DIR`): "
                        "anyone who reaches an encoder's ZeroMQ port can list and read every embedding")
     if not missing:
-        return
+        return False
     if not args.insecure:
         parser.error("attach mode is authenticated by default; missing " + "; ".join(missing) +
                      ". Pass --insecure (or env EPD_INSECURE=1) to run open on a trusted network")
-    logger.warning("INSECURE (--insecure): running without " + "; and without ".join(missing))
+    logger.warning("INSECURE (--insecure): running without " + "; and without ".join(missing) +
+                   "; GET /instances lists the workers without the internal key")
+    return True
 
 
 def _print_banner(cfg: ProxyConfig) -> None:

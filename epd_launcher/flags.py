@@ -8,6 +8,7 @@ from typing import Any
 
 from connector.control.curve_flags import add_curve_flags
 from epd_common.cli import add_http_flags, add_log_level, byte_size, cli_secret, env_flag, fraction, new_parser
+from epd_common.tracing import add_tracing_flags
 from epd_contracts.video import MAX_VIDEO_FRAMES
 from proxy.config import ProxyConfig
 
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeats from it without encoding them again (default: memory only)")
     _attach_flags(p.add_argument_group("attach mode (workers started elsewhere)"))
     add_http_flags(p, ProxyConfig)
+    add_tracing_flags(p)  # launcher mode: passed on to every spawned worker
     return p
 
 

@@ -25,6 +25,8 @@ logger = logging.getLogger("epd.launcher")
 WORKER_MODULES = {"encoder": "encoder_service.cli", "decoder": "decoder_service.cli", "proxy": "epd_launcher.cli"}
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2  # how often the supervisor looks at its children
+STOP_MARGIN_S = 5.0  # past a server's --shutdown-timeout: its lifespan shutdown (engine, sockets) before SIGKILL
+_PROGRESS_S = 10.0  # how often wait_healthy names the workers still loading
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -123,6 +125,11 @@ class Worker:
     restart_at: float | None = None  # when an exited worker is due to be started again
     given_up: bool = False
     port_hold: socket.socket | None = field(default=None, repr=False)  # reserve_port's socket, closed by stop()
+    started_at: float = field(default_factory=time.monotonic)  # monotonic time of its last (re)start
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} pid={self.proc.pid}"
 
 
 @dataclass
@@ -149,15 +156,31 @@ class WorkerGroup:
         logger.info("started %s pid=%d at %s", role, worker.proc.pid, worker.url)
         return worker
 
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for w in self.workers:
-            while not _healthy(w.url):
-                if w.proc.poll() is not None:
-                    raise RuntimeError(f"{w.role} at {w.url} exited with code {w.proc.returncode} during startup")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{w.role} at {w.url} not healthy after {timeout}s")
-                time.sleep(0.2)
+    def wait_healthy(self, timeout: float, progress_every: float = _PROGRESS_S) -> None:
+        """Wait until every worker answers /health, logging each one's progress: a model takes a minute to load,
+        and the launcher would be silent meanwhile."""
+        start = time.monotonic()
+        deadline, next_note, loading = start + timeout, start + progress_every, list(self.workers)
+        logger.info("loading the model in %d worker(s); up to %.0f s (--startup-timeout)", len(loading), timeout)
+        while loading := [w for w in loading if not self._ready(w)]:
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(f"{loading[0].role} at {loading[0].url} not healthy after {timeout}s")
+            if now >= next_note:
+                next_note = now + progress_every
+                logger.info("still loading after %.0f s: %s", now - start, ", ".join(w.name for w in loading))
+            time.sleep(0.2)
+        logger.info("all %d worker(s) ready in %.1f s", len(self.workers), time.monotonic() - start)
+
+    @staticmethod
+    def _ready(w: Worker) -> bool:
+        """One look at a loading worker: True (and logged) once /health answers; RuntimeError if it exited."""
+        if _healthy(w.url):
+            logger.info("%s at %s ready in %.1f s", w.name, w.url, time.monotonic() - w.started_at)
+            return True
+        if w.proc.poll() is not None:
+            raise RuntimeError(f"{w.role} at {w.url} exited with code {w.proc.returncode} during startup")
+        return False
 
     def supervise(self) -> None:
         """Watch the workers from a thread of its own (it also spawns the restarts: see _die_with_parent)."""
@@ -178,7 +201,7 @@ class WorkerGroup:
         elif now >= w.restart_at:
             w.restart_at = None
             w.restarts.append(now)
-            w.proc = _popen(w.cmd, w.env)
+            w.proc, w.started_at = _popen(w.cmd, w.env), time.monotonic()
             logger.warning("restarted %s at %s: pid=%d (restart %d in the last %.0f s)", w.role, w.url,
                            w.proc.pid, len(w.restarts), self.policy.window)
 
@@ -194,6 +217,7 @@ class WorkerGroup:
         logger.warning("%s at %s exited with code %s; restarting it in %.1f s", w.role, w.url, code, delay)
 
     def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM to every worker (each drains: epd_common.admission), SIGKILL to those still up `grace` s later."""
         self._stopping.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()

@@ -24,7 +24,7 @@ from multiprocessing.process import BaseProcess
 from epd_common.logs import setup_logging
 from epd_common.server import HttpLimits, reuseport_socket, serve
 from epd_launcher.flags import MAX_PROXY_WORKERS
-from epd_launcher.group import RestartPolicy
+from epd_launcher.group import STOP_MARGIN_S, RestartPolicy
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 
@@ -32,7 +32,6 @@ logger = logging.getLogger("epd.proxy")
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.5  # how often process 0 looks at its children
-_STOP_GRACE_S = 35.0  # a child's uvicorn lets in-flight requests finish for up to 30 s (timeout_graceful_shutdown)
 
 
 def serve_proxies(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy | None = None,
@@ -105,11 +104,12 @@ class ProxyChildren:
         live = [p for p in self.procs if p.pid is not None and p.exitcode is None]
         for proc in live:
             proc.terminate()
-        deadline = time.monotonic() + _STOP_GRACE_S
+        grace = self.cfg.shutdown_timeout + STOP_MARGIN_S  # each child drains for up to --shutdown-timeout
+        deadline = time.monotonic() + grace
         for proc in live:
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.exitcode is None:
-                logger.error("proxy process pid=%s did not stop within %.0f s: killed", proc.pid, _STOP_GRACE_S)
+                logger.error("proxy process pid=%s did not stop within %.0f s: killed", proc.pid, grace)
                 proc.kill()
                 proc.join()
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from epd_common.tracing import TraceSettings, tracing_flags
 from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, EC_DISK_DIR, ENCODER_FLAGS, _dest
 from epd_launcher.group import Secrets, WorkerGroup
 from epd_models.resolve import resolve_model
@@ -20,7 +21,9 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
     num_prefills = 0 if args.aggregated else args.num_prefills
     threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders + num_prefills))
     wh = args.worker_host
-    common = ["--log-level", args.log_level]
+    common = ["--log-level", args.log_level, *_http_flags(args),
+              *tracing_flags(TraceSettings(otlp_traces_endpoint=args.otlp_traces_endpoint,
+                                           otlp_traces_sample_ratio=args.otlp_traces_sample_ratio))]
     devices = _devices(num_encoders + args.num_decoders + num_prefills)
     enc = [group.spawn("encoder", model, wh, threads,
                        ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *_given(args, ENCODER_FLAGS),
@@ -39,6 +42,19 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
            for i in range(num_prefills)]
     group.wait_healthy(args.startup_timeout)
     return tuple(w.url for w in enc), tuple(w.url for w in dec), tuple(w.url for w in pre)
+
+
+# the proxy's HTTP flags (epd_common.cli.add_http_flags) every spawned worker takes as they are; not --max-body-bytes:
+# a worker's body (an encoder's base64 images, a decoder's whole conversation) is sized by the worker's role
+_SHARED_HTTP = ("--body-read-timeout", "--header-timeout", "--timeout-keep-alive", "--max-header-bytes", "--backlog",
+                "--send-timeout", "--shutdown-timeout")
+
+
+def _http_flags(args: argparse.Namespace) -> list[str]:
+    """The proxy's HTTP limits for a worker. --limit-concurrency times --proxy-workers: every proxy process may
+    hold up to its own limit of calls to one worker (0 stays no limit)."""
+    shared = [a for flag in _SHARED_HTTP for a in (flag, str(getattr(args, _dest(flag))))]
+    return [*shared, "--limit-concurrency", str(args.limit_concurrency * args.proxy_workers)]
 
 
 def _video_flags(args: argparse.Namespace) -> list[str]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fastapi import FastAPI
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from epd_common.errors import install_error_handlers
 from epd_common.http import BodyLimit, install_api_key, install_metrics, install_request_id
+from epd_common.tracing import install_tracing, start_tracing
 from proxy.config import ProxyConfig
 from proxy.routes import router
 from proxy.state import ProxyState
@@ -21,27 +22,32 @@ class _LimitsAndCounts:
     408 past the read deadline); chat and text completions counted by status, those refusals included, and an
     unexpected exception as the 500 Starlette's outermost layer answers for it."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, body_read_timeout: float, requests: Counter) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_read_timeout: float, requests: Counter,
+                 in_flight: Gauge) -> None:
         self.app, self.requests = BodyLimit(app, max_body_bytes, body_read_timeout), requests
+        self.in_flight = in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in _COUNTED:
             return await self.app(scope, receive, send)
-        started = False
+        started, endpoint = False, scope["path"]
 
         async def count(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                self.requests.labels(str(message["status"])).inc()
+                self.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
+        self.in_flight.inc()
         try:
             await self.app(scope, receive, count)
         except Exception:
             if not started:  # ServerErrorMiddleware (outside this layer) answers it: a 500
-                self.requests.labels("500").inc()
+                self.requests.labels(endpoint, "500").inc()
             raise
+        finally:
+            self.in_flight.dec()
 
 
 def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> FastAPI:
@@ -53,10 +59,12 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
                   redoc_url=None if cfg.api_key else "/redoc")
     app.state.proxy = state
     install_error_handlers(app)
+    start_tracing("epd-proxy", cfg)  # --otlp-traces-endpoint: this process's spans (each proxy process its own)
+    install_tracing(app, ("/v1/chat/completions", "/v1/completions"))
     install_metrics(app, state.metrics.registry)
     install_api_key(app, cfg.api_key, ("/v1/", "/openapi.json"))  # inside the counting middleware: 401s are counted too
     app.add_middleware(_LimitsAndCounts, max_body_bytes=cfg.max_body_bytes, body_read_timeout=cfg.body_read_timeout,
-                       requests=state.metrics.requests)
+                       requests=state.metrics.requests, in_flight=state.metrics.in_flight)
     install_request_id(app)  # outermost: the id is set before anything else runs
     app.include_router(router)
     return app

@@ -5,12 +5,13 @@ from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
 from epd_common.server import HttpLimits
+from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits
 from epd_contracts.video import MAX_VIDEO_FRAMES
 
 
 @dataclass(frozen=True)
-class ProxyConfig(HttpLimits):
+class ProxyConfig(HttpLimits, TraceSettings):
     encode_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     # E -> P -> D: decoders started with --role prefill; a request prefills there (its first token streamed from
@@ -57,6 +58,9 @@ class ProxyConfig(HttpLimits):
     # Bearer key for the internal side: sent to workers' /encode and /generate, required on /instances
     internal_key: str | None = field(default=None, repr=False)
     dynamic_registration: bool = False  # workers may be added and removed at run time (POST/DELETE /instances)
+    # attach mode run open (--insecure, a key waived): GET /instances lists the workers without the internal key;
+    # POST/DELETE still need it
+    insecure: bool = False
     health_interval: float = 2.0  # seconds between probes of each worker's /health
     health_timeout: float = 2.0  # seconds one probe may take
     health_failures: int = 3  # failed probes in a row that take a worker out

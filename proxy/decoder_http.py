@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from epd_common.tracing import TRACEPARENT, traceparent
+
 MAX_HEAD_BYTES = 64 << 10  # status line + headers of one answer
 MAX_LINE_BYTES = 16 << 20  # one NDJSON event (logprobs included) or one chunk
 MAX_ERROR_BODY_BYTES = 1 << 20  # a non-200 answer's body, read whole
@@ -47,6 +49,8 @@ class DecoderHTTP:
         parts = urlsplit(url)
         host = parts.hostname or ""
         fields = [f"host: {parts.netloc}", f"content-length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
+        if tp := traceparent():  # the calling task's span (epd_common/tracing.py): the decoder's span is its child
+            fields.append(f"{TRACEPARENT}: {tp}")
         if any("\r" in f or "\n" in f for f in fields):  # h11 lets none through from a client; never forward one
             raise httpx.LocalProtocolError("a header of the decoder request holds a line break")
         request = "\r\n".join([f"POST {path} HTTP/1.1", *fields, "", ""]).encode("latin-1", "replace") + body

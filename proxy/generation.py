@@ -11,13 +11,14 @@ import httpx
 import msgspec
 
 from epd_common.errors import APIError
+from epd_common.tracing import span
 from epd_contracts.generate import ChunkRef, Event, Handoff, ImageRef
 from proxy.decoder_http import DecoderResponse
 from proxy.fleet import Fleet, ItemRefused, WorkerFailed
 from proxy.prepare import PreparedChat
 from proxy.video import VideoItem
 from proxy.workers import Worker, WorkerDown, until_down
-from scheduler.scheduler import MMItem
+from scheduler.scheduler import MMItem, SchedulerOutput
 
 logger = logging.getLogger("epd.proxy")
 
@@ -129,13 +130,19 @@ class Generation:
     async def open_encoded(self) -> None:
         """Encode every item first (the scheduler skips those held already), then open the decoder stream."""
         plan = self.fleet.plan(self.chat.encodes)
-        await self.open(await self.fleet.execute(plan, self.request_id), cached=frozenset(plan.skipped))
+        await self.open(await self._encode(plan), cached=frozenset(plan.skipped))
+
+    async def _encode(self, plan: SchedulerOutput) -> dict[str, str]:
+        """The plan's encodes, traced as `encode` (the encoders' /encode spans are its children)."""
+        with span("encode", {"epd.items.skipped": len(plan.skipped), "epd.items.joined": len(plan.joined),
+                             "epd.items.sent": plan.num_scheduled, "epd.encoders": len(plan.scheduled_encoder_inputs)}):
+            return await self.fleet.execute(plan, self.request_id)
 
     async def open_pipelined(self) -> None:
         """Schedule the encodes, then open the decoder stream while they run; an encode error wins. If an
         encoder fails over, the stream (waiting on the dead encoder) is reopened with the new sources."""
         plan = self.fleet.plan(self.chat.encodes)
-        encodes = asyncio.create_task(self.fleet.execute(plan, self.request_id))
+        encodes = asyncio.create_task(self._encode(plan))
         opening = asyncio.create_task(self.open(plan.sources, plan.pending, frozenset(plan.skipped)))
         try:
             sources = await encodes

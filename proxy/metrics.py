@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -17,8 +17,14 @@ if TYPE_CHECKING:
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.registry = registry
-        self.requests = Counter("epd_proxy_requests", "Chat and text completions by HTTP status", ["status"],
-                                registry=registry)
+        self.requests = Counter("epd_proxy_requests", "Chat and text completions by endpoint and HTTP status (refusals "
+                                "and 500s included)", ["endpoint", "status"], registry=registry)
+        self.in_flight = Gauge("epd_proxy_requests_in_flight", "Chat and text completions being answered",
+                               registry=registry)
+        self.prompt_tokens = Counter("epd_proxy_prompt_tokens", "Prompt tokens of answered requests (image tokens "
+                                     "included; vLLM's prompt_tokens)", registry=registry)
+        self.generation_tokens = Counter("epd_proxy_generation_tokens", "Tokens generated for answered requests, every "
+                                         "choice's (vLLM's generation_tokens)", registry=registry)
         self.ttft = Histogram("epd_proxy_ttft_seconds", "Arrival to first content token", buckets=LATENCY_BUCKETS,
                               registry=registry)
         self.itl = Histogram("epd_proxy_inter_token_seconds", "Between streamed chunks", buckets=LATENCY_BUCKETS,
@@ -59,6 +65,11 @@ class ProxyMetrics:
         self.encoder_outstanding = Gauge("epd_proxy_encoder_items_outstanding",
                                          "Images sent to encoders and not finished (the proxy's encoder queue depth)",
                                          registry=registry)
+
+    def answered(self, usage: dict[str, Any]) -> None:
+        """A finished answer's tokens (its usage, as the client gets it)."""
+        self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.generation_tokens.inc(usage["completion_tokens"])
 
     def watch(self, fleet: Fleet) -> None:
         """Gauges read from the fleet at scrape time."""

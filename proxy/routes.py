@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from epd_common.errors import APIError
-from epd_common.http import has_bearer, until_disconnected
+from epd_common.http import has_bearer, is_internal, until_disconnected
 from epd_common.logs import request_id_var
 from proxy.completions import router as completions_router
 from proxy.fleet import Fleet
@@ -75,7 +75,7 @@ async def health(request: Request) -> dict[str, Any]:
     process's pid, every worker's URL, health and load: what /instances guards) only with the internal key."""
     state = proxy_state(request)
     fleet = state.fleet  # 503 while starting
-    if not state.cfg.internal_key or not has_bearer(request.headers, state.cfg.internal_key):
+    if not is_internal(request.headers, state.cfg.internal_key):
         return {"status": "ok", "role": "proxy"}
     return {"status": "ok", "role": "proxy", "pid": os.getpid(), **_instances(fleet)}
 
@@ -94,7 +94,10 @@ async def ready(request: Request) -> dict[str, Any]:
 
 @router.get("/instances")
 async def list_instances(request: Request) -> dict[str, Any]:
-    return _instances(_registration(request))
+    """The workers with their health and load. A proxy run --insecure lists them to anyone (its internal side is
+    open by choice, and a reader changes nothing); registering and removing still need the internal key."""
+    state = proxy_state(request)
+    return _instances(state.fleet if state.cfg.insecure else _registration(request))
 
 
 @router.post("/instances", status_code=201)

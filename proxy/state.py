@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 
 from epd_common.errors import APIError
+from epd_common.tracing import inject_traceparent, span
 from proxy.config import ProxyConfig
 from proxy.fetch_slots import FetchSlots
 from proxy.fleet import Fleet
@@ -44,7 +45,8 @@ class ProxyState:
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        async with httpx.AsyncClient(limits=limits, timeout=self.cfg.worker_timeout) as client:
+        async with httpx.AsyncClient(limits=limits, timeout=self.cfg.worker_timeout,  # traceparent on every call
+                                     event_hooks={"request": [inject_traceparent]}) as client:
             fleet = Fleet(self.cfg, client, self.metrics)
             try:
                 await unless_signalled(fleet.start())  # SIGTERM / Ctrl-C while waiting for workers: stop
@@ -69,7 +71,11 @@ class ProxyState:
         """Text alone is cheap: no thread hop. Images and videos are loaded (videos probed) within
         --media-fetch-deadline, never on the event loop: downloads on a fetch slot (threads of their own, a cap
         shared by all requests), data and file URLs on asyncio's pool. The fleet's model identity says its family
-        and its video settings (proxy/video.py)."""
+        and its video settings (proxy/video.py). Traced as `prepare` (media fetch included)."""
+        with span("prepare", {"epd.images": req.num_images(), "epd.videos": req.num_videos()}):
+            return await self._prepare(req)
+
+    async def _prepare(self, req: ChatCompletionRequest) -> PreparedChat:
         if not req.num_images() and not req.num_videos():
             return prepare_chat(req, self.cfg)
         deadline = time.monotonic() + self.cfg.media_fetch_deadline

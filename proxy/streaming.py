@@ -65,6 +65,7 @@ async def sse_stream(gen: Generation, answer: Answer, include_usage: bool, metri
                     continue
                 out.append(sse(answer.finish_chunk(ev)))
                 if choices.finished:
+                    metrics.answered(choices.usage())
                     if include_usage:
                         out.append(sse(answer.usage_chunk(choices.usage())))
                     stop = True
@@ -100,6 +101,7 @@ async def collect_response(gen: Generation, answer: Answer, metrics: ProxyMetric
                 first = False
             elif choices.finished:
                 metrics.e2e.observe(time.perf_counter() - start)
+                metrics.answered(choices.usage())
                 return answer.response(choices)
         raise APIError(502, "generation ended without finishing", code="stream_interrupted")
     finally:

@@ -72,8 +72,9 @@ class Scheduler:
 
     1. held by a healthy encoder (the fleet cache index says so) -> skipped, gathered from there;
     2. being encoded right now by a healthy encoder -> joined: the request waits for that encode;
-    3. otherwise -> the healthy encoder with the least outstanding items (ties: the earliest added),
-       counting the items this call already placed, so a request's images are split across encoders.
+    3. otherwise -> the healthy encoder with the least outstanding items (ties: round-robin, from the one after
+       the encoder chosen last), counting the items this call already placed, so a request's images are split
+       across encoders, and under one-at-a-time traffic every encoder takes turns (one back from a restart too).
 
     An encode in flight on an encoder that is down or excluded is not joined: rule 1 or 3 takes it over,
     keeping its future, so the requests already waiting for it get the new answer.
@@ -83,6 +84,7 @@ class Scheduler:
         self.encoders: dict[str, EncoderSlot] = {}
         self.outstanding: dict[str, int] = {}  # encoder name -> items sent, not yet finished
         self.in_flight: dict[str, Encode] = {}  # mm_hash -> its encode now
+        self._last: str | None = None  # the encoder rule 3 chose last
         self._lock = threading.Lock()
         for slot in encoders:
             self.add(slot)
@@ -165,12 +167,19 @@ class Scheduler:
         if encode is not None and encode.encoder in names:
             out.joined[item.mm_hash] = encode.encoder
         else:
-            name = min(names, key=lambda n: self.outstanding[n])  # stable: ties go to the earliest added
+            name = self._least_loaded(names)
             self.outstanding[name] += 1
             encode = self.in_flight[item.mm_hash] = Encode(name, encode.result if encode else Future())
             out.scheduled_encoder_inputs.setdefault(name, []).append(item)
         out.sources[item.mm_hash] = self.encoders[encode.encoder].ec_address
         out.waits[item.mm_hash] = encode.result
+
+    def _least_loaded(self, names: list[str]) -> str:
+        """Rule 3 (lock held): the fewest outstanding items; of those, the first after the one chosen last."""
+        least = min(self.outstanding[n] for n in names)
+        start = names.index(self._last) + 1 if self._last in names else 0
+        self._last = next(n for n in names[start:] + names[:start] if self.outstanding[n] == least)
+        return self._last
 
     def _take_over_from_cache(self, mm_hash: str, names: list[str], address: str) -> None:
         """A cached item whose encode in flight is on an encoder down or excluded: that encode ends here."""

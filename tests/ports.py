@@ -20,6 +20,7 @@ from types import TracebackType
 import pytest
 import uvicorn
 
+from epd_common.admission import GracefulServer
 from epd_common.server import ENV_REUSE_PORT
 from epd_launcher.group import reserve_port
 
@@ -78,9 +79,9 @@ def serve_in_thread(config: uvicorn.Config, sock: socket.socket | None = None,
                     timeout: float = 30.0) -> Iterator[int]:
     """`config`'s app served by uvicorn in a daemon thread on `sock` (default: a fresh `bound_socket`; config's
     host and port are not bound), once it has started; yields the port; stops the server (and closes the socket)
-    at the end."""
+    at the end. The server is `serve`'s (epd_common.admission.GracefulServer)."""
     sock = sock if sock is not None else bound_socket()
-    server = uvicorn.Server(config)
+    server = GracefulServer(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -15,6 +15,7 @@ from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
 from connector.tensors.replies import more_of, read_get_reply
 from connector.tensors.shm import ShmError, probed_pid
 from connector.tensors.shm_peers import ShmPeers
+from epd_common.tracing import traceparent
 from epd_contracts.ec import GetReply, GetRequest, ShmProbe, ShmProbeReply, SnapshotReply
 from epd_contracts.embeddings import ImageFeatures
 
@@ -95,7 +96,8 @@ class ECConsumer:
             if self._peers.enabled and self._peers.to_probe((address,)):
                 return None
             pid = self._peers.pid(address)
-            request = GetRequest(req_id=self._client.next_req_id(), hashes=wanted, shm=pid is not None)
+            request = GetRequest(req_id=self._client.next_req_id(), hashes=wanted, shm=pid is not None,
+                                 traceparent=traceparent())
             with self._stats_lock:
                 self._num_remote_fetches += 1
             reply = self._client.exchange_one(address, request, timeout)
@@ -265,6 +267,7 @@ class ECConsumer:
         `shm`: answer held items by shared-memory handle."""
         wait = [h for h in hashes if h in wait_for]
         if not wait or wait_ms <= 0:
-            return GetRequest(req_id=self._client.next_req_id(), hashes=hashes, shm=shm)
-        return GetRequest(req_id=self._client.next_req_id(), hashes=hashes, wait=wait, wait_ms=wait_ms, shm=shm)
+            return GetRequest(req_id=self._client.next_req_id(), hashes=hashes, shm=shm, traceparent=traceparent())
+        return GetRequest(req_id=self._client.next_req_id(), hashes=hashes, wait=wait, wait_ms=wait_ms, shm=shm,
+                          traceparent=traceparent())
 

@@ -20,6 +20,7 @@ from connector.tensors.frames import WireItem
 from connector.tensors.replies import get_reply
 from connector.tensors.shm import Segment
 from connector.tensors.waiters import FailedSet, ParkedGet, WaitList
+from epd_common.tracing import span
 from epd_contracts.ec import (
     HEARTBEAT_S,
     MAX_WAIT_MS,
@@ -249,7 +250,12 @@ class ProducerServer:
         header, _ = decode_message(payload, self.max_message_bytes)
         req_id = header.req_id
         if isinstance(header, GetRequest):  # the hot op first
-            self._get(identity, header)
+            if not header.traceparent:
+                self._get(identity, header)
+                return None
+            with span("ec.get", {"epd.items": len(header.hashes), "epd.shm": header.shm, "epd.wait": len(header.wait)},
+                      "server", header.traceparent):
+                self._get(identity, header)
             return None
         if isinstance(header, PingRequest):
             return Pong(req_id=req_id), []

@@ -53,6 +53,7 @@ from decoder_service.request import PendingGuide, Preparer, Work
 from decoder_service.video_gather import Gathered, plan_gather
 from epd_common.errors import APIError, bad_request
 from epd_common.logs import request_id_var
+from epd_common.tracing import span
 from epd_contracts.generate import GenerateRequest, Handoff
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
@@ -216,6 +217,13 @@ class Engine:
         gathered as their chunks, with the images, and assembled (decoder_service/video_gather.py)."""
         if not req.images:
             return []
+        with span("gather", {"epd.items": len(req.images)}) as traced:  # its connector gets carry its traceparent
+            got = self._gather_traced(req)
+            if traced is not None:
+                traced.set_attribute("epd.bytes", sum(g.features.nbytes for g in got))
+            return got
+
+    def _gather_traced(self, req: GenerateRequest) -> list[Gathered]:
         if self.inline is not None:
             return [Gathered.of(f, hit) for f, hit in self.inline.features_and_hits(req.images)]
         plan = plan_gather(req.images, self.video_config, self.lm.video_token_id is not None)

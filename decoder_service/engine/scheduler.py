@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
@@ -179,6 +180,7 @@ class Scheduler:
             if need + self._watermark > self.runner.num_free_blocks and self.running:
                 return
             self.waiting.popleft()
+            job.admitted = time.perf_counter()  # its queue wait ends (traced: decoder_service/job_trace.py)
             request_id_var.set(job.request_id)
             if job.work.resume is not None:
                 self._admit_resumed(job)

@@ -127,6 +127,7 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)
+    admitted: float = 0.0  # perf_counter() when the scheduler gave it rows (0: not yet)
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each chosen token (engine side)
     errored: bool = False  # its one error event is sent: nothing follows it
     reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set at admission)

@@ -37,3 +37,12 @@ def test_a_tiny_run_reports_the_issues_fields(capsys: pytest.CaptureFixture[str]
     assert {"overhead_ms_p50", "rps_per_core", "ratio_vs_passthrough", "scaling_2_vs_1"} <= set(result)
     assert result["throughput"]["proxy"]["requests"] > 0 and math.isfinite(result["rps_per_core"])
     assert result["throughput"]["epd_2proc"]["requests"] > 0 and result["scaling_2_vs_1"] > 0
+
+
+def test_a_tiny_traced_run_reports_tracing_off_and_on(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--json", "--requests", "3", "--clients", "2", "--seconds", "0.3", "--rounds", "1", "--tracing"])
+    result = json.loads(capsys.readouterr().out)
+    assert {"traced_0.01", "traced_1"} <= set(result["ttft_ms_p50"])
+    for name in ("traced_0.01", "traced_1"):
+        assert result["throughput"][name]["requests"] > 0
+        assert math.isfinite(result["tracing"][name]["rps_per_core_vs_off"])

@@ -40,6 +40,10 @@ class Stack:
         headers = {"Authorization": f"Bearer {internal_key(self.proc.pid)}"}
         return dict(httpx.get(f"{self.base_url}/health", headers=headers, timeout=30).json())
 
+    def worker_pid(self, url: str) -> int:
+        """The pid of the worker at `url`, from its /health: shown only with the internal key."""
+        return int(health(url, internal_key(self.proc.pid))["pid"])
+
 
 def internal_key(launcher_pid: int) -> str:
     """The internal key in the environment of one of the launcher's children (its workers)."""
@@ -135,8 +139,10 @@ def pid_alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-def health(url: str) -> dict[str, Any]:
-    return dict(httpx.get(f"{url}/health", timeout=10).json())
+def health(url: str, key: str | None = None) -> dict[str, Any]:
+    """A worker's /health; with the internal key it adds the worker's pid."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return dict(httpx.get(f"{url}/health", headers=headers, timeout=10).json())
 
 
 def demo_png(colour: str, seed: int, shape: str = "circle") -> bytes:
@@ -146,14 +152,15 @@ def demo_png(colour: str, seed: int, shape: str = "circle") -> bytes:
     return buf.getvalue()
 
 
-def ask_colour(base_url: str, *images: bytes, api_key: str | None = None) -> httpx.Response:
-    """POST the demo's colour question about `images` (greedy, 4 tokens) to a proxy."""
+def ask_colour(base_url: str, *images: bytes, api_key: str | None = None,
+               headers: dict[str, str] | None = None) -> httpx.Response:
+    """POST the demo's colour question about `images` (greedy, 4 tokens) to a proxy, with `headers` too."""
     urls = ["data:image/png;base64," + base64.b64encode(im).decode() for im in images]
     content = [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
                {"type": "text", "text": "What color is the shape?"}]
     body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.post(f"{base_url}/v1/chat/completions", json=body, headers={**auth, **(headers or {})}, timeout=60)
 
 
 def urls_of(stack: Stack, role: str) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.stack import Stack, ask_colour, demo_png, health, launched, metric, pid_alive, urls_of
+from tests.e2e.stack import Stack, ask_colour, demo_png, launched, metric, pid_alive, urls_of
 from tests.e2e.test_supervision import BACK_WITHIN_S, poll, worker_pids
 
 pytestmark = pytest.mark.e2e
@@ -72,4 +72,4 @@ def test_a_repeat_after_kill_9_is_served_from_disk_without_a_vision_forward(stac
     assert again[0] == first
     assert encoder_metric(stack, "epd_encoder_items_encoded_total") == 0  # the new process ran no vision forward
     assert encoder_metric(stack, "epd_ec_disk_hits") >= 1 and encoder_metric(stack, "epd_ec_disk_items") == 1
-    assert health(urls_of(stack, "encoders")[0])["pid"] != old["encoder"]
+    assert stack.worker_pid(urls_of(stack, "encoders")[0]) != old["encoder"]

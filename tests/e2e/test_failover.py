@@ -148,4 +148,5 @@ def test_kill_9_of_an_encoder_during_20_multi_image_requests(cluster: Cluster) -
     assert healthy(proxy, "encoder") == {victim_url: False, cluster.encoders[1][0]: True}
     proxy_metrics = httpx.get(f"{proxy}/metrics", timeout=10).text
     assert metric(proxy_metrics, "epd_proxy_workers_marked_down_total") == 1
-    assert metric(proxy_metrics, 'epd_proxy_requests_total{status="200"}') == 20
+    assert metric(proxy_metrics, 'epd_proxy_requests_total{endpoint="/v1/chat/completions",status="200"}') == 20
+    assert metric(proxy_metrics, "epd_proxy_generation_tokens_total") > 0

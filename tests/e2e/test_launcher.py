@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from epd_builders.shapes import draw_shape
 from epd_models.demo import ensure_demo_model
+from tests.deploy.monitoring import dashboard_metrics, exported_names
 from tests.e2e.stack import ROOT, Stack, health, launched, metric, urls_of
 from tests.openai_schema import assert_valid
 
@@ -227,8 +228,15 @@ METRICS = {  # what the issue asks each service to export (Prometheus text forma
 
 
 def test_every_service_exports_the_operational_metrics(client: OpenAI, stack: Stack) -> None:
-    client.chat.completions.create(model="demo", messages=user(data_url("red", seed=40)), max_tokens=3)
+    before = stack.get("/metrics").text
+    usage = client.chat.completions.create(model="demo", messages=user(data_url("red", seed=40)), max_tokens=3).usage
     texts = {"proxy": [stack.get("/metrics").text]}
+    assert usage is not None
+    for name, tokens in (("epd_proxy_prompt_tokens_total", usage.prompt_tokens),
+                         ("epd_proxy_generation_tokens_total", usage.completion_tokens)):
+        assert metric(texts["proxy"][0], name) - metric(before, name) == tokens  # what the client was told
+    assert metric(texts["proxy"][0], "epd_proxy_requests_in_flight") == 0
+    assert not [line for line in texts["proxy"][0].splitlines() if "_created" in line]  # counters: `_total` alone
     for role in ("encoders", "decoders"):
         texts[role] = [httpx.get(f"{u}/metrics", timeout=10).text for u in urls_of(stack, role)]
     for role, names in METRICS.items():
@@ -238,3 +246,12 @@ def test_every_service_exports_the_operational_metrics(client: OpenAI, stack: St
             missing = [n for n in names if n not in samples and n not in labelled]
             assert not missing, f"{role} lacks {missing}"
     assert metric(texts["proxy"][0], 'epd_proxy_workers_healthy{role="encoder"}') == 2
+
+
+def test_every_metric_the_dashboard_queries_is_exported_by_a_live_stack(client: OpenAI, stack: Stack) -> None:
+    client.chat.completions.create(model="demo", messages=user(data_url("blue", seed=41)), max_tokens=3)
+    texts = [stack.get("/metrics").text, *(httpx.get(f"{u}/metrics", timeout=10).text
+                                          for role in ("encoders", "decoders") for u in urls_of(stack, role))]
+    exported = {name for text in texts for name in exported_names(text)}
+    queried = dashboard_metrics()
+    assert len(queried) >= 20 and not queried - exported, sorted(queried - exported)

@@ -31,7 +31,7 @@ def test_sigterm_to_launcher_stops_every_worker(tiny_model_dirs: dict[str, Path]
     model = str(tiny_model_dirs["qwen2_vl"])
     with launched(tmp_path, "--model", model, "--num-encoders", "2", "--num-decoders", "1") as stack:
         info = stack.info()
-        pids = [health(w["url"])["pid"] for w in info["encoders"] + info["decoders"]]
+        pids = [stack.worker_pid(w["url"]) for w in info["encoders"] + info["decoders"]]
         resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_request("qwen2_vl"), timeout=60)
         assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] > 4
         assert all(pid_alive(p) for p in pids) and len(pids) == 3

@@ -34,7 +34,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def worker_pids(stack: Stack) -> dict[str, int]:
-    return {role: int(health(urls_of(stack, f"{role}s")[0])["pid"]) for role in ("encoder", "decoder")}
+    return {role: stack.worker_pid(urls_of(stack, f"{role}s")[0]) for role in ("encoder", "decoder")}
 
 
 def cmdline(pid: int) -> str:

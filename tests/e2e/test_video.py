@@ -129,7 +129,7 @@ def test_chunks_lost_with_their_encoder_are_encoded_again(pair: Pair) -> None:
     media = ("video", video_url(16))
     first = answer(pair.epd.base_url, media)
     victim = urls_of(pair.epd, "encoders")[0]
-    os.kill(int(health(victim)["pid"]), signal.SIGKILL)
+    os.kill(pair.epd.worker_pid(victim), signal.SIGKILL)
     again = answer(pair.epd.base_url, media)
     assert tokens(again) == tokens(first)
     assert logprobs(again) == pytest.approx(logprobs(first), abs=1e-4)

@@ -149,11 +149,16 @@ def test_headers_over_the_size_cap_are_refused_whole_or_in_pieces(server: tuple[
     assert ordinary(port).status_code == 200
 
 
-def test_connections_beyond_the_concurrency_limit_get_503() -> None:
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_connections_beyond_the_concurrency_limit_get_an_openai_503(http: str) -> None:
     limits = HttpLimits(limit_concurrency=2)
-    with served(echo_app(limits, []), limits) as port, connect(port) as idle1, connect(port) as idle2:
+    with served(echo_app(limits, []), limits, http) as port, connect(port) as idle1, connect(port) as idle2:
         assert idle1 and idle2  # two open connections fill the limit
-        assert ordinary(port).status_code == 503
+        refused = ordinary(port)
+        assert refused.status_code == 503 and refused.headers["connection"] == "close"
+        assert refused.json() == {"error": {"message": refused.json()["error"]["message"],
+                                            "type": "service_unavailable_error", "param": None, "code": "overloaded"}}
+        assert str(limits.limit_concurrency) in refused.json()["error"]["message"]
     with served(echo_app(limits, []), limits) as port:
         assert ordinary(port).status_code == 200
 

@@ -85,17 +85,17 @@ def post(client: TestClient, path: str, body: dict[str, Any]) -> Any:
     return client.post(path, content=raw, headers={"content-type": "application/json"})
 
 
-def counted(client: TestClient, status: int) -> float:
-    return metric(client.get("/metrics").text, f'epd_proxy_requests_total{{status="{status}"}}')
+def counted(client: TestClient, status: int, path: str = "/v1/chat/completions") -> float:
+    return metric(client.get("/metrics").text, f'epd_proxy_requests_total{{endpoint="{path}",status="{status}"}}')
 
 
 def refused(client: TestClient, path: str, body: dict[str, Any], param: str) -> None:
-    before = counted(client, 400)
+    before = counted(client, 400, path)
     resp = post(client, path, body)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and error["code"] == "invalid_request" and "surrogate" in error["message"]
-    assert counted(client, 400) == before + 1
+    assert counted(client, 400, path) == before + 1
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["chat", "streaming"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -67,4 +68,16 @@ def test_a_chat_with_no_decoder_is_a_503_counted_by_status(client: TestClient) -
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     resp = client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "decoder_unavailable"
-    assert 'epd_proxy_requests_total{status="503"} 1.0' in client.get("/metrics").text
+    text = client.get("/metrics").text
+    assert 'epd_proxy_requests_total{endpoint="/v1/chat/completions",status="503"} 1.0' in text
+    assert "epd_proxy_requests_in_flight 0.0" in text and "_created" not in text  # counters: `_total` alone
+
+
+def test_an_insecure_proxy_lists_its_workers_without_the_key_but_registration_stays_keyed() -> None:
+    with TestClient(create_app(replace(config(), insecure=True))) as client:
+        assert client.get("/instances").json() == {"encoders": [], "decoders": [], "prefills": []}
+        worker = {"role": "decoder", "url": "http://127.0.0.1:1"}
+        for method in ("POST", "DELETE"):
+            resp = client.request(method, "/instances", json=worker)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_internal_key"
+        assert client.get("/instances").json()["decoders"] == []  # nothing was added

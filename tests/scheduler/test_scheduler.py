@@ -87,6 +87,17 @@ def test_least_loaded_encoder_gets_the_next_item() -> None:
     assert list(sched.schedule(items("e")).scheduled_encoder_inputs) == ["e0"]
 
 
+def test_ties_take_turns_so_an_encoder_added_later_gets_one_at_a_time_traffic() -> None:
+    sched = create_scheduler(set(), set())
+    sched.add(EncoderSlot("back", "tcp://back", FakeCache()))  # e.g. back from a restart, added last
+    chosen = []
+    for i in range(2 * len(sched.encoders)):  # one request at a time: every encoder idle at each choice
+        (name,) = sched.schedule(items(f"img{i}")).scheduled_encoder_inputs
+        sched.update_from_output(name, [f"img{i}"], f"tcp://{name}")
+        chosen.append(name)
+    assert chosen == 2 * list(sched.encoders)  # round-robin: each in turn, twice
+
+
 def test_repeated_image_in_one_request_is_scheduled_once() -> None:
     out = create_scheduler(set()).schedule(items("a", "a", "b", "a"))
     assert [i.mm_hash for i in out.scheduled_encoder_inputs["e0"]] == ["a", "b"]

@@ -1,0 +1,26 @@
+"""A finished job's engine times as spans of its /generate span (epd_common/tracing.py): the engine thread only
+notes times (Job.arrival, Job.admitted, Job.token_times); the spans are made here, on the request's own thread,
+once its stream ends, and cost nothing while tracing is off."""
+from __future__ import annotations
+
+from decoder_service.engine.sequence import Job
+from epd_common import tracing
+
+
+def trace_job(job: Job) -> None:
+    """`queue` (submitted to admitted), `prefill` (admitted to the first token; `resume` for a request continued from
+    a prefill worker's hand-off), a `first_token` event, and `decode` as one span (first to last token, never a span
+    per token)."""
+    if not tracing.enabled():
+        return
+    admitted, times, work = job.admitted or job.arrival, job.token_times, job.work
+    tracing.record("queue", job.arrival, admitted)
+    if not times:
+        return
+    first, resumed = times[0], work.resume is not None
+    tracing.record("resume" if resumed else "prefill", admitted, first,
+                   {"epd.prompt_tokens": job.prompt.num_tokens, "epd.reused_tokens": job.reused_tokens,
+                    "epd.kv_received": resumed and work.resume is not None and work.resume.kv is not None})
+    tracing.add_event("first_token", first)
+    if len(times) > 1:
+        tracing.record("decode", first, times[-1], {"epd.tokens": len(times), "epd.choices": job.params.n})
