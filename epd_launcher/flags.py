@@ -110,6 +110,7 @@ EC_DISK_DIR = "--ec-disk-dir"  # each spawned encoder gets its own subfolder, ke
 DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),
                     ("--cpu-packed-linear", "CPU: decoders run decode-sized linears through oneDNN's prepacked matmul"))
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--num-prefills", "--worker-host",
+                  "--worker-base-port",
                   "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max",
                   *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES),
@@ -251,6 +252,13 @@ def _video_flags(g: argparse._ActionsContainer) -> None:
                         "keyframe before its first frame (planned before any encode); more: 400 video_too_large")
 
 
+def _base_port(text: str) -> int:
+    port = int(text)
+    if not (port == 0 or 1024 <= port <= 65535 - 256):
+        raise argparse.ArgumentTypeError(f"must be 0 or a port from 1024 to {65535 - 256}, got {text}")
+    return port
+
+
 def _launcher_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--model", default="demo", help="'demo', a built-in bench model ('bench', 'bench-lm', "
                    "'bench-video'), a checkpoint directory, or a hub id")
@@ -260,6 +268,9 @@ def _launcher_flags(g: argparse._ActionsContainer) -> None:
                    help="prefill workers to spawn (E -> P -> D: each request prefills on one, then decodes on a "
                         "decoder, which runs --role decode); 0: the decoders prefill (E + PD)")
     g.add_argument("--worker-host", default="127.0.0.1", help="address the spawned workers bind")
+    g.add_argument("--worker-base-port", type=_base_port, default=0,
+                   help="HTTP ports of the spawned workers, the same at every start: encoder i at this + i, then the "
+                        "decoders, then the prefill workers (what Prometheus scrapes); 0: fresh ports")
     g.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one worker within --restart-window; past that it is left down")
     g.add_argument("--restart-window", type=float, default=600.0, help="seconds over which restarts are counted")

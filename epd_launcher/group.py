@@ -36,8 +36,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def reserve_port(host: str = "127.0.0.1") -> socket.socket:
-    """A fresh port held for a child until the socket is closed: bound with SO_REUSEPORT, never listening.
+def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A fresh port (or `port`: OSError if another socket has it) held for a child until the socket is closed: bound
+    with SO_REUSEPORT, never listening.
 
     Nobody else can bind the port meanwhile (bind(0) never hands it out; a bind to it without SO_REUSEPORT is
     EADDRINUSE), connections to it are refused while no child listens (failover sees a dead worker at once), and
@@ -47,7 +48,7 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind((host, 0))
+        s.bind((host, port))
     except OSError:
         s.close()
         raise
@@ -143,8 +144,13 @@ class WorkerGroup:
     _thread: threading.Thread | None = None
 
     def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str],
-              env: dict[str, str] | None = None) -> Worker:
-        hold = reserve_port(host)  # held until stop(): no other process takes the port before or between starts
+              env: dict[str, str] | None = None, port: int = 0) -> Worker:
+        """`port`: the worker's HTTP port (0: a fresh one); SystemExit naming it when another process holds it."""
+        try:  # held until stop(): no other process takes the port before or between starts
+            hold = reserve_port(host, port)
+        except OSError as exc:
+            raise SystemExit(f"disagg-epd-proxy: error: cannot reserve port {port} on {host} for a {role} "
+                             f"({exc.strerror or exc}); pick another --worker-base-port") from None
         port = hold.getsockname()[1]
         cmd = [sys.executable, "-m", WORKER_MODULES[role], "--model", model, "--host", host, "--port", str(port),
                *extra]

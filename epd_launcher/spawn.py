@@ -27,18 +27,19 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
     devices = _devices(num_encoders + args.num_decoders + num_prefills)
     enc = [group.spawn("encoder", model, wh, threads,
                        ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *_given(args, ENCODER_FLAGS),
-                        *_disk_dir(args, i), *devices[i]], keys.env("encoder"))
+                        *_disk_dir(args, i), *devices[i]], keys.env("encoder"), _port(args, i))
            for i in range(num_encoders)]
     # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
     aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
     dec_flags = [*common, *aggregated, *_engine_flags(args)]
     roles = ["--role", "decode"] if num_prefills else []  # E -> P -> D: the decoders continue hand-offs
     dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *roles, *devices[num_encoders + i]],
-                       keys.env("decoder"))
+                       keys.env("decoder"), _port(args, num_encoders + i))
            for i in range(args.num_decoders)]
     first = num_encoders + args.num_decoders
     pre = [group.spawn("decoder", model, wh, threads, [*dec_flags, "--role", "prefill", "--kv-bind", f"tcp://{wh}:0",
-                                                       *devices[first + i]], keys.env("decoder"))
+                                                       *devices[first + i]], keys.env("decoder"),
+                       _port(args, first + i))
            for i in range(num_prefills)]
     group.wait_healthy(args.startup_timeout)
     return tuple(w.url for w in enc), tuple(w.url for w in dec), tuple(w.url for w in pre)
@@ -55,6 +56,12 @@ def _http_flags(args: argparse.Namespace) -> list[str]:
     hold up to its own limit of calls to one worker (0 stays no limit)."""
     shared = [a for flag in _SHARED_HTTP for a in (flag, str(getattr(args, _dest(flag))))]
     return [*shared, "--limit-concurrency", str(args.limit_concurrency * args.proxy_workers)]
+
+
+def _port(args: argparse.Namespace, index: int) -> int:
+    """Worker `index`'s HTTP port (encoders, then decoders, then prefill workers): --worker-base-port + index, the
+    same at every launcher start (an operator's scrape targets); 0: a fresh one."""
+    return args.worker_base_port + index if args.worker_base_port else 0
 
 
 def _video_flags(args: argparse.Namespace) -> list[str]:

@@ -223,10 +223,12 @@ class RecordingGroup:
 
     def __init__(self) -> None:
         self.spawned: list[tuple[str, list[str]]] = []
+        self.ports: list[int] = []  # each worker's asked port (0: a fresh one)
 
     def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str],
-              env: dict[str, str] | None = None) -> Worker:
+              env: dict[str, str] | None = None, port: int = 0) -> Worker:
         self.spawned.append((role, extra))
+        self.ports.append(port)
         return type("Spawned", (), {"url": f"http://{host}:{len(self.spawned)}"})()
 
     def wait_healthy(self, timeout: float) -> None:
@@ -374,3 +376,17 @@ def test_spawned_aggregated_decoders_get_the_proxys_video_limits(monkeypatch: py
     group = RecordingGroup()
     spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
     assert not [a for role, extra in group.spawned if role == "decoder" for a in extra if a.startswith("--max-video")]
+
+
+@pytest.mark.parametrize("base", [0, 9100])
+def test_worker_base_port_numbers_encoders_then_decoders_then_prefill_workers(
+        base: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
+    monkeypatch.setenv("EPD_INSECURE", "1")
+    _, args = parse_args(["--model", "demo", "--num-encoders", "2", "--num-decoders", "1", "--num-prefills", "1",
+                          "--worker-base-port", str(base)])
+    group = RecordingGroup()
+    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    kinds = [("prefill" if "prefill" in extra else role) for role, extra in group.spawned]
+    assert kinds == ["encoder", "encoder", "decoder", "prefill"]
+    assert group.ports == ([base, base + 1, base + 2, base + 3] if base else [0, 0, 0, 0])

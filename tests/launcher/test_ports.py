@@ -6,6 +6,7 @@ The workers here are tests/launcher/fake_worker.py (no model): each waits for th
 the way encoders and decoders do (epd_common.cli.run_worker)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import errno
 import os
@@ -19,7 +20,9 @@ import httpx
 import pytest
 
 from epd_launcher import group as group_module
-from epd_launcher.group import RestartPolicy, Worker, WorkerGroup
+from epd_launcher import spawn as spawn_module
+from epd_launcher.flags import parse_args
+from epd_launcher.group import RestartPolicy, Worker, WorkerGroup, free_port
 
 
 @pytest.fixture
@@ -104,3 +107,40 @@ def test_stop_gives_the_ports_back(group: WorkerGroup, tmp_path: Path) -> None:
     group.wait_healthy(timeout=120)
     group.stop()
     _plain(port)  # free again for anyone
+
+
+def test_worker_base_port_gives_each_worker_its_own_port_and_a_taken_one_is_a_clear_error(
+        group: WorkerGroup, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    go.touch()
+    for _ in range(3):  # another program may take the port picked free before the spawn holds it: pick again
+        wanted = free_port()
+        try:
+            w = group.spawn("decoder", "none", "127.0.0.1", 1, ["--go", str(go)], port=wanted)
+            break
+        except SystemExit:
+            continue
+    else:
+        pytest.fail("no free port could be held three times in a row")
+    assert _port(w) == wanted
+    _others_cannot_take(wanted)
+    group.wait_healthy(timeout=120)
+    assert _served_by(w) == w.proc.pid
+    with socket.socket() as taken:  # held by another program (no SO_REUSEPORT): the launcher says so and stops
+        taken.bind(("127.0.0.1", 0))
+        with pytest.raises(SystemExit, match=rf"port {taken.getsockname()[1]} .*--worker-base-port"):
+            group.spawn("decoder", "none", "127.0.0.1", 1, ["--go", str(go)], port=taken.getsockname()[1])
+
+
+def test_the_ports_run_encoders_then_decoders_then_prefill_workers_from_the_base() -> None:
+    assert [spawn_module._port(argparse.Namespace(worker_base_port=9100), i) for i in range(4)] == [9100, 9101, 9102,
+                                                                                                  9103]
+    assert spawn_module._port(argparse.Namespace(worker_base_port=0), 3) == 0  # fresh ports
+    _, args = parse_args(["--model", "demo", "--worker-base-port", "9100"])
+    assert args.worker_base_port == 9100
+    for bad in ("80", "65500", "x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "demo", "--worker-base-port", bad])
+    with pytest.raises(SystemExit):  # a launcher-mode flag: attach mode spawns nothing
+        parse_args(["--worker-base-port", "9100", "--encode-servers-urls", "http://e:1", "--decode-servers-urls",
+                    "http://d:2"])
