@@ -220,16 +220,9 @@ class Generation:
         if event.handoff is None or self.role != "prefill":
             return Event(type="error", message="a decoder sent a hand-off this request did not ask for")
         self.fleet.metrics.handoffs.inc()
-        self.handoff, self.role, self.tried = event.handoff, "decoder", set()
+        self.handoff, self.tried = event.handoff, set()
         self.finished = True  # the prefill worker holds the prompt's K/V in its prefix cache now
-        await self.close_stream()
-        self._release()
-        try:
-            await self.open(self.sources)
-        except APIError as exc:
-            logger.warning("no decode worker could continue the hand-off: %s", exc.message)
-            return Event(type="error", message=f"no decode worker could continue the request: {exc.message}")
-        return None
+        return await self._to_decoder("continue")
 
     async def _declined(self, event: Event) -> Event | None:
         """The prefill worker declined the hand-off (a short prompt: its --handoff-min-tokens): the request runs on a
@@ -238,14 +231,19 @@ class Generation:
             return Event(type="error", message="a decoder declined a hand-off this request did not ask for")
         self.fleet.metrics.handoffs_declined.inc()
         logger.debug("prefill worker declined the hand-off: %s", event.message)
+        return await self._to_decoder("take")
+
+    async def _to_decoder(self, verb: str) -> Event | None:
+        """Leave the prefill worker and open the generation on a decode worker; an error event when none can
+        `verb` the request."""
         self.role = "decoder"
         await self.close_stream()
         self._release()
         try:
             await self.open(self.sources)
         except APIError as exc:
-            logger.warning("no decode worker could take a declined hand-off: %s", exc.message)
-            return Event(type="error", message=f"no decode worker could take the request: {exc.message}")
+            logger.warning("no decode worker could %s the request: %s", verb, exc.message)
+            return Event(type="error", message=f"no decode worker could {verb} the request: {exc.message}")
         return None
 
     def _seen(self, event: Event) -> Event:

@@ -13,24 +13,14 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from epd_launcher import group as group_module
 from epd_launcher import spawn as spawn_module
 from epd_launcher.flags import parse_args
-from epd_launcher.group import RestartPolicy, Worker, WorkerGroup, free_port
-
-
-@pytest.fixture
-def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[WorkerGroup]:
-    monkeypatch.setitem(group_module.WORKER_MODULES, "decoder", "tests.launcher.fake_worker")
-    g = WorkerGroup(policy=RestartPolicy(backoff=0.0))
-    yield g
-    g.stop()
+from epd_launcher.group import Worker, WorkerGroup, free_port
 
 
 def _plain(port: int) -> None:

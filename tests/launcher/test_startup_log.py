@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from epd_launcher import group as group_module
-from epd_launcher.group import RestartPolicy, WorkerGroup
+from epd_launcher.group import WorkerGroup
 
 
 class _GoOnProgress(logging.Handler):
@@ -27,14 +25,6 @@ class _GoOnProgress(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("still loading"):
             self.go.touch()
-
-
-@pytest.fixture
-def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[WorkerGroup]:
-    monkeypatch.setitem(group_module.WORKER_MODULES, "decoder", "tests.launcher.fake_worker")
-    g = WorkerGroup(policy=RestartPolicy(backoff=0.0))
-    yield g
-    g.stop()
 
 
 def test_wait_healthy_logs_each_worker_loading_then_ready_with_its_seconds(
