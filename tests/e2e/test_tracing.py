@@ -136,3 +136,15 @@ def test_a_request_that_is_not_sampled_sends_nothing(traced: tuple[Stack, Receiv
     assert [s for s in receiver.spans if s["trace"] == quiet_id] == []
     # with --otlp-traces-sample-ratio 0, a request without a traceparent is not traced either
     assert ask_colour(stack.base_url, demo_png("red", 44)).status_code == 200
+
+
+@pytest.mark.parametrize("junk", ["garbage", "00-" + "0" * 32 + "-" + "0" * 16 + "-01", "ff-" + "a" * 32 + "-" + "b" * 16
+                                  + "-01", "00-" + "a" * 32 + "-" + "b" * 16 + "-01-extra" * 50])
+def test_a_malformed_traceparent_is_ignored_and_the_request_answered(traced: tuple[Stack, Receiver],
+                                                                   junk: str) -> None:
+    stack, receiver = traced
+    assert ask_colour(stack.base_url, demo_png("red", 45), headers={"traceparent": junk}).status_code == 200
+    loud_id, _, loud = traceparent(sampled=True)  # once this one's spans are in, the junk one's would be too
+    assert ask_colour(stack.base_url, demo_png("red", 46), headers={"traceparent": loud}).status_code == 200
+    receiver.trace(loud_id, {(PROXY, CHAT), (DECODER, GENERATE)})
+    assert not [s for s in receiver.spans if s["trace"] in junk]  # not continued (and ratio 0: no new root)
