@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "deregister":
         return 0 if announce("DELETE", args, key) else 1
     stop = threading.Event()
+    # NOTE: set from another thread: the handler runs in this thread, which may hold the event's lock inside
+    # stop.wait(), and Event.set() here would then wait for that lock forever (it hung a SIGTERM in CI)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: threading.Thread(target=stop.set, name="epd-register-stop").start())
     run(args, key, stop)
     return 0
 

@@ -84,7 +84,14 @@ def register(fake: FakeProxy, *args: str) -> subprocess.Popen[str]:
 
 
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    out, _ = proc.communicate(timeout=15)
+    """Its exit code and output; one that does not exit is killed (and the test fails), its pipe closed."""
+    with proc:
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            pytest.fail(f"epd_register.py did not exit within 60 s of being asked to: {out}")
     return proc.returncode, out
 
 
