@@ -2,7 +2,7 @@
 
     python deploy/lock.py            (make lock; needs `uv` on PATH or in .venv/bin, and the package index)
 
-Input: pyproject.toml's [project].dependencies. The proxy image takes those minus PROXY_EXCLUDES (no torch, no
+Input: pyproject.toml's [project].dependencies and the IMAGE_EXTRAS optional ones. The proxy image takes those minus PROXY_EXCLUDES (no torch, no
 transformers, no numpy: the proxy and scheduler import none of them, tests/test_torch_free.py and an import-linter
 contract keep it so, and the image build and the smoke test run the proxy without them). The worker images take all of them, with torch pinned to TORCH_CPU or TORCH_CUDA.
 Every lock also pins pip itself (the image build installs from the wheelhouse with it).
@@ -28,6 +28,8 @@ TORCH_CPU = "torch==2.13.0+cpu"  # https://download.pytorch.org/whl/cpu (here: /
 TORCH_CUDA = "torch==2.13.0"  # PyPI's Linux wheel: a CUDA build that brings its own CUDA libraries
 PROXY_EXCLUDES = {"torch", "transformers", "tokenizers", "safetensors", "llguidance", "tqdm", "numpy"}
 PIP = "pip>=25"
+# optional extras every image carries: `tracing` (--otlp-traces-endpoint; imported only when it is given)
+IMAGE_EXTRAS = ("tracing",)
 # where the CPU torch wheel is found: PyTorch's CPU index, or a folder of wheels (FIND_LINKS) on an offline host
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -37,7 +39,8 @@ def dependency_name(spec: str) -> str:
 
 
 def inputs() -> dict[str, list[str]]:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + [d for extra in IMAGE_EXTRAS for d in project["optional-dependencies"][extra]]
     others = [d for d in deps if dependency_name(d) != "torch"]
     return {
         "proxy": [d for d in others if dependency_name(d) not in PROXY_EXCLUDES] + [PIP],

@@ -67,6 +67,17 @@ def test_every_pin_is_exact_hashed_and_within_pyprojects_range(name: str) -> Non
     assert "pip" in locked  # the image build runs this pip from its wheel
 
 
+@pytest.mark.parametrize("name", LOCKS)
+def test_every_image_carries_the_tracing_extra(name: str) -> None:
+    """--otlp-traces-endpoint works in the images: the SDK and the OTLP exporter are pinned, as pyproject's
+    `tracing` extra asks."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tracing"]
+    locked = pins(name)
+    for req in map(Requirement, extra):
+        assert canonicalize_name(req.name) in locked, f"{name}.txt does not pin {req.name}"
+        assert req.specifier.contains(locked[canonicalize_name(req.name)][0], prereleases=True)
+
+
 def test_the_proxy_lock_has_no_torch_transformers_or_numpy_even_indirectly() -> None:
     proxy, worker = pins("proxy"), pins("worker-cpu")
     assert not {"torch", "transformers", "numpy", "tokenizers", "safetensors", "triton"} & set(proxy)
