@@ -27,6 +27,7 @@ from connector.control.security import CurveConfig
 from decoder_service.engine.kv_blocks import KVRefused, check_blocks, export_blocks, kv_layout
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.sequence import Job, Sequence
+from epd_common.tracing import span
 from epd_contracts.generate import Event, Handoff, HandoffChoice
 from epd_contracts.kv import KVChoice, KVLayout
 
@@ -71,7 +72,7 @@ def resume_from(handoff: Handoff, num_tokens: int, fetch: KVFetch | None, layout
         return Resume(handoff, None, f"the hand-off covers {handoff.num_tokens} positions, the prompt here has "
                                      f"{num_tokens}")
     try:
-        got = fetch(handoff.source, handoff.key, layout, held, timeout)
+        got = _fetched(fetch, handoff, layout, held, timeout)
         want_blocks = -(-num_tokens // layout.block_size)
         if got.num_tokens != num_tokens or got.num_blocks != want_blocks or got.first_block != held \
                 or got.blocks.shape[0] != want_blocks - held:
@@ -86,6 +87,16 @@ def resume_from(handoff: Handoff, num_tokens: int, fetch: KVFetch | None, layout
                        type(exc).__name__, exc)
         return Resume(handoff, None, f"{type(exc).__name__}: {exc}")
     return Resume(handoff, got.blocks, first_block=held)
+
+
+def _fetched(fetch: KVFetch, handoff: Handoff, layout: KVLayout, held: int, timeout: float) -> Any:
+    """The fetch, traced as `kv.get` (the prefill worker's `kv.serve` is its child): bytes and transport."""
+    with span("kv.get", {"epd.first_block": held}, "client") as traced:
+        got = fetch(handoff.source, handoff.key, layout, held, timeout)
+        if traced is not None:
+            traced.set_attributes({"epd.bytes": int(got.blocks.nbytes), "epd.blocks": int(got.blocks.shape[0]),
+                                   "epd.transport": "shm" if getattr(got, "shm", False) else "socket"})
+        return got
 
 
 class KVKeep(Protocol):

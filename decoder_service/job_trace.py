@@ -1,16 +1,24 @@
 """A finished job's engine times as spans of its /generate span (epd_common/tracing.py): the engine thread only
-notes times (Job.arrival, Job.admitted, Job.token_times); the spans are made here, on the request's own thread,
-once its stream ends, and cost nothing while tracing is off."""
+notes times (Job.arrival, Job.admitted, Job.token_times, and while tracing is on Job.prefill_chunks); the spans are
+made here, on the request's own thread, once its stream ends, and cost nothing while tracing is off."""
 from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from decoder_service.engine.sequence import Job
 from epd_common import tracing
 
+if TYPE_CHECKING:
+    from decoder_service.engine.sequence import Sequence
+    from decoder_service.engine.step_inputs import Row
+
 
 def trace_job(job: Job) -> None:
     """`queue` (submitted to admitted), `prefill` (admitted to the first token; `resume` for a request continued from
-    a prefill worker's hand-off), a `first_token` event, and `decode` as one span (first to last token, never a span
-    per token)."""
+    a prefill worker's hand-off) with a `prefill_chunk` event per chunk its prompt was prefilled in, a `first_token`
+    event, and `decode` as one span (first to last token, never a span per token)."""
     if not tracing.enabled():
         return
     admitted, times, work = job.admitted or job.arrival, job.token_times, job.work
@@ -18,9 +26,35 @@ def trace_job(job: Job) -> None:
     if not times:
         return
     first, resumed = times[0], work.resume is not None
+    chunks = [("prefill_chunk", at, {"epd.tokens": n}) for at, n in job.prefill_chunks if at <= first]
     tracing.record("resume" if resumed else "prefill", admitted, first,
                    {"epd.prompt_tokens": job.prompt.num_tokens, "epd.reused_tokens": job.reused_tokens,
-                    "epd.kv_received": resumed and work.resume is not None and work.resume.kv is not None})
+                    "epd.kv_received": resumed and work.resume is not None and work.resume.kv is not None,
+                    "epd.chunks": len(chunks)}, chunks)
     tracing.add_event("first_token", first)
     if len(times) > 1:
         tracing.record("decode", first, times[-1], {"epd.tokens": len(times), "epd.choices": job.params.n})
+
+
+def prefilling(rows: Mapping[Hashable, Row]) -> dict[Hashable, int] | None:
+    """Engine thread, before a step's forward, while tracing is on: each row still prefilling -> its length."""
+    if not tracing.enabled():
+        return None
+    return {key: row.length for key, row in rows.items() if not row.prefilled}
+
+
+def note_chunks(before: Mapping[Hashable, int], rows: Mapping[Hashable, Row], running: Mapping[Any, Sequence]) -> None:
+    """Engine thread, after the forward: each row that prefilled a chunk notes (time, tokens) on its job."""
+    now = time.perf_counter()  # NOTE: on CUDA, when the forward was queued (no sync here)
+    for key, length in before.items():
+        row, seq = rows.get(key), running.get(key)
+        if row is not None and seq is not None and row.length > length:
+            seq.job.prefill_chunks.append((now, row.length - length))
+
+
+def gather_transport(received: Mapping[str, int], inline: bool) -> dict[str, str | int]:
+    """The `gather` span's transport: how its embeddings came (connector/tensors/consumer.py `received`)."""
+    if inline:
+        return {"epd.transport": "inline", "epd.bytes.fetched": 0}  # aggregated: encoded here
+    ways = [way for way in ("shm", "socket") if received.get(way, 0) > 0]
+    return {"epd.transport": "+".join(ways) or "cache", "epd.bytes.fetched": sum(received.values())}

@@ -11,6 +11,8 @@ from prometheus_client.utils import floatToGoString
 
 from epd_common.metrics import CONSUMER_KEYS, LATENCY_BUCKETS, cache_gauges
 
+BYTE_BUCKETS = tuple(float(1 << k) for k in range(10, 33, 2))  # 1 KiB to 4 GiB, powers of 4
+
 
 class DecoderMetrics:
     def __init__(self, registry: CollectorRegistry, cache_stats: Callable[[], dict[str, Any]]):
@@ -18,11 +20,21 @@ class DecoderMetrics:
         self.handoffs = Counter("epd_decoder_handoff_resumes", "Requests continued from a prefill worker's hand-off, by "
                                 "how their prompt's K/V came: kv (received) or recomputed (prefilled here: the blocks "
                                 "could not be had)", ["how"], registry=registry)
-        self.ttft = TokenHistogram("epd_decoder_ttft_seconds", "Arrival to first token", registry)
-        self.itl = TokenHistogram("epd_decoder_inter_token_seconds", "Between consecutive tokens", registry)
-        self.e2e = Histogram("epd_decoder_e2e_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = TokenHistogram("epd_decoder_time_to_first_token_seconds", "Arrival to first token", registry)
+        self.itl = TokenHistogram("epd_decoder_inter_token_latency_seconds", "Between consecutive tokens", registry)
+        self.e2e = Histogram("epd_decoder_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        # a finished choice's phases, as vLLM splits a request's: queued, prefill, decode (request_finished)
+        self.queue_time = Histogram("epd_decoder_request_queue_time_seconds", "Arrival to admission by the engine's "
+                                    "scheduler", buckets=LATENCY_BUCKETS, registry=registry)
+        self.prefill_time = Histogram("epd_decoder_request_prefill_time_seconds", "Admission to first token",
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.decode_time = Histogram("epd_decoder_request_decode_time_seconds", "First token to last token",
+                                     buckets=LATENCY_BUCKETS, registry=registry)
         self.gather = Histogram("epd_decoder_gather_seconds", "Fetching embeddings by mm_hash", buckets=LATENCY_BUCKETS,
                                 registry=registry)
+        self.gathered_bytes = Histogram("epd_decoder_gathered_bytes", "Embedding bytes one request gathered (requests "
+                                        "with images, from the connector)", buckets=BYTE_BUCKETS, registry=registry)
         self.generated_tokens = Counter("epd_decoder_generated_tokens", "Tokens produced", registry=registry)
         self.prompt_tokens = Counter("epd_decoder_prompt_tokens", "Prompt tokens prefilled", registry=registry)
         self.waiting = Gauge("epd_decoder_waiting", "Requests queued or running", registry=registry)
@@ -31,6 +43,14 @@ class DecoderMetrics:
         self.prefix_stats: Callable[[], dict[str, int]] = dict  # the engine's prefix cache, once it runs one
         self.kv_stats: Callable[[], dict[str, int]] = dict  # the engine's K/V pool, once it runs
         registry.register(_PrefixCollector(self))
+
+    def request_finished(self, arrival: float, admitted: float, first: float, last: float) -> None:
+        """One finished choice's queue, prefill and decode times (perf_counter() stamps; 0: never reached)."""
+        if admitted:
+            self.queue_time.observe(admitted - arrival)
+            if first:
+                self.prefill_time.observe(first - admitted)
+                self.decode_time.observe(last - first)
 
 
 class TokenHistogram:

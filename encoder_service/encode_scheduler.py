@@ -17,6 +17,7 @@ forwards within a budget, each request served in turn, and work past a bound ref
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ class _Item:
     cost: int  # vision tokens
     future: Future[Encoded]
     queued: float = field(default_factory=time.perf_counter)
+    batch: tuple[int, int] = (0, 0)  # the id and size of the vision forward it ran in (set before its future)
 
 
 @dataclass(frozen=True)
@@ -75,14 +77,17 @@ class EncodeScheduler:
         self._cond = threading.Condition()
         self._closed = False
         self.num_batches = 0
+        self._batch_ids = itertools.count(1)  # each vision forward's id, this process's (traces name it)
         self._thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
         self._thread.start()
 
     # -- callers (the event loop) ------------------------------------------------------------------------------
-    async def submit(self, key: str, jobs: Sequence[tuple[Job, int]]) -> dict[str, Encoded]:
+    async def submit(self, key: str, jobs: Sequence[tuple[Job, int]],
+                     batches: dict[int, int] | None = None) -> dict[str, Encoded]:
         """Queue `jobs` (each with its cost in vision tokens) under request `key`; their results by mm_hash once
         all have run. Raises Busy (nothing queued) past the pending bound; a failed item raises its error (the
-        call's others may still run: their results stay in the store). Cancelling drops the items not started."""
+        call's others may still run: their results stay in the store). Cancelling drops the items not started.
+        `batches`: filled with the id -> size of each vision forward the items ran in."""
         items = [_Item(key, job, max(1, cost), Future()) for job, cost in jobs]
         if not items:
             return {}
@@ -102,6 +107,8 @@ class EncodeScheduler:
         finally:
             for it in items:
                 it.future.cancel()  # a no-op once started or done
+        if batches is not None:
+            batches.update(it.batch for it in items)
         return {it.job.mm_hash: out for it, out in zip(items, done, strict=True)}
 
     @property
@@ -165,6 +172,7 @@ class EncodeScheduler:
             # the batch's log lines carry its requests' ids (one id for a batch of one request's items)
             request_id_var.set(",".join(dict.fromkeys(it.key for it in batch)))
             start = time.perf_counter()
+            self._number(batch)
             done: dict[str, Any] | None = None
             failure: BaseException = RuntimeError("the batch returned nothing")
             try:
@@ -184,8 +192,14 @@ class EncodeScheduler:
                                type(failure).__name__, failure)
                 self._one_by_one(batch)
 
+    def _number(self, batch: list[_Item]) -> None:
+        batch_id = next(self._batch_ids)
+        for it in batch:
+            it.batch = (batch_id, len(batch))
+
     def _one_by_one(self, batch: list[_Item]) -> None:
         for it in batch:
+            self._number([it])
             try:
                 self._finish([it], self._run([it.job]))
             except BaseException as exc:  # noqa: BLE001

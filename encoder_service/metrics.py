@@ -11,6 +11,7 @@ from epd_common.metrics import LATENCY_BUCKETS, PRODUCER_KEYS, cache_gauges
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536)
+ITEM_BUCKETS = (0.001, 0.0025, *LATENCY_BUCKETS)  # an item of a batch on a GPU takes a few milliseconds
 
 
 class EncoderMetrics:
@@ -33,6 +34,9 @@ class EncoderMetrics:
                                      registry=registry)
         self.batch_tokens = Histogram("epd_encoder_batch_tokens", "Vision tokens per vision forward",
                                       buckets=TOKEN_BUCKETS, registry=registry)
+        self.item_encode = Histogram("epd_encoder_item_encode_seconds", "An item's share of its vision forward: the "
+                                     "forward's wall time over the items in it (observed once per item)",
+                                     buckets=ITEM_BUCKETS, registry=registry)
         self.queue_wait = Histogram("epd_encoder_queue_wait_seconds", "An item's wait for its vision forward",
                                     buckets=LATENCY_BUCKETS, registry=registry)
         cache_gauges(registry, "epd_ec_cache", "Embedding cache (producer side)", cache_stats)

@@ -103,6 +103,7 @@ def build_scheduler(cfg: EncoderConfig, w: EncoderWorker, m: EncoderMetrics) -> 
         m.batch_tokens.observe(stats.tokens)
         for wait in stats.waits:
             m.queue_wait.observe(wait)
+            m.item_encode.observe(stats.seconds / stats.items)
     return EncodeScheduler(w.run, cfg.max_encode_batch_items, cfg.max_encode_batch_tokens,
                            cfg.max_pending_encode_tokens, w.vision.batches_exactly, on_batch,
                            on_failed=lambda hashes: w.producer.mark_failed(hashes))
@@ -150,8 +151,11 @@ async def encode(request: Request) -> Response:
         if jobs and (ungathered := w.producer.ungathered_bytes(request_id_var.get())) > state.cfg.ungathered_limit:
             raise Busy(ungathered, None, state.cfg.ungathered_limit, "bytes of embeddings wait for decoders to gather them")
         assert state.scheduler is not None  # ready() said so
-        with span("encode", {"epd.items.held": len(held), "epd.items.encoded": len(jobs)}):  # batched with others
-            done = {**held, **await state.scheduler.submit(request_id_var.get(), jobs)}
+        batches: dict[int, int] = {}  # the vision forwards its items ran in: id -> items (other requests' too)
+        with span("encode", {"epd.items.held": len(held), "epd.items.encoded": len(jobs)}) as traced:
+            done = {**held, **await state.scheduler.submit(request_id_var.get(), jobs, batches)}
+            if traced is not None and batches:
+                traced.set_attributes({"epd.batch_ids": list(batches), "epd.batch_sizes": list(batches.values())})
     except Busy as exc:
         m.requests.labels("503").inc()
         raise APIError(503, f"encoder busy: {exc}", code="encoder_busy",

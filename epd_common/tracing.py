@@ -108,25 +108,30 @@ def _kind(name: str) -> Any:
 
 @contextlib.contextmanager
 def span(name: str, attributes: dict[str, Any] | None = None, kind: str = "internal",
-         parent: str | None = None) -> Iterator[Any]:
-    """A child of the current span (or of `parent`, a traceparent), current while the block runs; None when off."""
+         parent: str | None = None, record_exception: bool = True) -> Iterator[Any]:
+    """A child of the current span (or of `parent`, a traceparent), current while the block runs; None when off.
+    An exception out of the block marks the span failed (and, with `record_exception`, adds its traceback)."""
     if not _state:
         yield None
         return
     from opentelemetry import context
     ctx = _state["propagator"].extract({TRACEPARENT: parent}) if parent else context.get_current()
-    with _state["tracer"].start_as_current_span(name, context=ctx, kind=_kind(kind), attributes=attributes) as s:
+    with _state["tracer"].start_as_current_span(name, context=ctx, kind=_kind(kind), attributes=attributes,
+                                                record_exception=record_exception) as s:
         yield s
 
 
+Event = tuple[str, float] | tuple[str, float, dict[str, Any]]  # (name, perf_counter() time[, attributes])
+
+
 def record(name: str, start_s: float, end_s: float, attributes: dict[str, Any] | None = None,
-           events: Sequence[tuple[str, float]] = ()) -> None:
-    """A finished child of the current span from perf_counter() times (what an engine thread noted)."""
+           events: Sequence[Event] = ()) -> None:
+    """A finished child of the current span from perf_counter() times (what an engine thread noted), with `events`."""
     if not _state:
         return
     s = _state["tracer"].start_span(name, start_time=_ns(start_s), attributes=attributes)
-    for event, at in events:
-        s.add_event(event, timestamp=_ns(at))
+    for event, at, *attrs in events:
+        s.add_event(event, attributes=attrs[0] if attrs else None, timestamp=_ns(at))
     s.end(end_time=_ns(max(start_s, end_s)))
 
 

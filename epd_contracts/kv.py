@@ -70,6 +70,8 @@ class KVGetRequest(_Header, tag="kv_get"):
     layout: KVLayout
     first_block: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0
     shm: bool = False
+    # the decode worker's `kv.get` span (W3C traceparent) when tracing is on: the server's `kv.serve` is its child
+    traceparent: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class KVGetReply(_Header, tag="kv_reply"):

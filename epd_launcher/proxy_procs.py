@@ -3,7 +3,9 @@
 Each process binds its own SO_REUSEPORT socket (epd_common.server.reuseport_socket) and the kernel spreads new
 connections over them. Process 0 is the caller; the others are started with `spawn` (never fork: the launcher has
 threads) and each builds its own app from the same ProxyConfig: its own fleet, health probes and cache index (fed by
-the encoders' ZeroMQ events), its own /metrics. Nothing is shared between them, so nothing is locked.
+the encoders' ZeroMQ events). Nothing is shared between them, so nothing is locked, but their metrics: each
+process keeps its values in files of one directory (prometheus_client's multiprocess mode, made here and removed
+on the way out), and a scrape of /metrics on any of them answers the sum over all.
 Children never outlive process 0: it stops them on its way out, and each gets SIGTERM if process 0 dies (even by
 SIGKILL). A child that dies unexpectedly is logged and restarted under the launcher's RestartPolicy.
 """
@@ -13,15 +15,21 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from prometheus_client.multiprocess import mark_process_dead
 
 from epd_common.logs import setup_logging
+from epd_common.metrics import use_multiprocess
 from epd_common.server import HttpLimits, reuseport_socket, serve
 from epd_launcher.flags import MAX_PROXY_WORKERS
 from epd_launcher.group import STOP_MARGIN_S, RestartPolicy
@@ -32,6 +40,7 @@ logger = logging.getLogger("epd.proxy")
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.5  # how often process 0 looks at its children
+METRICS_PREFIX = "epd-proxy-metrics-"  # + the launcher's pid: its processes' metric files, under $TMPDIR
 
 
 def serve_proxies(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy | None = None,
@@ -41,20 +50,45 @@ def serve_proxies(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy | None
     sock = reuseport_socket(cfg.host, cfg.port)  # before the children: a port error stops us here
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; SystemExit lets the `finally` stop the children
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    children = ProxyChildren(cfg, num_procs - 1, policy or RestartPolicy())
+    remove_stale_metrics(Path(tempfile.gettempdir()))
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
+    children = ProxyChildren(cfg, num_procs - 1, policy or RestartPolicy(), metrics_dir)
     try:
+        use_multiprocess(metrics_dir)  # NOTE: the workers were spawned before: their environment is without it
         children.start()
-        serve(create_app(cfg, on_ready), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg), sock=sock)
+        serve(create_app(cfg, on_ready, metrics_dir), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg),
+              sock=sock)
     finally:
         children.stop()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def remove_stale_metrics(tmp: Path) -> None:
+    """Remove the metrics directories of launchers that died without removing theirs (SIGKILL): those whose pid
+    (in the name) no longer runs. One whose pid runs again (reused) is left: never one that may be live."""
+    for path in tmp.glob(f"{METRICS_PREFIX}*-*"):
+        pid = path.name.removeprefix(METRICS_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("removed %s: its launcher (pid %s) is gone", path, pid)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class ProxyChildren:
     """Processes 1..N-1: started, watched (an exit is logged and restarted with backoff), stopped; stop() is
     idempotent."""
 
-    def __init__(self, cfg: ProxyConfig, num: int, policy: RestartPolicy) -> None:
-        self.cfg, self.num, self.policy = cfg, num, policy
+    def __init__(self, cfg: ProxyConfig, num: int, policy: RestartPolicy, metrics_dir: str) -> None:
+        self.cfg, self.num, self.policy, self.metrics_dir = cfg, num, policy, metrics_dir
         self.procs: list[BaseProcess] = []
         self._ctx = multiprocessing.get_context("spawn")
         self._restarts: list[deque[float]] = [deque() for _ in range(num)]  # per child: monotonic restart times
@@ -69,8 +103,8 @@ class ProxyChildren:
             self._thread.start()
 
     def _spawn(self, i: int) -> BaseProcess:
-        proc = self._ctx.Process(target=child_main, args=(self.cfg, i + 1, os.getpid()), name=f"epd-proxy-{i + 1}",
-                                 daemon=True)
+        proc = self._ctx.Process(target=child_main, args=(self.cfg, i + 1, os.getpid(), self.metrics_dir),
+                                 name=f"epd-proxy-{i + 1}", daemon=True)
         proc.start()
         logger.info("started proxy process %d: pid=%s", i + 1, proc.pid)
         return proc
@@ -82,7 +116,9 @@ class ProxyChildren:
                     self._on_exit(i, proc.exitcode)
 
     def _on_exit(self, i: int, code: int) -> None:
-        """An unexpected exit: restart after a doubling backoff, or leave it down past --max-restarts."""
+        """An unexpected exit: restart after a doubling backoff, or leave it down past --max-restarts. Its counters
+        and histograms stay in the sum; its in-flight gauge leaves it."""
+        mark_process_dead(self.procs[i].pid, self.metrics_dir)
         restarts = self._restarts[i]
         delay = self.policy.next_delay(restarts, time.monotonic())
         if delay is None:
@@ -114,13 +150,14 @@ class ProxyChildren:
                 proc.join()
 
 
-def child_main(cfg: ProxyConfig, index: int, parent_pid: int) -> None:
+def child_main(cfg: ProxyConfig, index: int, parent_pid: int, metrics_dir: str) -> None:
     """A spawned proxy process: die with process 0, then serve `cfg` on a socket of its own on the shared port."""
     _die_with(parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn re-raises it after its shutdown: exit 0
     setup_logging(f"proxy-{index}", cfg.log_level)
+    use_multiprocess(metrics_dir)
     sock = reuseport_socket(cfg.host, cfg.port)
-    serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg), sock=sock)
+    serve(create_app(cfg, metrics_dir=metrics_dir), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg), sock=sock)
 
 
 def _die_with(parent_pid: int) -> None:

@@ -50,9 +50,11 @@ class _LimitsAndCounts:
             self.in_flight.dec()
 
 
-def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The app around one ProxyState (app.state.proxy), which its lifespan starts and stops."""
-    state = ProxyState(cfg, on_ready)
+def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None,
+               metrics_dir: str | None = None) -> FastAPI:
+    """The app around one ProxyState (app.state.proxy), which its lifespan starts and stops. `metrics_dir`: one of
+    several proxy processes (--proxy-workers N) in prometheus_client's multiprocess mode: /metrics adds them up."""
+    state = ProxyState(cfg, on_ready, metrics_dir)
     # with an API key, the OpenAPI document needs it too, and the browser pages (which fetch it without the key) are
     # off; without one, all three are open like the rest of the API
     app = FastAPI(title="EPD proxy", lifespan=state.lifespan, docs_url=None if cfg.api_key else "/docs",
@@ -61,7 +63,7 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> 
     install_error_handlers(app)
     start_tracing("epd-proxy", cfg)  # --otlp-traces-endpoint: this process's spans (each proxy process its own)
     install_tracing(app, ("/v1/chat/completions", "/v1/completions"))
-    install_metrics(app, state.metrics.registry)
+    install_metrics(app, state.metrics.scrape)
     install_api_key(app, cfg.api_key, ("/v1/", "/openapi.json"))  # inside the counting middleware: 401s are counted too
     app.add_middleware(_LimitsAndCounts, max_body_bytes=cfg.max_body_bytes, body_read_timeout=cfg.body_read_timeout,
                        requests=state.metrics.requests, in_flight=state.metrics.in_flight)

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from epd_common.tracing import span
 from proxy.config import ProxyConfig
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -118,6 +119,23 @@ def fetch_http(url: str, kind: MediaKind, cfg: ProxyConfig, request_deadline: fl
     """GET an image or a video, following redirects by hand so each hop is checked before any connection is made."""
     deadline = download_deadline(cfg, request_deadline, kind)
     target = parse_http_url(url, kind)
+    # traced without the URL's path and query (they may carry tokens): its scheme and host only, and no traceback
+    # (a chained httpx error may quote the URL); a failure is its error code
+    with span("media.fetch", {"epd.kind": kind.name, "url.scheme": target.scheme, "server.address": target.host},
+              "client", record_exception=False) as traced:
+        try:
+            data = _follow(target, kind, cfg, deadline)
+        except MediaError as exc:
+            if traced is not None:
+                traced.set_attribute("error.type", exc.code)
+            raise
+        if traced is not None:
+            traced.set_attribute("epd.bytes", len(data))
+        return data
+
+
+def _follow(target: httpx.URL, kind: MediaKind, cfg: ProxyConfig, deadline: Deadline) -> bytes:
+    """The file at `target`, through at most MAX_REDIRECTS redirects, each hop checked before it is contacted."""
     for _ in range(MAX_REDIRECTS + 1):
         addresses = check_fetch_target(target, cfg, kind)
         outcome = fetch_once(target, addresses, cfg, deadline)

@@ -1,12 +1,13 @@
 """Prometheus metrics of the proxy."""
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from epd_common.metrics import LATENCY_BUCKETS
+from epd_common.metrics import LATENCY_BUCKETS, multiprocess_registry
 from proxy.affinity import ROUTES
 from proxy.workers import ROLES
 
@@ -15,22 +16,25 @@ if TYPE_CHECKING:
 
 
 class ProxyMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.registry = registry
+    """The proxy's metrics. With a `multiprocess_dir` (--proxy-workers N), the caller has switched this process to
+    prometheus_client's multiprocess mode (epd_common.metrics.use_multiprocess) before making them."""
+
+    def __init__(self, registry: CollectorRegistry, multiprocess_dir: str | None = None):
+        self.registry, self.multiprocess_dir = registry, multiprocess_dir
         self.requests = Counter("epd_proxy_requests", "Chat and text completions by endpoint and HTTP status (refusals "
                                 "and 500s included)", ["endpoint", "status"], registry=registry)
         self.in_flight = Gauge("epd_proxy_requests_in_flight", "Chat and text completions being answered",
-                               registry=registry)
+                               registry=registry, multiprocess_mode="livesum")  # --proxy-workers N: all processes
         self.prompt_tokens = Counter("epd_proxy_prompt_tokens", "Prompt tokens of answered requests (image tokens "
                                      "included; vLLM's prompt_tokens)", registry=registry)
         self.generation_tokens = Counter("epd_proxy_generation_tokens", "Tokens generated for answered requests, every "
                                          "choice's (vLLM's generation_tokens)", registry=registry)
-        self.ttft = Histogram("epd_proxy_ttft_seconds", "Arrival to first content token", buckets=LATENCY_BUCKETS,
-                              registry=registry)
-        self.itl = Histogram("epd_proxy_inter_token_seconds", "Between streamed chunks", buckets=LATENCY_BUCKETS,
-                             registry=registry)
-        self.e2e = Histogram("epd_proxy_e2e_seconds", "Arrival to the end of the answer", buckets=LATENCY_BUCKETS,
-                             registry=registry)
+        self.ttft = Histogram("epd_proxy_time_to_first_token_seconds", "Arrival to first content token",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("epd_proxy_inter_token_latency_seconds", "Between streamed chunks",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("epd_proxy_e2e_request_latency_seconds", "Arrival to the end of the answer",
+                             buckets=LATENCY_BUCKETS, registry=registry)
         self.encode_seconds = Histogram("epd_proxy_encode_seconds", "Fan-out to encoders, per request",
                                         buckets=LATENCY_BUCKETS, registry=registry)
         self.items_skipped = Counter("epd_proxy_items_skipped_cached", "Images not encoded: already cached",
@@ -52,7 +56,6 @@ class ProxyMetrics:
                                  registry=registry)
         self.workers_marked_down = Counter("epd_proxy_workers_marked_down", "Workers taken out of service", ["role"],
                                            registry=registry)
-        self.workers_healthy = Gauge("epd_proxy_workers_healthy", "Workers taking work", ["role"], registry=registry)
         for role in ("encoder", "decoder"):  # exported as 0 from the start, so dashboards and alerts see them
             self.failovers.labels(role)
             self.workers_marked_down.labels(role)
@@ -62,9 +65,8 @@ class ProxyMetrics:
                                        ["result"], registry=registry)
         for result in ROUTES:
             self.affinity_routed.labels(result)
-        self.encoder_outstanding = Gauge("epd_proxy_encoder_items_outstanding",
-                                         "Images sent to encoders and not finished (the proxy's encoder queue depth)",
-                                         registry=registry)
+        self.fleet_gauges = FleetGauges()
+        registry.register(self.fleet_gauges)
 
     def answered(self, usage: dict[str, Any]) -> None:
         """A finished answer's tokens (its usage, as the client gets it)."""
@@ -73,10 +75,29 @@ class ProxyMetrics:
 
     def watch(self, fleet: Fleet) -> None:
         """Gauges read from the fleet at scrape time."""
-        for role in ROLES:  # prefill workers (E -> P -> D) too: 0 when there are none
-            self.workers_healthy.labels(role).set_function(partial(_num_healthy, fleet, role))
-        self.encoder_outstanding.set_function(lambda: sum(fleet.scheduler.outstanding.values()))
+        self.fleet_gauges.fleet = fleet
+
+    @property
+    def scrape(self) -> CollectorRegistry:
+        """What /metrics answers: this registry, or with --proxy-workers N the sum over every proxy process's files
+        and this process's fleet gauges (each process probes the same workers)."""
+        if self.multiprocess_dir is None:
+            return self.registry
+        return multiprocess_registry(self.multiprocess_dir, self.fleet_gauges)
 
 
-def _num_healthy(fleet: Fleet, role: str) -> float:
-    return len(fleet.workers.healthy(role))
+class FleetGauges:
+    """The fleet's gauges, read at scrape time: healthy workers per role (prefill workers too: 0 when there are
+    none) and the encoder items outstanding. Not kept in files in multiprocess mode: the answering process's view."""
+
+    def __init__(self) -> None:
+        self.fleet: Fleet | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily("epd_proxy_workers_healthy", "Workers taking work", labels=["role"])
+        for role in ROLES:
+            healthy.add_metric([role], len(self.fleet.workers.healthy(role)) if self.fleet else 0)
+        yield healthy
+        yield GaugeMetricFamily("epd_proxy_encoder_items_outstanding", "Images sent to encoders and not finished (the "
+                                "proxy's encoder queue depth)",
+                                value=sum(self.fleet.scheduler.outstanding.values()) if self.fleet else 0)

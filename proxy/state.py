@@ -29,9 +29,10 @@ logger = logging.getLogger("epd.proxy")
 class ProxyState:
     """Config, metrics, the image fetch slots, and the fleet once every configured worker answered."""
 
-    def __init__(self, cfg: ProxyConfig, on_ready: Callable[[], None] | None = None) -> None:
+    def __init__(self, cfg: ProxyConfig, on_ready: Callable[[], None] | None = None,
+                 metrics_dir: str | None = None) -> None:
         self.cfg, self.on_ready = cfg, on_ready
-        self.metrics = ProxyMetrics(CollectorRegistry())
+        self.metrics = ProxyMetrics(CollectorRegistry(), metrics_dir)
         self.fetch_slots = FetchSlots(cfg.max_concurrent_fetches)  # image downloads at once, all requests together
         self.started: Fleet | None = None
 

@@ -27,6 +27,7 @@ MAX_ITEMS_PER_GET = 256  # default: a gather asks one producer for at most this 
 _PROBE_TIMEOUT_S = 2.0  # a producer that does not answer a shared-memory probe in this long is asked by socket
 
 Check = Callable[[ImageFeatures], "str | None"]  # a reason to refuse a received item, or None to keep it
+Received = dict[str, int]  # transport ("shm", "socket") -> bytes one gather fetched by it
 
 
 class ECConsumer:
@@ -60,7 +61,7 @@ class ECConsumer:
         self._num_refused = 0
 
     def gather(self, mm_hashes: list[str], sources: dict[str, str], timeout: float = 10.0,
-               wait_for: Collection[str] = ()) -> dict[str, ImageFeatures]:
+               wait_for: Collection[str] = (), received: Received | None = None) -> dict[str, ImageFeatures]:
         """Return every requested item, from the local cache or its source producer (mm_hash -> address).
 
         Items in `wait_for` may still be encoding: their producer holds the reply until they are stored
@@ -68,9 +69,11 @@ class ECConsumer:
 
         Every fetched item is passed to the consumer's `check`; an item it refuses is not cached, and once
         the good ones are cached gather raises InvalidEmbeddings({mm_hash: reason}).
+
+        `received`: the bytes fetched are added to it by transport, "shm" (mapped) and "socket" (frames).
         """
         if len(mm_hashes) == 1 and not wait_for:
-            one = self._gather_one(mm_hashes[0], sources.get(mm_hashes[0]), timeout)
+            one = self._gather_one(mm_hashes[0], sources.get(mm_hashes[0]), timeout, received)
             if one is not None:
                 return one
         wanted = list(dict.fromkeys(mm_hashes))
@@ -80,12 +83,13 @@ class ECConsumer:
             for h in wanted:
                 if h not in result and h in sources:
                     remote.setdefault(sources[h], []).append(h)
-            fetched = self._fetch(remote, timeout, set(wait_for)) if remote else {}
+            fetched = self._fetch(remote, timeout, set(wait_for), received) if remote else {}
             return self._gathered(result, fetched, wanted)
         finally:
             self._cache.unpin(wanted)
 
-    def _gather_one(self, mm_hash: str, address: str | None, timeout: float) -> dict[str, ImageFeatures] | None:
+    def _gather_one(self, mm_hash: str, address: str | None, timeout: float,
+                    received: Received | None) -> dict[str, ImageFeatures] | None:
         """The common gather, one item from one producer, inlined (same checks, counters and errors as the general
         path); None to take the general path: a producer to probe first, or a handle that failed to map."""
         wanted = [mm_hash]
@@ -115,7 +119,7 @@ class ECConsumer:
                     return None
                 if mm_hash in items:
                     fetched[mm_hash] = items[mm_hash]
-                    self._count(header, fetched, 0)
+                    self._count(header, fetched, 0, received)
             return self._gathered(held, fetched, wanted)
         finally:
             self._cache.unpin(wanted)
@@ -191,7 +195,8 @@ class ECConsumer:
         """Close every idle producer socket; the consumer cannot be used afterwards."""
         self._client.close()
 
-    def _fetch(self, remote: dict[str, list[str]], timeout: float, wait_for: set[str]) -> dict[str, ImageFeatures]:
+    def _fetch(self, remote: dict[str, list[str]], timeout: float, wait_for: set[str],
+               received: Received | None) -> dict[str, ImageFeatures]:
         """Send one `get` per producer at once (in rounds of max_items_per_get), keeping the items each was asked for."""
         deadline = time.monotonic() + timeout
         fetched: dict[str, ImageFeatures] = {}
@@ -201,15 +206,15 @@ class ECConsumer:
         n = self.max_items_per_get
         while todo and (remaining_s := deadline - time.monotonic()) > 0:
             chunks = {addr: hashes[:n] for addr, hashes in todo.items()}
-            got, more = self._fetch_round(chunks, remaining_s, wait_for)
+            got, more = self._fetch_round(chunks, remaining_s, wait_for, received)
             fetched.update(got)
             # NOTE: a producer answers at least one held item per get, so `more` shrinks every round
             todo = {addr: more.get(addr, []) + hashes[n:] for addr, hashes in todo.items()}
             todo = {addr: hashes for addr, hashes in todo.items() if hashes}
         return fetched
 
-    def _fetch_round(self, remote: dict[str, list[str]], timeout: float,
-                     wait_for: set[str]) -> tuple[dict[str, ImageFeatures], dict[str, list[str]]]:
+    def _fetch_round(self, remote: dict[str, list[str]], timeout: float, wait_for: set[str],
+                     received: Received | None) -> tuple[dict[str, ImageFeatures], dict[str, list[str]]]:
         """One get per producer; returns the items kept and, per producer, those it left out for its byte limit."""
         wait_ms = max(0, int((timeout - _WAIT_MARGIN_S) * 1000))
         pids = {addr: self._peers.pid(addr) for addr in remote}
@@ -230,7 +235,7 @@ class ECConsumer:
             asked = set(remote[addr])
             got = {h: items[h] for h in remote[addr] if h in items}
             fetched.update(got)
-            self._count(header, got, len(unmapped))
+            self._count(header, got, len(unmapped), received)
             retry = [h for h in unmapped if h in asked]
             if unmapped:  # asked again by socket in the next round of this gather
                 self._peers.failed(addr, next(iter(unmapped.values())))
@@ -238,10 +243,14 @@ class ECConsumer:
                 more[addr] = retry + [h for h in dict.fromkeys(more_of(header)) if h in asked and h not in items]
         return fetched, more
 
-    def _count(self, header: GetReply, got: dict[str, ImageFeatures], num_unmapped: int) -> None:
+    def _count(self, header: GetReply, got: dict[str, ImageFeatures], num_unmapped: int,
+               received: Received | None) -> None:
         """Items and bytes received by socket and by shared memory."""
         mapped = [got[item.mm_hash].nbytes for item in header.items if item.shm is not None and item.mm_hash in got]
         total = sum(features.nbytes for features in got.values())
+        if received is not None:
+            received["shm"] = received.get("shm", 0) + sum(mapped)
+            received["socket"] = received.get("socket", 0) + total - sum(mapped)
         with self._stats_lock:
             self._num_shm_items += len(mapped)
             self._num_shm_bytes += sum(mapped)

@@ -32,6 +32,7 @@ from connector.tensors.frames import DTYPES, tensor_buffer
 from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES, extent_error, layout_difference
 from connector.tensors.shm import ShmError, mapped_tensor, open_handle, probed_pid
 from connector.tensors.shm_peers import ShmPeers
+from epd_common.tracing import traceparent
 from epd_contracts.ec import ErrorReply, ShmProbe, ShmProbeReply
 from epd_contracts.kv import MAX_BLOCKS, MAX_CHOICES, KVChoice, KVGetReply, KVGetRequest, KVLayout
 
@@ -54,6 +55,7 @@ class KVFetched:
     first_block: int
     blocks: torch.Tensor = field(repr=False)  # CPU (num_blocks - first_block, *layout.block_shape), layout's dtype
     choices: list[KVChoice]
+    shm: bool = False  # the blocks came by shared-memory handle (else by frames)
 
 
 class KVClient:
@@ -96,7 +98,7 @@ class KVClient:
                pid: int | None) -> KVFetched:
         """One kv_get, with `shm` when `pid` (the probed producer's) is known; ShmError for a handle not mapped."""
         request = KVGetRequest(req_id=self._client.next_req_id(), key=key, layout=layout, first_block=first_block,
-                               shm=pid is not None)
+                               shm=pid is not None, traceparent=traceparent())
         timeout = round(max(0.0, deadline - time.monotonic()), 3)  # what is left of the fetch's
         try:
             reply = self._client.exchange_one(address, request, timeout)
@@ -110,7 +112,7 @@ class KVClient:
             blocks = _mapped(header, layout, pid, self.max_message_bytes, self.max_reply_bytes)
         self._count("socket_fetches" if header.shm is None else "shm_fetches")
         return KVFetched(num_tokens=header.num_tokens, num_blocks=header.num_blocks, first_block=header.first_block,
-                         blocks=blocks, choices=list(header.choices))
+                         blocks=blocks, choices=list(header.choices), shm=header.shm is not None)
 
     def _probe(self, address: str, timeout: float) -> None:
         """Ask for the server's probe segment and map it: only a server that passes gets `shm` gets."""

@@ -22,6 +22,7 @@ from connector.control.waker import Waker
 from connector.control.wire import WireError, apply_socket_limits, decode_message, encode_message, peek_req_id
 from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES, layout_difference
 from connector.tensors.kv_store import KVStore
+from epd_common.tracing import span
 from epd_contracts.ec import ErrorReply, Message, PingRequest, Pong, ShmProbe, ShmProbeReply
 from epd_contracts.kv import KVGetReply, KVGetRequest
 
@@ -142,7 +143,14 @@ class KVServer:
     def _handle(self, payload: list[bytes]) -> tuple[Message, list[memoryview]]:
         header, _ = decode_message(payload, max_bytes=0)  # requests carry no frames
         if isinstance(header, KVGetRequest):
-            return self._kv_get(header)
+            if not header.traceparent:
+                return self._kv_get(header)
+            with span("kv.serve", {"epd.first_block": header.first_block, "epd.shm": header.shm}, "server",
+                      header.traceparent) as traced:  # the send follows, outside the span
+                reply, blocks = self._kv_get(header, traced)
+                if traced is not None:
+                    traced.set_attribute("epd.found", reply.found)
+                return reply, blocks
         if isinstance(header, PingRequest):
             return Pong(req_id=header.req_id), []
         if isinstance(header, ShmProbe):
@@ -150,8 +158,8 @@ class KVServer:
             return ShmProbeReply(req_id=header.req_id, epoch=self._epoch, handle=self._store.probe_handle()), []
         raise WireError(f"{type(header).__name__} is not a request a KV server serves")
 
-    def _kv_get(self, request: KVGetRequest) -> tuple[KVGetReply, list[memoryview]]:
-        """The blocks from `first_block` on, or a reply that says why not (no frames)."""
+    def _kv_get(self, request: KVGetRequest, traced: Any = None) -> tuple[KVGetReply, list[memoryview]]:
+        """The blocks from `first_block` on, or a reply that says why not (no frames); `traced`: its span, if any."""
         entry = self._store.get(request.key)
         if entry is None:
             return self._refuse(request, "not found")
@@ -165,6 +173,8 @@ class KVServer:
         handle = entry.shm if request.shm else None  # None for a hand-off on the heap: frames
         blocks = [] if handle is not None else entry.block_buffers(request.first_block)
         self._count_served(handle is not None, entry.num_blocks - request.first_block, nbytes)
+        if traced is not None:
+            traced.set_attributes({"epd.bytes": nbytes, "epd.transport": "socket" if handle is None else "shm"})
         return KVGetReply(req_id=request.req_id, key=request.key, found=True, layout=entry.layout,
                           num_tokens=entry.num_tokens, num_blocks=entry.num_blocks, first_block=request.first_block,
                           choices=entry.choices, shm=handle), blocks

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import torch
 
-from connector.tensors.consumer import ECConsumer
+from connector.tensors.consumer import ECConsumer, Received
 from connector.tensors.errors import InvalidEmbeddings, MissingEmbeddings
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
@@ -47,6 +47,7 @@ from decoder_service.engine.sequence import Job, Sequence, hold_events, release_
 from decoder_service.grammar import CompiledGuide
 from decoder_service.grammar_pool import Abandoned, CompilePool
 from decoder_service.handoff import HandoffDeclined, HandoffOut, KVFetch, resume_from
+from decoder_service.job_trace import gather_transport, note_chunks, prefilling
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
 from decoder_service.request import PendingGuide, Preparer, Work
@@ -218,18 +219,21 @@ class Engine:
         if not req.images:
             return []
         with span("gather", {"epd.items": len(req.images)}) as traced:  # its connector gets carry its traceparent
-            got = self._gather_traced(req)
+            received: Received = {}  # bytes fetched by transport
+            got = self._gather_traced(req, received)
             if traced is not None:
-                traced.set_attribute("epd.bytes", sum(g.features.nbytes for g in got))
+                traced.set_attributes({"epd.bytes": sum(g.features.nbytes for g in got),
+                                       **gather_transport(received, self.inline is not None)})
             return got
 
-    def _gather_traced(self, req: GenerateRequest) -> list[Gathered]:
+    def _gather_traced(self, req: GenerateRequest, received: Received) -> list[Gathered]:
         if self.inline is not None:
             return [Gathered.of(f, hit) for f, hit in self.inline.features_and_hits(req.images)]
         plan = plan_gather(req.images, self.video_config, self.lm.video_token_id is not None)
         start = time.perf_counter()
         try:
-            got = self.consumer.gather(plan.hashes, plan.sources, self.cfg.gather_timeout, wait_for=plan.pending)
+            got = self.consumer.gather(plan.hashes, plan.sources, self.cfg.gather_timeout, wait_for=plan.pending,
+                                       received=received)
         except MissingEmbeddings as exc:  # by the hash of each image or video chunk not found
             raise APIError(409, str(exc), param="images", code="missing_embeddings",
                            extra={"missing": exc.missing}) from exc
@@ -237,6 +241,7 @@ class Engine:
             raise APIError(502, str(exc), param="images", code="invalid_embeddings",
                            extra={"refused": exc.reasons}) from exc
         self.metrics.gather.observe(time.perf_counter() - start)
+        self.metrics.gathered_bytes.observe(sum(f.nbytes for f in got.values()))
         # the proxy marks images and chunks held before (ImageRef.cached, ChunkRef.cached)
         return plan.assemble(got, self.video_config.temporal_patch if self.video_config is not None else 1)
 
@@ -262,7 +267,10 @@ class Engine:
         forward runs, and the next step's host work is not interrupted by them."""
         try:
             scheduled = self.scheduler.schedule()
+            before = prefilling(self.runner.rows)  # None unless tracing is on
             out = self.runner.run(scheduled)
+            if before:
+                note_chunks(before, self.runner.rows, self.scheduler.running)
         finally:
             release_events()  # the forward had none to overlap (a step with no forward), or it failed
         hold_events()

@@ -129,6 +129,7 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     admitted: float = 0.0  # perf_counter() when the scheduler gave it rows (0: not yet)
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each chosen token (engine side)
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter(), tokens), tracing on only
     errored: bool = False  # its one error event is sent: nothing follows it
     reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set at admission)
     outbox: Outbox = field(init=False, repr=False)
@@ -193,7 +194,7 @@ class Sequence:
         self.echo = work.echo  # completions' echo: the prompt's text, sent before the first token's
         self.num_generated = 0
         self.generated: list[int] = []  # every chosen token (the prefix cache keeps the ones fed back)
-        self.last = job.arrival
+        self.first, self.last = 0.0, job.arrival  # perf_counter() of its first token (0: none yet) and its last
         self.pending: int | None = None
         self.muted = False  # replaying a token another worker already streamed: its events are not sent again
 
@@ -223,6 +224,8 @@ class Sequence:
         now = time.perf_counter()
         if not self.muted:
             (self.metrics.ttft if self.num_generated == 0 else self.metrics.itl).observe(now - self.last)
+        if self.num_generated == 0:
+            self.first = now
         self.last, self.num_generated = now, self.num_generated + 1
         self.job.token_times.append(now)
         if self.echo:
@@ -255,6 +258,7 @@ class Sequence:
         if self.index == 0:  # n choices share one prompt: counted once
             self.metrics.prompt_tokens.inc(prompt.num_tokens)
         self.metrics.e2e.observe(time.perf_counter() - self.job.arrival)
+        self.metrics.request_finished(self.job.arrival, self.job.admitted, self.first, self.last)
         usage = Usage(prompt_tokens=prompt.num_tokens, completion_tokens=self.num_generated,
                       total_tokens=prompt.num_tokens + self.num_generated,
                       num_image_tokens=sum(im.num_tokens for im in prompt.images),

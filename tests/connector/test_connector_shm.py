@@ -199,8 +199,11 @@ def test_small_items_stay_on_the_heap_and_go_by_socket() -> None:
         small, big = features(tokens=2), features(tokens=64)  # 64 and 2048 bytes
         producer.save_caches("small", small)
         producer.save_caches("big", big)
-        got = consumer.gather(["small", "big"], {"small": producer.address, "big": producer.address}, GUARD_S)
+        received: dict[str, int] = {}
+        got = consumer.gather(["small", "big"], {"small": producer.address, "big": producer.address}, GUARD_S,
+                              received=received)
         assert torch.equal(got["small"].embeds, small.embeds) and torch.equal(got["big"].embeds, big.embeds)
+        assert received == {"shm": big.nbytes, "socket": small.nbytes}  # what a trace's `gather` span says
         stats = consumer.stats()
         assert stats["shm_items_received"] == 1 and stats["socket_items_received"] == 1
         assert producer.stats()["shm_items_placed"] == 1

@@ -215,14 +215,17 @@ def test_same_seed_same_sample(client: OpenAI) -> None:
 
 
 METRICS = {  # what the issue asks each service to export (Prometheus text format)
-    "proxy": ["epd_proxy_requests_total", "epd_proxy_ttft_seconds_bucket", "epd_proxy_inter_token_seconds_bucket",
-              "epd_proxy_e2e_seconds_bucket", "epd_proxy_items_skipped_cached_total", "epd_proxy_retries_total",
+    "proxy": ["epd_proxy_requests_total", "epd_proxy_time_to_first_token_seconds_bucket",
+              "epd_proxy_inter_token_latency_seconds_bucket", "epd_proxy_e2e_request_latency_seconds_bucket",
+              "epd_proxy_items_skipped_cached_total", "epd_proxy_retries_total",
               'epd_proxy_failovers_total{role="encoder"}', 'epd_proxy_failovers_total{role="decoder"}',
               "epd_proxy_encoder_items_outstanding", 'epd_proxy_workers_healthy{role="encoder"}'],
     "encoders": ["epd_encoder_queue_depth", "epd_encoder_items_encoded_total", "epd_ec_cache_hits", "epd_ec_cache_misses",
-                 "epd_ec_cache_evictions", "epd_ec_cache_bytes", "epd_ec_producer_bytes_sent"],
-    "decoders": ["epd_decoder_ttft_seconds_bucket", "epd_decoder_inter_token_seconds_bucket",
-                 "epd_decoder_e2e_seconds_bucket", "epd_decoder_gather_seconds_bucket",
+                 "epd_ec_cache_evictions", "epd_ec_cache_bytes", "epd_ec_producer_bytes_sent",
+                 "epd_encoder_item_encode_seconds_bucket"],
+    "decoders": ["epd_decoder_time_to_first_token_seconds_bucket", "epd_decoder_inter_token_latency_seconds_bucket",
+                 "epd_decoder_e2e_request_latency_seconds_bucket", "epd_decoder_gather_seconds_bucket",
+                 "epd_decoder_request_queue_time_seconds_bucket", "epd_decoder_gathered_bytes_bucket",
                  "epd_ec_consumer_bytes_received", "epd_ec_consumer_cache_hits", "epd_ec_consumer_cache_misses"],
 }
 

@@ -5,6 +5,7 @@ parented by the span that called it (the client's traceparent, the proxy's encod
 through the connector's get header); a request whose traceparent says "not sampled" exports nothing anywhere."""
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import threading
@@ -12,12 +13,14 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 
+from connector.tensors.shm import SHM_MIN_BYTES
 from tests.e2e.stack import Stack, ask_colour, demo_png, launched
 
 pytestmark = pytest.mark.e2e
@@ -57,8 +60,9 @@ class Receiver:
             for scope in resource_spans.scope_spans:
                 for s in scope.spans:
                     got.append({"service": service, "name": s.name, "trace": s.trace_id.hex(), "id": s.span_id.hex(),
-                                "parent": s.parent_span_id.hex(), "kind": s.kind,
-                                "events": [e.name for e in s.events]})
+                                "parent": s.parent_span_id.hex(), "kind": s.kind, "attrs": attributes(s.attributes),
+                                "events": [e.name for e in s.events],
+                                "event_attrs": [attributes(e.attributes) for e in s.events]})
         with self.changed:
             self.spans += got
             self.changed.notify_all()
@@ -76,6 +80,14 @@ class Receiver:
         self.server.server_close()
 
 
+def attributes(kvs: Any) -> dict[str, Any]:
+    """OTLP key-values as a dict (an array as a list)."""
+    def value(v: Any) -> Any:
+        kind = v.WhichOneof("value")
+        return [value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+    return {kv.key: value(kv.value) for kv in kvs}
+
+
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Receiver]]:
     receiver = Receiver()
@@ -83,6 +95,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Re
     try:
         with launched(tmp_path_factory.mktemp("traced"), "--model", "demo", "--num-encoders", "1",
                       "--num-decoders", "1", "--otlp-traces-endpoint", receiver.url,
+                      "--allowed-media-domains", "127.0.0.1",  # the image server of test_one_trace_holds_...
                       "--otlp-traces-sample-ratio", "0") as stack:  # only requests that say "sampled" are traced
             yield stack, receiver
     finally:
@@ -148,3 +161,79 @@ def test_a_malformed_traceparent_is_ignored_and_the_request_answered(traced: tup
     assert ask_colour(stack.base_url, demo_png("red", 46), headers={"traceparent": loud}).status_code == 200
     receiver.trace(loud_id, {(PROXY, CHAT), (DECODER, GENERATE)})
     assert not [s for s in receiver.spans if s["trace"] in junk]  # not continued (and ratio 0: no new root)
+
+
+@pytest.fixture(scope="module")
+def media() -> Iterator[str]:
+    """An image host on loopback: GET /<anything> answers a PNG; the URL's query is a token no span may show."""
+    image = demo_png("green", 47)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/private/picture.png?token={SECRET}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+SECRET = "s3cr3t-" + secrets.token_hex(8)
+
+
+def ask_urls(stack: Stack, urls: list[str], header: str) -> httpx.Response:
+    content = [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+               {"type": "text", "text": "What color is the shape?"}]
+    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, headers={"traceparent": header}, timeout=60)
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def test_one_trace_holds_media_fetches_scheduling_batches_gather_transport_and_prefill_chunks(
+        traced: tuple[Stack, Receiver], media: str) -> None:
+    stack, receiver = traced
+    trace_id, _, header = traceparent(sampled=True)
+    assert ask_urls(stack, [media, data_url(demo_png("blue", 48))], header).status_code == 200
+    spans = receiver.trace(trace_id, {(PROXY, "prepare"), (PROXY, "media.fetch"), (PROXY, "encode"),
+                                      (ENCODER, "encode"), (DECODER, "gather"), (DECODER, "prefill")})
+    fetch, prepare = spans[(PROXY, "media.fetch")], spans[(PROXY, "prepare")]
+    assert fetch["parent"] == prepare["id"]  # the fetch thread runs in the request's context
+    assert fetch["attrs"] == {"epd.kind": "image", "url.scheme": "http", "server.address": "127.0.0.1",
+                              "epd.bytes": len(demo_png("green", 47))}  # one span: the data URL needs none
+    assert [s for s in spans.values() if s["name"] == "media.fetch"] == [fetch]
+    assert not [s for s in receiver.spans if SECRET in repr(s)]  # the URL's path and query are in no span
+    encode = spans[(PROXY, "encode")]["attrs"]
+    assert (encode["epd.items.skipped"], encode["epd.items.joined"], encode["epd.items.sent"]) == (0, 0, 2)
+    batches = spans[(ENCODER, "encode")]["attrs"]
+    assert batches["epd.items.encoded"] == 2 and all(isinstance(b, int) and b > 0 for b in batches["epd.batch_ids"])
+    assert len(batches["epd.batch_sizes"]) == len(batches["epd.batch_ids"]) and sum(batches["epd.batch_sizes"]) >= 2
+    gather = spans[(DECODER, "gather")]["attrs"]
+    # the demo's embeddings are under SHM_MIN_BYTES: held on the encoder's heap, sent as frames (shm: tests/connector)
+    assert gather["epd.bytes.fetched"] == gather["epd.bytes"] < SHM_MIN_BYTES and gather["epd.transport"] == "socket"
+    prefill = spans[(DECODER, "prefill")]
+    chunks = [a["epd.tokens"] for name, a in zip(prefill["events"], prefill["event_attrs"], strict=True)
+              if name == "prefill_chunk"]
+    assert chunks and prefill["attrs"]["epd.chunks"] == len(chunks)
+    assert sum(chunks) == prefill["attrs"]["epd.prompt_tokens"] - prefill["attrs"]["epd.reused_tokens"]
+
+    again_id, _, again = traceparent(sampled=True)  # the same picture, once the proxy knows an encoder holds it
+    for _ in range(50):
+        assert ask_urls(stack, [media], again).status_code == 200
+        skipped = receiver.trace(again_id, {(PROXY, "encode")})[(PROXY, "encode")]["attrs"]
+        if skipped["epd.items.skipped"]:
+            break
+        again_id, _, again = traceparent(sampled=True)  # the encoder's cache event had not come yet: again
+    assert (skipped["epd.items.skipped"], skipped["epd.items.sent"]) == (1, 0)

@@ -181,3 +181,30 @@ def test_a_batchs_log_lines_carry_its_requests_ids() -> None:
         sched.shutdown()
     run_scenario(scenario)
     assert seen == ["rid-1"]
+
+
+def test_each_call_hears_the_ids_and_sizes_of_the_forwards_its_items_ran_in() -> None:
+    """Items batched together report one id (what a trace's `encode` span names); an item of a batch that failed
+    reports the forward it then ran in alone."""
+    runner = Runner(bad=["bad"])
+
+    async def scenario() -> list[dict[int, int]]:
+        sched = EncodeScheduler(runner)
+        seen: list[dict[int, int]] = [{} for _ in range(5)]
+
+        def submit(i: int, key: str, *jobs: Job) -> Any:
+            return asyncio.ensure_future(sched.submit(key, [(j, 1) for j in jobs], seen[i]))
+        first = submit(0, "hold", job("h"))
+        await until(runner.started.is_set)
+        calls = [submit(1, "x", job("a"), job("b")), submit(2, "y", job("c")), submit(3, "w", job("bad", "low")),
+                 submit(4, "v", job("good", "low"))]
+        await until(lambda: sched.num_waiting == 5)
+        runner.gate.set()
+        await asyncio.gather(first, *calls, return_exceptions=True)
+        sched.shutdown()
+        return seen
+
+    hold, x, y, w, v = run_scenario(scenario)
+    assert runner.batches == [["h"], ["a", "b", "c"], ["bad", "good"], ["bad"], ["good"]]
+    assert hold == {1: 1} and x == y == {2: 3}
+    assert v == {5: 1} and w == {}  # a call that failed hears nothing (its error is what it gets)

@@ -167,3 +167,20 @@ def test_the_encode_thread_s_running_time_is_counted(client: tuple[TestClient, E
     before = run_seconds()
     assert c.post("/encode", json={"items": [item(png("navy"))]}).status_code == 200
     assert run_seconds() > before
+
+
+def test_each_item_observes_its_share_of_the_vision_forward(client: tuple[TestClient, EncoderWorker]) -> None:
+    """epd_encoder_item_encode_seconds: once per item, the forward's time over its items (their sum: the busy time)."""
+    c, _ = client
+
+    def sample(name: str) -> float:
+        line = next(x for x in c.get("/metrics").text.splitlines() if x.startswith(f"{name} "))
+        return float(line.split()[-1])
+
+    names = ("epd_encoder_item_encode_seconds_count", "epd_encoder_item_encode_seconds_sum",
+             "epd_encoder_run_seconds_total")
+    before = [sample(n) for n in names]
+    assert c.post("/encode", json={"items": [item(png("olive")), item(png("teal"))]}).status_code == 200
+    count, total, busy = (sample(n) - b for n, b in zip(names, before, strict=True))
+    assert count == 2 and total > 0
+    assert total == pytest.approx(busy)

@@ -75,7 +75,7 @@ class StubbornChild:
 
 def test_proxy_processes_get_their_shutdown_timeout_to_drain_before_a_kill() -> None:
     cfg = ProxyConfig(encode_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:2",), shutdown_timeout=4.5)
-    children, child = ProxyChildren(cfg, 1, RestartPolicy()), StubbornChild()
+    children, child = ProxyChildren(cfg, 1, RestartPolicy(), "unused"), StubbornChild()
     children.procs = [child]  # type: ignore[list-item]
     children.stop()
     assert child.killed and child.waits[0] is not None

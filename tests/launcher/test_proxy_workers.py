@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from connector.control.security import CurveConfig
 from epd_bench.proxy_fake_decoder import FakeDecoder
@@ -52,11 +53,12 @@ async def _close(decoder: FakeDecoder) -> None:
     await asyncio.sleep(0)  # the closed transports' callbacks
 
 
-def start_proxy(decoder_url: str, port: int, num_procs: int = 2) -> tuple[subprocess.Popen[bytes], str]:
-    """The launcher's proxy processes on `port`, which the caller holds (they bind beside the hold)."""
+def start_proxy(decoder_url: str, port: int, tmp: Path, num_procs: int = 2) -> tuple[subprocess.Popen[bytes], str]:
+    """The launcher's proxy processes on `port`, which the caller holds (they bind beside the hold); their
+    temporary files (the metrics directory) under `tmp`."""
     cmd = [sys.executable, "-m", "epd_launcher.cli", "--aggregated", "--decode-servers-urls", decoder_url,
            "--insecure", "--port", str(port), "--log-level", "warning", "--proxy-workers", str(num_procs)]
-    env = {**os.environ, "EPD_INTERNAL_KEY": INTERNAL_KEY, **REUSE_PORT_ENV}
+    env = {**os.environ, "EPD_INTERNAL_KEY": INTERNAL_KEY, "TMPDIR": str(tmp), **REUSE_PORT_ENV}
     return (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env),
             f"http://127.0.0.1:{port}")
 
@@ -93,9 +95,9 @@ def gone(pid: int) -> bool:
 
 
 @pytest.fixture
-def proxy(decoder_url: str, port_holds: PortHolds) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def proxy(decoder_url: str, port_holds: PortHolds, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A proxy with 2 processes, once both serve; killed afterwards whatever the test did."""
-    proc, url = start_proxy(decoder_url, port_holds.take())
+    proc, url = start_proxy(decoder_url, port_holds.take(), tmp_path)
     try:
         until(lambda: len(serving_pids(url, 8)) == 2 or proc.poll() is not None, 30.0, "both processes serve")
         assert proc.poll() is None, f"the proxy exited with {proc.returncode}"
@@ -121,14 +123,17 @@ def test_requests_over_fresh_connections_all_succeed_and_reach_both_processes(
     assert len(pids) == 2 and proc.pid in pids  # process 0 is the launcher itself
 
 
-def test_sigterm_to_the_launcher_stops_every_proxy_process(proxy: tuple[subprocess.Popen[bytes], str]) -> None:
+def test_sigterm_to_the_launcher_stops_every_proxy_process(proxy: tuple[subprocess.Popen[bytes], str],
+                                                            tmp_path: Path) -> None:
     proc, url = proxy
     (child,) = serving_pids(url, 40) - {proc.pid}
     kids = children(proc.pid)
     assert child in kids  # beside it: multiprocessing's resource tracker, which exits once the launcher is gone
+    (metrics_dir,) = tmp_path.glob("epd-proxy-metrics-*")  # the processes' metric files, while they serve
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     assert gone(child)  # stopped and joined before the launcher exits
+    assert not metrics_dir.exists()  # removed on the way out
     until(lambda: all(gone(pid) for pid in kids), 5.0, "every child of the launcher exits")
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=2.0)
@@ -153,6 +158,66 @@ def test_a_proxy_process_that_dies_is_restarted_while_the_others_serve(
     assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=FRESH, timeout=10.0).status_code == 200
     until(lambda: len(serving_pids(url, 8) - {proc.pid, child}) == 1, 30.0, "a new proxy process serves")
     assert proc.poll() is None
+
+
+def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """The one sample `name` with `labels` in a /metrics answer."""
+    (value,) = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == name and s.labels == (labels or {})]
+    return value
+
+
+def scrapes(url: str, tries: int) -> list[str]:
+    """`tries` /metrics answers, each on a fresh connection: from whichever process the kernel picks."""
+    return [httpx.get(f"{url}/metrics", headers=FRESH, timeout=5.0).text for _ in range(tries)]
+
+
+def test_one_scrape_adds_up_every_proxy_process(proxy: tuple[subprocess.Popen[bytes], str]) -> None:
+    """Requests on fresh connections land on both processes; a scrape of either answers for all of them."""
+    proc, url = proxy
+    for _ in range(12):
+        assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=FRESH, timeout=10.0).status_code == 200
+    ok = {"endpoint": "/v1/chat/completions", "status": "200"}
+    for text in scrapes(url, 12):
+        assert metric(text, "epd_proxy_requests_total", ok) == 12
+        assert metric(text, "epd_proxy_e2e_request_latency_seconds_count") == 12
+        assert metric(text, "epd_proxy_requests_in_flight") == 0  # live processes' gauges, summed
+        assert metric(text, "epd_proxy_workers_healthy", {"role": "decoder"}) == 1  # the answering process's
+
+
+def test_a_restarted_process_keeps_its_counts_in_the_sum(proxy: tuple[subprocess.Popen[bytes], str],
+                                                         tmp_path: Path) -> None:
+    proc, url = proxy
+    for _ in range(10):
+        assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=FRESH, timeout=10.0).status_code == 200
+    (child,) = serving_pids(url, 40) - {proc.pid}
+    (metrics_dir,) = tmp_path.glob("epd-proxy-metrics-*")
+    assert (metrics_dir / f"gauge_livesum_{child}.db").exists()
+    os.kill(child, signal.SIGKILL)
+    until(lambda: len(serving_pids(url, 8) - {proc.pid, child}) == 1, 30.0, "a new proxy process serves")
+    assert not (metrics_dir / f"gauge_livesum_{child}.db").exists()  # a dead process's in-flight gauge leaves the sum
+    ok = {"endpoint": "/v1/chat/completions", "status": "200"}
+    for text in scrapes(url, 8):
+        assert metric(text, "epd_proxy_requests_total", ok) == 10  # the dead process's counts stay
+
+
+def test_a_killed_launchers_metrics_directory_is_removed_by_the_next_start(
+        proxy: tuple[subprocess.Popen[bytes], str], decoder_url: str, port_holds: PortHolds, tmp_path: Path) -> None:
+    proc, url = proxy
+    (stale,) = tmp_path.glob("epd-proxy-metrics-*")
+    proc.kill()
+    proc.wait()
+    assert stale.is_dir() and stale.name.startswith(f"epd-proxy-metrics-{proc.pid}-")  # left behind by SIGKILL
+    foreign = tmp_path / "epd-proxy-metrics-1-abc"  # a live pid's (init): never removed
+    foreign.mkdir()
+    again, url = start_proxy(decoder_url, port_holds.take(), tmp_path)
+    try:
+        until(lambda: len(list(tmp_path.glob(f"epd-proxy-metrics-{again.pid}-*"))) == 1 or again.poll() is not None,
+              30.0, "the new launcher makes its directory")
+        assert not stale.exists() and foreign.is_dir()
+    finally:
+        again.kill()
+        again.wait()
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "65", "two"])
