@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 def trace_job(job: Job) -> None:
     """`queue` (submitted to admitted), `prefill` (admitted to the first token; `resume` for a request continued from
     a prefill worker's hand-off) with a `prefill_chunk` event per chunk its prompt was prefilled in, a `first_token`
-    event, and `decode` as one span (first to last token, never a span per token)."""
+    event, and `decode` as one span (first to last token, never a span per token) with a `preempted` and a `resumed`
+    event each time one of its choices gave its K/V blocks back and came back."""
     if not tracing.enabled():
         return
     admitted, times, work = job.admitted or job.arrival, job.token_times, job.work
@@ -33,7 +34,8 @@ def trace_job(job: Job) -> None:
                     "epd.chunks": len(chunks)}, chunks)
     tracing.add_event("first_token", first)
     if len(times) > 1:
-        tracing.record("decode", first, times[-1], {"epd.tokens": len(times), "epd.choices": job.params.n})
+        tracing.record("decode", first, times[-1], {"epd.tokens": len(times), "epd.choices": job.params.n},
+                       job.decode_events)
 
 
 def prefilling(rows: Mapping[Hashable, Row]) -> dict[Hashable, int] | None:

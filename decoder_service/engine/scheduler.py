@@ -91,6 +91,7 @@ class Scheduler:
         self.runner.remove(key)
         self.preempted.appendleft((key, seq))
         self.num_preempted += 1
+        seq.job.decode_events.append(("preempted", time.perf_counter(), {"epd.choice": seq.index}))  # traced
 
     def _resume(self, budget: int) -> None:
         """Preempted sequences come back first, each when the pool has its blocks again."""
@@ -101,6 +102,7 @@ class Scheduler:
             if need + self._watermark > self.runner.num_free_blocks and self.running:
                 return
             self.preempted.popleft()
+            seq.job.decode_events.append(("resumed", time.perf_counter(), {"epd.choice": seq.index}))  # traced
             request_id_var.set(seq.job.request_id)
             try:
                 self.runner.add(key, seq.job.prompt, chain=seq.job.work.chain, route_keys=seq.job.work.route_keys,

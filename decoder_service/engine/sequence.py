@@ -15,7 +15,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -130,6 +130,8 @@ class Job:
     admitted: float = 0.0  # perf_counter() when the scheduler gave it rows (0: not yet)
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each chosen token (engine side)
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter(), tokens), tracing on only
+    # (name, perf_counter(), attributes) of a choice's preemption and resumption: the `decode` span's events (rare)
+    decode_events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
     errored: bool = False  # its one error event is sent: nothing follows it
     reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set at admission)
     outbox: Outbox = field(init=False, repr=False)
