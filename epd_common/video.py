@@ -42,7 +42,6 @@ the 20 frames of fps=2 sampling (every frame decoded up to the last one): 80 ms 
 """
 from __future__ import annotations
 
-import io
 import math
 import time
 from dataclasses import dataclass, field, fields
@@ -50,13 +49,13 @@ from typing import Any
 
 import av
 
+from epd_common.media_open import AV_ERRORS, check_size, open_media
 from epd_common.video_index import FrameIndex, build_index
 
 ALLOWED_CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi"})  # FFmpeg demuxer names
 ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"})
 _CODEC_NAMES = {av.Codec(name, "r").id: name for name in ALLOWED_CODECS}  # by id: AV1 is decoded by "libdav1d"
 MAX_SIDE = 65535
-_AV_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 
 
 class VideoError(ValueError):
@@ -110,22 +109,13 @@ class VideoInfo:
         return self.index.keyframes
 
 
-def _refuse_nested_open(url: str, flags: int, options: dict[str, Any]) -> Any:
-    raise PermissionError("a video may not refer to other files")
-
-
 def _open(data: bytes, limits: VideoLimits) -> Any:
     """av.open on the bytes, with only the allowed demuxers and no nested opens (see the module docstring)."""
-    if not data:
-        raise VideoError("video is empty")
-    if len(data) > limits.max_bytes:
-        raise VideoTooLargeError(f"video is {len(data)} bytes; the limit is {limits.max_bytes} bytes")
+    check_size(data, limits.max_bytes, "video", VideoError, VideoTooLargeError)
     try:
-        return av.open(io.BytesIO(data), mode="r", options={"max_pixels": str(limits.max_pixels_per_frame)},
-                       container_options={"format_whitelist": ",".join(sorted(ALLOWED_CONTAINERS)),
-                                          "max_streams": str(limits.max_streams + 1)},
-                       io_open=_refuse_nested_open, timeout=limits.max_decode_s)
-    except _AV_ERRORS as exc:
+        return open_media(data, ALLOWED_CONTAINERS, limits.max_streams, limits.max_decode_s,
+                          options={"max_pixels": str(limits.max_pixels_per_frame)})
+    except AV_ERRORS as exc:
         raise VideoError("cannot identify video data; supported containers: MP4/MOV, Matroska/WebM, AVI") from exc
 
 
@@ -189,7 +179,7 @@ def scan_frames(container: Any, stream: Any, limits: VideoLimits) -> FrameIndex:
                 raise VideoTooLargeError("video takes too long to read")
     except VideoError:
         raise
-    except _AV_ERRORS as exc:
+    except AV_ERRORS as exc:
         raise VideoError(f"corrupt video data at frame {count}") from exc
     return build_index(packets)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from PIL import Image
 
+from epd_common.media_open import AV_ERRORS
 from epd_common.video import (
-    _AV_ERRORS,
     VideoError,
     VideoLimits,
     VideoTooLargeError,
@@ -82,7 +82,7 @@ def _decoded(container: Any, stream: Any, limits: VideoLimits, budget: _Budget) 
             yield frame
     except VideoError:
         raise
-    except _AV_ERRORS as exc:
+    except AV_ERRORS as exc:
         raise VideoError("corrupt video data") from exc
 
 

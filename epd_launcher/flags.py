@@ -197,6 +197,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                                           "prefix)"))
     _media_flags(p.add_argument_group("images"))
     _video_flags(p.add_argument_group("videos (video_url parts; URLs are loaded under the image flags' rules)"))
+    _audio_flags(p.add_argument_group("audio (input_audio and audio_url parts; URLs are loaded under the image "
+                                      "flags' rules)"))
 
 
 def _affinity_flags(g: argparse._ActionsContainer) -> None:
@@ -250,6 +252,17 @@ def _video_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--max-video-decode-frames", type=positive, default=defaults["max_video_decode_frames"].default,
                    help="frames the encoders may decode for one request's videos, each chunk counted from the "
                         "keyframe before its first frame (planned before any encode); more: 400 video_too_large")
+
+
+def _audio_flags(g: argparse._ActionsContainer) -> None:
+    defaults = ProxyConfig.__dataclass_fields__
+    g.add_argument("--max-audios-per-request", type=non_negative, default=defaults["max_audios_per_request"].default,
+                   help="more audio parts get a 400 too_many_audios, counted before any is loaded")
+    g.add_argument("--max-audio-bytes", type=positive, default=defaults["max_audio_bytes"].default,
+                   help="bytes of one audio file, base64-decoded or downloaded; more: 400 audio_too_large "
+                        "(default 25 MiB)")
+    g.add_argument("--max-audio-seconds", type=positive_seconds, default=defaults["max_audio_seconds"].default,
+                   help="seconds of one audio clip; longer: 400 audio_too_large")
 
 
 def _base_port(text: str) -> int:

@@ -38,6 +38,10 @@ class ProxyConfig(HttpLimits, TraceSettings):
     # (planned from the probe's packet index before anything is encoded): one pass over a 600 s 60 fps video
     # plus a 250-frame GOP for each of 48 chunks
     max_video_decode_frames: int = 48_000
+    # audio (proxy/audio.py): input_audio and audio_url parts, for a model whose workers report that it takes audio
+    max_audios_per_request: int = 4
+    max_audio_bytes: int = 25 << 20  # one audio file (OpenAI's cap: 25 MB)
+    max_audio_seconds: float = 600.0  # one clip's duration
     # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
     allowed_local_media_path: str | None = None  # file:// URLs only under this directory
     allowed_media_domains: tuple[str, ...] = ()  # hosts (names or IPs) fetched even if they resolve privately
@@ -86,6 +90,9 @@ class ProxyConfig(HttpLimits, TraceSettings):
         assert self.video_chunk_frames >= 1, "video_chunk_frames must be >= 1"
         assert self.max_video_fanout_bytes >= 1, "max_video_fanout_bytes must be >= 1"
         assert self.max_video_decode_frames >= 1, "max_video_decode_frames must be >= 1"
+        assert self.max_audios_per_request >= 0, "max_audios_per_request must be >= 0"
+        assert self.max_audio_bytes >= 1 and self.max_audio_seconds > 0, \
+            "max_audio_bytes and max_audio_seconds must be > 0"
         assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
             "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"
         super().__post_init__()

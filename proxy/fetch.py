@@ -1,4 +1,4 @@
-"""http(s) media downloads (images, videos) with an SSRF guard.
+"""http(s) media downloads (images, videos, audio) with an SSRF guard.
 
 The host is resolved once and every address it resolves to must be public (not loopback, private,
 link-local -- which includes the 169.254.169.254 cloud metadata address --, unspecified, multicast, reserved
@@ -6,7 +6,7 @@ or otherwise non-global); the connection goes to the address that was checked, s
 rebind it to an internal one. Hosts named in ``ProxyConfig.allowed_media_domains`` skip the address check
 (but are still pinned). Redirects are followed by hand, at most ``MAX_REDIRECTS``, and each target is checked
 by the same rules before it is contacted. The body is capped at its kind's byte limit (``MediaKind.max_bytes``:
---max-image-bytes, --max-video-bytes) while it is read.
+--max-image-bytes, --max-video-bytes, --max-audio-bytes) while it is read.
 
 Time is bounded twice: each download by ``TOTAL_TIMEOUT_FACTOR`` x ``media_fetch_timeout`` (400), and all of a
 request's media by the request's deadline (``media_fetch_deadline``, 408), both enforced inside the reading
@@ -76,7 +76,7 @@ class MediaKind:
     """What a URL is loaded as: its name (in messages and error codes: image_too_large, invalid_video_url, ...),
     the byte cap of one file, and the media types taken from a server or a data: URL (``<name>/*``)."""
 
-    name: str  # "image" or "video"
+    name: str  # "image", "video" or "audio"
     max_bytes: int
 
     @property

@@ -1,15 +1,16 @@
-"""Image and video references in a request -> checked bytes.
+"""Image, video and audio references in a request -> checked bytes.
 
-An image_url or video_url may be:
+An image_url, video_url or audio_url may be:
 
-* a ``data:`` URL (base64 payload, media type ``image/*`` or ``video/*`` as the part's kind, or none);
+* a ``data:`` URL (base64 payload, media type ``image/*``, ``video/*`` or ``audio/*`` as the part's kind, or none);
 * an ``http(s)://`` URL, fetched with an SSRF guard (``proxy/fetch.py``);
 * a ``file://`` URL, only when ``ProxyConfig.allowed_local_media_path`` is set and the real path (symlinks
   and ``..`` resolved) lies under it.
 
-Whatever the source, the bytes are capped at the kind's limit (``max_image_bytes``, ``max_video_bytes``) while
-they are read (never read unbounded). An image must then pass the header-only check of
-``epd_common.images.open_image`` (format allow-list, pixel limit); a video is probed by ``proxy/video.py``.
+Whatever the source, the bytes are capped at the kind's limit (``max_image_bytes``, ``max_video_bytes``,
+``max_audio_bytes``) while they are read (never read unbounded). An image must then pass the header-only check of
+``epd_common.images.open_image`` (format allow-list, pixel limit); a video is probed by ``proxy/video.py``, an audio
+clip by ``proxy/audio.py``.
 Error codes are the kind's (``image_too_large``, ``invalid_video_url``, ...: ``MediaKind.error``). Error messages
 name the problem and at most the URL's host; resolved addresses and OS errors are not shown.
 """
@@ -17,16 +18,23 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import json
+import logging
 import os
 import re
 import stat
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from epd_common.errors import APIError, bad_request
 from epd_common.images import ImageError, ImageTooLargeError, open_image
 from proxy.config import ProxyConfig
 from proxy.fetch import MediaError, MediaKind, fetch_http
-from proxy.protocol import ChatCompletionRequest, ImagePart, VideoURLPart
+from proxy.protocol import AudioURLPart, ChatCompletionRequest, ImagePart, VideoURLPart
+
+logger = logging.getLogger("epd.proxy")
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
 
@@ -68,7 +76,7 @@ def load_image_bytes(url: str, param: str, cfg: ProxyConfig, deadline: float | N
 
 
 def remote_kinds(req: ChatCompletionRequest) -> set[str]:
-    """The kinds ("image", "video") of the request's http(s) URLs (downloads: they need a fetch slot)."""
+    """The kinds ("image", "video", "audio") of the request's http(s) URLs (downloads: they need a fetch slot)."""
     kinds: set[str] = set()
     for m in req.messages:
         for p in m.content if isinstance(m.content, list) else ():
@@ -76,6 +84,8 @@ def remote_kinds(req: ChatCompletionRequest) -> set[str]:
                 kinds.add("image")
             elif isinstance(p, VideoURLPart) and _is_http(p.video_url.url):
                 kinds.add("video")
+            elif isinstance(p, AudioURLPart) and _is_http(p.audio_url.url):
+                kinds.add("audio")
     return kinds
 
 
@@ -167,3 +177,23 @@ def read_regular_file(path: str, kind: MediaKind) -> bytes:
     if len(data) > max_bytes:  # the file grew after fstat
         raise kind.error("too_large", f"{k} is larger than {max_bytes} bytes")
     return data
+
+
+_Config = TypeVar("_Config")
+
+
+def fleet_config(identity: dict[str, Any] | None, key: str, parse: Callable[[dict[str, Any]], _Config]) -> _Config | None:
+    """A media kind's config from the fleet's model identity (`key`: "video", "audio"): None when absent, null, or
+    not such a config (the model is taken to accept none of that kind)."""
+    raw = identity.get(key) if identity else None
+    return None if raw is None else _parsed_config(key, json.dumps(raw, sort_keys=True), parse)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_config(key: str, raw: str, parse: Callable[[dict[str, Any]], _Config]) -> _Config | None:
+    """Parsed once per distinct config (the fleet has one), so a bad one is logged once, not per request."""
+    try:
+        return parse(json.loads(raw))
+    except ValueError as exc:
+        logger.warning("the fleet's model_identity.%s is not a %s config (%s): refused", key, key, exc)
+        return None

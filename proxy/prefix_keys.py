@@ -5,7 +5,8 @@ A chat request has one key per message prefix, a hash chain: key_0 = H(salt, too
 key_i = H(key_{i-1}, message_i), so key_i names the whole of messages[:i+1] and a conversation's follow-up repeats
 its earlier keys. A message is hashed as (role, parts, tool_calls, tool_call_id): text parts by their text, image
 parts by their image's mm_hash (the same picture hits, a different picture never does), video parts by their video's
-hash (its bytes and its sampling: epd_contracts.video.video_hash); a string content is one text part. The salt is vLLM's cache_salt: requests with different salts share no key, as they share no K/V.
+hash (its bytes and its sampling: epd_contracts.video.video_hash), audio parts by their clip's
+(epd_contracts.audio.audio_hash); a string content is one text part. The salt is vLLM's cache_salt: requests with different salts share no key, as they share no K/V.
 
 A /v1/completions prompt has one key, of the whole prompt (text or token ids): an identical prompt finds the decoder
 that served it; a prompt that only extends another one does not (prefixes of a text are not at message bounds).
@@ -48,11 +49,12 @@ def _key(fields: Any, secret: bytes) -> str:
 
 
 def _canonical(message: dict[str, Any], media: Iterator[str]) -> tuple[Any, ...]:
-    """(role, parts, tool_calls, tool_call_id) of one decoder message; each image or video part takes the next
-    hash."""
+    """(role, parts, tool_calls, tool_call_id) of one decoder message; each image, video or audio part takes the
+    next hash."""
     content = message.get("content")
     if isinstance(content, list):
-        parts: list[Any] = [{p["type"]: next(media, "")} if p.get("type") in ("image", "video") else p.get("text", "")
+        parts: list[Any] = [{p["type"]: next(media, "")} if p.get("type") in ("image", "video", "audio")
+                            else p.get("text", "")
                             for p in content]
     else:
         parts = [content or ""]

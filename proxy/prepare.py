@@ -1,5 +1,5 @@
-"""A validated chat request -> decoder messages (one marker per image and video) + the images and videos, hashed
-(videos planned in chunks: proxy/video.py)."""
+"""A validated chat request -> decoder messages (one marker per image, video and audio clip) + the images and
+videos, hashed (videos planned in chunks: proxy/video.py), and the audio clips, probed (proxy/audio.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -8,13 +8,15 @@ from typing import Any, NamedTuple
 
 from epd_common.errors import APIError, bad_request
 from epd_common.video_sampling import VideoConfig
+from epd_contracts.audio import AudioConfig
 from epd_contracts.generate import Detail, GenerateRequest, ImageRef, ResponseFormat, ToolChoice
 from epd_contracts.hashing import mm_hash, multi_image_item
 from epd_contracts.sampling import SamplingParams
+from proxy.audio import AudioItem, AudioRef, audio_ref, audio_support, load_audios
 from proxy.config import ProxyConfig
 from proxy.media import load_image_bytes
 from proxy.prefix_keys import chat_prefix_keys, prefix_secret
-from proxy.protocol import ChatCompletionRequest, ImagePart, Message, VideoURLPart
+from proxy.protocol import AudioURLPart, ChatCompletionRequest, ImagePart, InputAudioPart, Message, VideoURLPart
 from proxy.video import VideoItem, check_context, check_sampling, load_videos
 from scheduler.scheduler import MMItem
 
@@ -35,6 +37,8 @@ class PreparedChat:
     cache_salt: str = ""  # vLLM's cache_salt: no K/V is shared with requests of another salt
     prefix_keys: list[str] = field(default_factory=list)  # proxy/prefix_keys.py: routing, and the decoder's /health
     params: dict[str, str] = field(default_factory=dict)  # mm_hash of each image and video chunk -> its URL's field
+    # the audio clips in order of appearance, probed and hashed; NOTE: not encoded yet (proxy.audio.refuse_unencoded)
+    audios: list[AudioItem] = field(default_factory=list)
 
     @property
     def encodes(self) -> list[MMItem]:
@@ -61,13 +65,16 @@ def check_model(model: str, served: str | None) -> None:
 
 def _check_media_counts(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:
     """Counted before anything is fetched or decoded, so a request with 300 images (or videos) costs nothing."""
-    num_images, num_videos = req.num_images(), req.num_videos()
+    num_images, num_videos, num_audios = req.num_images(), req.num_videos(), req.num_audios()
     if num_images > cfg.max_images_per_request:
         raise bad_request(f"request has {num_images} images; the maximum is {cfg.max_images_per_request}",
                           param="messages", code="too_many_images")
     if num_videos > cfg.max_videos_per_request:
         raise bad_request(f"request has {num_videos} videos; the maximum is {cfg.max_videos_per_request}",
                           param="messages", code="too_many_videos")
+    if num_audios > cfg.max_audios_per_request:
+        raise bad_request(f"request has {num_audios} audio parts; the maximum is {cfg.max_audios_per_request}",
+                          param="messages", code="too_many_audios")
 
 
 class MediaRef(NamedTuple):
@@ -99,13 +106,13 @@ def _tool_fields(i: int, msg: Message) -> dict[str, Any]:
     return out
 
 
-def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[MediaRef]]:
-    """Decoder messages with a marker per image and per video, and each image and video in order.
+def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[MediaRef | AudioRef]]:
+    """Decoder messages with a marker per image, video and audio clip, and each of them in order.
 
-    No I/O: the whole request is checked for shape before the first image or video is fetched.
+    No I/O: the whole request is checked for shape before the first image, video or clip is loaded.
     """
     messages: list[dict[str, Any]] = []
-    media: list[MediaRef] = []
+    media: list[MediaRef | AudioRef] = []
     for i, msg in enumerate(req.messages):
         tool = _tool_fields(i, msg)
         if not isinstance(msg.content, list):
@@ -120,6 +127,11 @@ def _render_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], 
                 media.append(MediaRef("image", where, part.image_url.url, part.image_url.detail or "auto")
                              if isinstance(part, ImagePart) else MediaRef("video", where, part.video_url.url))
                 parts.append({"type": kind})
+            elif isinstance(part, (InputAudioPart, AudioURLPart)):
+                if msg.role != "user":
+                    raise bad_request("audio is only allowed in user messages", f"messages.{i}.content.{j}")
+                media.append(audio_ref(part, f"messages.{i}.content.{j}"))
+                parts.append({"type": "audio"})
             else:
                 parts.append({"type": "text", "text": part.text})
         messages.append({"role": msg.role, "content": parts, **tool})
@@ -168,13 +180,22 @@ def _params(media: list[MediaRef], items: list[MMItem | VideoItem]) -> dict[str,
     return params
 
 
+def _prompt_hashes(media: list[MediaRef | AudioRef], items: list[MMItem | VideoItem],
+                   audios: list[AudioItem]) -> list[str]:
+    """The hash of each image, video and audio marker, in prompt order (what the prefix keys hash them by)."""
+    visual, heard = iter(items), iter(audios)
+    return [next(heard).mm_hash if isinstance(m, AudioRef) else next(visual).mm_hash for m in media]
+
+
 def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None,
                  family: str | None = None, video: VideoConfig | None = None,
-                 max_model_len: int | None = None) -> PreparedChat:
-    """Check the request and load its images and videos; raises APIError (4xx) naming the bad part. `family`: the
-    fleet's model family (whether images of a multi-image prompt are encoded apart: epd_contracts.hashing);
+                 max_model_len: int | None = None, audio: AudioConfig | None = None) -> PreparedChat:
+    """Check the request and load its images, videos and audio; raises APIError (4xx) naming the bad part. `family`:
+    the fleet's model family (whether images of a multi-image prompt are encoded apart: epd_contracts.hashing);
     `video`: the fleet's video settings (None: the model takes no video, a request with one is a 400);
-    `max_model_len`: the longest context of the fleet's decoders (a request whose videos cannot fit is a 400).
+    `max_model_len`: the longest context of the fleet's decoders (a request whose videos cannot fit is a 400);
+    `audio`: the fleet's audio settings (None: the model takes no audio, a request with some is a 400 before anything
+    is loaded).
 
     Blocking (media may be downloaded under cfg's media rules, see proxy.media; videos are probed): run it in a
     worker thread.
@@ -183,11 +204,16 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
     features = req.features()
     _check_media_counts(req, cfg)
     messages, media = _render_messages(req)
-    items = _load_media(media, req, cfg, deadline, family, video)
+    audio_refs = [m for m in media if isinstance(m, AudioRef)]
+    visual = [m for m in media if isinstance(m, MediaRef)]
+    audio = audio_support(audio_refs, audio)  # a model without audio: 400 before anything is loaded
+    items = _load_media(visual, req, cfg, deadline, family, video)
     check_context([it for it in items if isinstance(it, VideoItem)], sampling.max_tokens, max_model_len)
+    audios = load_audios(audio_refs, cfg, deadline, audio) if audio is not None else []
     salt = req.cache_salt or ""
     return PreparedChat(messages=messages, items=items, sampling=sampling,
                         response_format=features.response_format, tools=features.tools,
-                        tool_choice=features.tool_choice, cache_salt=salt, params=_params(media, items),
-                        prefix_keys=chat_prefix_keys(messages, [it.mm_hash for it in items], features.tools, salt,
-                                                     prefix_secret(cfg.internal_key)))
+                        tool_choice=features.tool_choice, cache_salt=salt, params=_params(visual, items),
+                        audios=audios,
+                        prefix_keys=chat_prefix_keys(messages, _prompt_hashes(media, items, audios), features.tools,
+                                                     salt, prefix_secret(cfg.internal_key)))

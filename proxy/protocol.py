@@ -44,11 +44,16 @@ class ImagePart(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(key, why) of the first key of the part or of its image_url this server does not take."""
-        for prefix, extra in (("", self.model_extra), ("image_url.", self.image_url.model_extra)):
-            refused = unsupported_parameter(extra or {}, frozenset())
-            if refused is not None:
-                return prefix + refused[0], refused[1]
-        return None
+        return _first_extra(("", self.model_extra), ("image_url.", self.image_url.model_extra))
+
+
+def _first_extra(*levels: tuple[str, dict[str, Any] | None]) -> tuple[str, str] | None:
+    """(prefix + key, why) of the first extra key, level by level, this server does not take."""
+    for prefix, extra in levels:
+        refused = unsupported_parameter(extra or {}, frozenset())
+        if refused is not None:
+            return prefix + refused[0], refused[1]
+    return None
 
 
 class VideoURL(BaseModel):
@@ -62,8 +67,46 @@ class VideoURLPart(BaseModel):
     video_url: VideoURL
 
 
-# any other part type (input_audio, file, refusal, ...) is a 400 naming the part
-ContentPart = Annotated[TextPart | ImagePart | VideoURLPart, Field(discriminator="type")]
+class InputAudio(BaseModel):
+    """OpenAI's input_audio: the file's bytes in base64 (decoded, capped and probed by proxy/audio.py)."""
+
+    model_config = ConfigDict(extra="allow")  # any other key: 400 unsupported_parameter, as ImageURL's
+
+    data: str
+    format: Literal["wav", "mp3"]
+
+
+class InputAudioPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # refused like ImagePart's
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+    def unsupported(self) -> tuple[str, str] | None:
+        return _first_extra(("", self.model_extra), ("input_audio.", self.input_audio.model_extra))
+
+
+class AudioURL(BaseModel):
+    model_config = ConfigDict(extra="allow")  # refused like ImageURL's
+
+    url: str
+
+
+class AudioURLPart(BaseModel):
+    """vLLM's audio part: {"type": "audio_url", "audio_url": {"url": ...}}, loaded under the image URL rules."""
+
+    model_config = ConfigDict(extra="allow")  # refused like ImagePart's
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+    def unsupported(self) -> tuple[str, str] | None:
+        return _first_extra(("", self.model_extra), ("audio_url.", self.audio_url.model_extra))
+
+
+# any other part type (file, refusal, ...) is a 400 naming the part
+ContentPart = Annotated[TextPart | ImagePart | VideoURLPart | InputAudioPart | AudioURLPart,
+                        Field(discriminator="type")]
 
 
 class MMProcessorKwargs(BaseModel):
@@ -220,6 +263,10 @@ class ChatCompletionRequest(SurrogateFree):
         return sum(isinstance(p, VideoURLPart) for m in self.messages if isinstance(m.content, list)
                    for p in m.content)
 
+    def num_audios(self) -> int:
+        return sum(isinstance(p, (InputAudioPart, AudioURLPart)) for m in self.messages if isinstance(m.content, list)
+                   for p in m.content)
+
     def sampling(self) -> SamplingParams:
         """The decoder's sampling contract; raises APIError 400 `invalid_request` naming a field outside it, or
         `unsupported_parameter` naming a field this server does not implement (never a silent 200 ignoring it)."""
@@ -266,7 +313,7 @@ class ChatCompletionRequest(SurrogateFree):
             if bad is not None:
                 return f"messages.{i}.{bad[0]}", bad[1]
             for j, part in enumerate(msg.content if isinstance(msg.content, list) else ()):
-                if isinstance(part, ImagePart) and (bad := part.unsupported()) is not None:
+                if isinstance(part, (ImagePart, InputAudioPart, AudioURLPart)) and (bad := part.unsupported()):
                     return f"messages.{i}.content.{j}.{bad[0]}", bad[1]
         return None
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from epd_common.errors import APIError
 from epd_common.tracing import inject_traceparent, span
+from proxy.audio import fleet_audio_config, refuse_unencoded
 from proxy.config import ProxyConfig
 from proxy.fetch_slots import FetchSlots
 from proxy.fleet import Fleet
@@ -72,21 +73,26 @@ class ProxyState:
         """Text alone is cheap: no thread hop. Images and videos are loaded (videos probed) within
         --media-fetch-deadline, never on the event loop: downloads on a fetch slot (threads of their own, a cap
         shared by all requests), data and file URLs on asyncio's pool. The fleet's model identity says its family
-        and its video settings (proxy/video.py). Traced as `prepare` (media fetch included)."""
-        with span("prepare", {"epd.images": req.num_images(), "epd.videos": req.num_videos()}):
-            return await self._prepare(req)
+        and its video and audio settings (proxy/video.py, proxy/audio.py). Traced as `prepare` (media fetch
+        included)."""
+        with span("prepare", {"epd.images": req.num_images(), "epd.videos": req.num_videos(),
+                              "epd.audios": req.num_audios()}):
+            chat = await self._prepare(req)
+        refuse_unencoded(chat.audios)  # NOTE: until audio encoders exist
+        return chat
 
     async def _prepare(self, req: ChatCompletionRequest) -> PreparedChat:
-        if not req.num_images() and not req.num_videos():
+        if not req.num_images() and not req.num_videos() and not req.num_audios():
             return prepare_chat(req, self.cfg)
         deadline = time.monotonic() + self.cfg.media_fetch_deadline
         identity = self.started.workers.identity if self.started is not None else None
         family = identity.get("family") if identity else None
         max_model_len = self.started.max_model_len() if self.started is not None else None
-        args = (req, self.cfg, deadline, family, fleet_video_config(identity), max_model_len)
+        args = (req, self.cfg, deadline, family, fleet_video_config(identity), max_model_len,
+                fleet_audio_config(identity))
         kinds = remote_kinds(req)
         if kinds:
-            code = "video_fetch_timeout" if kinds == {"video"} else "image_fetch_timeout"
+            code = f"{kinds.pop()}_fetch_timeout" if len(kinds) == 1 else "image_fetch_timeout"
             return await self.fetch_slots.run(deadline, prepare_chat, *args, timeout_code=code)
         return await asyncio.to_thread(prepare_chat, *args)
 

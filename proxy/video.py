@@ -21,9 +21,6 @@ come from proxy.media (invalid_video_url, video_url_forbidden, video_fetch_faile
 """
 from __future__ import annotations
 
-import functools
-import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +31,10 @@ from epd_common.video_sampling import VideoConfig, frame_indices, sampled_fps, t
 from epd_common.video_tokens import video_rows
 from epd_contracts.video import VideoPart, VideoSampling, plan_chunks, video_hash
 from proxy.config import ProxyConfig
-from proxy.media import load_media_bytes, video_kind
+from proxy.media import fleet_config, load_media_bytes, video_kind
 from proxy.protocol import MMProcessorKwargs
 from scheduler.scheduler import MMItem
 
-logger = logging.getLogger("epd.proxy")
 KWARGS = "mm_processor_kwargs"
 
 
@@ -68,20 +64,8 @@ class Sampling:
 
 
 def fleet_video_config(identity: dict[str, Any] | None) -> VideoConfig | None:
-    """The fleet's VideoConfig from its model identity's "video" (None: absent, null, or not a VideoConfig: the
-    model is taken to accept no video)."""
-    raw = identity.get("video") if identity else None
-    return None if raw is None else _video_config(json.dumps(raw, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=8)
-def _video_config(raw: str) -> VideoConfig | None:
-    """Parsed once per distinct config (the fleet has one), so a bad one is logged once, not per request."""
-    try:
-        return VideoConfig.from_dict(json.loads(raw))
-    except ValueError as exc:
-        logger.warning("the fleet's model_identity.video is not a video config (%s): videos are refused", exc)
-        return None
+    """The fleet's VideoConfig from its model identity's "video" (None: the model takes no video)."""
+    return fleet_config(identity, "video", VideoConfig.from_dict)
 
 
 def video_limits(cfg: ProxyConfig) -> VideoLimits:

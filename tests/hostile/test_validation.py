@@ -131,7 +131,8 @@ OUT_OF_CONTRACT = [
     ({"tool_choice": "auto"}, "tool_choice"),  # without tools
     ({"logit_bias": {"50256": -101}}, "logit_bias"),
     ({"min_p": 1.5}, "min_p"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages.0.content.0.input_audio.data"),  # a known part without its data
     ({"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
      "messages.0.content.0.video_url.url"),  # a known part without its url

@@ -27,7 +27,8 @@ def user(content: object) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("body,param,words", [
-    (user([{"type": "input_audio"}]), "messages.0.content.0", "does not match any of the expected tags"),
+    (user([{"type": "file"}]), "messages.0.content.0", "does not match any of the expected tags"),
+    (user([{"type": "input_audio"}]), "messages.0.content.0.input_audio", "Field required"),
     (user([{"type": "image_url", "image_url": {}}]), "messages.0.content.0.image_url.url", "Field required"),
     ({"model": "demo", "messages": []}, "messages", "at least 1 item"),
     ({**user("hi"), "temperature": 5}, "temperature", "<= 2"),

@@ -1,0 +1,141 @@
+"""A request's audio parts (OpenAI's input_audio, vLLM's audio_url): counted, refused for a model without audio,
+loaded, probed and hashed; each step before the next one costs anything.
+
+1. counted with the images and videos (proxy/prepare.py): more than --max-audios-per-request is a 400
+   too_many_audios before anything is loaded;
+2. the model: a fleet whose workers report no `model_identity["audio"]` (an AudioConfig, epd_contracts/audio.py;
+   no family served today reports one) takes no audio: 400 audio_not_supported naming the first audio part, before
+   any image, video or audio is loaded or decoded;
+3. the bytes: input_audio.data base64-decoded (its length checked against --max-audio-bytes first), an audio_url
+   loaded like an image URL (proxy.media: data:, http(s) with the SSRF guard, fetch slots and the request's
+   deadline, file:// under --allowed-local-media-path), capped at --max-audio-bytes while it is read;
+4. probed (epd_common.audio.probe_audio: headers, no sample decoded) under --max-audio-bytes and
+   --max-audio-seconds: 400 invalid_audio, or audio_too_large;
+5. an AudioItem: its hash covers the bytes and the fleet's resampling settings, under the audio tag.
+NOTE: nothing encodes audio yet: ProxyState refuses a prepared request that carries audio (audio_not_supported).
+
+Error codes (400): too_many_audios, audio_not_supported, audio_too_large, invalid_audio; an audio_url's own come
+from proxy.media (invalid_audio_url, audio_url_forbidden, audio_fetch_failed, 408 audio_fetch_timeout).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from epd_common.errors import APIError, bad_request
+from epd_contracts.audio import AudioConfig, audio_hash
+from proxy.config import ProxyConfig
+from proxy.fetch import MediaKind
+from proxy.media import fleet_config, load_media_bytes
+from proxy.protocol import AudioURLPart, InputAudioPart
+
+if TYPE_CHECKING:
+    from epd_common.audio import AudioInfo
+
+
+
+@dataclass(frozen=True)
+class AudioRef:
+    """An audio part of the request, before anything is loaded: an audio_url's URL, or input_audio's base64."""
+
+    part: str  # the request field of the part: messages.<i>.content.<j>
+    url: str | None = None  # audio_url.url
+    data: str | None = None  # input_audio.data (base64)
+    fmt: str | None = None  # input_audio.format: "wav" or "mp3"
+    kind: str = "audio"
+
+    @property
+    def param(self) -> str:
+        """The request field of its bytes (errors name it)."""
+        return f"{self.part}.audio_url.url" if self.url is not None else f"{self.part}.input_audio.data"
+
+
+@dataclass(frozen=True)
+class AudioItem:
+    """One probed clip of a prompt, as the audio encoders will take it."""
+
+    mm_hash: str  # epd_contracts.audio.audio_hash(data, the fleet's AudioConfig)
+    data: bytes  # the file as received
+    info: AudioInfo  # the probe's container, codec, rate, channels, duration
+    param: str = ""  # the request field of its bytes
+
+
+def audio_ref(part: InputAudioPart | AudioURLPart, where: str) -> AudioRef:
+    if isinstance(part, AudioURLPart):
+        return AudioRef(where, url=part.audio_url.url)
+    return AudioRef(where, data=part.input_audio.data, fmt=part.input_audio.format)
+
+
+def audio_kind(cfg: ProxyConfig) -> MediaKind:
+    return MediaKind("audio", cfg.max_audio_bytes)
+
+
+def fleet_audio_config(identity: dict[str, Any] | None) -> AudioConfig | None:
+    """The fleet's AudioConfig from its model identity's "audio" (None: the model takes no audio)."""
+    return fleet_config(identity, "audio", AudioConfig.from_dict)
+
+
+def audio_support(refs: list[AudioRef], config: AudioConfig | None) -> AudioConfig | None:
+    """`config` when the request has audio the model takes; None without audio; 400 audio_not_supported naming the
+    first audio part when the model takes none (checked before anything is loaded)."""
+    if not refs:
+        return None
+    if config is None:
+        raise bad_request("this model does not take audio input", refs[0].part, code="audio_not_supported")
+    return config
+
+
+def load_audios(refs: list[AudioRef], cfg: ProxyConfig, deadline: float | None,
+                config: AudioConfig) -> list[AudioItem]:
+    """Each audio part in order -> its probed AudioItem (a clip repeated in the request is loaded once)."""
+    loaded: dict[tuple[str | None, ...], AudioItem] = {}
+    for ref in refs:
+        key = (ref.url, ref.data, ref.fmt)
+        if key not in loaded:
+            data = audio_bytes(ref, cfg, deadline)
+            loaded[key] = AudioItem(audio_hash(data, config), data, probe(data, ref, cfg), ref.param)
+    return [loaded[(ref.url, ref.data, ref.fmt)] for ref in refs]
+
+
+def audio_bytes(ref: AudioRef, cfg: ProxyConfig, deadline: float | None) -> bytes:
+    if ref.url is not None:
+        return load_media_bytes(ref.url, audio_kind(cfg), ref.param, cfg, deadline)
+    assert ref.data is not None, "an input_audio part has data"
+    return decode_base64(ref.data, ref.param, cfg.max_audio_bytes)
+
+
+def decode_base64(text: str, param: str, max_bytes: int) -> bytes:
+    """input_audio.data -> bytes; its size checked before decoding (400 audio_too_large), then strict base64 (400
+    invalid_audio)."""
+    if len(text) * 3 // 4 > max_bytes:
+        raise bad_request(f"audio is larger than {max_bytes} bytes", param, code="audio_too_large")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise bad_request(f"input_audio.data is not valid base64: {exc}", param, code="invalid_audio") from exc
+    if len(data) > max_bytes:
+        raise bad_request(f"audio is larger than {max_bytes} bytes", param, code="audio_too_large")
+    return data
+
+
+def probe(data: bytes, ref: AudioRef, cfg: ProxyConfig) -> AudioInfo:
+    """probe_audio under the flags' limits: 400 audio_too_large (a limit passed) or invalid_audio."""
+    from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError, probe_audio
+
+    try:
+        return probe_audio(data, AudioLimits(max_bytes=cfg.max_audio_bytes, max_seconds=cfg.max_audio_seconds),
+                           ref.fmt)
+    except AudioTooLargeError as exc:
+        raise bad_request(str(exc), ref.param, code="audio_too_large") from exc
+    except AudioError as exc:
+        raise bad_request(str(exc), ref.param, code="invalid_audio") from exc
+
+
+def refuse_unencoded(audios: list[AudioItem]) -> None:
+    """Nothing encodes audio yet: a prepared request with audio (a model that reports taking it) is a 400
+    audio_not_supported naming its first clip, rather than a prompt whose audio the decoder never sees."""
+    if audios:
+        raise APIError(400, "this server does not encode audio yet (the model reports audio input, but no audio "
+                            "encoder path is built)", param=audios[0].param, code="audio_not_supported")

@@ -1,0 +1,144 @@
+"""Audio clips built with PyAV for the audio tests: tones, silence, many streams, and hand-made WAV headers."""
+from __future__ import annotations
+
+import math
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import av
+import numpy as np
+import pytest
+
+# name -> (PyAV output format, encoder, the codec probe_audio names, the container probe_audio names)
+FORMATS = {
+    "wav": ("wav", "pcm_s16le", "pcm_s16le", "wav"),
+    "mp3": ("mp3", "libmp3lame", "mp3", "mp3"),
+    "flac": ("flac", "flac", "flac", "flac"),
+    "ogg-vorbis": ("ogg", "libvorbis", "vorbis", "ogg"),
+    "ogg-opus": ("ogg", "libopus", "opus", "ogg"),
+    "m4a": ("ipod", "aac", "aac", "mp4"),
+    "webm": ("webm", "libopus", "opus", "matroska"),
+}
+# allowed containers carrying a codec they may not, and containers outside the allow-list
+REFUSED = {
+    "mkv-flac": ("matroska", "flac", "flac", "matroska"),
+    "mp4-mp3": ("mp4", "libmp3lame", "mp3", "mp4"),
+    "wav-alaw": ("wav", "pcm_alaw", "pcm_alaw", "wav"),
+    "adts": ("adts", "aac", "aac", ""),
+    "aiff": ("aiff", "pcm_s16be", "pcm_s16be", ""),
+    "au": ("au", "pcm_s16be", "pcm_s16be", ""),
+}
+_FALLBACK = {"libvorbis": "vorbis", "libopus": "opus"}  # FFmpeg's own encoders, where the library ones are missing
+
+
+@dataclass(frozen=True)
+class Clip:
+    """What make_audio builds: `num_streams` identical audio streams of a tone (or silence)."""
+
+    name: str = "wav"  # a key of FORMATS or REFUSED
+    seconds: float = 1.0
+    rate: int = 0  # 0: 48 kHz for Opus (it has no 44.1 kHz), else 44.1 kHz
+    channels: int = 2
+    freq: float = 440.0
+    num_streams: int = 1
+    silence: bool = False
+    frame_size: int = 0  # samples per encoded frame; 0: the encoder's
+    container_options: dict[str, str] = field(default_factory=dict)
+
+
+def encoder_for(name: str) -> str:
+    """The encoder that builds format `name` here; skips the test when this PyAV build has none."""
+    encoder = {**FORMATS, **REFUSED}[name][1]
+    for candidate in (encoder, _FALLBACK.get(encoder)):
+        if candidate and _has_encoder(candidate):
+            return candidate
+    pytest.skip(f"this PyAV build has no {encoder} encoder for {name}")
+
+
+def _has_encoder(name: str) -> bool:
+    try:
+        av.Codec(name, "w")
+    except (av.FFmpegError, ValueError):
+        return False
+    return True
+
+
+def tone(seconds: float, rate: int, channels: int, freq: float = 440.0) -> np.ndarray:
+    """float32 (channels, samples): a sine at `freq` Hz, amplitude 0.5, the same on every channel."""
+    t = np.arange(round(seconds * rate)) / rate
+    return np.tile(0.5 * np.sin(2 * math.pi * freq * t), (channels, 1)).astype(np.float32)
+
+
+def make_audio(name: str = "wav", **kwargs: Any) -> bytes:
+    """The bytes of Clip(name, **kwargs), written to a file (MP4's faststart rewrites it)."""
+    clip = Clip(name, **kwargs)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "clip")
+        _write(path, clip)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def _write(path: str, clip: Clip) -> None:
+    container = {**FORMATS, **REFUSED}[clip.name][0]
+    encoder = encoder_for(clip.name)
+    rate = clip.rate or (48_000 if "opus" in encoder else 44_100)
+    with av.open(path, "w", format=container, options=clip.container_options) as out:
+        streams = [_add_stream(out, encoder, rate, clip) for _ in range(clip.num_streams)]
+        chunk, total = clip.frame_size or rate // 10, round(clip.seconds * rate)
+        pcm = None if clip.silence else tone(clip.seconds, rate, clip.channels, clip.freq)
+        for start in range(0, total, chunk):
+            n = min(chunk, total - start)
+            samples = np.zeros((clip.channels, n), np.float32) if pcm is None else pcm[:, start:start + n]
+            for stream, resampler in streams:
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp",
+                                                   layout=_layout(clip.channels))
+                frame.sample_rate, frame.pts = rate, start
+                for piece in resampler.resample(frame):
+                    out.mux(stream.encode(piece))
+        for stream, resampler in streams:
+            for piece in resampler.resample(None):
+                out.mux(stream.encode(piece))
+            out.mux(stream.encode(None))
+
+
+def _layout(channels: int) -> str:
+    return {1: "mono", 2: "stereo"}.get(channels, f"{channels}c")
+
+
+def _add_stream(out: Any, encoder: str, rate: int, clip: Clip) -> tuple[Any, av.AudioResampler]:
+    stream = cast(av.AudioStream, out.add_stream(encoder, rate=rate))
+    ctx = stream.codec_context
+    ctx.layout = _layout(clip.channels)
+    ctx.format = ctx.codec.audio_formats[0].name if ctx.codec.audio_formats else "s16"
+    ctx.options = {**({"strict": "experimental"} if encoder in ("vorbis", "opus") else {}),
+                   **({"frame_size": str(clip.frame_size)} if clip.frame_size else {})}
+    ctx.open()
+    resampler = av.AudioResampler(format=ctx.format.name, layout=_layout(clip.channels), rate=rate,
+                                  frame_size=ctx.frame_size or None)
+    return stream, resampler
+
+
+def hour_of_silence_flac(rate: int = 8000, declare: bool = False) -> bytes:
+    """An hour of mono silence in FLAC frames of 65,535 samples (~15 KB at 8 kHz); unless `declare`, its STREAMINFO
+    total-samples field is 0 ("unknown"), so only counting the packets tells how long it is."""
+    data = bytearray(make_audio("flac", seconds=3600, rate=rate, channels=1, silence=True, frame_size=65535))
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0  # STREAMINFO first: its 34 bytes start at 8
+    if not declare:
+        fields = int.from_bytes(data[18:26], "big")  # rate (20 bits), channels (3), bits (5), total samples (36)
+        data[18:26] = (fields & ~((1 << 36) - 1)).to_bytes(8, "big")
+    return bytes(data)
+
+
+def wav_header(sample_rate: int, channels: int = 1, bits: int = 16, data_bytes: int = 0,
+               declared_bytes: int | None = None) -> bytes:
+    """A PCM WAV file made by hand: its fmt chunk says `sample_rate` and `channels`, its data chunk declares
+    `declared_bytes` (default: the real count) and holds `data_bytes` zero bytes."""
+    block_align = channels * bits // 8
+    fmt = struct.pack("<HHIIHH", 1, channels, sample_rate, (sample_rate * block_align) & 0xFFFFFFFF, block_align, bits)
+    declared = data_bytes if declared_bytes is None else declared_bytes
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", declared)
+    return b"RIFF" + struct.pack("<I", min(len(body) + declared, 0xFFFFFFFF)) + body + bytes(data_bytes)
