@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from epd_common.audio import AudioInfo
 
 
-
 @dataclass(frozen=True)
 class AudioRef:
     """An audio part of the request, before anything is loaded: an audio_url's URL, or input_audio's base64."""
