@@ -1,4 +1,5 @@
-"""Chat messages -> token ids with each image (video) placeholder replaced by the item's span (its family's tokens)."""
+"""Chat messages -> token ids with each image (video, audio) placeholder replaced by the item's span (its family's
+tokens; an audio clip's: its audio token once per row)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,10 +27,15 @@ def build_prompt(lm: LanguageHalf, ids: list[int], images: list[ImageFeatures]) 
     <|vision_end|>); ValueError when they do not match the placeholders or the model takes no video."""
     if any(im.is_video for im in images) and lm.video_token_id is None:
         raise ValueError("this model takes no video input")
+    if any(im.audio for im in images) and lm.audio_token_id is None:
+        raise ValueError("this model takes no audio input")
     spans = [im.span if im.span is not None else [_token(lm, im)] * im.num_tokens for im in images]
-    expanded = splice_media(ids, lm.placeholder_id, lm.video_token_id, spans, [im.is_video for im in images])
+    kinds = ["audio" if im.audio else "video" if im.is_video else "image" for im in images]
+    expanded = splice_media(ids, lm.placeholder_id, lm.video_token_id, spans, kinds, lm.audio_token_id)
     return Prompt(input_ids=torch.tensor([expanded], dtype=torch.long), images=images)
 
 
 def _token(lm: LanguageHalf, item: ImageFeatures) -> int:
+    if item.audio and lm.audio_token_id is not None:
+        return lm.audio_token_id
     return lm.video_token_id if item.is_video and lm.video_token_id is not None else lm.image_token_id

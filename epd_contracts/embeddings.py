@@ -30,6 +30,11 @@ class ImageFeatures:
     positions by `second_per_grid_t`. Qwen3-VL: a span with a `<t seconds>` time stamp and a vision group per
     temporal patch. LLaVA-OneVision: `grid_thw` None, `second_per_grid_t` = 1 / fps. A video encoded in chunks is
     its chunks' items concatenated (decoder_service/video_gather.py).
+
+    An audio clip (or a chunk of its encoder windows) is the same item with `audio` set: span None, its rows go to
+    the family's audio token, which is also the prompt's one placeholder per clip (epd_models/audio.py). The flag
+    does not travel on the connector: the decoder sets it from its request's ImageRef.audio (the hash says the
+    rest: an audio hash never equals an image's).
     """
 
     embeds: torch.Tensor  # (num_tokens, text_hidden), any device until a producer saves it (then CPU)
@@ -39,6 +44,7 @@ class ImageFeatures:
     deepstack: torch.Tensor | None = None
     # videos only: the seconds one temporal patch spans (temporal_patch_size / sampled fps); None: an image
     second_per_grid_t: float | None = None
+    audio: bool = False  # an audio clip's rows (see above)
 
     def __post_init__(self) -> None:
         if getattr(self.embeds, "dim", None) is None or self.embeds.dim() < 1:
@@ -50,6 +56,8 @@ class ImageFeatures:
         spg = self.second_per_grid_t
         if spg is not None and not (isinstance(spg, (int, float)) and math.isfinite(spg) and spg > 0):
             raise ValueError(f"second_per_grid_t must be a finite number > 0, got {spg!r}")
+        if self.audio and (spg is not None or self.grid_thw is not None or self.deepstack is not None):
+            raise ValueError("an audio clip's features have no grid, DeepStack features or seconds per patch")
 
     @property
     def is_video(self) -> bool:
@@ -68,4 +76,8 @@ class ImageFeatures:
     def with_tensors(self, embeds: torch.Tensor, deepstack: torch.Tensor | None) -> ImageFeatures:
         """The same item over other tensors (moved or made contiguous)."""
         return ImageFeatures(embeds=embeds, grid_thw=self.grid_thw, span=self.span, deepstack=deepstack,
-                             second_per_grid_t=self.second_per_grid_t)
+                             second_per_grid_t=self.second_per_grid_t, audio=self.audio)
+
+    def as_audio(self) -> ImageFeatures:
+        """The same rows marked as an audio clip's (what a decoder does with a gathered audio item)."""
+        return self if self.audio else ImageFeatures(embeds=self.embeds, span=self.span, audio=True)

@@ -5,7 +5,7 @@ torchvision outright; the subclasses below keep every audio (and, for Omni, imag
 only skip what needs torchvision, as epd_models/processors.py does for the image families. Qwen2-Audio's stock
 processor needs nothing more (WhisperFeatureExtractor runs on numpy or torch).
 
-Not yet in `load_processor`/`register_processors`: call `register_audio_processors` first (tests do).
+`epd_models.processors` registers them with the image-only ones (`register_processors`, `load_processor`).
 """
 from __future__ import annotations
 

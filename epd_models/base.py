@@ -32,6 +32,7 @@ from torch import nn
 from transformers import AutoModel
 
 from epd_contracts.embeddings import ImageFeatures
+from epd_models.audio import AudioHooks
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -77,8 +78,10 @@ class FamilySpec:
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-class FamilyAdapter:
-    """A family's checkpoint keys, its vision half and its LM-side merge, positions and forward extras."""
+class FamilyAdapter(AudioHooks):
+    """A family's checkpoint keys, its vision half and its LM-side merge, positions and forward extras (and, for the
+    families that take audio, its audio hooks: epd_models/audio.py; the audio tower and projector are among
+    `vision_children`, which name every module of the encoder half)."""
 
     def __init__(self, spec: FamilySpec):
         self.spec = spec
@@ -261,34 +264,46 @@ def splice_spans(ids: list[int], placeholder_id: int, spans: Sequence[Sequence[i
 
 
 def splice_media(ids: list[int], placeholder_id: int, video_placeholder_id: int | None,
-                 spans: Sequence[Sequence[int]], is_video: Sequence[bool]) -> list[int]:
-    """Replace the prompt's image and video placeholders, in prompt order, with the items' spans: the i-th
-    placeholder takes spans[i], and it must be of item i's kind (is_video[i]). The items' order is the prompt's,
-    which is also the order their rows are merged and their M-RoPE grids are read in."""
-    kinds = [tok == video_placeholder_id for tok in ids if tok == placeholder_id or tok == video_placeholder_id]
-    if kinds != list(is_video):
-        found, given = _count(kinds, " image placeholders", " video placeholders"), _count(is_video, " images", " videos")
-        order = " (in another order)" if sorted(kinds) == sorted(is_video) else ""
-        raise ValueError(f"prompt has {found} but {given} were given{order}")
+                 spans: Sequence[Sequence[int]], is_video: Sequence[bool | str],
+                 audio_placeholder_id: int | None = None) -> list[int]:
+    """Replace the prompt's image, video (and audio) placeholders, in prompt order, with the items' spans: the i-th
+    placeholder takes spans[i], and it must be of item i's kind (is_video[i]: True or "video", False or "image",
+    "audio"). The items' order is the prompt's, which is also the order their rows are merged and their M-RoPE grids
+    are read in."""
+    marks = {placeholder_id: "image"}
+    if video_placeholder_id is not None:
+        marks[video_placeholder_id] = "video"
+    if audio_placeholder_id is not None:
+        marks[audio_placeholder_id] = "audio"
+    found = [marks[tok] for tok in ids if tok in marks]
+    given = [_kind(k) for k in is_video]
+    if found != given:
+        order = " (in another order)" if sorted(found) == sorted(given) else ""
+        raise ValueError(f"prompt has {_count(found, ' placeholders')} but {_count(given, 's')} were given{order}")
     out: list[int] = []
     it = iter(spans)
     for tok in ids:
-        if tok == placeholder_id or tok == video_placeholder_id:
+        if tok in marks:
             out.extend(next(it))
         else:
             out.append(tok)
     return out
 
 
-def _count(is_video: Sequence[bool], images: str, videos: str) -> str:
-    num_videos = sum(1 for v in is_video if v)
-    text = f"{len(is_video) - num_videos}{images}"
-    return f"{text} and {num_videos}{videos}" if num_videos else text
+def _kind(k: bool | str) -> str:
+    return k if isinstance(k, str) else "video" if k else "image"
+
+
+def _count(kinds: Sequence[str], suffix: str) -> str:
+    """"2 images and 1 video" / "2 image placeholders and 1 audio placeholder": always the images first."""
+    parts = [f"{sum(1 for k in kinds if k == 'image')} image{suffix}"]
+    parts += [f"{n} {kind}{suffix}" for kind in ("video", "audio") if (n := sum(1 for k in kinds if k == kind))]
+    return " and ".join(parts)
 
 
 def merge_image_embeds(
     inputs_embeds: torch.Tensor, input_ids: torch.Tensor, image_token_id: int, images: list[ImageFeatures],
-    video_token_id: int | None = None,
+    video_token_id: int | None = None, audio_token_id: int | None = None,
 ) -> torch.Tensor:
     """Scatter image (and video) embeddings into the image-token (video-token) rows of inputs_embeds (1, L, H).
 
@@ -307,6 +322,12 @@ def merge_image_embeds(
         is_video = input_ids == video_token_id
         assert int(is_video.sum()) == video_rows, "video placeholder count != video tokens"
         is_image = is_image | is_video
+    audio_rows = sum(im.num_tokens for im in images if im.audio)
+    if audio_rows:
+        assert audio_token_id is not None, "audio features for a model without an audio token"
+        is_audio = input_ids == audio_token_id
+        assert int(is_audio.sum()) == audio_rows, "audio placeholder count != audio tokens"
+        is_image = is_image | is_audio
     assert int(is_image.sum()) == feats.shape[0], "placeholder count != image tokens"
     mask = is_image.to(inputs_embeds.device, non_blocking=True).unsqueeze(-1).expand_as(inputs_embeds)
     feats = feats.to(inputs_embeds.device, inputs_embeds.dtype, non_blocking=True)

@@ -9,7 +9,9 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
+from epd_contracts.audio import AudioConfig
 from epd_contracts.embeddings import ImageFeatures
+from epd_models.audio import AudioClip, no_audio
 from epd_models.base import FamilyAdapter, merge_image_embeds
 from epd_models.meta import meta_parameters
 from epd_models.processors import load_processor, register_processors
@@ -84,8 +86,10 @@ class VisionHalf:
             raise ValueError(f"checkpoint {self.model_dir} lacks vision weights: {missing[:5]}")
         self.module.to(self.device, self.dtype)
         self.processor = load_processor(self.model_dir)
-        self.image_processor = self.processor.image_processor
+        self.image_processor = getattr(self.processor, "image_processor", None)  # None: an audio-only family
         self._video_settings: VideoSettings | None = None  # read on the first video
+        # what /health reports as model_identity["audio"] (None: the family takes no audio)
+        self.audio_config: AudioConfig | None = self.adapter.audio_config(self.config, self.processor)
 
     @property
     def video_settings(self) -> VideoSettings:
@@ -121,6 +125,8 @@ class VisionHalf:
         """`multi_image`: the images are each one of several in their prompts (LLaVA-OneVision encodes them apart)."""
         if not images:
             return []
+        if self.image_processor is None:
+            raise ValueError(f"image input is not supported for {self.adapter.name} checkpoints")
         return _to_cpu(self.adapter.encode(self.module, self.processor, self.config, images, detail, multi_image))
 
     def encode_video(self, frames: list[Image.Image], fps: float, max_pixels: int | None = None,
@@ -162,6 +168,18 @@ class VisionHalf:
         return _to_cpu(self.adapter.encode_videos(self.module, self.processor, self.config, self.video_settings, clips))
 
 
+    @torch.inference_mode()
+    def encode_audios(self, clips: list[AudioClip]) -> list[ImageFeatures]:
+        """Each clip's (or chunk's) CPU features, rows at the family's audio token (epd_models/audio.py); raises
+        epd_models.audio.AudioError (a ValueError) where the family takes no audio or a chunk is past the end."""
+        if not clips:
+            return []
+        if self.audio_config is None:
+            raise no_audio(self.adapter.name)
+        rows = self.adapter.encode_audios(self.module, self.processor, self.config, clips)
+        return _to_cpu([ImageFeatures(embeds=r, audio=True) for r in rows])
+
+
 class LanguageHalf:
     """The LM (embeddings, decoder layers, lm_head) only; vision tensors are never read from disk."""
 
@@ -189,11 +207,13 @@ class LanguageHalf:
         self.image_token_id = self.adapter.image_token_id(self.config)
         self.placeholder_id = self.adapter.placeholder_id(self.config)  # what the chat template writes per image
         self.video_token_id = self.adapter.video_token_id(self.config)  # a video's rows and its placeholder
+        self.audio_token_id = self.adapter.audio_token_id(self.config)  # a clip's rows and its placeholder
 
     def embed(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> torch.Tensor:
         """(1, L) ids (any device) and CPU image (and video) features -> (1, L, H) embeddings on self.device."""
         embeds = self.module.language_model.embed_tokens(self.to_device(input_ids))
-        return merge_image_embeds(embeds, input_ids, self.image_token_id, images, self.video_token_id)
+        return merge_image_embeds(embeds, input_ids, self.image_token_id, images, self.video_token_id,
+                                  self.audio_token_id)
 
     def position_ids(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> tuple[torch.Tensor, int]:
         """Prefill positions on self.device (computed on the CPU from CPU ids) and the decode rope delta."""

@@ -28,6 +28,7 @@ from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from epd_models.audio_processors import AUDIO_ONLY
 from epd_models.pixtral_processor import PixtralProcessorPil
 
 
@@ -97,7 +98,7 @@ IMAGE_ONLY: dict[type, Any] = {
 
 def register_processors() -> None:
     """Make AutoProcessor return the image-only processors (otherwise it returns a bare tokenizer or raises)."""
-    for config_cls, processor_cls in IMAGE_ONLY.items():
+    for config_cls, processor_cls in {**IMAGE_ONLY, **AUDIO_ONLY}.items():
         AutoProcessor.register(config_cls, processor_cls, exist_ok=True)
 
 
@@ -106,5 +107,5 @@ def load_processor(model_dir: str | Path) -> Any:
     in processor_config.json, which AutoProcessor would build and fail on; the image-only class is built
     directly from the same files instead."""
     cfg = AutoConfig.from_pretrained(model_dir)
-    cls = IMAGE_ONLY.get(type(cfg))
+    cls = IMAGE_ONLY.get(type(cfg)) or AUDIO_ONLY.get(type(cfg))
     return cls.from_pretrained(model_dir) if cls is not None else AutoProcessor.from_pretrained(model_dir)

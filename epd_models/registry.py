@@ -13,6 +13,7 @@ from epd_models.base import FamilyAdapter, FamilySpec
 from epd_models.gemma3 import Gemma3Adapter
 from epd_models.mrope import MRopeAdapter, qwen_low_detail
 from epd_models.onevision import OnevisionAdapter
+from epd_models.qwen2_audio import Qwen2AudioAdapter
 from epd_models.qwen3_vl import Qwen3VLAdapter
 
 CLIP_STYLE = ("vision_tower", "multi_modal_projector")  # LLaVA's names, kept by most families since
@@ -58,6 +59,10 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
                              text_child="text_model", feature_inputs=("pixel_values", "pixel_attention_mask"),
                              layout_tokens=r"<fake_token_around_image>|<global-img>|<row_\d+_col_\d+>",
                              layout_text=("\n",), batch_encode=False)),
+    # audio in, text out (epd_models/audio.py): the encoder half is the audio tower and projector
+    Qwen2AudioAdapter(FamilySpec(name="qwen2_audio", model_types=("qwen2_audio",),
+                                 vision_children=("audio_tower", "multi_modal_projector"),
+                                 feature_inputs=("input_features", "feature_attention_mask"))),
 )
 
 
