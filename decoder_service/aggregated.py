@@ -14,7 +14,9 @@ A video (an ImageRef with `video`: the whole video's sampling, first 0 and count
 whole through the same CachingEncoder video path the encoder worker takes, keyed by
 `epd_contracts.video.part_hash` of its bytes and sampling (the video's hash), under this decoder's VideoLimits; a
 video that cannot be used is a 400 with the code the encoder would answer (invalid_video, video_too_large,
-video_plan_mismatch, video_not_supported).
+video_plan_mismatch, video_not_supported). An audio clip (an ImageRef with `audio`, the whole clip) the same, by
+the audio path (epd_models/audio_jobs.py), keyed by `epd_contracts.audio.part_hash`, under this decoder's
+AudioLimits; its features are marked as audio (ImageFeatures.audio) for the splice.
 """
 from __future__ import annotations
 
@@ -24,12 +26,16 @@ import logging
 from collections.abc import Mapping
 
 from connector.tensors.cache import EmbeddingCache
+from epd_common.audio import AudioLimits
 from epd_common.errors import APIError, bad_request
 from epd_common.video import VideoLimits
+from epd_contracts.audio import AudioPart
+from epd_contracts.audio import part_hash as audio_part_hash
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import ImageRef
 from epd_contracts.hashing import mm_hash
 from epd_contracts.video import VideoPart, part_hash
+from epd_models.audio_jobs import UndecodableAudio
 from epd_models.encode import CachingEncoder, Check, EmbeddingsRefused, Encoded, UndecodableImage, UndecodableVideo
 from epd_models.halves import VisionHalf
 
@@ -56,9 +62,9 @@ class InlineEncoder(CachingEncoder):
     """Encodes each distinct image once (cached by the mm_hash of its bytes); one vision forward at a time."""
 
     def __init__(self, vision: VisionHalf, cache_bytes: int, max_image_pixels: int, check: Check | None = None,
-                 video_limits: VideoLimits | None = None):
+                 video_limits: VideoLimits | None = None, audio_limits: AudioLimits | None = None):
         super().__init__(vision, InlineCache(cache_bytes), max_image_pixels=max_image_pixels, check=check,
-                         video_limits=video_limits)
+                         video_limits=video_limits, audio_limits=audio_limits)
 
     def features(self, images: list[ImageRef]) -> list[ImageFeatures]:
         """Features for each image in order; raises an APIError (4xx or 5xx) that ends this request only."""
@@ -70,17 +76,24 @@ class InlineEncoder(CachingEncoder):
         hashes = [self._hash(i, d, im) for i, (d, im) in enumerate(zip(data, images, strict=True))]
         for i, (im, h) in enumerate(zip(images, hashes, strict=True)):
             if im.mm_hash and im.mm_hash != h:
-                what = "video bytes and sampling" if im.video is not None else "image bytes"
+                what = ("video bytes and sampling" if im.video is not None else "audio bytes and rate"
+                        if im.audio is not None else "image bytes")
                 raise bad_request(f"images[{i}].mm_hash does not match the {what}", param=f"images.{i}.mm_hash",
                                   code="hash_mismatch")
         details = {h: im.detail for h, im in zip(hashes, images, strict=True) if im.detail != "auto"}
         multi = {h for h, im in zip(hashes, images, strict=True) if im.multi_image}
         videos = {h: im.video for h, im in zip(hashes, images, strict=True) if im.video is not None}
-        done = self._encode_request(hashes, data, details, multi, videos)
-        return [(done[h].features, done[h].cached) for h in hashes]
+        audios = {h: im.audio for h, im in zip(hashes, images, strict=True) if im.audio is not None}
+        done = self._encode_request(hashes, data, details, multi, videos, audios)
+        return [(done[h].features.as_audio() if h in audios else done[h].features, done[h].cached) for h in hashes]
 
     def _hash(self, index: int, data: bytes, im: ImageRef) -> str:
         """What the item is cached under: an image's mm_hash, or a whole video's hash (its one part's)."""
+        if im.audio is not None:
+            if im.chunks:
+                raise bad_request(f"images[{index}] is audio in chunks; an aggregated decoder encodes whole clips",
+                                  param=f"images.{index}.audio")
+            return audio_part_hash(data, im.audio)
         if im.video is None:
             return mm_hash(data, im.detail, im.multi_image)
         if im.chunks or im.video.first != 0 or not im.video.last:
@@ -89,14 +102,15 @@ class InlineEncoder(CachingEncoder):
         return part_hash(data, im.video)
 
     def _encode_request(self, hashes: list[str], data: list[bytes], details: Mapping[str, str],
-                        multi: set[str], videos: Mapping[str, VideoPart]) -> dict[str, Encoded]:
+                        multi: set[str], videos: Mapping[str, VideoPart],
+                        audios: Mapping[str, AudioPart]) -> dict[str, Encoded]:
         """`encode`, its failures turned into this request's APIError."""
         try:
-            return self.encode(dict(zip(hashes, data, strict=True)), details, multi, videos)
+            return self.encode(dict(zip(hashes, data, strict=True)), details, multi, videos, audios)
         except UndecodableImage as exc:
             i = hashes.index(exc.mm_hash)
             raise bad_request(f"images[{i}]: {exc}", param=f"images.{i}.data", code="invalid_image") from exc
-        except UndecodableVideo as exc:
+        except (UndecodableVideo, UndecodableAudio) as exc:
             i = hashes.index(exc.mm_hash)
             raise bad_request(f"images[{i}]: {exc}", param=f"images.{i}.data", code=exc.code) from exc
         except EmbeddingsRefused as exc:

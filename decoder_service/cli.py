@@ -10,6 +10,7 @@ from decoder_service.config import DecoderConfig
 from decoder_service.server import create_app
 from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_worker, worker_parser
 from epd_common.tracing import add_tracing_flags
+from epd_models.audio_jobs import add_audio_flags
 from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
 
@@ -37,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
                    help="aggregated mode: width x height above this is refused before decoding")
     add_video_flags(p.add_argument_group("aggregated mode: video limits"), d)
+    add_audio_flags(p.add_argument_group("aggregated mode: audio limits"), d)
     p.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout,
                    help="seconds the engine loop may make no progress; then /health answers 503 and the process "
                         "exits with status 70")

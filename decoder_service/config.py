@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
+from epd_common.audio import AudioLimits as _AudioLimits
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits
@@ -42,6 +43,7 @@ class DecoderConfig(HttpLimits, TraceSettings):
     max_video_frames: int = DEFAULT_LIMITS.max_frames  # sampled frames of one video; more: 400 video_too_large
     max_video_frame_pixels: int = DEFAULT_LIMITS.max_pixels_per_frame  # source frame width * height
     max_video_decode_frames: int = DEFAULT_LIMITS.max_decode_frames  # frames decoded for one video item
+    max_audio_seconds: float = _AudioLimits.max_seconds  # seconds of one audio clip; longer: 400 audio_too_large
     engine_stall_timeout: float = 120.0  # seconds the engine loop may go without an iteration; then 503 + exit
     grammar_compile_threads: int = 2  # threads compiling response_format / tool grammars (no other request waits)
     grammar_compile_timeout: float = 10.0  # seconds one compile may run; then that request's 400 schema_too_complex
@@ -91,6 +93,7 @@ class DecoderConfig(HttpLimits, TraceSettings):
         assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels,
                                                    self.max_video_decode_frames) >= 1, \
             "max_video_duration, max_video_frames, max_video_frame_pixels and max_video_decode_frames must be > 0"
+        assert self.max_audio_seconds > 0, "max_audio_seconds must be > 0"
         assert self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0 (0: off)"
         assert self.block_size >= 1, "block_size must be >= 1"
         assert self.role in ("both", "prefill", "decode"), f"role must be both, prefill or decode, got {self.role!r}"

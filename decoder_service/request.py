@@ -118,11 +118,11 @@ class Preparer:
     def _image_tokens(self, req: GenerateRequest, prompt: Prompt,
                       held: list[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, ...], PrefixChain | None]:
         """The positions of held rows' tokens (`held`: per item, [start, end) ranges of its rows), and the prompt's
-        prefix-cache chain (images and videos named by mm_hash). An item's rows are its tokens of the image
-        token or the video token, in prompt order (where merge_image_embeds puts them)."""
+        prefix-cache chain (images, videos and clips named by mm_hash). An item's rows are its tokens of the image,
+        video or audio token, in prompt order (where merge_image_embeds puts them)."""
         ids: list[int] = prompt.input_ids[0].tolist()
         sizes = [im.num_tokens for im in prompt.images]
-        media = {self.lm.image_token_id, self.lm.video_token_id} - {None}
+        media = {self.lm.image_token_id, self.lm.video_token_id, self.lm.audio_token_id} - {None}
         positions = [i for i, t in enumerate(ids) if t in media] if sizes else []
         mine: list[int] = []
         start = 0
@@ -134,7 +134,7 @@ class Preparer:
         if self.prefix_block:
             chain = prompt_chain(ids, self.prefix_block, req.cache_salt, self.lm.image_token_id,
                                  [(ref.mm_hash, size) for ref, size in zip(req.images, sizes, strict=True)],
-                                 video_token_id=self.lm.video_token_id)
+                                 video_token_id=self.lm.video_token_id, audio_token_id=self.lm.audio_token_id)
         return tuple(mine), chain
 
     def _check_sampling(self, req: GenerateRequest, params: SamplingParams) -> None:

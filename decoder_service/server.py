@@ -34,6 +34,7 @@ from epd_common.tracing import install_tracing, start_tracing
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import Event, GenerateRequest
 from epd_contracts.validation import ContractError, decode_json
+from epd_models.audio_jobs import audio_limits
 from epd_models.halves import LanguageHalf, VisionHalf, loaded_summary
 from epd_models.identity import model_identity
 from epd_models.resolve import resolve_model
@@ -177,7 +178,7 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
     if cfg.aggregated:
         vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)
         inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, check,
-                               video_limits(cfg, cfg.max_body_bytes))
+                               video_limits(cfg, cfg.max_body_bytes), audio_limits(cfg, cfg.max_body_bytes))
     layout = kv_layout(KVShape.of(half.config.get_text_config(), half.dtype), cfg.block_size,
                        str(state.identity["fingerprint"]))
     state.handoff = HandoffEndpoints.start(cfg.role, layout, cfg.curve, cfg.kv_bind, cfg.kv_advertise_host,

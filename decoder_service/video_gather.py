@@ -1,5 +1,6 @@
-"""A request's images and videos from the connector: one gather of every image and video chunk, each video then
-assembled from its chunks in order (epd_contracts/video.py).
+"""A request's images, videos and audio clips from the connector: one gather of every image, video chunk and audio
+chunk, each video then assembled from its chunks in order (epd_contracts/video.py), each clip from its chunks'
+rows in order (epd_contracts/audio.py), marked as audio.
 
 A video's ImageRef names its chunks (`chunks`, in frame order; none: the video is one item, the ref's own hash
 and source). Every chunk is gathered with the images in one connector gather (a chunk that is not there is in
@@ -63,26 +64,49 @@ class GatherPlan:
         out = []
         for i, (ref, parts) in enumerate(zip(self.refs, self.parts, strict=True)):
             feats = [got[p.mm_hash] for p in parts]
+            if ref.audio is not None:
+                if any(f.is_video or f.grid_thw is not None or f.span is not None for f in feats):
+                    raise _invalid(i, "is an audio clip, but its embeddings are an image's or a video's")
+                rows = torch.cat([f.embeds for f in feats]) if len(feats) > 1 else feats[0].embeds
+                clip = ImageFeatures(embeds=rows, audio=True)
+                held = ((0, clip.num_tokens),) if ref.cached else tuple(
+                    (s, e) for (s, e), p in zip(_ranges(feats), parts, strict=True) if p.cached and s < e)
+                out.append(Gathered(clip, held))
+                continue
             if ref.video is None:
                 if feats[0].is_video:
                     raise _invalid(i, "is an image, but its embeddings are a video's")
                 out.append(Gathered.of(feats[0], ref.cached or parts[0].cached))
                 continue
             video = assemble_video(i, feats, math.ceil(ref.video.total / temporal_patch))
-            rows = [0, *accumulate(f.num_tokens for f in feats)]  # where each chunk's rows start in the video's
             held = ((0, video.num_tokens),) if ref.cached else tuple(
-                (rows[k], rows[k + 1]) for k, p in enumerate(parts) if p.cached and rows[k] < rows[k + 1])
+                (s, e) for (s, e), p in zip(_ranges(feats), parts, strict=True) if p.cached and s < e)
             out.append(Gathered(video, held))
         return out
 
 
-def plan_gather(images: Sequence[ImageRef], config: VideoConfig | None, takes_video: bool) -> GatherPlan:
+def _ranges(feats: Sequence[ImageFeatures]) -> list[tuple[int, int]]:
+    """[start, end) of each chunk's rows in the item's."""
+    rows = [0, *accumulate(f.num_tokens for f in feats)]
+    return list(zip(rows, rows[1:], strict=False))
+
+
+def plan_gather(images: Sequence[ImageRef], config: VideoConfig | None, takes_video: bool,
+                takes_audio: bool = False) -> GatherPlan:
     """The parts to gather for `images` (400 for what this decoder cannot take; see the module docstring).
     `config`: this checkpoint's video sampling (its temporal patch bounds a video's chunks); `takes_video`: the
-    model has a video token."""
+    model has a video token; `takes_audio`: an audio token."""
     parts: list[tuple[ChunkRef, ...]] = []
     for i, ref in enumerate(images):
         whole = (ChunkRef(mm_hash=ref.mm_hash, source=ref.source, pending=ref.pending, cached=ref.cached),)
+        if ref.audio is not None:
+            if not takes_audio:
+                raise bad_request(f"images[{i}] is an audio clip, but this model takes no audio input",
+                                  param=f"images.{i}", code="audio_not_supported")
+            if len({c.mm_hash for c in ref.chunks}) != len(ref.chunks):
+                raise bad_request(f"images[{i}] names one chunk twice", param=f"images.{i}.chunks")
+            parts.append(tuple(ref.chunks) or whole)
+            continue
         if ref.video is None:
             parts.append(whole)
             continue

@@ -7,6 +7,7 @@ from encoder_service.config import EncoderConfig
 from encoder_service.server import create_app
 from epd_common.cli import Gap, byte_size, key_gaps, refuse_open, run_worker, worker_parser
 from epd_common.tracing import add_tracing_flags
+from epd_models.audio_jobs import add_audio_flags
 from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
 
@@ -57,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
     p.add_argument("--max-encode-bytes", type=int, default=d.max_encode_bytes,
                    help="decoded image and video bytes one /encode may carry; more get a 413 request_too_large")
     add_video_flags(p.add_argument_group("video limits"), d)
+    add_audio_flags(p.add_argument_group("audio limits"), d)
     g = p.add_argument_group("connector limits (ZeroMQ producer)")
     g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
                    help="hashes one get or has may ask for; more get an error reply")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from connector.control.security import CurveConfig
 from connector.tensors.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
 from connector.tensors.waiters import MAX_PARKED
+from epd_common.audio import AudioLimits as _AudioLimits
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits
@@ -45,6 +46,7 @@ class EncoderConfig(HttpLimits, TraceSettings):
     max_video_frames: int = DEFAULT_LIMITS.max_frames  # sampled frames of one video; more: 400 video_too_large
     max_video_frame_pixels: int = DEFAULT_LIMITS.max_pixels_per_frame  # source frame width * height
     max_video_decode_frames: int = DEFAULT_LIMITS.max_decode_frames  # frames decoded for one video item
+    max_audio_seconds: float = _AudioLimits.max_seconds  # seconds of one audio clip; longer: 400 audio_too_large
     ec_max_items_per_get: int = MAX_ITEMS_PER_GET  # hashes one ZeroMQ get may ask for; more get an error reply
     ec_max_reply_bytes: int = MAX_REPLY_BYTES  # tensor bytes of one get reply; items past it are answered not found
     ec_max_parked_gets: int = MAX_PARKED  # gets waiting for items still encoding; more are answered at once
@@ -79,6 +81,7 @@ class EncoderConfig(HttpLimits, TraceSettings):
         assert self.max_video_duration > 0 and min(self.max_video_frames, self.max_video_frame_pixels,
                                                    self.max_video_decode_frames) >= 1, \
             "max_video_duration, max_video_frames, max_video_frame_pixels and max_video_decode_frames must be > 0"
+        assert self.max_audio_seconds > 0, "max_audio_seconds must be > 0"
         assert min(self.ec_max_items_per_get, self.ec_max_reply_bytes, self.ec_max_parked_gets,
                    self.ec_max_parked_hashes) >= 1, "ec_max_* limits must be >= 1"
         super().__post_init__()

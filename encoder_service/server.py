@@ -27,10 +27,12 @@ from epd_common.images import ImageError
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
 from epd_common.tracing import install_tracing, span, start_tracing
+from epd_contracts.audio import part_hash as audio_part_hash
 from epd_contracts.encode import EncodeRequest, EncodeResponse
 from epd_contracts.hashing import mm_hash
 from epd_contracts.validation import ContractError, decode_json
 from epd_contracts.video import part_hash
+from epd_models.audio_jobs import UndecodableAudio, audio_limits
 from epd_models.encode import UndecodableVideo
 from epd_models.halves import VisionHalf, loaded_summary
 from epd_models.identity import encoder_fingerprint, model_identity
@@ -85,14 +87,20 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
             data = base64.b64decode(item.data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise bad_request(f"items[{i}].data is not valid base64: {exc}", param=f"items.{i}.data") from exc
-        if item.video is not None and (item.detail != "auto" or item.multi_image):
-            raise bad_request(f"items[{i}] is a video: detail and multi_image are for images",
-                              param=f"items.{i}.video")
-        computed = mm_hash(data, item.detail, item.multi_image) if item.video is None else part_hash(data, item.video)
+        for kind, part in (("a video", item.video), ("an audio clip", item.audio)):
+            if part is not None and (item.detail != "auto" or item.multi_image):
+                raise bad_request(f"items[{i}] is {kind}: detail and multi_image are for images",
+                                  param=f"items.{i}.{'video' if item.video is not None else 'audio'}")
+        if item.video is not None and item.audio is not None:
+            raise bad_request(f"items[{i}] is either a video or an audio clip", param=f"items.{i}.audio")
+        computed = (part_hash(data, item.video) if item.video is not None
+                    else audio_part_hash(data, item.audio) if item.audio is not None
+                    else mm_hash(data, item.detail, item.multi_image))
         if item.mm_hash is not None and item.mm_hash != computed:
             raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (epd_contracts.hashing, "
-                              "epd_contracts.video for a video)", param=f"items.{i}.mm_hash", code="hash_mismatch")
-        out.append(ScheduledEncoderInput(computed, data, item.detail, item.multi_image, item.video))
+                              "epd_contracts.video for a video, epd_contracts.audio for audio)",
+                              param=f"items.{i}.mm_hash", code="hash_mismatch")
+        out.append(ScheduledEncoderInput(computed, data, item.detail, item.multi_image, item.video, item.audio))
     return out
 
 
@@ -121,7 +129,7 @@ def build_worker(cfg: EncoderConfig) -> EncoderWorker:
                           max_parked_gets=cfg.ec_max_parked_gets, max_parked_hashes=cfg.ec_max_parked_hashes,
                           shm=cfg.ec_shm == "auto").start()
     return EncoderWorker(vision, producer, cfg.max_batch_size, cfg.max_image_pixels,
-                         video_limits(cfg, cfg.max_encode_bytes))
+                         video_limits(cfg, cfg.max_encode_bytes), audio_limits(cfg, cfg.max_encode_bytes))
 
 
 async def _read(request: Request) -> EncodeRequest:
@@ -163,7 +171,7 @@ async def encode(request: Request) -> Response:
     except ImageError as exc:
         m.requests.labels("400").inc()
         raise bad_request(str(exc), param="image", code="invalid_image") from exc
-    except UndecodableVideo as exc:
+    except (UndecodableVideo, UndecodableAudio) as exc:
         m.requests.labels("400").inc()
         index = next(i for i, it in enumerate(items) if it.mm_hash == exc.mm_hash)
         raise bad_request(str(exc), param=f"items.{index}.data", code=exc.code) from exc

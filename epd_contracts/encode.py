@@ -5,6 +5,7 @@ from typing import Annotated
 
 import msgspec
 
+from epd_contracts.audio import AudioPart
 from epd_contracts.generate import MAX_HASH_CHARS, Detail
 from epd_contracts.video import VideoPart
 
@@ -24,6 +25,9 @@ class EncodeItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     # the bytes are a video file and the item is these sampled frames of it (epd_contracts/video.py): its mm_hash
     # is epd_contracts.video.part_hash(bytes, video); detail and multi_image stay at their defaults
     video: VideoPart | None = None
+    # the bytes are an audio file and the item is these encoder windows of it (epd_contracts/audio.py): its mm_hash
+    # is epd_contracts.audio.part_hash(bytes, audio); detail and multi_image stay at their defaults
+    audio: AudioPart | None = None
 
 
 class EncodeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

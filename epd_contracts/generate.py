@@ -5,6 +5,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from epd_contracts.audio import AudioPart
 from epd_contracts.kv import MAX_CHOICES, MAX_GENERATOR_STATE, KVKey
 from epd_contracts.limits import MAX_MESSAGES, MAX_TOTAL_PARTS, parts_error
 from epd_contracts.sampling import SamplingParams
@@ -43,12 +44,18 @@ class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     detail: Detail = "auto"  # aggregated mode: the resolution to encode at ("low": the processor's minimum)
     multi_image: bool = False  # encoded as one of several images of its prompt (epd_contracts.hashing)
     video: VideoPart | None = None  # a video: its sampling (whole video: first 0, count = total)
+    # an audio clip (epd_contracts/audio.py: its rate and window; the whole clip): in EPD mode its embeddings are the
+    # rows of its `chunks` in order (empty: one chunk, this ref's own); aggregated, `data` is the audio file
+    audio: AudioPart | None = None
     chunks: Annotated[list[ChunkRef], msgspec.Meta(max_length=MAX_VIDEO_FRAMES)] = msgspec.field(
         default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.chunks and self.video is None:
-            raise FieldError("images", "only a video has chunks")
+        if self.chunks and self.video is None and self.audio is None:
+            raise FieldError("images", "only a video or an audio clip has chunks")
+        if self.audio is not None and (self.video is not None or not self.audio.whole):
+            raise FieldError("images", "an audio ref names the whole clip (its chunks name their windows) and is no "
+                                       "video")
 
 
 class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):

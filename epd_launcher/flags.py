@@ -263,6 +263,10 @@ def _audio_flags(g: argparse._ActionsContainer) -> None:
                         "(default 25 MiB)")
     g.add_argument("--max-audio-seconds", type=positive_seconds, default=defaults["max_audio_seconds"].default,
                    help="seconds of one audio clip; longer: 400 audio_too_large")
+    g.add_argument("--audio-chunk-seconds", type=positive_seconds, default=defaults["audio_chunk_seconds"].default,
+                   help="seconds of audio per chunk, the part of a clip one encoder encodes (whole windows of the "
+                        "family's encoder, for families whose windows are encoded apart): a longer clip is spread "
+                        "over the encoders")
 
 
 def _base_port(text: str) -> int:

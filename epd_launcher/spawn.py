@@ -65,11 +65,12 @@ def _port(args: argparse.Namespace, index: int) -> int:
 
 
 def _video_flags(args: argparse.Namespace) -> list[str]:
-    """The proxy's video limits for the encoders, which probe each video again: a video the proxy takes is not
-    refused there."""
+    """The proxy's video (and audio) limits for the encoders, which probe each video (clip) again: one the proxy
+    takes is not refused there."""
     return ["--max-video-duration", str(args.max_video_duration), "--max-video-frames", str(args.max_video_frames),
             "--max-video-frame-pixels", str(args.max_video_frame_pixels),
-            "--max-video-decode-frames", str(args.max_video_decode_frames)]
+            "--max-video-decode-frames", str(args.max_video_decode_frames),
+            "--max-audio-seconds", str(args.max_audio_seconds)]
 
 
 def _disk_dir(args: argparse.Namespace, index: int) -> list[str]:

@@ -14,6 +14,10 @@ and only the part's frames are decoded; under the lock parts batched together ar
 (one forward where the family joins clips). A video that
 cannot be used raises UndecodableVideo naming its item and the 400 code it gets.
 
+Audio clips (items with an AudioPart: a whole clip, or a chunk of its encoder windows; epd_contracts/audio.py) the
+same way: decoded to the family's rate outside the lock (epd_models/audio_jobs.py), one `VisionHalf.encode_audios`
+under it; a clip that cannot be used raises UndecodableAudio.
+
 The store is the encoder's connector producer, or the aggregated decoder's own cache: this module imports
 neither, only the four methods it needs (`EmbeddingStore`).
 """
@@ -27,12 +31,16 @@ from typing import Protocol
 
 from PIL import Image
 
+from epd_common.audio import AudioLimits
 from epd_common.images import ImageError, load_image
 from epd_common.video import VideoError, VideoInfo, VideoLimits, VideoTooLargeError, probe_video
 from epd_common.video_decode import decode_frames
 from epd_common.video_sampling import VideoConfig, frame_indices, sampled_fps
+from epd_contracts.audio import AudioPart
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.video import VideoPart
+from epd_models.audio import AudioError as AudioInputsError
+from epd_models.audio_jobs import AudioJob, UndecodableAudio, audio_job
 from epd_models.halves import VisionHalf
 from epd_models.video import VideoError as VideoInputsError
 from epd_models.video_config import video_config
@@ -113,7 +121,7 @@ class VideoJob:
         return "video", False
 
 
-Job = ImageJob | VideoJob
+Job = ImageJob | VideoJob | AudioJob
 
 
 @dataclass(frozen=True)
@@ -127,10 +135,11 @@ class CachingEncoder:
 
     def __init__(self, vision: VisionHalf, store: EmbeddingStore, max_batch_size: int = 16,
                  max_image_pixels: int = 40_000_000, check: Check | None = None,
-                 video_limits: VideoLimits | None = None):
+                 video_limits: VideoLimits | None = None, audio_limits: AudioLimits | None = None):
         self.vision, self.store, self.check = vision, store, check
         self.max_batch_size, self.max_image_pixels = max_batch_size, max_image_pixels
         self.video_limits = video_limits or VideoLimits()
+        self.audio_limits = audio_limits or AudioLimits()
         self.num_encoded = 0  # items that went through the vision tower
         self.num_already_cached = 0  # items asked for that were already held
         self._lock = threading.Lock()
@@ -144,22 +153,24 @@ class CachingEncoder:
         return self._video_config[0]
 
     def encode(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None,
-               multi_image: Collection[str] = (), videos: Mapping[str, VideoPart] | None = None) -> dict[str, Encoded]:
-        """Each item's features by mm_hash. Raises UndecodableImage, UndecodableVideo, EmbeddingsRefused, or what
-        the vision raised.
+               multi_image: Collection[str] = (), videos: Mapping[str, VideoPart] | None = None,
+               audios: Mapping[str, AudioPart] | None = None) -> dict[str, Encoded]:
+        """Each item's features by mm_hash. Raises UndecodableImage, UndecodableVideo, UndecodableAudio,
+        EmbeddingsRefused, or what the vision raised.
 
         `details`: mm_hash -> image_url.detail for items not at "auto" (their hash already says so: epd_contracts.
         hashing); `multi_image`: the items encoded as one of several images of their prompt (the same); items of
         one detail and multi_image are batched together. `videos`: mm_hash -> VideoPart for the items that are
-        videos (their hash is epd_contracts.video.part_hash of the bytes and the part), each encoded on its own.
+        videos (their hash is epd_contracts.video.part_hash of the bytes and the part), each encoded on its own;
+        `audios` the same for audio clips and chunks (epd_contracts.audio.part_hash; epd_models/audio_jobs.py).
         """
-        done, jobs = self.prepare(items, details, multi_image, videos)
+        done, jobs = self.prepare(items, details, multi_image, videos, audios)
         groups: dict[tuple[str, bool], list[ImageJob]] = {}
         for job in jobs:
             if isinstance(job, ImageJob):
                 groups.setdefault(job.group, []).append(job)
         batches = [g[i : i + self.max_batch_size] for g in groups.values() for i in range(0, len(g), self.max_batch_size)]
-        todo: list[Sequence[Job]] = [*batches, *([j] for j in jobs if isinstance(j, VideoJob))]
+        todo: list[Sequence[Job]] = [*batches, *([j] for j in jobs if isinstance(j, (VideoJob, AudioJob)))]
         try:
             for batch in todo:
                 done.update(self.run(batch))
@@ -169,17 +180,19 @@ class CachingEncoder:
         return done
 
     def prepare(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None,
-                multi_image: Collection[str] = (), videos: Mapping[str, VideoPart] | None = None
-                ) -> tuple[dict[str, Encoded], list[Job]]:
+                multi_image: Collection[str] = (), videos: Mapping[str, VideoPart] | None = None,
+                audios: Mapping[str, AudioPart] | None = None) -> tuple[dict[str, Encoded], list[Job]]:
         """The items held already, and a job for each of the others: its image decoded (or its video's frames),
         outside any lock, so bad bytes fail before any vision work (the store is told those items will not come)."""
-        videos, details = videos or {}, details or {}
+        videos, details, audios = videos or {}, details or {}, audios or {}
         done = self._held(items)
         todo = {h: data for h, data in items.items() if h not in done}
         try:
             jobs: list[Job] = [ImageJob(h, self._load(h, data), details.get(h, "auto"), h in multi_image)
-                               for h, data in todo.items() if h not in videos]
+                               for h, data in todo.items() if h not in videos and h not in audios]
             jobs += [VideoJob(h, self._frames(h, data, videos[h])) for h, data in todo.items() if h in videos]
+            jobs += [audio_job(h, data, audios[h], self.vision.audio_config, self.vision.adapter.name,
+                               self.audio_limits) for h, data in todo.items() if h in audios]
         except BaseException:
             self.store.mark_failed(list(todo))
             raise
@@ -190,7 +203,7 @@ class CachingEncoder:
         the store holds by now (another call encoded them) are not encoded again. Raises as `encode` does; the
         caller tells the store about the items that will not come."""
         images = [j for j in jobs if isinstance(j, ImageJob)]
-        assert len({j.group for j in jobs}) <= 1, "one batch is images of one group, or video parts"
+        assert len({j.group for j in jobs}) <= 1, "one batch is images of one group, video parts or audio items"
         with self._lock:
             done = self._held([j.mm_hash for j in jobs if self.store.has_cache_item(j.mm_hash)])
             todo = [j for j in jobs if j.mm_hash not in done]
@@ -200,6 +213,9 @@ class CachingEncoder:
             videos = [j for j in todo if isinstance(j, VideoJob)]
             if videos:
                 done.update(self._encode_videos(videos))
+            audios = [j for j in todo if isinstance(j, AudioJob)]
+            if audios:
+                done.update(self._encode_audios(audios))
         return done
 
     def _held(self, hashes: Iterable[str]) -> dict[str, Encoded]:
@@ -251,6 +267,14 @@ class CachingEncoder:
             # the part it belongs to
             raise UndecodableVideo(jobs[0].mm_hash, str(exc)) from exc
         return self._store({job.mm_hash: out for job, out in zip(jobs, outs, strict=True)}, "video part")
+
+    def _encode_audios(self, jobs: list[AudioJob]) -> dict[str, Encoded]:
+        """Encode, check and store audio items batched together (under the lock)."""
+        try:
+            outs = self.vision.encode_audios([job.clip for job in jobs])
+        except AudioInputsError as exc:  # a chunk past the clip's end, a family without audio
+            raise UndecodableAudio(jobs[0].mm_hash, str(exc)) from exc
+        return self._store({job.mm_hash: out for job, out in zip(jobs, outs, strict=True)}, "audio item")
 
     def _encode_batch(self, images: dict[str, Image.Image], detail: str = "auto",
                       multi_image: bool = False) -> dict[str, Encoded]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from epd_contracts.audio import AudioConfig
 from epd_models.video_config import video_config
 
 
@@ -22,7 +23,7 @@ def served_name(model: str) -> str:
 
 
 def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str, Any]:
-    """{family, served_name, fingerprint, hidden_size, video} of the checkpoint in model_dir, served as --model
+    """{family, served_name, fingerprint, hidden_size, video, audio} of the checkpoint in model_dir, served as --model
     `model` (None: the directory itself).
 
     The fingerprint is a hash of config.json's canonical JSON: the same checkpoint gives the same value on every
@@ -30,7 +31,8 @@ def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str,
     would be read by the wrong language model). The served name is only what clients call it: two workers
     that name one checkpoint differently still pair. hidden_size is the language model's (the width of an
     image's rows on the connector). video is its VideoConfig as a dict (epd_models/video_config.py: how the proxy
-    samples a video's frames for this model), or None when the model takes no video.
+    samples a video's frames for this model), or None when the model takes no video; audio the same for its
+    AudioConfig (epd_contracts/audio.py).
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
@@ -39,9 +41,26 @@ def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str,
     hidden = AutoConfig.from_pretrained(model_dir).get_text_config().hidden_size
     family = str(config.get("model_type", "unknown"))
     video = video_config(model_dir, family)
+    audio = audio_config(model_dir)
     return {"family": family, "served_name": served_name(str(model_dir) if model is None else model),
             "fingerprint": hashlib.sha256(canonical).hexdigest()[:16], "hidden_size": int(hidden),
-            "video": video.as_dict() if video is not None else None}
+            "video": video.as_dict() if video is not None else None,
+            "audio": audio.as_dict() if audio is not None else None}
+
+
+def audio_config(model_dir: str | Path) -> AudioConfig | None:
+    """The checkpoint's AudioConfig (epd_models/audio.py: the rate clips are resampled to, the window its encoder
+    encodes apart, where its processor cuts a clip), or None when its family takes no audio (then no processor is
+    loaded)."""
+    from epd_models.audio import AudioHooks
+    from epd_models.processors import load_processor
+    from epd_models.registry import adapter_for
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    adapter = adapter_for(cfg)
+    if type(adapter).audio_config is AudioHooks.audio_config:
+        return None
+    return adapter.audio_config(cfg, load_processor(model_dir))
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -13,6 +13,8 @@ from epd_models.base import FamilyAdapter, FamilySpec
 from epd_models.gemma3 import Gemma3Adapter
 from epd_models.mrope import MRopeAdapter, qwen_low_detail
 from epd_models.onevision import OnevisionAdapter
+from epd_models.phi4_multimodal import Phi4MultimodalAdapter
+from epd_models.qwen2_5_omni import Qwen2_5OmniAdapter
 from epd_models.qwen2_audio import Qwen2AudioAdapter
 from epd_models.qwen3_vl import Qwen3VLAdapter
 
@@ -63,6 +65,13 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
     Qwen2AudioAdapter(FamilySpec(name="qwen2_audio", model_types=("qwen2_audio",),
                                  vision_children=("audio_tower", "multi_modal_projector"),
                                  feature_inputs=("input_features", "feature_attention_mask"))),
+    # audio in, text out; the LM is the base model itself and the towers sit in its embed_tokens_extend (audio only)
+    Phi4MultimodalAdapter(FamilySpec(name="phi4_multimodal", model_types=("phi4_multimodal",),
+                                     vision_children=("embed_tokens_extend",), feature_inputs=("audio_input_features",))),
+    # Qwen2.5-Omni's thinker: audio, images and videos in, text out; the encoder half is both towers
+    Qwen2_5OmniAdapter(FamilySpec(name="qwen2_5_omni", model_types=("qwen2_5_omni_thinker",),
+                                  vision_children=("audio_tower", "visual"),
+                                  feature_inputs=("pixel_values", "image_grid_thw"), low_detail=qwen_low_detail)),
 )
 
 

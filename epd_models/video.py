@@ -144,6 +144,8 @@ def video_settings(model_dir: str | Path, image_processor: Any, family: str = "q
     found = _video_processor_dict(Path(model_dir))
     if family == "llava_onevision":
         return _onevision_settings(model_dir, found, image_processor)
+    if family == "qwen2_5_omni":  # Qwen2_5OmniProcessor passes its videos_kwargs size (the default) on every call
+        found = {k: v for k, v in (found or {}).items() if k not in ("size", "min_pixels", "max_pixels")}
     if found is None:
         if family == "qwen3_vl":
             found = {"size": QWEN3_VIDEO_SIZE}

@@ -53,6 +53,7 @@ _QWEN2 = FamilyDefaults("Qwen2VLVideoProcessor", "qwen2", {"shortest_edge": 128 
 FAMILY_DEFAULTS = {
     "qwen2_vl": _QWEN2,
     "qwen2_5_vl": _QWEN2,  # Qwen2.5-VL's processor uses Qwen2VLVideoProcessor
+    "qwen2_5_omni": _QWEN2,  # so does Qwen2.5-Omni's, and it passes this size on every call
     "qwen3_vl": FamilyDefaults("Qwen3VLVideoProcessor", "qwen3", {"shortest_edge": 128 * 32 * 32,
                                                                  "longest_edge": 32 * 32 * 768},
                                temporal_patch_size=2, patch_size=16, merge_size=2, fps=2),

@@ -11,8 +11,11 @@ loaded, probed and hashed; each step before the next one costs anything.
    deadline, file:// under --allowed-local-media-path), capped at --max-audio-bytes while it is read;
 4. probed (epd_common.audio.probe_audio: headers, no sample decoded) under --max-audio-bytes and
    --max-audio-seconds: 400 invalid_audio, or audio_too_large;
-5. an AudioItem: its hash covers the bytes and the fleet's resampling settings, under the audio tag.
-NOTE: nothing encodes audio yet: ProxyState refuses a prepared request that carries audio (audio_not_supported).
+5. an AudioItem: its hash covers the bytes and the fleet's resampling settings, under the audio tag; where the
+   family encodes windows apart (the fleet's AudioConfig.window_seconds), a clip longer than --audio-chunk-seconds
+   is cut into chunks of whole windows (epd_contracts.audio.plan_chunks), each an MMItem with `audio` set that the
+   scheduler dedupes, places and fails over like an image, so several encoders encode one clip in parallel; the
+   decoder gets one ImageRef per clip naming its chunks in order (proxy/generation.py).
 
 Error codes (400): too_many_audios, audio_not_supported, audio_too_large, invalid_audio; an audio_url's own come
 from proxy.media (invalid_audio_url, audio_url_forbidden, audio_fetch_failed, 408 audio_fetch_timeout).
@@ -24,15 +27,21 @@ import binascii
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from epd_common.errors import APIError, bad_request
-from epd_contracts.audio import AudioConfig, audio_hash
+from epd_common.errors import bad_request
+from epd_contracts.audio import AudioConfig, AudioPart, audio_hash, plan_chunks
 from proxy.config import ProxyConfig
 from proxy.fetch import MediaKind
 from proxy.media import fleet_config, load_media_bytes
 from proxy.protocol import AudioURLPart, InputAudioPart
+from scheduler.scheduler import MMItem
 
 if TYPE_CHECKING:
     from epd_common.audio import AudioInfo
+
+
+# wall clock of one clip's probe in the proxy (its demux pass: packets, no samples): far more than a 25 MB file
+# takes, and short enough that a few hostile files cannot hold prepare_chat's threads long
+PROBE_BUDGET_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -53,11 +62,14 @@ class AudioRef:
 
 @dataclass(frozen=True)
 class AudioItem:
-    """One probed clip of a prompt, as the audio encoders will take it."""
+    """One probed clip of a prompt, as the audio encoders will take it: its chunks (MMItems with `audio` set, in
+    order; one chunk: the clip's own hash)."""
 
     mm_hash: str  # epd_contracts.audio.audio_hash(data, the fleet's AudioConfig)
     data: bytes  # the file as received
     info: AudioInfo  # the probe's container, codec, rate, channels, duration
+    audio: AudioPart  # the whole clip: the fleet's rate and window
+    chunks: tuple[MMItem, ...]
     param: str = ""  # the request field of its bytes
 
 
@@ -94,8 +106,19 @@ def load_audios(refs: list[AudioRef], cfg: ProxyConfig, deadline: float | None,
         key = (ref.url, ref.data, ref.fmt)
         if key not in loaded:
             data = audio_bytes(ref, cfg, deadline)
-            loaded[key] = AudioItem(audio_hash(data, config), data, probe(data, ref, cfg), ref.param)
+            loaded[key] = plan_audio(data, probe(data, ref, cfg), ref.param, cfg, config)
     return [loaded[(ref.url, ref.data, ref.fmt)] for ref in refs]
+
+
+def plan_audio(data: bytes, info: AudioInfo, param: str, cfg: ProxyConfig, config: AudioConfig) -> AudioItem:
+    """The clip's hash and chunks: over the seconds the family's processor keeps (it cuts at max_seconds)."""
+    clip = audio_hash(data, config)
+    seconds = min(info.duration_s, config.max_seconds) if config.max_seconds else info.duration_s
+    whole = AudioPart(sample_rate=config.sample_rate, window=config.window_seconds)
+    chunks = tuple(MMItem(mm_hash=c.mm_hash, data=data, audio=AudioPart(
+        sample_rate=config.sample_rate, window=config.window_seconds, first=c.first, count=c.count))
+        for c in plan_chunks(clip, seconds, config.window_seconds, cfg.audio_chunk_seconds))
+    return AudioItem(clip, data, info, whole, chunks, param)
 
 
 def audio_bytes(ref: AudioRef, cfg: ProxyConfig, deadline: float | None) -> bytes:
@@ -124,17 +147,9 @@ def probe(data: bytes, ref: AudioRef, cfg: ProxyConfig) -> AudioInfo:
     from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError, probe_audio
 
     try:
-        return probe_audio(data, AudioLimits(max_bytes=cfg.max_audio_bytes, max_seconds=cfg.max_audio_seconds),
-                           ref.fmt)
+        return probe_audio(data, AudioLimits(max_bytes=cfg.max_audio_bytes, max_seconds=cfg.max_audio_seconds,
+                                             max_decode_s=PROBE_BUDGET_S), ref.fmt)
     except AudioTooLargeError as exc:
         raise bad_request(str(exc), ref.param, code="audio_too_large") from exc
     except AudioError as exc:
         raise bad_request(str(exc), ref.param, code="invalid_audio") from exc
-
-
-def refuse_unencoded(audios: list[AudioItem]) -> None:
-    """Nothing encodes audio yet: a prepared request with audio (a model that reports taking it) is a 400
-    audio_not_supported naming its first clip, rather than a prompt whose audio the decoder never sees."""
-    if audios:
-        raise APIError(400, "this server does not encode audio yet (the model reports audio input, but no audio "
-                            "encoder path is built)", param=audios[0].param, code="audio_not_supported")

@@ -42,6 +42,8 @@ class ProxyConfig(HttpLimits, TraceSettings):
     max_audios_per_request: int = 4
     max_audio_bytes: int = 25 << 20  # one audio file (OpenAI's cap: 25 MB)
     max_audio_seconds: float = 600.0  # one clip's duration
+    # seconds per chunk of a clip, where the family encodes windows apart (whole windows; epd_contracts/audio.py)
+    audio_chunk_seconds: float = 30.0
     # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
     allowed_local_media_path: str | None = None  # file:// URLs only under this directory
     allowed_media_domains: tuple[str, ...] = ()  # hosts (names or IPs) fetched even if they resolve privately
@@ -93,6 +95,7 @@ class ProxyConfig(HttpLimits, TraceSettings):
         assert self.max_audios_per_request >= 0, "max_audios_per_request must be >= 0"
         assert self.max_audio_bytes >= 1 and self.max_audio_seconds > 0, \
             "max_audio_bytes and max_audio_seconds must be > 0"
+        assert self.audio_chunk_seconds > 0, "audio_chunk_seconds must be > 0"
         assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
             "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"
         super().__post_init__()

@@ -84,10 +84,10 @@ def failover_error(err: APIError, failures: tuple[Failure, ...]) -> APIError:
 
 
 def encode_calls(items: list[MMItem]) -> list[list[MMItem]]:
-    """An encoder's share of a schedule as /encode calls: its images in one, each video chunk in its own (a chunk
-    carries the whole video file: several in one body would multiply it past the encoder's body limit)."""
-    images = [it for it in items if it.video is None]
-    return ([images] if images else []) + [[it] for it in items if it.video is not None]
+    """An encoder's share of a schedule as /encode calls: its images in one, each video or audio chunk in its own (a
+    chunk carries the whole file: several in one body would multiply it past the encoder's body limit)."""
+    images = [it for it in items if it.video is None and it.audio is None]
+    return ([images] if images else []) + [[it] for it in items if it.video is not None or it.audio is not None]
 
 
 class Fleet:
@@ -310,8 +310,8 @@ class Fleet:
         if worker is None:
             raise WorkerFailed("deregistered")
         body = EncodeRequest(items=[EncodeItem(mm_hash=it.mm_hash, data=base64.b64encode(it.data).decode(),
-                                               detail=it.detail, multi_image=it.multi_image, video=it.video)
-                                    for it in items])
+                                               detail=it.detail, multi_image=it.multi_image, video=it.video,
+                                               audio=it.audio) for it in items])
         headers = {REQUEST_ID_HEADER: request_id, **_JSON, **self.internal_headers}
         try:
             resp = await until_down(self.client.post(f"{name}/encode", content=msgspec.json.encode(body), headers=headers,

@@ -13,6 +13,7 @@ import msgspec
 from epd_common.errors import APIError
 from epd_common.tracing import span
 from epd_contracts.generate import ChunkRef, Event, Handoff, ImageRef
+from proxy.audio import AudioItem
 from proxy.decoder_http import DecoderResponse
 from proxy.fleet import Fleet, ItemRefused, WorkerFailed
 from proxy.prepare import PreparedChat
@@ -158,24 +159,27 @@ class Generation:
         await self.close_stream()
         await self.open(sources)
 
-    def _ref(self, item: MMItem | VideoItem, pending: frozenset[str]) -> ImageRef:
-        """The decoder's reference to one image or video: where its embeddings are, or (aggregated) its bytes."""
-        if isinstance(item, VideoItem):
-            return self._video(item, pending)
+    def _ref(self, item: MMItem | VideoItem | AudioItem, pending: frozenset[str]) -> ImageRef:
+        """The decoder's reference to one image, video or clip: where its embeddings are, or (aggregated) its
+        bytes."""
+        if isinstance(item, (VideoItem, AudioItem)):
+            return self._chunked(item, pending)
         if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
             return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), detail=item.detail,
                             multi_image=item.multi_image)
         return ImageRef(mm_hash=item.mm_hash, source=self.sources[item.mm_hash], pending=item.mm_hash in pending,
                         cached=item.mm_hash in self.cached, detail=item.detail, multi_image=item.multi_image)
 
-    def _video(self, item: VideoItem, pending: frozenset[str]) -> ImageRef:
-        """A video: named by its hash, with its whole sampled part; its embeddings are its chunks' in order, each
-        found like an image's (aggregated: the file, which the decoder samples and encodes itself)."""
+    def _chunked(self, item: VideoItem | AudioItem, pending: frozenset[str]) -> ImageRef:
+        """A video or clip: named by its hash, with its whole part (a video's sampling, a clip's rate and window);
+        its embeddings are its chunks' in order, each found like an image's (aggregated: the file, which the decoder
+        samples or resamples and encodes itself)."""
+        kind = {"video": item.video} if isinstance(item, VideoItem) else {"audio": item.audio}
         if self.fleet.cfg.aggregated:
-            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), video=item.video)
+            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), **kind)
         chunks = [ChunkRef(mm_hash=c.mm_hash, source=self.sources[c.mm_hash], pending=c.mm_hash in pending,
                            cached=c.mm_hash in self.cached) for c in item.chunks]
-        return ImageRef(mm_hash=item.mm_hash, video=item.video, chunks=chunks)
+        return ImageRef(mm_hash=item.mm_hash, chunks=chunks, **kind)
 
     async def events(self) -> AsyncIterator[Event]:
         """The decoder's events; before the first token a lost decoder means a retry on another one."""

@@ -27,7 +27,7 @@ class PreparedChat:
 
     messages: list[dict[str, Any]]  # image / video parts replaced by {"type": "image"} / {"type": "video"}; empty
     # for a completions prompt
-    items: list[MMItem | VideoItem]  # images and videos in order of appearance (may repeat)
+    items: list[MMItem | VideoItem | AudioItem]  # images, videos and audio clips in order of appearance (may repeat)
     sampling: SamplingParams  # the decoder's sampling contract
     prompt: str | list[int] | None = None  # /v1/completions: the prompt, instead of messages
     echo: bool = False  # /v1/completions: the prompt comes first in the answer
@@ -36,14 +36,12 @@ class PreparedChat:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     cache_salt: str = ""  # vLLM's cache_salt: no K/V is shared with requests of another salt
     prefix_keys: list[str] = field(default_factory=list)  # proxy/prefix_keys.py: routing, and the decoder's /health
-    params: dict[str, str] = field(default_factory=dict)  # mm_hash of each image and video chunk -> its URL's field
-    # the audio clips in order of appearance, probed and hashed; NOTE: not encoded yet (proxy.audio.refuse_unencoded)
-    audios: list[AudioItem] = field(default_factory=list)
+    params: dict[str, str] = field(default_factory=dict)  # mm_hash of each image, video or audio chunk -> its field
 
     @property
     def encodes(self) -> list[MMItem]:
-        """What the encoders are asked for: each image, and each chunk of each video, in prompt order."""
-        return [c for it in self.items for c in (it.chunks if isinstance(it, VideoItem) else (it,))]
+        """What the encoders are asked for: each image, and each chunk of each video and clip, in prompt order."""
+        return [c for it in self.items for c in (it.chunks if isinstance(it, (VideoItem, AudioItem)) else (it,))]
 
     def named(self, err: APIError, mm_hash: str) -> APIError:
         """An encoder's error about the item `mm_hash`, naming the request's field of it (not the /encode call's)."""
@@ -171,20 +169,22 @@ def _load_media(media: list[MediaRef], req: ChatCompletionRequest, cfg: ProxyCon
     return [next(loaded[m.kind]) for m in media]
 
 
-def _params(media: list[MediaRef], items: list[MMItem | VideoItem]) -> dict[str, str]:
-    """mm_hash of each image and video chunk -> the request field of its URL (the first, for a repeated one)."""
+def _params(media: list[MediaRef | AudioRef], items: list[MMItem | VideoItem | AudioItem]) -> dict[str, str]:
+    """mm_hash of each image, video chunk and audio chunk -> the request field of its bytes (the first, for a
+    repeated one)."""
     params: dict[str, str] = {}
     for ref, item in zip(media, items, strict=True):
-        for h in ([c.mm_hash for c in item.chunks] if isinstance(item, VideoItem) else [item.mm_hash]):
-            params.setdefault(h, ref.param)
+        chunks = item.chunks if isinstance(item, (VideoItem, AudioItem)) else (item,)
+        for c in chunks:
+            params.setdefault(c.mm_hash, ref.param)
     return params
 
 
-def _prompt_hashes(media: list[MediaRef | AudioRef], items: list[MMItem | VideoItem],
-                   audios: list[AudioItem]) -> list[str]:
-    """The hash of each image, video and audio marker, in prompt order (what the prefix keys hash them by)."""
-    visual, heard = iter(items), iter(audios)
-    return [next(heard).mm_hash if isinstance(m, AudioRef) else next(visual).mm_hash for m in media]
+def _in_order(media: list[MediaRef | AudioRef], visual: list[MMItem | VideoItem],
+              audios: list[AudioItem]) -> list[MMItem | VideoItem | AudioItem]:
+    """The images and videos, and the clips, merged back into prompt order."""
+    seen, heard = iter(visual), iter(audios)
+    return [next(heard) if isinstance(m, AudioRef) else next(seen) for m in media]
 
 
 def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None,
@@ -207,13 +207,12 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
     audio_refs = [m for m in media if isinstance(m, AudioRef)]
     visual = [m for m in media if isinstance(m, MediaRef)]
     audio = audio_support(audio_refs, audio)  # a model without audio: 400 before anything is loaded
-    items = _load_media(visual, req, cfg, deadline, family, video)
-    check_context([it for it in items if isinstance(it, VideoItem)], sampling.max_tokens, max_model_len)
-    audios = load_audios(audio_refs, cfg, deadline, audio) if audio is not None else []
+    seen = _load_media(visual, req, cfg, deadline, family, video)
+    check_context([it for it in seen if isinstance(it, VideoItem)], sampling.max_tokens, max_model_len)
+    items = _in_order(media, seen, load_audios(audio_refs, cfg, deadline, audio) if audio is not None else [])
     salt = req.cache_salt or ""
     return PreparedChat(messages=messages, items=items, sampling=sampling,
                         response_format=features.response_format, tools=features.tools,
-                        tool_choice=features.tool_choice, cache_salt=salt, params=_params(visual, items),
-                        audios=audios,
-                        prefix_keys=chat_prefix_keys(messages, _prompt_hashes(media, items, audios), features.tools,
+                        tool_choice=features.tool_choice, cache_salt=salt, params=_params(media, items),
+                        prefix_keys=chat_prefix_keys(messages, [it.mm_hash for it in items], features.tools,
                                                      salt, prefix_secret(cfg.internal_key)))

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from epd_common.errors import APIError
 from epd_common.tracing import inject_traceparent, span
-from proxy.audio import fleet_audio_config, refuse_unencoded
+from proxy.audio import fleet_audio_config
 from proxy.config import ProxyConfig
 from proxy.fetch_slots import FetchSlots
 from proxy.fleet import Fleet
@@ -70,16 +70,14 @@ class ProxyState:
             self.fetch_slots.close()  # downloads still running are not waited for
 
     async def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
-        """Text alone is cheap: no thread hop. Images and videos are loaded (videos probed) within
+        """Text alone is cheap: no thread hop. Images, videos and audio are loaded (videos and clips probed) within
         --media-fetch-deadline, never on the event loop: downloads on a fetch slot (threads of their own, a cap
         shared by all requests), data and file URLs on asyncio's pool. The fleet's model identity says its family
         and its video and audio settings (proxy/video.py, proxy/audio.py). Traced as `prepare` (media fetch
         included)."""
         with span("prepare", {"epd.images": req.num_images(), "epd.videos": req.num_videos(),
                               "epd.audios": req.num_audios()}):
-            chat = await self._prepare(req)
-        refuse_unencoded(chat.audios)  # NOTE: until audio encoders exist
-        return chat
+            return await self._prepare(req)
 
     async def _prepare(self, req: ChatCompletionRequest) -> PreparedChat:
         if not req.num_images() and not req.num_videos() and not req.num_audios():

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from epd_contracts.generate import Detail
+from epd_contracts.audio import AudioPart
 from epd_contracts.video import VideoPart
 from scheduler.cache_view import CacheView, holds
 
@@ -23,6 +24,7 @@ class MMItem:
     detail: Detail = "auto"  # image_url.detail: "low" is encoded at the minimum resolution (and hashed apart)
     multi_image: bool = False  # one of several images of its prompt, for a family where that matters (hashed apart)
     video: VideoPart | None = None  # a video chunk: `data` is the video file, this its frames (epd_contracts/video)
+    audio: AudioPart | None = None  # an audio clip or chunk: `data` is the audio file, this its windows
 
 
 @dataclass

@@ -229,7 +229,8 @@ class Engine:
     def _gather_traced(self, req: GenerateRequest, received: Received) -> list[Gathered]:
         if self.inline is not None:
             return [Gathered.of(f, hit) for f, hit in self.inline.features_and_hits(req.images)]
-        plan = plan_gather(req.images, self.video_config, self.lm.video_token_id is not None)
+        plan = plan_gather(req.images, self.video_config, self.lm.video_token_id is not None,
+                           self.lm.audio_token_id is not None)
         start = time.perf_counter()
         try:
             got = self.consumer.gather(plan.hashes, plan.sources, self.cfg.gather_timeout, wait_for=plan.pending,

@@ -63,11 +63,12 @@ def root_of(salt: str) -> bytes:
 
 
 def prompt_chain(ids: Sequence[int], block_size: int, salt: str = "", image_token_id: int | None = None,
-                 images: Sequence[tuple[str, int]] = (), video_token_id: int | None = None) -> PrefixChain | None:
-    """The chain of a prompt whose image tokens (id `image_token_id`, and video tokens: `video_token_id`) take the
-    rows of `images` ((mm_hash, number of rows) each, images and videos in prompt order) in order. None when the
-    prompt's image and video tokens do not add up to the items' rows: not cached."""
-    media = {image_token_id, video_token_id} - {None}
+                 images: Sequence[tuple[str, int]] = (), video_token_id: int | None = None,
+                 audio_token_id: int | None = None) -> PrefixChain | None:
+    """The chain of a prompt whose image tokens (id `image_token_id`, and video and audio tokens: `video_token_id`,
+    `audio_token_id`) take the rows of `images` ((mm_hash, number of rows) each, images, videos and clips in prompt
+    order) in order. None when the prompt's media tokens do not add up to the items' rows: not cached."""
+    media = {image_token_id, video_token_id, audio_token_id} - {None}
     positions = [i for i, t in enumerate(ids) if t in media] if images else []
     if len(positions) != sum(n for _, n in images):
         return None

@@ -41,3 +41,14 @@ def test_extending_with_generated_tokens_equals_the_longer_prompt_and_stops_at_a
     assert chain.extend(generated) == longer.keys and chain.extend([]) == chain.keys
     tail_image = prompt_chain([1, 2, 3, 4, IMG], B, "", IMG, [("x", 1)])
     assert tail_image is not None and not tail_image.extendable and tail_image.extend([5, 6, 7]) == tail_image.keys
+
+
+def test_audio_rows_are_named_by_their_clip() -> None:
+    """Two clips of one length write the same audio tokens: only their hashes tell their blocks apart (else one
+    clip's K/V would answer the other's prompt), and a prompt whose audio rows are not counted is not cached."""
+    aud = IMG + 1
+    ids = [1, aud, aud, aud, aud, 2, 3, 4]
+    one = prompt_chain(ids, B, "", IMG, [("clip-1", 4)], audio_token_id=aud)
+    two = prompt_chain(ids, B, "", IMG, [("clip-2", 4)], audio_token_id=aud)
+    assert one is not None and two is not None and one.keys[0] != two.keys[0]
+    assert prompt_chain(ids, B, "", IMG, [("clip-1", 4)]) is None

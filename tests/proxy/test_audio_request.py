@@ -1,7 +1,7 @@
 """Audio parts (OpenAI's input_audio, vLLM's audio_url: proxy/audio.py): every bad shape is a 400 naming its field;
 a model without audio (every family served today) answers 400 audio_not_supported before anything is fetched or
 decoded; the count and byte caps and the image URL guards hold; output audio stays a 400; for a model that reports
-audio (faked here) each clip is probed and hashed, then refused since nothing encodes audio yet."""
+audio (faked here) each clip is probed, hashed and planned in chunks for the encoders."""
 from __future__ import annotations
 
 import base64
@@ -19,10 +19,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from epd_common.errors import APIError
-from epd_contracts.audio import AudioConfig, audio_hash
+from epd_contracts.audio import AudioConfig, AudioPart, audio_hash, chunk_hash, part_hash
 from epd_contracts.hashing import mm_hash
 from proxy.app import create_app
-from proxy.audio import fleet_audio_config
+from proxy.audio import AudioItem, fleet_audio_config
 from proxy.config import ProxyConfig
 from proxy.prepare import PreparedChat, prepare_chat
 from proxy.protocol import ChatCompletionRequest
@@ -298,18 +298,22 @@ def test_streams_finish_unchanged_while_audio_requests_are_refused(proxy: TestCl
         assert [f.result(timeout=60) for f in streams] == alone
 
 
-# --- a model that takes audio (faked: no family reports it yet) ----------------------------------------------------
+# --- a model that takes audio (faked here; tests/e2e/test_audio_e2e.py runs real ones) --------------------------------
 
 def test_a_clip_is_probed_hashed_over_its_bytes_and_resampling_settings_and_marked_in_the_prompt() -> None:
     chat = prepared(input_audio(), audio_url(as_data_url(WAV, "audio/wav")), input_audio(make_wav(0.5)))
     assert chat.messages[0]["content"] == [{"type": "audio"}] * 3 + [QUESTION]
-    first, second, third = chat.audios
+    first, second, third = chat.items
+    assert isinstance(first, AudioItem) and isinstance(second, AudioItem) and isinstance(third, AudioItem)
     assert first.mm_hash == second.mm_hash == audio_hash(WAV, RATE)  # the same bytes, however they came
     assert third.mm_hash == audio_hash(make_wav(0.5), RATE) != first.mm_hash
     assert first.data == WAV and first.param == "messages.0.content.0.input_audio.data"
     assert (first.info.sample_rate, first.info.channels) == (16_000, 1)
     assert first.info.duration_s == pytest.approx(1.0, abs=0.05)
-    assert chat.items == [] and chat.encodes == []  # nothing goes to the image encoders
+    # each clip is one chunk (the fleet's config has no window): what the encoders get, in prompt order
+    assert [c.mm_hash for c in chat.encodes] == [first.mm_hash, first.mm_hash, third.mm_hash]
+    assert chat.encodes[0].audio == AudioPart(sample_rate=16_000) == first.audio
+    assert chat.params[first.mm_hash] == "messages.0.content.0.input_audio.data"
     assert audio_hash(WAV, AudioConfig(sample_rate=24_000)) != first.mm_hash != mm_hash(WAV)  # its own tag
 
 
@@ -317,7 +321,7 @@ def test_a_repeated_clip_is_loaded_once_and_clips_tell_prefix_keys_apart(server:
     server.routes["/a.wav"] = serve(WAV, "audio/wav")
     cfg = config(allowed_media_domains=("127.0.0.1",))
     chat = prepared(audio_url(server.url("/a.wav")), audio_url(server.url("/a.wav")), cfg=cfg)
-    assert [a.mm_hash for a in chat.audios] == [audio_hash(WAV, RATE)] * 2
+    assert [a.mm_hash for a in chat.items] == [audio_hash(WAV, RATE)] * 2
     assert server.paths().count("/a.wav") == 1
     other = prepared(input_audio(make_wav(tone=880.0)))
     same = prepared(input_audio(WAV))
@@ -336,17 +340,21 @@ def test_a_clip_longer_than_max_audio_seconds_is_a_400_audio_too_large() -> None
     assert (err.param, err.code) == ("messages.0.content.0.audio_url.url", "audio_too_large")
 
 
-@pytest.mark.parametrize("fake_decoder", [AUDIO_IDENTITY], indirect=True)
-def test_a_model_that_takes_audio_probes_the_clip_then_refuses_it_as_not_built(
-        proxy: TestClient, fake_decoder: FakeDecoder) -> None:
-    bad = input_audio(b"\0" * 64)
-    assert_error(proxy.post("/v1/chat/completions", json=body(bad)), "messages.0.content.0.input_audio.data",
-                 "invalid_audio")  # probed: a capable model looks at the bytes
-    error = assert_error(proxy.post("/v1/chat/completions", json=body(input_audio())),
-                         "messages.0.content.0.input_audio.data", "audio_not_supported")
-    assert "not" in error["message"] and "audio encoder" in error["message"]
-    assert not fake_decoder.bodies
-    assert proxy.post("/v1/chat/completions", json=body()).status_code == 200  # text still served
+def test_a_long_clip_is_planned_in_chunks_of_whole_windows_for_a_family_that_encodes_windows_apart() -> None:
+    """A 7 s clip, 2 s windows, chunks of 4 s: [0, 2) and [2, end) windows, each with its own hash and the whole
+    file; the last runs to the end. Cut at the family's max_seconds first (5 s here: 2 chunks of 4 s from 4.75)."""
+    wav = make_wav(7.0)
+    windowed = AudioConfig(sample_rate=16_000, window_seconds=2.0)
+    chat = prepared(input_audio(wav), audio=windowed, cfg=config(audio_chunk_seconds=4.0))
+    [clip] = chat.items
+    assert isinstance(clip, AudioItem) and clip.mm_hash == audio_hash(wav, windowed)
+    assert [(c.audio.first, c.audio.count) for c in chat.encodes if c.audio] == [(0, 2), (2, 0)]
+    assert [c.mm_hash for c in chat.encodes] == [chunk_hash(clip.mm_hash, 0, 2), chunk_hash(clip.mm_hash, 2, 0)]
+    assert all(c.data == wav and part_hash(wav, c.audio) == c.mm_hash for c in chat.encodes if c.audio)
+    cut = AudioConfig(sample_rate=16_000, window_seconds=2.0, max_seconds=5.0)
+    assert len(prepared(input_audio(wav), audio=cut, cfg=config(audio_chunk_seconds=2.0)).encodes) == 3
+    one = prepared(input_audio(wav), audio=windowed, cfg=config(audio_chunk_seconds=30.0))
+    assert [c.mm_hash for c in one.encodes] == [one.items[0].mm_hash]  # within one chunk: the clip's own hash
 
 
 def test_the_audio_flags_reach_the_proxy_config_with_their_defaults() -> None:

@@ -1,0 +1,144 @@
+"""Qwen2.5-Omni's thinker (text out): a windowed Whisper-style audio tower with its own projection, Qwen2.5-VL's
+vision tower, and a Qwen2 LM with M-RoPE. The encoder half holds both towers (`audio_tower`, `visual`).
+
+Audio: the feature extractor runs over the WHOLE clip exactly as Qwen2_5OmniProcessor calls it (padded to its
+300 s `chunk_length` with "max_length", cut there, the attention mask giving the valid frames), since a frame's
+log-mel value depends on the whole clip (the floor is the clip's maximum - 8). The tower then attends within
+windows of `n_window * 2` mel frames (2 s, 50 rows), each encoded on its own (conv, positions and attention restart
+in every window, and the 2x pooling pairs never cross a window), so a chunk of whole windows [first, first + count)
+is its frames alone through the tower, and its rows are those rows of the whole clip's. Not bit for bit: the tower
+batches its windows into one conv and one flat sequence for the linear layers, whose CPU and GPU kernels pick their
+blocking by the batch's size, so the same window alone, in a chunk, in the whole clip or beside another request's
+clip may differ in the last bits (< 1e-6 here; tests/models/test_audio_tiny.py). The clips and chunks of one
+`encode_audios` call go through the tower together, as the model's `get_audio_features` takes a prompt's clips.
+
+The audio rows take <|AUDIO|>, the chat template's one placeholder per clip (between <|audio_bos|> and
+<|audio_eos|>); their M-RoPE positions are text positions (one a token, the three axes equal), as the model's own
+`get_rope_index` gives them. Images are Qwen2.5-VL's (the template writes <|vision_bos|><|IMAGE|><|vision_eos|>,
+<|IMAGE|> being the placeholder and the rows' token).
+
+Video (<|VIDEO|>): Qwen2.5-VL's video inputs (epd_models/video.py) through the same visual tower; its temporal
+positions are `floor(k * second_per_grid_t * position_id_per_seconds)` in Omni's order of float32 products (Qwen2.5-VL
+multiplies `tokens_per_second * second_per_grid_t` first), and the text after any vision item starts at the item's
+largest position + 1 (Qwen2.5-VL in transformers 5 at start + max(h, w), which a video's temporal positions exceed).
+Audio inside a video (`use_audio_in_video`: a video's audio rows interleaved with its frames' by 2 s chunks) is not
+served: an audio part and a video part are separate items.
+
+Checkpoints: the thinker alone (model_type qwen2_5_omni_thinker; keys model.audio_tower.*, model.visual.*,
+model.language_model.*, lm_head.*). A real Qwen2.5-Omni checkpoint is the composite qwen2_5_omni (thinker_config,
+talker_config, token2wav_config; keys thinker.*, talker.*, token2wav.*): "thinker." is stripped from its keys here,
+but serving it also needs the thinker's config taken out of the composite one (halves.py's AutoConfig) and the
+talker and token2wav keys left unread (halves.py's `load_half` keeps every key in one half or the other).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerTextModel
+
+from epd_contracts.audio import AudioConfig
+from epd_models.audio import AudioClip, feature_rate, window_slice
+from epd_models.base import LanguageModules, _to
+from epd_models.mrope import MRopeAdapter, Run
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from epd_contracts.embeddings import ImageFeatures
+
+
+class Qwen2_5OmniAdapter(MRopeAdapter):
+    """Qwen2.5-Omni's thinker: audio, images and videos in, text out."""
+
+    def normalize_key(self, key: str) -> str:
+        return super().normalize_key(key.removeprefix("thinker."))  # a composite checkpoint's thinker keys
+
+    def build_language(self, cfg: PretrainedConfig) -> LanguageModules:
+        """The thinker's text model (AutoModel knows no qwen2_5_omni_text) and lm_head, parameters on meta."""
+        from epd_models.meta import params_on_meta
+
+        tc = cfg.get_text_config()
+        with params_on_meta():
+            return LanguageModules(Qwen2_5OmniThinkerTextModel._from_config(tc), tc.hidden_size, tc.vocab_size)
+
+    # audio
+
+    def audio_token_id(self, cfg: Any) -> int | None:
+        return int(cfg.audio_token_index)
+
+    def audio_config(self, cfg: Any, processor: Any) -> AudioConfig | None:
+        fe = processor.feature_extractor
+        window = window_frames(cfg) * int(fe.hop_length) / feature_rate(processor)
+        return AudioConfig(sample_rate=feature_rate(processor), window_seconds=window,
+                           max_seconds=float(fe.chunk_length))
+
+    def encode_audios(self, module: Any, processor: Any, cfg: Any, clips: list[AudioClip]) -> list[torch.Tensor]:
+        """Each clip's (chunk's) rows: the whole clip's features cut to the chunk's windows, every item's frames
+        through the tower in one forward (its `feature_lens` keeps them apart), split back per item."""
+        fe, rate = processor.feature_extractor, feature_rate(processor)
+        weight = next(module.parameters())
+        whole: dict[int, torch.Tensor] = {}  # id(samples) -> the clip's valid frames (mel, frames)
+        parts = []
+        for clip in clips:
+            key = id(clip.samples)
+            if key not in whole:
+                out = fe(clip.samples, sampling_rate=rate, padding="max_length", return_attention_mask=True,
+                         return_tensors="pt")
+                whole[key] = out["input_features"][0, :, : int(out["attention_mask"].sum())]
+            feats = whole[key]
+            parts.append(feats[:, window_slice(feats.shape[1], window_frames(cfg), clip)])
+        lens = torch.tensor([p.shape[1] for p in parts], device=weight.device)
+        tower = module.audio_tower
+        rows = tower(_to(torch.cat(parts, dim=1), weight), feature_lens=lens).last_hidden_state
+        _, counts = tower._get_feat_extract_output_lengths(lens)
+        return list(torch.split(rows, counts.tolist()))
+
+    # M-RoPE
+
+    def item_runs(self, cfg: PretrainedConfig, item: ImageFeatures) -> list[Run]:
+        """One run (the item's whole grid), at Omni's temporal positions: `get_rope_index`'s
+        floor(k * second_per_grid_t * position_id_per_seconds) for a video, in its order of float32 products (the
+        processor's video_second_per_grid is a float32 tensor); k * position_id_per_seconds for an image (whose one
+        temporal patch is at 0)."""
+        grid = item.grid_thw
+        assert grid is not None, "Qwen image features need grid_thw"
+        merge = cfg.vision_config.spatial_merge_size
+        temporal = torch.arange(grid[0])
+        if item.second_per_grid_t is None:
+            temporal = temporal * int(cfg.position_id_per_seconds)
+        else:
+            per_grid = torch.tensor(item.second_per_grid_t, dtype=torch.float32)
+            temporal = (temporal * per_grid * cfg.position_id_per_seconds).long()
+        return [(temporal, grid[1] // merge, grid[2] // merge, item.is_video)]
+
+    def position_ids(
+        self, cfg: PretrainedConfig, input_ids: torch.Tensor, images: list[ImageFeatures]
+    ) -> tuple[torch.Tensor, int]:
+        """MRopeAdapter's, but the text after a vision item starts at the item's largest position + 1."""
+        ids = input_ids.view(-1).tolist()
+        media = {self.image_token_id(cfg), self.video_token_id(cfg)} - {None}
+        runs = iter([run for item in images if not item.audio for run in self.item_runs(cfg, item)])
+        chunks: list[torch.Tensor] = []
+        pos, i = 0, 0
+        while i < len(ids):
+            j = i
+            if ids[i] not in media:
+                while j < len(ids) and ids[j] not in media:
+                    j += 1
+                chunks.append(torch.arange(pos, pos + j - i).view(1, -1).expand(3, -1))
+            else:
+                temporal, h, w, is_video = next(runs)
+                assert is_video == (ids[i] == self.video_token_id(cfg)), "an image's features at a video's tokens"
+                tt, hh, ww = torch.meshgrid(temporal, torch.arange(h), torch.arange(w), indexing="ij")
+                chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+                j = i + len(temporal) * h * w
+            pos = int(chunks[-1].max()) + 1
+            i = j
+        positions = torch.cat(chunks, dim=1)
+        return positions.view(3, 1, -1), pos - len(ids)
+
+
+def window_frames(cfg: Any) -> int:
+    """Mel frames per independently encoded window: n_window * 2 (200: 2 s, 50 rows)."""
+    return int(cfg.audio_config.n_window) * 2
