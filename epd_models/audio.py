@@ -42,7 +42,8 @@ def window_slice(total: int, size: int, clip: AudioClip) -> slice:
     start = clip.first * size
     end = total if clip.count == 0 else min(total, start + clip.count * size)
     if start >= total or end <= start:
-        raise AudioError(f"windows [{clip.first}, {clip.first + clip.count or 'end'}) are past the clip's end "
+        raise AudioError(f"windows [{clip.first}, {clip.first + clip.count if clip.count else 'end'}) are past the "
+                         f"clip's end "
                          f"({total} feature frames, {size} a window)")
     return slice(start, end)
 

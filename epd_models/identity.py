@@ -40,12 +40,23 @@ def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str,
     # text_config has no hidden_size: LlamaConfig's 4096)
     hidden = AutoConfig.from_pretrained(model_dir).get_text_config().hidden_size
     family = str(config.get("model_type", "unknown"))
-    video = video_config(model_dir, family)
+    video = video_config(model_dir, _adapter_name(model_dir, family))
     audio = audio_config(model_dir)
     return {"family": family, "served_name": served_name(str(model_dir) if model is None else model),
             "fingerprint": hashlib.sha256(canonical).hexdigest()[:16], "hidden_size": int(hidden),
             "video": video.as_dict() if video is not None else None,
             "audio": audio.as_dict() if audio is not None else None}
+
+
+def _adapter_name(model_dir: str | Path, family: str) -> str:
+    """The served family's adapter name (Qwen2.5-Omni's thinker checkpoints say qwen2_5_omni_thinker), else the
+    model_type."""
+    from epd_models.registry import adapter_for
+
+    try:
+        return adapter_for(AutoConfig.from_pretrained(model_dir)).name
+    except ValueError:
+        return family
 
 
 def audio_config(model_dir: str | Path) -> AudioConfig | None:

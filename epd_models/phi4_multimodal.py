@@ -57,10 +57,10 @@ class Phi4MultimodalAdapter(FamilyAdapter):
     def build_language(self, cfg: Any) -> LanguageModules:
         from epd_models.meta import params_on_meta
 
-        with params_on_meta():
+        with params_on_meta():  # lm_head too: a tied checkpoint has none on disk, and it takes the embeddings'
             lm = AutoModel.from_config(cfg)  # Phi4MultimodalModel: embed_tokens, layers, norm, and the towers
-        lm.embed_tokens_extend = None  # never called when the embeddings are given
-        return LanguageModules(lm, cfg.hidden_size, cfg.vocab_size)
+            lm.embed_tokens_extend = None  # never called when the embeddings are given
+            return LanguageModules(lm, cfg.hidden_size, cfg.vocab_size)
 
     def image_token_id(self, cfg: Any) -> int:
         return -1  # no image input (no token matches -1: an image never reaches this family)

@@ -1,16 +1,18 @@
 """Qwen2.5-Omni's thinker (text out): a windowed Whisper-style audio tower with its own projection, Qwen2.5-VL's
 vision tower, and a Qwen2 LM with M-RoPE. The encoder half holds both towers (`audio_tower`, `visual`).
 
-Audio: the feature extractor runs over the WHOLE clip exactly as Qwen2_5OmniProcessor calls it (padded to its
-300 s `chunk_length` with "max_length", cut there, the attention mask giving the valid frames), since a frame's
+Audio: the feature extractor runs over the WHOLE clip, giving what Qwen2_5OmniProcessor's call gives (padded to
+its 300 s `chunk_length` with "max_length", cut there, the attention mask giving the valid frames), since a frame's
 log-mel value depends on the whole clip (the floor is the clip's maximum - 8). The tower then attends within
 windows of `n_window * 2` mel frames (2 s, 50 rows), each encoded on its own (conv, positions and attention restart
 in every window, and the 2x pooling pairs never cross a window), so a chunk of whole windows [first, first + count)
 is its frames alone through the tower, and its rows are those rows of the whole clip's. Not bit for bit: the tower
 batches its windows into one conv and one flat sequence for the linear layers, whose CPU and GPU kernels pick their
 blocking by the batch's size, so the same window alone, in a chunk, in the whole clip or beside another request's
-clip may differ in the last bits (< 1e-6 here; tests/models/test_audio_tiny.py). The clips and chunks of one
-`encode_audios` call go through the tower together, as the model's `get_audio_features` takes a prompt's clips.
+clip may differ in the last bits (6e-8 measured for chunks on separate calls; tests allow 1e-6). The clips and chunks
+of one `encode_audios` call go through the tower together, as the model's `get_audio_features` takes a prompt's
+clips. The features are computed over the clip's own length, not the processor's 300 s pad (`clip_features`: the
+pad costs 1 s of CPU a clip here, paid again by each chunk's call), equal to the processor's to about 1e-7.
 
 The audio rows take <|AUDIO|>, the chat template's one placeholder per clip (between <|audio_bos|> and
 <|audio_eos|>); their M-RoPE positions are text positions (one a token, the three axes equal), as the model's own
@@ -22,18 +24,23 @@ positions are `floor(k * second_per_grid_t * position_id_per_seconds)` in Omni's
 multiplies `tokens_per_second * second_per_grid_t` first), and the text after any vision item starts at the item's
 largest position + 1 (Qwen2.5-VL in transformers 5 at start + max(h, w), which a video's temporal positions exceed).
 Audio inside a video (`use_audio_in_video`: a video's audio rows interleaved with its frames' by 2 s chunks) is not
-served: an audio part and a video part are separate items.
+served: an audio part and a video part are separate items. The frames are sized by the processor's own video size
+(its `videos_kwargs`, passed on every call: epd_models/video.py `video_settings`); epd_models/video.py's
+VIDEO_FAMILIES lists it, and its workers report its video sampling in /health like the Qwen VL families'.
 
 Checkpoints: the thinker alone (model_type qwen2_5_omni_thinker; keys model.audio_tower.*, model.visual.*,
 model.language_model.*, lm_head.*). A real Qwen2.5-Omni checkpoint is the composite qwen2_5_omni (thinker_config,
 talker_config, token2wav_config; keys thinker.*, talker.*, token2wav.*): "thinker." is stripped from its keys here,
-but serving it also needs the thinker's config taken out of the composite one (halves.py's AutoConfig) and the
-talker and token2wav keys left unread (halves.py's `load_half` keeps every key in one half or the other).
+but serving it also needs the thinker's config taken out of the composite one (halves.py's AutoConfig), its
+processor built without torchvision (epd_models/audio_processors.py maps only the thinker's config) and the talker
+and token2wav keys left unread (halves.py's `load_half` keeps every key in one half or the other).
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerTextModel
 
@@ -76,16 +83,13 @@ class Qwen2_5OmniAdapter(MRopeAdapter):
     def encode_audios(self, module: Any, processor: Any, cfg: Any, clips: list[AudioClip]) -> list[torch.Tensor]:
         """Each clip's (chunk's) rows: the whole clip's features cut to the chunk's windows, every item's frames
         through the tower in one forward (its `feature_lens` keeps them apart), split back per item."""
-        fe, rate = processor.feature_extractor, feature_rate(processor)
         weight = next(module.parameters())
         whole: dict[int, torch.Tensor] = {}  # id(samples) -> the clip's valid frames (mel, frames)
         parts = []
         for clip in clips:
             key = id(clip.samples)
             if key not in whole:
-                out = fe(clip.samples, sampling_rate=rate, padding="max_length", return_attention_mask=True,
-                         return_tensors="pt")
-                whole[key] = out["input_features"][0, :, : int(out["attention_mask"].sum())]
+                whole[key] = clip_features(processor, clip.samples)
             feats = whole[key]
             parts.append(feats[:, window_slice(feats.shape[1], window_frames(cfg), clip)])
         lens = torch.tensor([p.shape[1] for p in parts], device=weight.device)
@@ -137,6 +141,26 @@ class Qwen2_5OmniAdapter(MRopeAdapter):
             i = j
         positions = torch.cat(chunks, dim=1)
         return positions.view(3, 1, -1), pos - len(ids)
+
+
+def clip_features(processor: Any, samples: np.ndarray) -> torch.Tensor:
+    """The clip's valid log-mel frames (mel, frames), what Qwen2_5OmniProcessor's call gives (padded with zeros to
+    its 300 s `chunk_length`, cut there, the mask's frames kept) without computing 300 s of frames (equal to the last
+    bit or so: the mel projection is one matrix product over all the frames, blocked by their count): the clip
+    with n_fft zeros after it gives every valid frame the same samples to see (a frame's window reaches at most n_fft
+    / 2 past its centre, so it never meets the STFT's reflected edge), and the zero frames cannot move the clip-wide
+    maximum (their log-mel is the floor of 1e-10). A clip that reaches the cut is computed as the processor does."""
+    fe = processor.feature_extractor
+    limit, hop = int(fe.n_samples), int(fe.hop_length)
+    samples = samples[:limit]
+    valid = math.ceil(len(samples) / hop)
+    if len(samples) + int(fe.n_fft) > limit:
+        out = fe(samples, sampling_rate=feature_rate(processor), padding="max_length", return_attention_mask=True,
+                 return_tensors="pt")
+        return out["input_features"][0, :, : int(out["attention_mask"].sum())]
+    padded = np.concatenate([samples, np.zeros(int(fe.n_fft), dtype=samples.dtype)])
+    out = fe(padded, sampling_rate=feature_rate(processor), padding="longest", return_tensors="pt")
+    return out["input_features"][0, :, :valid]
 
 
 def window_frames(cfg: Any) -> int:

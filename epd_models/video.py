@@ -53,7 +53,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 if TYPE_CHECKING:
     from PIL import Image
 
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision")
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "qwen2_5_omni")
 VIDEO_DEFAULT_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}  # Qwen2VLVideoProcessor.size
 QWEN3_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}  # Qwen3VLVideoProcessor.size
 QWEN3_MAX_VIDEO_TOKENS = 768  # Qwen3VLVideoProcessor.max_video_tokens (its per-frame cap, when turned on)

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_FOR_MULTIMODAL_LM_MAPPING
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -57,7 +57,10 @@ def tied_pairs(cfg: PretrainedConfig, language_model: nn.Module, rename: Callabl
     the text config."""
     pairs: list[tuple[str, str]] = []
     if getattr(cfg, "tie_word_embeddings", False):
-        composite = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)]  # the class transformers loads it as
+        # the class transformers loads it as (the audio families are multimodal LMs, not image-text-to-text ones)
+        mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if type(cfg) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING \
+            else MODEL_FOR_MULTIMODAL_LM_MAPPING
+        composite = mapping[type(cfg)]
         keys: dict[str, str] = getattr(composite, "_tied_weights_keys", None) or {}
         pairs += [(rename(t), rename(s)) for t, s in keys.items()]
     if isinstance(language_model, PreTrainedModel):

@@ -1,10 +1,13 @@
-"""Ask the running server about a synthetic red circle (or, with --video, a short clip made here) with the official
-OpenAI client."""
+"""Ask the running server about a synthetic red circle (or, with --video or --audio, a short clip made here) with the
+official OpenAI client."""
 from __future__ import annotations
 
 import argparse
 import base64
 import io
+import math
+import struct
+import wave
 from fractions import Fraction
 from typing import Any, cast
 
@@ -45,6 +48,27 @@ def video_request(model: str) -> dict[str, Any]:
         {"type": "text", "text": "What happens in this video?"}]}]}
 
 
+def tone_wav(seconds: float = 2.0, freq: float = 440.0, rate: int = 16_000) -> bytes:
+    """A WAV (16-bit mono PCM) of a sine tone, made with the standard library, so trying audio needs no file."""
+    frames = b"".join(struct.pack("<h", round(12_000 * math.sin(2 * math.pi * freq * i / rate)))
+                      for i in range(round(seconds * rate)))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(frames)
+    return buf.getvalue()
+
+
+def audio_request(model: str) -> dict[str, Any]:
+    """The --audio chat request: the tone inline as an `input_audio` part (OpenAI's form), greedy, a few tokens."""
+    data = base64.b64encode(tone_wav()).decode()
+    return {"model": model, "temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+        {"type": "text", "text": "What do you hear?"}]}]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
@@ -52,8 +76,15 @@ def main() -> None:
     p.add_argument("--video", action="store_true",
                    help="send a 2 s clip made here instead of the picture (needs a model that takes video, such as "
                         "a tiny qwen2_vl: see the README's Video inputs; the demo model answers video_not_supported)")
+    p.add_argument("--audio", action="store_true",
+                   help="send a 2 s tone made here instead of the picture (needs a model that takes audio, such as "
+                        "a tiny qwen2_audio: see the README's Audio inputs; the demo model answers audio_not_supported)")
     args = p.parse_args()
     client = OpenAI(base_url=args.base_url, api_key="unused")
+    if args.audio:
+        resp = client.chat.completions.create(**audio_request(args.model))
+        print(f"What do you hear? -> {resp.choices[0].message.content!r}  (usage: {resp.usage})")
+        return
     if args.video:
         resp = client.chat.completions.create(**video_request(args.model))
         print(f"What happens in this video? -> {resp.choices[0].message.content!r}  (usage: {resp.usage})")

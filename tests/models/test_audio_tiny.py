@@ -25,7 +25,9 @@ from epd_builders.audio_tiny import (
     window_seconds,
 )
 from epd_builders.families import qwen2_5_omni
+from epd_models.audio import AudioClip
 from epd_models.audio_processors import register_audio_processors
+from epd_models.phi4_multimodal import WINDOW_ROWS, chunk_frames, encode_windows
 from tests.factories import make_image
 
 register_audio_processors()
@@ -209,36 +211,21 @@ def test_omni_windows_encode_independently(loaded: dict[str, Loaded]) -> None:
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-6)
 
 
-def phi4_window(encoder: Any, feats: torch.Tensor, k: int, total: int, size: int = 500) -> torch.Tensor:
-    """Window k of a clip's `total` encoder rows, computed from its own mel frames: the 8x conv front end needs 7
-    frames before the window (8 taken, one row dropped: the stride stays aligned), and a clip that is unfolded into
-    windows has its last window zero-padded to `size` rows, which the stock forward attends to."""
-    reduction = encoder.config.time_reduction
-    start = k * size * reduction
-    first = max(0, start - reduction)
-    hidden, _ = encoder.embed(encoder.encoder_embedding(feats[:, first:start + size * reduction]), None)
-    hidden = hidden[:, (start - first) // reduction:][:, :size]
-    n = hidden.shape[1]
-    if total > size:
-        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, size - n))
-    mask = encoder._streaming_mask(hidden.shape[1], 1, encoder.config.chunk_size, encoder.config.left_chunk)
-    attn = mask.unsqueeze(1) + encoder.relative_attention_bias_layer(hidden)
-    for layer in encoder.encoders:
-        hidden = layer(hidden, attn)
-    return hidden[0, :n]
-
-
 @torch.inference_mode()
 def test_phi4_windows_encode_independently(loaded: dict[str, Loaded]) -> None:
     """Phi-4's encoder attends within 500-row windows (40 s): a 45 s clip's rows are its two windows' rows, each
     computed apart from its own frames (and 8 before it), bit for bit: windows can be spread over encoders, by a
-    path of our own (the stock forward takes the whole clip). Its log-mel frames are local (no clip-wide floor)."""
+    path of our own (the adapter's `encode_windows`; the stock forward takes the whole clip). Its log-mel frames are
+    local (no clip-wide floor)."""
     item = loaded["phi4_multimodal"]
     inputs = item.inputs((window_seconds("phi4_multimodal") + 5) * SAMPLING_RATE)
     encoder = item.model.model.embed_tokens_extend.audio_embed.encoder
     feats = inputs["audio_input_features"]
     whole = encoder(feats, None)[0]
-    parts = [phi4_window(encoder, feats, k, whole.shape[0]) for k in range(-(-whole.shape[0] // 500))]
+    parts = []
+    for k in range(-(-whole.shape[0] // WINDOW_ROWS)):
+        frames, lead = chunk_frames(feats.shape[1], 8, AudioClip(np.zeros(0, np.float32), k, 1))
+        parts.append(encode_windows(encoder, feats[:, frames], feats.shape[1], lead))
     assert [p.shape[0] for p in parts] == [500, 63]
     assert torch.equal(torch.cat(parts), whole)
 
