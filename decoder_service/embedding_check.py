@@ -41,7 +41,7 @@ class EmbeddingCheck:
         self.width = int(lm.module.language_model.embed_tokens.embedding_dim)
         self.merge: int | None = cfg.vision_config.spatial_merge_size if isinstance(lm.adapter, MRopeAdapter) else None
         self.fixed = spec.fixed_tokens(cfg) if spec.fixed_tokens is not None else None
-        self.image_id, self.video_id = lm.image_token_id, lm.video_token_id
+        self.image_id, self.video_id, self.audio_id = lm.image_token_id, lm.video_token_id, lm.audio_token_id
         self.tokenizer, self.vocab = lm.tokenizer, len(lm.tokenizer)
         self.layout = layout_ids(lm.tokenizer, spec.layout_tokens, spec.layout_text)
         self.allowed = self.layout | {self.image_id}  # what a span may hold
@@ -57,10 +57,14 @@ class EmbeddingCheck:
             return f"width {e.shape[1]} != this model's embedding width {self.width} (an encoder of another model?)"
         if out.is_video and self.video_id is None:
             return "a video's embeddings, but this model takes no video"
-        span = self._video_span(out) if out.is_video else self._span(out)
-        for reason in (span, self._count(out), self._deepstack(out)):
-            if reason is not None:
-                return reason
+        # rows alone may be an audio clip's (its kind is its request's, which the connector does not know): their
+        # count is the clip's, and an image's ref that gets them is refused when the clip is assembled
+        # (decoder_service/video_gather.py)
+        if not (self.audio_id is not None and out.audio_shaped):
+            span = self._video_span(out) if out.is_video else self._span(out)
+            for reason in (span, self._count(out), self._deepstack(out)):
+                if reason is not None:
+                    return reason
         deepstack_finite = out.deepstack is None or bool(torch.isfinite(out.deepstack).all())
         if not bool(torch.isfinite(e).all()) or not deepstack_finite:
             return "non-finite values (NaN or inf)"

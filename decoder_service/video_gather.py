@@ -59,8 +59,11 @@ class GatherPlan:
     def pending(self) -> list[str]:
         return [p.mm_hash for parts in self.parts for p in parts if p.pending]
 
-    def assemble(self, got: Mapping[str, ImageFeatures], temporal_patch: int = 1) -> list[Gathered]:
-        """Each item's features from the gathered parts (every hash of the plan is in `got`), in prompt order."""
+    def assemble(self, got: Mapping[str, ImageFeatures], temporal_patch: int = 1,
+                 needs_grid: bool = False) -> list[Gathered]:
+        """Each item's features from the gathered parts (every hash of the plan is in `got`), in prompt order.
+        `needs_grid`: the model's images have a grid (M-RoPE): an image's rows without one are refused (a model that
+        takes audio lets rows alone through its connector check, as a clip's may be)."""
         out = []
         for i, (ref, parts) in enumerate(zip(self.refs, self.parts, strict=True)):
             feats = [got[p.mm_hash] for p in parts]
@@ -76,6 +79,8 @@ class GatherPlan:
             if ref.video is None:
                 if feats[0].is_video:
                     raise _invalid(i, "is an image, but its embeddings are a video's")
+                if needs_grid and feats[0].grid_thw is None:
+                    raise _invalid(i, "is an image, but its embeddings have no grid (an audio clip's?)")
                 out.append(Gathered.of(feats[0], ref.cached or parts[0].cached))
                 continue
             video = assemble_video(i, feats, math.ceil(ref.video.total / temporal_patch))

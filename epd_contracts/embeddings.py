@@ -64,6 +64,11 @@ class ImageFeatures:
         return self.second_per_grid_t is not None
 
     @property
+    def audio_shaped(self) -> bool:
+        """Rows alone, as an audio clip's are on the wire (no grid, span, DeepStack rows or seconds per patch)."""
+        return self.grid_thw is None and self.span is None and self.deepstack is None and self.second_per_grid_t is None
+
+    @property
     def num_tokens(self) -> int:
         return int(self.embeds.shape[0])
 

@@ -58,6 +58,7 @@ from epd_common.tracing import span
 from epd_contracts.generate import GenerateRequest, Handoff
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
+from epd_models.mrope import MRopeAdapter
 from epd_models.video_config import video_config
 
 logger = logging.getLogger("epd.decoder")
@@ -244,7 +245,8 @@ class Engine:
         self.metrics.gather.observe(time.perf_counter() - start)
         self.metrics.gathered_bytes.observe(sum(f.nbytes for f in got.values()))
         # the proxy marks images and chunks held before (ImageRef.cached, ChunkRef.cached)
-        return plan.assemble(got, self.video_config.temporal_patch if self.video_config is not None else 1)
+        return plan.assemble(got, self.video_config.temporal_patch if self.video_config is not None else 1,
+                             needs_grid=isinstance(self.lm.adapter, MRopeAdapter))
 
     def _run(self) -> None:
         try:

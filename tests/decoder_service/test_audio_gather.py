@@ -53,3 +53,13 @@ def test_embeddings_that_are_not_a_clips_are_the_encoders_fault() -> None:
     with pytest.raises(APIError) as err:
         plan.assemble({"a0": rows(3, 0.0), "a1": video})
     assert (err.value.status, err.value.code) == (502, "invalid_embeddings")
+
+
+def test_rows_alone_under_an_images_hash_are_refused_where_images_have_a_grid() -> None:
+    """A model that takes audio lets rows alone through its connector check (a clip's are rows alone); an image's ref
+    that gets such rows in an M-RoPE family is the encoders' fault, not a crash in the positions."""
+    plan = plan_gather([ImageRef(mm_hash="pic")], None, False, True)
+    with pytest.raises(APIError) as err:
+        plan.assemble({"pic": rows(4, 0.0)}, needs_grid=True)
+    assert (err.value.status, err.value.code) == (502, "invalid_embeddings")
+    assert not plan.assemble({"pic": rows(4, 0.0)})[0].features.audio  # a family without grids: an image's rows

@@ -1,0 +1,55 @@
+"""Long audio across encoders (issue 35 item 4), end to end: Qwen2.5-Omni's thinker encodes 2 s windows apart, so
+`disagg-epd-proxy --audio-chunk-seconds 2` cuts a 9 s clip into chunks of one window each that both encoders encode
+at once; the decoder gathers them in order and answers as the aggregated mode (one process that encodes the whole
+clip), and a clip beside an image and a video keeps its place. The chunks' rows equal the whole clip's to ~1e-7
+(epd_models/qwen2_5_omni.py), so tokens are equal and logprobs within 1e-4."""
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.audio_clips import make_audio
+from tests.e2e.answers import logprobs
+from tests.e2e.audio_stack import Pair, answer, assert_same, audio_stack, encoded, input_audio
+from tests.factories import make_image, make_video
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    yield from audio_stack("qwen2_5_omni", tmp_path_factory.mktemp("audio-chunks"), "--audio-chunk-seconds", "2")
+
+
+def image_part(colour: str) -> dict[str, Any]:
+    buf = io.BytesIO()
+    make_image(56, 56, colour).save(buf, format="PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+
+def video_part() -> dict[str, Any]:
+    clip = make_video(num_frames=4, width=56, height=56, fps=2)
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(clip).decode()}}
+
+
+def test_a_long_clip_in_chunks_on_two_encoders_answers_as_the_whole_clip(pair: Pair) -> None:
+    before = encoded(pair.epd)
+    part = input_audio(make_audio("wav", seconds=9.0, rate=16_000, channels=1, freq=300.0))
+    epd = answer(pair.epd.base_url, pair.model, part)
+    assert_same(epd, answer(pair.aggregated, pair.model, part))
+    grew = [after - b for after, b in zip(encoded(pair.epd), before, strict=True)]
+    assert sum(grew) == 5 and all(g >= 1 for g in grew), grew  # 4.5 windows: 5 chunks, the last to the end
+
+
+def test_a_clip_with_an_image_and_a_video_keeps_its_place(pair: Pair) -> None:
+    clip = input_audio(make_audio("wav", seconds=3.0, rate=16_000, channels=1, freq=600.0))
+    parts = [image_part("red"), clip, video_part()]
+    epd = answer(pair.epd.base_url, pair.model, *parts)
+    assert_same(epd, answer(pair.aggregated, pair.model, *parts))
+    moved = answer(pair.epd.base_url, pair.model, clip, parts[0], parts[2])
+    assert moved["usage"]["prompt_tokens"] == epd["usage"]["prompt_tokens"]
+    assert logprobs(moved) != pytest.approx(logprobs(epd), abs=1e-4)
