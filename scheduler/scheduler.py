@@ -11,8 +11,8 @@ from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from epd_contracts.generate import Detail
 from epd_contracts.audio import AudioPart
+from epd_contracts.generate import Detail
 from epd_contracts.video import VideoPart
 from scheduler.cache_view import CacheView, holds
 
