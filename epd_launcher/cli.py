@@ -132,7 +132,7 @@ def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls:
         video_chunk_frames=args.video_chunk_frames, max_video_fanout_bytes=args.max_video_fanout_bytes,
         max_video_decode_frames=args.max_video_decode_frames, max_audios_per_request=args.max_audios_per_request,
         max_audio_bytes=args.max_audio_bytes, max_audio_seconds=args.max_audio_seconds,
-        audio_chunk_seconds=args.audio_chunk_seconds,
+        audio_chunk_seconds=args.audio_chunk_seconds, max_audio_fanout_bytes=args.max_audio_fanout_bytes,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=_urls(args.allowed_media_domains), media_fetch_timeout=args.media_fetch_timeout,
         media_fetch_deadline=args.media_fetch_deadline, max_concurrent_fetches=args.max_concurrent_fetches,

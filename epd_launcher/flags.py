@@ -267,6 +267,9 @@ def _audio_flags(g: argparse._ActionsContainer) -> None:
                    help="seconds of audio per chunk, the part of a clip one encoder encodes (whole windows of the "
                         "family's encoder, for families whose windows are encoded apart): a longer clip is spread "
                         "over the encoders")
+    g.add_argument("--max-audio-fanout-bytes", type=positive, default=defaults["max_audio_fanout_bytes"].default,
+                   help="bytes one clip may send to encoders over all its chunks (each chunk's call carries the "
+                        "whole file): a larger file is cut into fewer, longer chunks (default 64 MiB)")
 
 
 def _base_port(text: str) -> int:

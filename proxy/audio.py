@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,13 +112,18 @@ def load_audios(refs: list[AudioRef], cfg: ProxyConfig, deadline: float | None,
 
 
 def plan_audio(data: bytes, info: AudioInfo, param: str, cfg: ProxyConfig, config: AudioConfig) -> AudioItem:
-    """The clip's hash and chunks: over the seconds the family's processor keeps (it cuts at max_seconds)."""
+    """The clip's hash and chunks: over the seconds the family's processor keeps (it cuts at max_seconds), chunks of
+    --audio-chunk-seconds made longer where needed so that the file is sent at most --max-audio-fanout-bytes in all
+    (each chunk's /encode carries the whole file, and each encoder decodes all of it)."""
     clip = audio_hash(data, config)
     seconds = min(info.duration_s, config.max_seconds) if config.max_seconds else info.duration_s
     whole = AudioPart(sample_rate=config.sample_rate, window=config.window_seconds)
+    most = max(1, cfg.max_audio_fanout_bytes // max(1, len(data)))  # chunks the file may be sent in
+    window = config.window_seconds
+    chunk_seconds = max(cfg.audio_chunk_seconds, window * math.ceil(seconds / most / window) if window else 0.0)
     chunks = tuple(MMItem(mm_hash=c.mm_hash, data=data, audio=AudioPart(
         sample_rate=config.sample_rate, window=config.window_seconds, first=c.first, count=c.count))
-        for c in plan_chunks(clip, seconds, config.window_seconds, cfg.audio_chunk_seconds))
+        for c in plan_chunks(clip, seconds, config.window_seconds, chunk_seconds))
     return AudioItem(clip, data, info, whole, chunks, param)
 
 

@@ -44,6 +44,9 @@ class ProxyConfig(HttpLimits, TraceSettings):
     max_audio_seconds: float = 600.0  # one clip's duration
     # seconds per chunk of a clip, where the family encodes windows apart (whole windows; epd_contracts/audio.py)
     audio_chunk_seconds: float = 30.0
+    # bytes one clip may send to encoders over all its chunks (each chunk's call carries the whole file): a larger
+    # file is cut into fewer, longer chunks
+    max_audio_fanout_bytes: int = 64 << 20
     # media fetching: http(s) image URLs to private/loopback hosts and local files are refused unless allowed
     allowed_local_media_path: str | None = None  # file:// URLs only under this directory
     allowed_media_domains: tuple[str, ...] = ()  # hosts (names or IPs) fetched even if they resolve privately
@@ -95,7 +98,8 @@ class ProxyConfig(HttpLimits, TraceSettings):
         assert self.max_audios_per_request >= 0, "max_audios_per_request must be >= 0"
         assert self.max_audio_bytes >= 1 and self.max_audio_seconds > 0, \
             "max_audio_bytes and max_audio_seconds must be > 0"
-        assert self.audio_chunk_seconds > 0, "audio_chunk_seconds must be > 0"
+        assert self.audio_chunk_seconds > 0 and self.max_audio_fanout_bytes >= 1, \
+            "audio_chunk_seconds and max_audio_fanout_bytes must be > 0"
         assert self.media_fetch_deadline > 0 and self.max_concurrent_fetches >= 1, \
             "media_fetch_deadline must be > 0 and max_concurrent_fetches >= 1"
         super().__post_init__()

@@ -365,7 +365,22 @@ def test_the_audio_flags_reach_the_proxy_config_with_their_defaults() -> None:
     _, args = parse_args(attach)
     cfg = _config(args, ("http://e",), ("http://d",), None, None)
     assert (cfg.max_audios_per_request, cfg.max_audio_bytes, cfg.max_audio_seconds) == (4, 25 << 20, 600.0)
+    assert (cfg.audio_chunk_seconds, cfg.max_audio_fanout_bytes) == (30.0, 64 << 20)
     _, args = parse_args([*attach, "--max-audios-per-request", "0", "--max-audio-bytes", "1000",
-                          "--max-audio-seconds", "2.5"])
+                          "--max-audio-seconds", "2.5", "--audio-chunk-seconds", "4", "--max-audio-fanout-bytes", "9"])
     cfg = _config(args, ("http://e",), ("http://d",), None, None)
     assert (cfg.max_audios_per_request, cfg.max_audio_bytes, cfg.max_audio_seconds) == (0, 1000, 2.5)
+    assert (cfg.audio_chunk_seconds, cfg.max_audio_fanout_bytes) == (4.0, 9)
+
+
+def test_a_large_file_is_cut_into_fewer_chunks_so_its_fan_out_stays_bounded() -> None:
+    """Each chunk's /encode carries the whole file and each encoder decodes all of it: a 7 s clip in chunks of one
+    2 s window would be sent 4 times; with room for 2 copies it goes in 2 chunks of 2 windows."""
+    wav = make_wav(7.0)
+    windowed = AudioConfig(sample_rate=16_000, window_seconds=2.0)
+    free = prepared(input_audio(wav), audio=windowed, cfg=config(audio_chunk_seconds=2.0))
+    assert len(free.encodes) == 4
+    bounded = prepared(input_audio(wav), audio=windowed,
+                       cfg=config(audio_chunk_seconds=2.0, max_audio_fanout_bytes=2 * len(wav) + 1))
+    assert [(c.audio.first, c.audio.count) for c in bounded.encodes if c.audio] == [(0, 2), (2, 0)]
+    assert sum(len(c.data) for c in bounded.encodes) <= 2 * len(wav) + 1
