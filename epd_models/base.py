@@ -305,9 +305,10 @@ def merge_image_embeds(
     inputs_embeds: torch.Tensor, input_ids: torch.Tensor, image_token_id: int, images: list[ImageFeatures],
     video_token_id: int | None = None, audio_token_id: int | None = None,
 ) -> torch.Tensor:
-    """Scatter image (and video) embeddings into the image-token (video-token) rows of inputs_embeds (1, L, H).
+    """Scatter image (video, audio) embeddings into the image-token (video-, audio-token) rows of inputs_embeds
+    (1, L, H).
 
-    The items are in prompt order (splice_media), so one scatter over both kinds' positions puts every row
+    The items are in prompt order (splice_media), so one scatter over every kind's positions puts every row
     where it belongs. input_ids and the features may be host tensors (the features come from the connector in
     CPU memory): the checks run where the ids are, and the mask and features move to inputs_embeds' device in
     one copy each.
@@ -316,18 +317,13 @@ def merge_image_embeds(
         return inputs_embeds
     is_image = input_ids == image_token_id
     feats = torch.cat([im.embeds for im in images])
-    video_rows = sum(im.num_tokens for im in images if im.is_video)
-    if video_rows:
-        assert video_token_id is not None, "video features for a model without a video token"
-        is_video = input_ids == video_token_id
-        assert int(is_video.sum()) == video_rows, "video placeholder count != video tokens"
-        is_image = is_image | is_video
-    audio_rows = sum(im.num_tokens for im in images if im.audio)
-    if audio_rows:
-        assert audio_token_id is not None, "audio features for a model without an audio token"
-        is_audio = input_ids == audio_token_id
-        assert int(is_audio.sum()) == audio_rows, "audio placeholder count != audio tokens"
-        is_image = is_image | is_audio
+    for kind, token_id in (("video", video_token_id), ("audio", audio_token_id)):
+        rows = sum(im.num_tokens for im in images if (im.is_video if kind == "video" else im.audio))
+        if rows:
+            assert token_id is not None, f"{kind} features for a model without a {kind} token"
+            is_kind = input_ids == token_id
+            assert int(is_kind.sum()) == rows, f"{kind} placeholder count != {kind} tokens"
+            is_image = is_image | is_kind
     assert int(is_image.sum()) == feats.shape[0], "placeholder count != image tokens"
     mask = is_image.to(inputs_embeds.device, non_blocking=True).unsqueeze(-1).expand_as(inputs_embeds)
     feats = feats.to(inputs_embeds.device, inputs_embeds.dtype, non_blocking=True)
