@@ -2,7 +2,8 @@
 `disagg-epd-proxy --audio-chunk-seconds 2` cuts a 9 s clip into chunks of one window each that both encoders encode
 at once; the decoder gathers them in order and answers as the aggregated mode (one process that encodes the whole
 clip), and a clip beside an image and a video keeps its place. The chunks' rows equal the whole clip's to ~1e-7
-(epd_models/qwen2_5_omni.py), so tokens are equal and logprobs within 1e-4."""
+(epd_models/qwen2_5_omni.py), so tokens are equal and logprobs within 1e-4. Phi-4-multimodal the same with its 40 s
+windows (exact)."""
 from __future__ import annotations
 
 import base64
@@ -53,3 +54,18 @@ def test_a_clip_with_an_image_and_a_video_keeps_its_place(pair: Pair) -> None:
     moved = answer(pair.epd.base_url, pair.model, clip, parts[0], parts[2])
     assert moved["usage"]["prompt_tokens"] == epd["usage"]["prompt_tokens"]
     assert logprobs(moved) != pytest.approx(logprobs(epd), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def phi4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    yield from audio_stack("phi4_multimodal", tmp_path_factory.mktemp("audio-phi4"), "--audio-chunk-seconds", "40")
+
+
+def test_phi4_long_clip_in_40_s_windows_on_two_encoders_answers_as_the_whole_clip(phi4: Pair) -> None:
+    """Phi-4-multimodal's encoder attends within 40 s windows, computed apart exactly: a 45 s clip is 2 chunks,
+    one on each encoder, and the answer is the aggregated mode's."""
+    before = encoded(phi4.epd)
+    part = input_audio(make_audio("wav", seconds=45.0, rate=16_000, channels=1, freq=250.0))
+    assert_same(answer(phi4.epd.base_url, phi4.model, part), answer(phi4.aggregated, phi4.model, part))
+    grew = [after - b for after, b in zip(encoded(phi4.epd), before, strict=True)]
+    assert grew == [1, 1], grew

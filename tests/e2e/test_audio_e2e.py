@@ -4,7 +4,7 @@ OpenAI's input_audio and vLLM's audio_url parts, two clips in one prompt, a repe
 encoders' caches, and a broken clip refused with the stack serving on.
 
 Qwen2-Audio is the family here (its clips are one window each). Families that encode windows apart have their clips
-cut into chunks over both encoders: tests/e2e/test_audio_chunks_e2e.py.
+cut into chunks over both encoders: tests/e2e/test_audio_chunks_e2e.py (Qwen2.5-Omni, Phi-4-multimodal).
 """
 from __future__ import annotations
 
