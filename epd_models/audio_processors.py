@@ -15,7 +15,7 @@ from typing import Any
 from transformers import AutoConfig, AutoProcessor
 from transformers.models.phi4_multimodal.configuration_phi4_multimodal import Phi4MultimodalConfig
 from transformers.models.phi4_multimodal.processing_phi4_multimodal import Phi4MultimodalProcessor
-from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
+from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniConfig, Qwen2_5OmniThinkerConfig
 from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
 from transformers.processing_utils import ProcessorMixin
 
@@ -50,6 +50,7 @@ class Phi4MultimodalAudioProcessor(Phi4MultimodalProcessor):
 
 
 AUDIO_ONLY: dict[type, Any] = {
+    Qwen2_5OmniConfig: Qwen2_5OmniImageAudioProcessor,  # the hub's composite checkpoints (thinker, talker)
     Qwen2_5OmniThinkerConfig: Qwen2_5OmniImageAudioProcessor,
     Phi4MultimodalConfig: Phi4MultimodalAudioProcessor,
 }

@@ -76,6 +76,9 @@ class FamilySpec:
     # encoder is told (`multi_image`) and the flag is part of the image's cache key (epd_contracts.hashing)
     multi_image_variant: bool = False
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    # checkpoint keys (after renaming) neither half reads: the other parts of a composite checkpoint (Qwen2.5-Omni's
+    # talker and token2wav beside its thinker)
+    skip_prefixes: tuple[str, ...] = ()
 
 
 class FamilyAdapter(AudioHooks):

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from epd_contracts.audio import AudioConfig
@@ -15,7 +15,7 @@ from epd_models.audio import AudioClip, no_audio
 from epd_models.base import FamilyAdapter, merge_image_embeds
 from epd_models.meta import meta_parameters
 from epd_models.processors import load_processor, register_processors
-from epd_models.registry import adapter_for
+from epd_models.registry import adapter_for, load_config
 from epd_models.video import DEFAULT_MAX_BYTES, VIDEO_FAMILIES, VideoClip, VideoSettings, video_settings
 from epd_models.weights import load_filtered, tie_loaded, tied_pairs
 
@@ -75,7 +75,7 @@ class VisionHalf:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype | str | None = None,
                  device: str | torch.device = "cpu"):
         self.model_dir = Path(model_dir)
-        self.config = AutoConfig.from_pretrained(self.model_dir)
+        self.config = load_config(self.model_dir)
         self.adapter = adapter_for(self.config)
         self.device = resolve_device(device)
         self.dtype = _dtype(self.config, dtype)
@@ -186,7 +186,7 @@ class LanguageHalf:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype | str | None = None,
                  device: str | torch.device = "cpu"):
         self.model_dir = Path(model_dir)
-        self.config = AutoConfig.from_pretrained(self.model_dir)
+        self.config = load_config(self.model_dir)
         self.adapter = adapter_for(self.config)
         self.device = resolve_device(device)  # every tensor the decoder makes for the LM is made here
         self.dtype = _dtype(self.config, dtype)
@@ -262,10 +262,10 @@ def loaded_summary(module: torch.nn.Module) -> dict[str, object]:
 def load_half(module: torch.nn.Module, model_dir: Path, adapter: FamilyAdapter, vision: bool,
               assign: bool = False) -> list[str]:
     """Load one half's tensors; returns the module keys the checkpoint did not supply."""
-    prefixes = adapter.vision_prefixes
+    prefixes, skip = adapter.vision_prefixes, adapter.spec.skip_prefixes
     return load_filtered(
-        module, model_dir, rename=adapter.normalize_key, keep=lambda name: name.startswith(prefixes) == vision,
-        assign=assign,
+        module, model_dir, rename=adapter.normalize_key,
+        keep=lambda name: name.startswith(prefixes) == vision and not (skip and name.startswith(skip)), assign=assign,
     )
 
 

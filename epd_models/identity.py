@@ -38,7 +38,7 @@ def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str,
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     # NOTE: from the config class, not the JSON: a checkpoint may leave out a default (llava-1.5-7b-hf's
     # text_config has no hidden_size: LlamaConfig's 4096)
-    hidden = AutoConfig.from_pretrained(model_dir).get_text_config().hidden_size
+    hidden = AutoConfig.from_pretrained(model_dir).get_text_config().hidden_size  # a composite's: the served part's
     family = str(config.get("model_type", "unknown"))
     video = video_config(model_dir, _adapter_name(model_dir, family))
     audio = audio_config(model_dir)
@@ -51,10 +51,10 @@ def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str,
 def _adapter_name(model_dir: str | Path, family: str) -> str:
     """The served family's adapter name (Qwen2.5-Omni's thinker checkpoints say qwen2_5_omni_thinker), else the
     model_type."""
-    from epd_models.registry import adapter_for
+    from epd_models.registry import adapter_for, load_config
 
     try:
-        return adapter_for(AutoConfig.from_pretrained(model_dir)).name
+        return adapter_for(load_config(model_dir)).name
     except ValueError:
         return family
 
@@ -65,9 +65,9 @@ def audio_config(model_dir: str | Path) -> AudioConfig | None:
     loaded)."""
     from epd_models.audio import AudioHooks
     from epd_models.processors import load_processor
-    from epd_models.registry import adapter_for
+    from epd_models.registry import adapter_for, load_config
 
-    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg = load_config(model_dir)
     adapter = adapter_for(cfg)
     if type(adapter).audio_config is AudioHooks.audio_config:
         return None

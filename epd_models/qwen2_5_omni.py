@@ -29,11 +29,10 @@ served: an audio part and a video part are separate items. The frames are sized 
 VIDEO_FAMILIES lists it, and its workers report its video sampling in /health like the Qwen VL families'.
 
 Checkpoints: the thinker alone (model_type qwen2_5_omni_thinker; keys model.audio_tower.*, model.visual.*,
-model.language_model.*, lm_head.*). A real Qwen2.5-Omni checkpoint is the composite qwen2_5_omni (thinker_config,
-talker_config, token2wav_config; keys thinker.*, talker.*, token2wav.*): "thinker." is stripped from its keys here,
-but serving it also needs the thinker's config taken out of the composite one (halves.py's AutoConfig), its
-processor built without torchvision (epd_models/audio_processors.py maps only the thinker's config) and the talker
-and token2wav keys left unread (halves.py's `load_half` keeps every key in one half or the other).
+model.language_model.*, lm_head.*), or the hub's composite qwen2_5_omni (thinker_config, talker_config,
+token2wav_config; keys thinker.*, talker.*, token2wav.*): its thinker's config is the served one
+(epd_models/registry.py `load_config`), "thinker." is stripped from its keys and the talker's and token2wav's are
+never read (`skip_prefixes`), and its processor is built without torchvision (epd_models/audio_processors.py).
 """
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ with its own LM-side rule has a small adapter subclass (M-RoPE, DeepStack, Gemma
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from epd_models.base import FamilyAdapter, FamilySpec
 from epd_models.gemma3 import Gemma3Adapter
@@ -71,8 +72,21 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
     # Qwen2.5-Omni's thinker: audio, images and videos in, text out; the encoder half is both towers
     Qwen2_5OmniAdapter(FamilySpec(name="qwen2_5_omni", model_types=("qwen2_5_omni_thinker",),
                                   vision_children=("audio_tower", "visual"),
-                                  feature_inputs=("pixel_values", "image_grid_thw"), low_detail=qwen_low_detail)),
+                                  feature_inputs=("pixel_values", "image_grid_thw"), low_detail=qwen_low_detail,
+                                  skip_prefixes=("talker.", "token2wav."))),
 )
+
+
+# composite checkpoints whose served model is one of their parts: model_type -> the attribute of its config
+# (Qwen2.5-Omni's hub checkpoints hold the thinker, which EPD serves, with the talker and token2wav beside it)
+COMPOSITES = {"qwen2_5_omni": "thinker_config"}
+
+
+def load_config(model_dir: str | Path) -> PretrainedConfig:
+    """The config of the model a checkpoint serves: its config.json's, or the served part's of a composite."""
+    cfg = AutoConfig.from_pretrained(model_dir)
+    part = COMPOSITES.get(cfg.model_type)
+    return getattr(cfg, part) if part is not None else cfg
 
 
 def adapter_for(cfg: PretrainedConfig) -> FamilyAdapter:

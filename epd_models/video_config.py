@@ -24,8 +24,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from transformers import AutoConfig
-
 from epd_common.video import VideoLimits
 from epd_common.video_sampling import Sampler, VideoConfig
 from epd_models.video import VIDEO_FAMILIES, _json, _video_processor_dict, video_settings
@@ -91,7 +89,9 @@ def _pooled_frame_rows(model_dir: Path) -> int | None:
     ceil(side / 2)); None without a config.json (then the proxy counts no tokens)."""
     if not (model_dir / "config.json").is_file():
         return None
-    vision = AutoConfig.from_pretrained(model_dir).vision_config
+    from epd_models.registry import load_config  # here: the registry's adapters import this module's neighbours
+
+    vision = load_config(model_dir).vision_config
     side = int(vision.image_size) // int(vision.patch_size)
     return math.ceil(side / 2) ** 2
 

@@ -207,3 +207,35 @@ def test_features_over_the_clip_alone_are_the_processors(omni: Omni, samples: in
     got = clip_features(omni.vision.processor, wav)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=2.5e-7)
+
+
+def test_the_hubs_composite_checkpoint_serves_its_thinker(omni: Omni, tmp_path: Path) -> None:
+    """A checkpoint laid out as the hub's Qwen2.5-Omni (model_type qwen2_5_omni: the thinker's config inside, its keys
+    under "thinker.", a talker's beside them) loads both halves from the thinker's parts only, reports the thinker's
+    identity, and encodes and answers as the thinker-only checkpoint does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2_5OmniConfig
+
+    from epd_models.identity import model_identity
+
+    src = omni.vision.model_dir
+    composite = tmp_path / "omni-composite"
+    shutil.copytree(src, composite)
+    tensors = {f"thinker.{k}": v for k, v in load_file(str(src / "model.safetensors")).items()}
+    tensors["talker.model.embed_tokens.weight"] = torch.zeros(4, 4)  # a part EPD never serves, and never reads
+    save_file(tensors, str(composite / "model.safetensors"), metadata={"format": "pt"})
+    Qwen2_5OmniConfig(thinker_config=omni.vision.config.to_dict()).save_pretrained(composite)
+    vision, lm = VisionHalf(composite), LanguageHalf(composite)
+    assert lm.audio_token_id == omni.lm.audio_token_id and vision.audio_config == omni.vision.audio_config
+    identity, alone = model_identity(composite), model_identity(src)
+    assert identity["family"] == "qwen2_5_omni" and identity["hidden_size"] == alone["hidden_size"]
+    assert (identity["audio"], identity["video"]) == (alone["audio"], alone["video"])
+    clip = tone(1.5)
+    [ours], [theirs] = vision.encode_audios([AudioClip(clip)]), omni.vision.encode_audios([AudioClip(clip)])
+    assert torch.equal(ours.embeds, theirs.embeds)
+    ids = list(lm.tokenizer(omni.text(["audio"]), add_special_tokens=False)["input_ids"])
+    run = [list(generate(half, build_prompt(half, ids, [ours.as_audio()]), lambda x: int(torch.argmax(x)), 6,
+                         eos_ids=set())) for half in (lm, omni.lm)]
+    assert run[0] == run[1]
