@@ -15,7 +15,7 @@ NUM_DECODERS ?= 1
 # more disagg-epd-proxy flags for make run, e.g. ARGS="--aggregated --log-level debug"
 ARGS ?=
 
-.PHONY: install run test lint demo-model bench bench-prefix bench-video clean
+.PHONY: install run test lint demo-model bench bench-prefix bench-video bench-audio clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,11 @@ bench-prefix: install
 # (docs/BENCHMARKS.md, video-bench section); about 2 minutes on 2 cores
 bench-video: install
 	$(BIN)/python -m epd_bench.video_compare $(BENCH_VIDEO_ARGS)
+
+# TTFT of one new 2-minute clip, EPD with 2 encoders and with 1, on bench-audio (a Qwen2.5-Omni thinker), and seconds
+# of audio encoded per second per encoder (docs/BENCHMARKS.md, audio-bench section); about 2 minutes on 2 cores
+bench-audio: install
+	$(BIN)/python -m epd_bench.audio_compare $(BENCH_AUDIO_ARGS)
 
 # On a machine with a GPU (a .venv with a CUDA torch): the parity and device tests on cuda, random checkpoints of
 # LLaVA-1.5-7B and Qwen2.5-VL-3B at their real shapes built locally, EPD (1 encoder + 1 decoder on the one GPU) and

@@ -4,14 +4,14 @@
   SSE `data:` lines, `[DONE]` optional (transformers serve just ends the body).
 - `epd-decoder`: POST {base}/generate straight to an EPD decoder (NDJSON events, its internal API), so
   the proxy's own cost can be measured as the difference. Images go inline (`data`), which only an
-  `--aggregated` decoder accepts; text-only requests work with any decoder; videos are not sent this way
-  (the proxy plans a video's frames; epd-bench refuses the combination).
+  `--aggregated` decoder accepts; text-only requests work with any decoder; videos and audio are not sent
+  this way (the proxy plans a video's frames and a clip's chunks; epd-bench refuses the combination).
 
 TTFT is the time to the first chunk carrying generated text: the proxy sends an empty role chunk
 before generation starts, and counting that (as vLLM's client does) would time nothing. A request is
 its sample's system message, then `history` (earlier turns of a multi-turn conversation), then the
 sample's own user turn (videos as `video_url` parts, with `mm_processor_kwargs.num_frames` asking for every frame
-of the clip); the answer's usage gives prompt, output and cached prompt tokens.
+of the clip, then audio clips as OpenAI's `input_audio` parts, base64 WAV); the answer's usage gives prompt, output and cached prompt tokens.
 """
 from __future__ import annotations
 
@@ -91,9 +91,11 @@ def _headers(inp: RequestInput) -> dict[str, str]:
 
 
 def user_message(sample: SampleRequest) -> dict[str, Any]:
-    """The sample's user turn: its images, its videos (`video_url` parts, the form vLLM takes), then its text."""
+    """The sample's user turn: its images, its videos (`video_url` parts, the form vLLM takes), its audio clips
+    (`input_audio` parts, OpenAI's form), then its text."""
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in sample.images]
     content += [{"type": "video_url", "video_url": {"url": u}} for u in sample.videos]
+    content += [{"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}} for b64 in sample.audios]
     content.append({"type": "text", "text": sample.prompt})
     return {"role": "user", "content": content}
 
@@ -163,12 +165,15 @@ async def openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestOu
 
 def _decoder_body(inp: RequestInput) -> dict[str, Any]:
     """The chat messages with every image part replaced by {"type": "image"} and its bytes sent inline.
-    ValueError for a video (a decoder takes one only as the proxy plans it; epd-bench refuses the flags)."""
+    ValueError for a video or an audio clip (a decoder takes one only as the proxy plans it; epd-bench refuses the
+    flags)."""
     images: list[dict[str, Any]] = []
 
     def part(p: dict[str, Any]) -> dict[str, Any]:
         if p["type"] == "video_url":
             raise ValueError("the epd-decoder backend sends no videos")
+        if p["type"] == "input_audio":
+            raise ValueError("the epd-decoder backend sends no audio")
         if p["type"] != "image_url":
             return p
         b64 = p["image_url"]["url"].split(",", 1)[1]

@@ -1,12 +1,13 @@
-"""epd-bench's random multimodal dataset: prompts of random words plus random-noise images and short video clips,
-some repeated.
+"""epd-bench's random multimodal dataset: prompts of random words plus random-noise images, short video clips and
+audio clips, some repeated.
 
 Every image is random noise (so no two distinct images share bytes, and therefore an `mm_hash`); every video is
 a PyAV-made clip that writes its seed and id into its pixels (epd_bench/video_clip.py), so distinct videos never
-share bytes either. A "repeated" image or video is the very same bytes as one an earlier request sent, which is
+share bytes either; every audio clip is a WAV tone that writes its seed and id into its first samples
+(epd_bench/audio_clip.py). A "repeated" image, video or audio clip is the very same bytes as one an earlier request sent, which is
 what lets an embedding cache skip it. A request with videos asks the server for `video_frames` frames of each
 (`mm_processor_kwargs.num_frames`, what vLLM and EPD read); a clip has exactly that many frames, so the server
-samples every one. With `system_prompt_len` every request also carries the same system message (the
+samples every one. Audio clips go after the videos, `audio_seconds` long each. With `system_prompt_len` every request also carries the same system message (the
 `shared-prefix` workload, which a prefix cache serves from its cache). The whole dataset is a pure function of
 its spec and seed.
 """
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from epd_bench.audio_clip import wav_base64
 from epd_bench.video_clip import check_clip_size, clip_data_url
 
 # NOTE: plain, common words: most tokenizers give about one token per word for these (the bench models' small
@@ -57,6 +59,8 @@ class DatasetSpec:
     video_width: int = 224
     video_height: int = 224
     video_fps: float = 2.0  # the clip's frame rate (32 frames: a 16 s clip)
+    audios_per_request: int = 0  # after the videos; repeat_ratio applies to them as to images
+    audio_seconds: float = 10.0  # length of each audio clip (16 kHz mono WAV)
 
     def __post_init__(self) -> None:
         assert 0.0 <= self.repeat_ratio <= 1.0, "repeat_ratio must be in [0, 1]"
@@ -65,6 +69,8 @@ class DatasetSpec:
         assert self.num_prompts >= 0 and self.images_per_request >= 0, "counts must be >= 0"
         assert self.system_prompt_len >= 0, "system_prompt_len must be >= 0"
         assert self.videos_per_request >= 0, "videos_per_request must be >= 0"
+        assert self.audios_per_request >= 0, "audios_per_request must be >= 0"
+        assert self.audio_seconds > 0, "audio_seconds must be > 0"
         if self.videos_per_request:
             assert self.video_frames >= 1 and self.video_fps > 0, "video_frames must be >= 1 and video_fps > 0"
             check_clip_size(self.video_width, self.video_height)
@@ -80,6 +86,8 @@ class SampleRequest:
     videos: tuple[str, ...] = ()  # data: URLs, in order, after the images
     video_ids: tuple[int, ...] = ()  # which distinct video each one is (a repeat shares its id)
     video_frames: int = 0  # frames asked of each video (mm_processor_kwargs.num_frames); 0: no videos
+    audios: tuple[str, ...] = ()  # base64 WAV files (input_audio.data), in order, after the videos
+    audio_ids: tuple[int, ...] = ()  # which distinct audio clip each one is (a repeat shares its id)
 
 
 def random_words(rng: random.Random, count: int) -> str:
@@ -139,15 +147,27 @@ class ImagePicker:
 class VideoPicker(ImagePicker):
     """ImagePicker's rule for video slots: clip `id` of the spec's seed (epd_bench/video_clip.py)."""
 
+    audio: AudioPicker | None = None  # the audio slots' picker (video_picker sets it)
+
     def make_url(self, item_id: int) -> str:
         s = self.spec
         return clip_data_url(s.seed, item_id, s.video_frames, s.video_width, s.video_height, s.video_fps)
 
 
+class AudioPicker(ImagePicker):
+    """ImagePicker's rule for audio slots: WAV clip `id` of the spec's seed (epd_bench/audio_clip.py), as base64."""
+
+    def make_url(self, item_id: int) -> str:
+        return wav_base64(self.spec.seed, item_id, self.spec.audio_seconds)
+
+
 def video_picker(spec: DatasetSpec, warm_up: bool) -> VideoPicker:
-    """The video slots' picker: its own generator, so adding videos leaves the prompts and images as they were,
-    and (for warm-ups) its own ids, never sent by a measured request."""
-    return VideoPicker(spec, random.Random(f"video-{spec.seed}-{warm_up}"), 1_000_000_000 if warm_up else 0)
+    """The video slots' picker, carrying the audio slots' (`.audio`): each with its own generator, so adding videos
+    or audio leaves the prompts and images as they were, and (for warm-ups) their own ids, never sent by a measured
+    request."""
+    p = VideoPicker(spec, random.Random(f"video-{spec.seed}-{warm_up}"), 1_000_000_000 if warm_up else 0)
+    p.audio = AudioPicker(spec, random.Random(f"audio-{spec.seed}-{warm_up}"), 1_000_000_000 if warm_up else 0)
+    return p
 
 
 def build_dataset(spec: DatasetSpec, num_warmups: int = 0) -> tuple[list[SampleRequest], list[SampleRequest]]:
@@ -169,19 +189,24 @@ def build_dataset(spec: DatasetSpec, num_warmups: int = 0) -> tuple[list[SampleR
 
 
 def pick_videos(p: VideoPicker, warm_up: bool) -> dict[str, Any]:
-    """A request's video fields (SampleRequest keywords): none when the spec has no videos."""
-    if not p.spec.videos_per_request:
-        return {}
-    ids = p.pick(p.spec.videos_per_request, allow_repeats=not warm_up)
-    return {"videos": tuple(p.urls[i] for i in ids), "video_ids": ids, "video_frames": p.spec.video_frames}
+    """A request's video and audio fields (SampleRequest keywords): none of either the spec has none of."""
+    fields: dict[str, Any] = {}
+    if p.spec.videos_per_request:
+        ids = p.pick(p.spec.videos_per_request, allow_repeats=not warm_up)
+        fields |= {"videos": tuple(p.urls[i] for i in ids), "video_ids": ids, "video_frames": p.spec.video_frames}
+    if p.spec.audios_per_request and p.audio is not None:
+        ids = p.audio.pick(p.spec.audios_per_request, allow_repeats=not warm_up)
+        fields |= {"audios": tuple(p.audio.urls[i] for i in ids), "audio_ids": ids}
+    return fields
 
 
 def repeat_share(requests: list[SampleRequest]) -> float:
-    """Share of image and video slots whose image (video) an earlier request (or slot) already sent."""
+    """Share of image, video and audio slots whose image (video, clip) an earlier request (or slot) already sent."""
     seen: set[tuple[str, int]] = set()
     slots = repeats = 0
     for r in requests:
-        for key in [("image", i) for i in r.image_ids] + [("video", i) for i in r.video_ids]:
+        for key in [("image", i) for i in r.image_ids] + [("video", i) for i in r.video_ids] + \
+                [("audio", i) for i in r.audio_ids]:
             slots += 1
             repeats += key in seen
             seen.add(key)

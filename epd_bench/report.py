@@ -308,6 +308,18 @@ def replace_section(text: str, section: str, begin: str = BEGIN, end: str = END)
     return f"{head.rstrip()}\n\n{section}\n\n## {rest}" if sep else f"{text.rstrip()}\n\n{section}\n"
 
 
+def write_section(docs: Path, section: str, begin: str, end: str, after: str) -> None:
+    """Write `section` into the docs file: in place of the one marked begin..end, else after the line `after`, else
+    at the end."""
+    text = docs.read_text()
+    if begin in text and end in text:
+        docs.write_text(replace_section(text, section, begin, end))
+    elif after in text:
+        docs.write_text(text.replace(after, f"{after}\n\n{section}", 1))
+    else:
+        docs.write_text(f"{text.rstrip()}\n\n{section}\n")
+
+
 def write_docs(summary: dict[str, Any], docs: Path, plots_dir: Path) -> None:
     plot_paths = plots(summary, plots_dir)
     docs.write_text(replace_section(docs.read_text(), render_section(summary, plot_paths, docs.parent)))

@@ -5,12 +5,14 @@
     epd-bench --base-url ... --dataset multi-turn --conversations 8 --turns 4 --max-concurrency 4
     epd-bench --base-url ... --dataset shared-prefix --system-prompt-len 300 --max-concurrency 4
     epd-bench --base-url ... --images-per-request 0 --videos-per-request 1 --video-frames 32 --max-concurrency 1
+    epd-bench --base-url ... --images-per-request 0 --audios-per-request 1 --audio-seconds 120 --max-concurrency 1
 
 Datasets: `random` (independent prompts, images optionally repeated), `multi-turn` (conversations that
 resend their history with the server's answers, interleaved up to --max-concurrency; see
 epd_bench/conversations.py) and `shared-prefix` (`random` where every request starts with the same
 system message of --system-prompt-len words; no images unless asked). Any of them can carry videos
-(--videos-per-request: short clips made with PyAV, --video-frames each, all of them asked for).
+(--videos-per-request: short clips made with PyAV, --video-frames each, all of them asked for) and audio
+(--audios-per-request: 16 kHz mono WAV tones of --audio-seconds each, sent as `input_audio` parts).
 
 Flags follow `vllm bench serve` where the same thing exists. Requests are sent at Poisson times
 (`--request-rate`, gamma-distributed gaps with `--burstiness` != 1; `inf`: all at once), optionally
@@ -171,7 +173,8 @@ def dataset_spec(args: argparse.Namespace) -> DatasetSpec | MultiTurnSpec:
                        repeat_ratio=args.repeat_ratio, image_format=args.image_format, seed=args.seed,
                        system_prompt_len=args.system_prompt_len, videos_per_request=args.videos_per_request,
                        video_frames=args.video_frames, video_width=args.video_size[0],
-                       video_height=args.video_size[1], video_fps=args.video_fps)
+                       video_height=args.video_size[1], video_fps=args.video_fps,
+                       audios_per_request=args.audios_per_request, audio_seconds=args.audio_seconds)
     if args.dataset == "multi-turn":
         return MultiTurnSpec(spec, args.conversations, args.turns)
     return spec
@@ -272,8 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frames of each clip; the request asks for all of them (mm_processor_kwargs.num_frames)")
     d.add_argument("--video-size", type=_image_size, default=(224, 224), help="N or WxH pixels per frame (even)")
     d.add_argument("--video-fps", type=float, default=2.0, help="the clips' frame rate (32 frames: 16 s)")
+    d.add_argument("--audios-per-request", type=int, default=0,
+                   help="audio clips per request (multi-turn: in the first turn), after the videos; each a 16 kHz "
+                        "mono WAV tone, distinct per clip, sent as an `input_audio` part (base64)")
+    d.add_argument("--audio-seconds", type=float, default=10.0, help="length of each audio clip in seconds")
     d.add_argument("--repeat-ratio", type=float, default=0.0,
-                   help="share of images (and videos) that repeat one an earlier request sent (0..1)")
+                   help="share of images (and videos, audio clips) that repeat one an earlier request sent (0..1)")
     d.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
     d.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/EPD extension) so every "
                    "answer has --random-output-len tokens")
@@ -317,11 +324,18 @@ def _dataset_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--turns must be >= 1")
     if args.conversations is None:
         args.conversations = -(-args.num_prompts // args.turns)
-    for flag in ("num_prompts", "images_per_request", "system_prompt_len", "conversations", "videos_per_request"):
+    for flag in ("num_prompts", "images_per_request", "system_prompt_len", "conversations", "videos_per_request",
+                 "audios_per_request"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.videos_per_request:
         _video_flags(p, args)
+    if args.audios_per_request:
+        if args.backend == "epd-decoder":
+            p.error("--audios-per-request needs the openai-chat backend (a decoder takes audio only as the proxy "
+                    "plans it)")
+        if not args.audio_seconds > 0:
+            p.error("--audio-seconds must be > 0")
 
 
 def _video_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

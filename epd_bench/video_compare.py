@@ -61,7 +61,7 @@ VIDEO = Workload("video32", f"one request at a time, each with a new {FRAMES}-fr
                  ("--images-per-request", "0", "--videos-per-request", "1", "--video-frames", str(FRAMES),
                   "--video-size", str(FRAME_SIZE), "--video-fps", "2", "--max-concurrency", "1",
                   "--random-input-len", "16", "--random-output-len", "8"), 1, 17)
-WARM_UP_SEED = 16  # its clip is never a measured one (measured rounds use VIDEO.seed + 100 r)
+WARM_UP_SEED = 16  # its item is never a measured one (measured rounds use the workload seed + 100 r)
 RUN_SECONDS = "epd_encoder_run_seconds_total"  # time the encode thread ran calls, queueing excluded (if exposed)
 
 
@@ -152,33 +152,42 @@ def merge_rounds(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(up: list[Running], args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """A warm-up video per system, then the rounds (alternating order); TTFTs pooled, encoder work summed."""
+    measured = measure_rounds(up, args.rounds, run_dir, VIDEO, FRAMES, "video")
+    return {**measured, "frames_per_s": {name: frames_per_second(w) for name, w in measured["encoder_work"].items()}}
+
+
+def measure_rounds(up: list[Running], rounds: int, run_dir: Path, workload: Workload, units: int,
+                   prefix: str) -> dict[str, Any]:
+    """A warm-up request per system, then `rounds` measured ones (alternating the systems' order), each carrying one
+    new item of `units` (a video's frames, a clip's seconds): their results merged per system, and each encoder's
+    work (its share of the units, its seconds working: `encoder_work`) summed over the rounds that succeeded."""
     results_dir, log = run_dir / "results", run_dir / "epd-bench.log"
-    commands: dict[str, dict[str, str]] = {"warm-up": {}, VIDEO.name: {}}
+    commands: dict[str, dict[str, str]] = {"warm-up": {}, workload.name: {}}
     warm_up_errors = {}
     for r in up:
         print(f"[{time.strftime('%H:%M:%S')}] warm-up on {r.spec.name}", flush=True)
-        cmd = epd_bench_cmd(r.spec, VIDEO, 1, WARM_UP_SEED, results_dir, f"warm-up-{r.spec.name}.json")
+        cmd = epd_bench_cmd(r.spec, workload, 1, WARM_UP_SEED, results_dir, f"warm-up-{r.spec.name}.json")
         commands["warm-up"][r.spec.name] = shlex.join(cmd)
         if error := run_one(cmd, log).get("error"):
             warm_up_errors[r.spec.name] = error
     parts: dict[str, list[dict[str, Any]]] = {r.spec.name: [] for r in up}
     work: dict[str, dict[str, dict[str, float]]] = {r.spec.name: {} for r in up}
     busy_from: set[str] = set()
-    for rnd in range(args.rounds):
+    for rnd in range(rounds):
         for r in up if rnd % 2 == 0 else up[::-1]:
-            cmd = epd_bench_cmd(r.spec, VIDEO, 1, VIDEO.seed + 100 * rnd, results_dir, f"video-{r.spec.name}-{rnd}.json")
+            cmd = epd_bench_cmd(r.spec, workload, 1, workload.seed + 100 * rnd, results_dir,
+                                f"{prefix}-{r.spec.name}-{rnd}.json")
             print(f"[{time.strftime('%H:%M:%S')}] round {rnd} on {r.spec.name}", flush=True)
-            commands[VIDEO.name][r.spec.name] = shlex.join(cmd)
+            commands[workload.name][r.spec.name] = shlex.join(cmd)
             before = encoder_counters(r.spec)
             result = run_one(cmd, log)
             parts[r.spec.name].append(result)
             if all(result.get("successes") or [False]):
                 after = encoder_counters(r.spec)
-                add_work(work[r.spec.name], encoder_work(before, after, FRAMES))
+                add_work(work[r.spec.name], encoder_work(before, after, units))
                 busy_from |= {"run seconds" if c.run_seconds is not None else "call wall times" for c in after.values()}
     return {"results": {name: merge_rounds(p) for name, p in parts.items()}, "encoder_work": work,
-            "frames_per_s": {name: frames_per_second(w) for name, w in work.items()}, "busy_from": sorted(busy_from),
-            "warm_up_errors": warm_up_errors, "commands": commands}
+            "busy_from": sorted(busy_from), "warm_up_errors": warm_up_errors, "commands": commands}
 
 
 def model_info(model_dir: Path) -> dict[str, Any]:

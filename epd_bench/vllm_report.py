@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from epd_bench.report import ROOT, Target, format_targets, replace_section
+from epd_bench.report import ROOT, Target, format_targets, write_section
 from epd_bench.report import fmt as _f
 
 BEGIN, END = "<!-- vllm-bench:begin -->", "<!-- vllm-bench:end -->"
@@ -136,10 +136,4 @@ def render_section(s: dict[str, Any]) -> str:
 
 
 def write_docs(summary: dict[str, Any], docs: Path) -> None:
-    text, section = docs.read_text(), render_section(summary)
-    if BEGIN in text and END in text:
-        docs.write_text(replace_section(text, section, BEGIN, END))
-    elif AFTER in text:
-        docs.write_text(text.replace(AFTER, f"{AFTER}\n\n{section}", 1))
-    else:
-        docs.write_text(f"{text.rstrip()}\n\n{section}\n")
+    write_section(docs, render_section(summary), BEGIN, END, AFTER)

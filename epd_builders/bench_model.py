@@ -10,8 +10,11 @@ a prefix cache saves and what `python -m epd_bench.prefix_compare` measures. `be
 (hidden 768, MLP 3072) and 6 blocks deep, with `bench`'s small LM: a 32-frame 224x224 video is 16 temporal
 patches of 16x16 patches (1024 LM tokens), and on one CPU thread encoding it takes seconds while prefill and
 the first token take a fraction of that, so its TTFT is mostly the vision tower's, the part several encoders
-share (`python -m epd_bench.video_compare`). The weights are random (no download, nothing to train): the
-benchmarks need the cost, not the answers.
+share (`python -m epd_bench.video_compare`). `bench-audio` is a Qwen2.5-Omni thinker (epd_builders/audio_tiny.py's
+family at other sizes) whose audio tower is Whisper-small's shape (12 layers of width 768; MLP 2x): a 2-minute clip
+is 60 windows of 2 s, 3000 LM tokens, and encoding it takes about 10 s on one CPU thread while the LM (`bench`'s)
+prefills it in about 1 s (`python -m epd_bench.audio_compare`). The weights are random (no download, nothing to
+train): the benchmarks need the cost, not the answers.
 Built once into a cache directory (`$EPD_CACHE_DIR`, else `$XDG_CACHE_HOME/epd`, else `~/.cache/epd`)
 and reused; the directory name carries a digest of the spec, so a changed spec builds afresh.
 """
@@ -32,6 +35,7 @@ import torch
 from transformers import AutoModelForImageTextToText, LlavaConfig
 from transformers.utils import logging as hf_logging
 
+from epd_builders.audio_tiny import AudioTinySpec, family_module
 from epd_builders.families import qwen
 from epd_builders.families.llava import llava_config, llava_processor
 from epd_builders.tiny import TinySpec
@@ -101,18 +105,48 @@ class BenchVideoSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
+@dataclass(frozen=True)
+class BenchAudioSpec:
+    """`bench-audio`: a random Qwen2.5-Omni thinker (epd_builders/families/qwen2_5_omni.py); its vision tower is
+    the tiny one (no benchmark sends it images). The audio tower's MLP is 2x its width (the tiny builder's)."""
+
+    audio_hidden: int = 768
+    # NOTE: 12 layers: on one thread of a 2-core AMD EPYC 6 layers encode about 20 s of audio per second, so a 120 s
+    # clip's TTFT on 1 encoder was 5.8 s of encoding and 2.3 s of the rest (the proxy's calls, the prefill of 3000
+    # tokens): too little encoding for 2 encoders to reach 0.65 of it; 12 layers double the part they share
+    audio_layers: int = 12
+    audio_heads: int = 12
+    text_hidden: int = 256
+    text_layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    visible_tokens_only: bool = True  # as BenchSpec's
+    seed: int = 0
+
+    def tiny_spec(self) -> AudioTinySpec:
+        return AudioTinySpec(family="qwen2_5_omni", text_hidden=self.text_hidden, text_layers=self.text_layers,
+                             heads=self.heads, kv_heads=self.kv_heads, audio_hidden=self.audio_hidden,
+                             audio_layers=self.audio_layers, audio_heads=self.audio_heads, seed=self.seed)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+AnySpec = BenchSpec | BenchVideoSpec | BenchAudioSpec
 BENCH_SPEC = BenchSpec()
 # NOTE: sized so that, on 2 CPU cores, a 700-token first turn (system prompt, image, question) prefills in
 # about 1 s while a 1-word prompt's TTFT stays near 50 ms; 4 query heads share each K/V head, so a token's
 # K/V is 8 KiB and a decoder's preallocated slots stay small
 BENCH_LM_SPEC = BenchSpec(text_hidden=512, text_intermediate=1536, text_layers=8, text_heads=8, text_kv_heads=2)
 BENCH_VIDEO_SPEC = BenchVideoSpec()
+BENCH_AUDIO_SPEC = BenchAudioSpec()
 # NOTE: the LM vLLM's CPU build is measured against (python -m epd_bench.vllm_compare; ../shared/notes/vllm-cpu-as-
 # peer.md): a 72M-parameter Llama (hidden 1024, 6 layers, 16 heads / 8 K/V heads, MLP 2816), big enough that a decode
 # step is weight passes rather than Python; bench's vision tower, which a text-only request never touches
 BENCH_PEER_SPEC = BenchSpec(text_hidden=1024, text_intermediate=2816, text_layers=6, text_heads=16, text_kv_heads=8)
-PRESETS: dict[str, BenchSpec | BenchVideoSpec] = {"bench": BENCH_SPEC, "bench-lm": BENCH_LM_SPEC,
-                                                  "bench-video": BENCH_VIDEO_SPEC, "bench-peer": BENCH_PEER_SPEC}
+PRESETS: dict[str, AnySpec] = {"bench": BENCH_SPEC, "bench-lm": BENCH_LM_SPEC, "bench-video": BENCH_VIDEO_SPEC,
+                               "bench-peer": BENCH_PEER_SPEC, "bench-audio": BENCH_AUDIO_SPEC}
 
 
 def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
@@ -126,10 +160,12 @@ def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
     return llava_config(tok, vision, text)
 
 
-def build_bench(spec: BenchSpec | BenchVideoSpec, out_dir: str | Path) -> Path:
+def build_bench(spec: AnySpec, out_dir: str | Path) -> Path:
     """Build the random model for spec and save model + tokenizer + processor to out_dir."""
     if isinstance(spec, BenchVideoSpec):
         return build_bench_video(spec, out_dir)
+    if isinstance(spec, BenchAudioSpec):
+        return build_bench_audio(spec, out_dir)
     out = Path(out_dir)
     torch.manual_seed(spec.seed)
     tok = train_tokenizer("<image>", "<image>")
@@ -157,6 +193,18 @@ def build_bench_video(spec: BenchVideoSpec, out_dir: str | Path) -> Path:
     return out
 
 
+def build_bench_audio(spec: BenchAudioSpec, out_dir: str | Path) -> Path:
+    """The Qwen2.5-Omni thinker of epd_builders/families/qwen2_5_omni.py at spec's sizes (what build_audio_tiny
+    builds), with invisible tokens muted as in `bench`."""
+    out = Path(out_dir)
+    torch.manual_seed(spec.seed)
+    module = family_module("qwen2_5_omni")
+    built = module.build(spec.tiny_spec())
+    save_checkpoint(module.MODEL_CLASS(built.config).eval(), built.tokenizer, built.processor,
+                    spec.visible_tokens_only, out)
+    return out
+
+
 def save_checkpoint(model: Any, tok: Any, processor: Any, visible_tokens_only: bool, out: Path) -> None:
     """Generation ids from the tokenizer, invisible tokens muted (BenchSpec.visible_tokens_only), all saved."""
     gc = model.generation_config
@@ -181,11 +229,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "epd"
 
 
-def bench_model_dir(spec: BenchSpec | BenchVideoSpec = BENCH_SPEC, name: str = "bench") -> Path:
+def bench_model_dir(spec: AnySpec = BENCH_SPEC, name: str = "bench") -> Path:
     return cache_root() / "models" / f"{name}-{spec.digest}"
 
 
-def ensure_bench_model(spec: BenchSpec | BenchVideoSpec = BENCH_SPEC, name: str = "bench") -> Path:
+def ensure_bench_model(spec: AnySpec = BENCH_SPEC, name: str = "bench") -> Path:
     """The cached build of spec (named `name` in the cache), building it first (seconds) if absent."""
     return ensure_built(bench_model_dir(spec, name), lambda out: build_bench(spec, out))
 
