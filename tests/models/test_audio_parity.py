@@ -87,3 +87,23 @@ def test_audio_config_and_kind(qwen2_audio: Halves) -> None:
     assert feat.audio and not feat.is_video and feat.num_tokens == 50
     assert isinstance(feat, ImageFeatures)
     assert h.vision.image_processor is None and h.lm.image_token_id == -1  # no image input at all
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio", "qwen2_5_omni", "phi4_multimodal"])
+def test_each_half_holds_its_own_parts(family: str, tmp_path: Path) -> None:
+    """The encoder half holds the audio (and vision) towers and projectors only, the decoder half the LM only:
+    every checkpoint tensor is read by exactly one half (or, Phi-4's image tower, by neither: it takes no image)."""
+    from safetensors import safe_open
+
+    model_dir = build_audio_tiny(AudioTinySpec(family=family), tmp_path / family)
+    vision, lm = VisionHalf(model_dir), LanguageHalf(model_dir)
+    enc = {n for n, _ in [*vision.module.named_parameters(), *vision.module.named_buffers()]}
+    dec = {n for n, _ in [*lm.module.named_parameters(), *lm.module.named_buffers()]}
+    assert enc and dec and not enc & dec
+    assert not any("language_model" in n or n.startswith("lm_head") for n in enc)
+    assert not any(t in n for n in dec for t in ("audio_tower", "audio_embed", "visual.", "multi_modal_projector"))
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    read = {k for k in keys if vision.adapter.normalize_key(k) in enc | dec}
+    unread = [k for k in keys if k not in read]
+    assert all("image_embed" in k for k in unread), unread[:5]
