@@ -85,7 +85,8 @@ class InlineEncoder(CachingEncoder):
         videos = {h: im.video for h, im in zip(hashes, images, strict=True) if im.video is not None}
         audios = {h: im.audio for h, im in zip(hashes, images, strict=True) if im.audio is not None}
         done = self._encode_request(hashes, data, details, multi, videos, audios)
-        return [(done[h].features.as_audio() if h in audios else done[h].features, done[h].cached) for h in hashes]
+        return [(done[h].features.as_audio(im.in_video) if im.audio is not None else done[h].features, done[h].cached)
+                for h, im in zip(hashes, images, strict=True)]
 
     def _hash(self, index: int, data: bytes, im: ImageRef) -> str:
         """What the item is cached under: an image's mm_hash, or a whole video's hash (its one part's)."""

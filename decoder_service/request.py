@@ -27,6 +27,7 @@ from epd_models.tool_parsers import ToolFormat, tool_format
 
 if TYPE_CHECKING:
     from decoder_service.handoff import Resume
+    from epd_contracts.embeddings import ImageFeatures
     from epd_models.guide_spec import GuideSpec
     from epd_models.halves import LanguageHalf
 
@@ -122,20 +123,27 @@ class Preparer:
         video or audio token, in prompt order (where merge_image_embeds puts them)."""
         ids: list[int] = prompt.input_ids[0].tolist()
         sizes = [im.num_tokens for im in prompt.images]
-        media = {self.lm.image_token_id, self.lm.video_token_id, self.lm.audio_token_id} - {None}
-        positions = [i for i, t in enumerate(ids) if t in media] if sizes else []
+        tokens = [self._media_token(im) for im in prompt.images]
+        positions = {t: [i for i, x in enumerate(ids) if x == t] for t in set(tokens)}  # per kind, in prompt order
+        taken = dict.fromkeys(positions, 0)  # rows of each kind before the item (a track interleaves with its video)
         mine: list[int] = []
-        start = 0
-        for size, ranges in zip(sizes, held, strict=True):
+        for token, size, ranges in zip(tokens, sizes, held, strict=True):
+            start = taken[token]
             for a, b in ranges:
-                mine += positions[start + a : start + min(b, size)]
-            start += size
+                mine += positions[token][start + a : start + min(b, size)]
+            taken[token] += size
         chain = None
         if self.prefix_block:
             chain = prompt_chain(ids, self.prefix_block, req.cache_salt, self.lm.image_token_id,
                                  [(ref.mm_hash, size) for ref, size in zip(req.images, sizes, strict=True)],
-                                 video_token_id=self.lm.video_token_id, audio_token_id=self.lm.audio_token_id)
-        return tuple(mine), chain
+                                 video_token_id=self.lm.video_token_id, audio_token_id=self.lm.audio_token_id,
+                                 kinds=tokens)
+        return tuple(sorted(mine)), chain
+
+    def _media_token(self, item: ImageFeatures) -> int | None:
+        """The token an item's rows take (merge_image_embeds' rule)."""
+        return (self.lm.audio_token_id if item.audio else self.lm.video_token_id if item.is_video
+                else self.lm.image_token_id)
 
     def _check_sampling(self, req: GenerateRequest, params: SamplingParams) -> None:
         if params.n > self.max_num_seqs:

@@ -71,7 +71,7 @@ class GatherPlan:
                 if any(f.is_video or f.grid_thw is not None or f.span is not None for f in feats):
                     raise _invalid(i, "is an audio clip, but its embeddings are an image's or a video's")
                 rows = torch.cat([f.embeds for f in feats]) if len(feats) > 1 else feats[0].embeds
-                clip = ImageFeatures(embeds=rows, audio=True)
+                clip = ImageFeatures(embeds=rows, audio=True, in_video=ref.in_video)
                 held = ((0, clip.num_tokens),) if ref.cached else tuple(
                     (s, e) for (s, e), p in zip(_ranges(feats), parts, strict=True) if p.cached and s < e)
                 out.append(Gathered(clip, held))

@@ -60,6 +60,10 @@ class AudioError(ValueError):
     """The bytes are not audio we accept; the message says why (and is safe to show a client)."""
 
 
+class NoAudioStreamError(AudioError):
+    """The container holds no audio stream (a silent video's, for a video's sound track)."""
+
+
 class AudioTooLargeError(AudioError):
     """A size, duration or count limit is passed: refused from the headers and packets, or while decoding."""
 
@@ -124,7 +128,7 @@ def audio_stream(container: Any, limits: AudioLimits) -> Any:
     if len(container.streams) > limits.max_streams:
         raise AudioTooLargeError(f"audio file has more than {limits.max_streams} streams")
     if not container.streams.audio:
-        raise AudioError("the file has no audio stream")
+        raise NoAudioStreamError("the file has no audio stream")
     stream = container.streams.audio[0]
     allowed = CODECS[container_name(container)]
     ctx = stream.codec_context

@@ -25,12 +25,14 @@ CHUNK_MARGIN_S = 0.25  # a chunk that is not the last starts this far before the
 @dataclass(frozen=True)
 class AudioConfig:
     """A family's audio settings: the rate its feature extractor takes (clips are resampled to it, mono), the window
-    its encoder encodes independently (0: the whole clip at once, never split) and where its processor cuts a clip
-    (0: never)."""
+    its encoder encodes independently (0: the whole clip at once, never split), where its processor cuts a clip
+    (0: never), and whether it takes a video's sound track interleaved with its frames (`in_video`: Qwen2.5-Omni's
+    `use_audio_in_video`, asked for with a request's `mm_processor_kwargs`)."""
 
     sample_rate: int  # Hz
     window_seconds: float = 0.0
     max_seconds: float = 0.0
+    in_video: bool = False
 
     def __post_init__(self) -> None:
         rate = self.sample_rate
@@ -40,6 +42,8 @@ class AudioConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_WINDOW_SECONDS:
                 raise ValueError(f"AudioConfig.{name} must be a number in 0..{MAX_WINDOW_SECONDS}, got {value!r}")
+        if not isinstance(self.in_video, bool):
+            raise ValueError(f"AudioConfig.in_video must be a bool, got {self.in_video!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -45,6 +45,7 @@ class ImageFeatures:
     # videos only: the seconds one temporal patch spans (temporal_patch_size / sampled fps); None: an image
     second_per_grid_t: float | None = None
     audio: bool = False  # an audio clip's rows (see above)
+    in_video: bool = False  # audio only: the sound track of the video item just before it (ImageRef.in_video)
 
     def __post_init__(self) -> None:
         if getattr(self.embeds, "dim", None) is None or self.embeds.dim() < 1:
@@ -58,6 +59,8 @@ class ImageFeatures:
             raise ValueError(f"second_per_grid_t must be a finite number > 0, got {spg!r}")
         if self.audio and (spg is not None or self.grid_thw is not None or self.deepstack is not None):
             raise ValueError("an audio clip's features have no grid, DeepStack features or seconds per patch")
+        if self.in_video and not self.audio:
+            raise ValueError("only an audio clip's features can be a video's sound track")
 
     @property
     def is_video(self) -> bool:
@@ -81,8 +84,11 @@ class ImageFeatures:
     def with_tensors(self, embeds: torch.Tensor, deepstack: torch.Tensor | None) -> ImageFeatures:
         """The same item over other tensors (moved or made contiguous)."""
         return ImageFeatures(embeds=embeds, grid_thw=self.grid_thw, span=self.span, deepstack=deepstack,
-                             second_per_grid_t=self.second_per_grid_t, audio=self.audio)
+                             second_per_grid_t=self.second_per_grid_t, audio=self.audio, in_video=self.in_video)
 
-    def as_audio(self) -> ImageFeatures:
-        """The same rows marked as an audio clip's (what a decoder does with a gathered audio item)."""
-        return self if self.audio else ImageFeatures(embeds=self.embeds, span=self.span, audio=True)
+    def as_audio(self, in_video: bool = False) -> ImageFeatures:
+        """The same rows marked as an audio clip's (what a decoder does with a gathered audio item), `in_video`: as
+        the sound track of the video before it."""
+        if self.audio and self.in_video == in_video:
+            return self
+        return ImageFeatures(embeds=self.embeds, span=self.span, audio=True, in_video=in_video)

@@ -47,6 +47,9 @@ class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     # an audio clip (epd_contracts/audio.py: its rate and window; the whole clip): in EPD mode its embeddings are the
     # rows of its `chunks` in order (empty: one chunk, this ref's own); aggregated, `data` is the audio file
     audio: AudioPart | None = None
+    # an audio clip that is the sound track of the video ref just before it (its data, aggregated, is that video's
+    # file): the family interleaves the two (Qwen2.5-Omni's use_audio_in_video), the template writes no placeholder
+    in_video: bool = False
     chunks: Annotated[list[ChunkRef], msgspec.Meta(max_length=MAX_VIDEO_FRAMES)] = msgspec.field(
         default_factory=list)
 
@@ -56,6 +59,8 @@ class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
         if self.audio is not None and (self.video is not None or not self.audio.whole):
             raise FieldError("images", "an audio ref names the whole clip (its chunks name their windows) and is no "
                                        "video")
+        if self.in_video and self.audio is None:
+            raise FieldError("images", "only an audio clip can be a video's sound track (in_video)")
 
 
 class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):

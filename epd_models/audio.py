@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from epd_contracts.audio import AudioConfig
+    from epd_contracts.embeddings import ImageFeatures
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,7 +60,8 @@ def no_audio(name: str) -> AudioError:
 
 
 class AudioHooks:
-    """What the generic adapter answers for a family without audio; audio families override all three."""
+    """What the generic adapter answers for a family without audio; audio families override the first three, and
+    a family that interleaves a video's sound track with its frames (AudioConfig.in_video) the fourth."""
 
     name: str
 
@@ -74,3 +76,8 @@ class AudioHooks:
     def encode_audios(self, module: Any, processor: Any, cfg: Any, clips: list[AudioClip]) -> list[torch.Tensor]:
         """Each clip's (or chunk's) rows, (tokens, text_hidden): what `ImageFeatures(embeds, audio=True)` holds."""
         raise no_audio(self.name)
+
+    def video_track_span(self, cfg: Any, video: ImageFeatures, track: ImageFeatures) -> list[int]:
+        """The tokens that take the place of the video's placeholder when `track` (its sound track's rows) is
+        interleaved with the video's rows; ValueError: the family does not."""
+        raise ValueError(f"{self.name} checkpoints do not interleave a video's sound track with its frames")

@@ -311,23 +311,28 @@ def merge_image_embeds(
     """Scatter image (video, audio) embeddings into the image-token (video-, audio-token) rows of inputs_embeds
     (1, L, H).
 
-    The items are in prompt order (splice_media), so one scatter over every kind's positions puts every row
-    where it belongs. input_ids and the features may be host tensors (the features come from the connector in
-    CPU memory): the checks run where the ids are, and the mask and features move to inputs_embeds' device in
-    one copy each.
+    The items are in prompt order (splice_media), so the rows of each kind, in item order, are its tokens' in prompt
+    order: one scatter per token id puts every row where it belongs, also where a video's sound track interleaves
+    its rows with the video's (Qwen2.5-Omni's use_audio_in_video), as the model's own scatters per kind do.
+    input_ids and the features may be host tensors (the features come from the connector in CPU memory): the checks
+    run where the ids are, and each mask and its features move to inputs_embeds' device in one copy each.
     """
     if not images:
         return inputs_embeds
-    is_image = input_ids == image_token_id
-    feats = torch.cat([im.embeds for im in images])
-    for kind, token_id in (("video", video_token_id), ("audio", audio_token_id)):
-        rows = sum(im.num_tokens for im in images if (im.is_video if kind == "video" else im.audio))
-        if rows:
-            assert token_id is not None, f"{kind} features for a model without a {kind} token"
-            is_kind = input_ids == token_id
-            assert int(is_kind.sum()) == rows, f"{kind} placeholder count != {kind} tokens"
-            is_image = is_image | is_kind
-    assert int(is_image.sum()) == feats.shape[0], "placeholder count != image tokens"
-    mask = is_image.to(inputs_embeds.device, non_blocking=True).unsqueeze(-1).expand_as(inputs_embeds)
-    feats = feats.to(inputs_embeds.device, inputs_embeds.dtype, non_blocking=True)
-    return inputs_embeds.masked_scatter(mask, feats)
+    groups: dict[int, list[torch.Tensor]] = {}
+    for im in images:
+        kind = "audio" if im.audio else "video" if im.is_video else "image"
+        token_id = {"image": image_token_id, "video": video_token_id, "audio": audio_token_id}[kind]
+        assert token_id is not None, f"{kind} features for a model without a {kind} token"
+        groups.setdefault(token_id, []).append(im.embeds)
+    for missing in (image_token_id, video_token_id, audio_token_id):
+        if missing is not None and missing not in groups:
+            assert int((input_ids == missing).sum()) == 0, "media tokens without their features"
+    for token_id, rows in groups.items():
+        feats = torch.cat(rows) if len(rows) > 1 else rows[0]
+        is_kind = input_ids == token_id
+        assert int(is_kind.sum()) == feats.shape[0], "placeholder count != media tokens"
+        mask = is_kind.to(inputs_embeds.device, non_blocking=True).unsqueeze(-1).expand_as(inputs_embeds)
+        inputs_embeds = inputs_embeds.masked_scatter(mask, feats.to(inputs_embeds.device, inputs_embeds.dtype,
+                                                                    non_blocking=True))
+    return inputs_embeds

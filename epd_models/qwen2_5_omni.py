@@ -23,8 +23,13 @@ Video (<|VIDEO|>): Qwen2.5-VL's video inputs (epd_models/video.py) through the s
 positions are `floor(k * second_per_grid_t * position_id_per_seconds)` in Omni's order of float32 products (Qwen2.5-VL
 multiplies `tokens_per_second * second_per_grid_t` first), and the text after any vision item starts at the item's
 largest position + 1 (Qwen2.5-VL in transformers 5 at start + max(h, w), which a video's temporal positions exceed).
-Audio inside a video (`use_audio_in_video`: a video's audio rows interleaved with its frames' by 2 s chunks) is not
-served: an audio part and a video part are separate items. The frames are sized by the processor's own video size
+A video's sound track (`use_audio_in_video`; AudioConfig.in_video): the track is an audio item right after its video
+(ImageFeatures.in_video), and the two share the video's placeholder: <|audio_bos|>, then chunk by chunk of
+`seconds_per_chunk` (2 s: 50 positions) the video's tokens and the track's whose positions fall in it, then
+<|audio_eos|> (`video_track_span`, the processor's `replace_video_with_audio_token`). Positions as `get_rope_index`
+gives them with use_audio_in_video: <|vision_bos|> and <|audio_bos|> share one, the video's and the track's both
+start after it (the track's one a row), and <|audio_eos|> and <|vision_eos|> share the one after the last chunk's
+largest. The frames are sized by the processor's own video size
 (its `videos_kwargs`, passed on every call: epd_models/video.py `video_settings`); epd_models/video.py's
 VIDEO_FAMILIES lists it, and its workers report its video sampling in /health like the Qwen VL families'.
 
@@ -44,14 +49,13 @@ import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerTextModel
 
 from epd_contracts.audio import AudioConfig
+from epd_contracts.embeddings import ImageFeatures
 from epd_models.audio import AudioClip, feature_rate, window_slice
 from epd_models.base import LanguageModules, _to
 from epd_models.mrope import MRopeAdapter, Run
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from epd_contracts.embeddings import ImageFeatures
 
 
 class Qwen2_5OmniAdapter(MRopeAdapter):
@@ -77,7 +81,15 @@ class Qwen2_5OmniAdapter(MRopeAdapter):
         fe = processor.feature_extractor
         window = window_frames(cfg) * int(fe.hop_length) / feature_rate(processor)
         return AudioConfig(sample_rate=feature_rate(processor), window_seconds=window,
-                           max_seconds=float(fe.chunk_length))
+                           max_seconds=float(fe.chunk_length), in_video=True)
+
+    def video_track_span(self, cfg: Any, video: ImageFeatures, track: ImageFeatures) -> list[int]:
+        """<|audio_bos|>, the video's and the track's tokens interleaved chunk by chunk, <|audio_eos|>."""
+        tokens: list[int] = []
+        video_id, audio_id = int(cfg.video_token_index), int(cfg.audio_token_index)
+        for (v0, v1), (a0, a1) in _track_chunks(cfg, self.item_runs(cfg, video)[0], track.num_tokens):
+            tokens += [video_id] * (v1 - v0) + [audio_id] * (a1 - a0)
+        return [int(cfg.audio_start_token_id), *tokens, int(cfg.audio_end_token_id)]
 
     def encode_audios(self, module: Any, processor: Any, cfg: Any, clips: list[AudioClip]) -> list[torch.Tensor]:
         """Each clip's (chunk's) rows: the whole clip's features cut to the chunk's windows, every item's frames
@@ -118,10 +130,14 @@ class Qwen2_5OmniAdapter(MRopeAdapter):
     def position_ids(
         self, cfg: PretrainedConfig, input_ids: torch.Tensor, images: list[ImageFeatures]
     ) -> tuple[torch.Tensor, int]:
-        """MRopeAdapter's, but the text after a vision item starts at the item's largest position + 1."""
+        """MRopeAdapter's, but the text after a vision item starts at the item's largest position + 1, and a video
+        with its sound track (the audio item after it has in_video) is placed as `get_rope_index` places it with
+        use_audio_in_video (see the module docstring)."""
         ids = input_ids.view(-1).tolist()
         media = {self.image_token_id(cfg), self.video_token_id(cfg)} - {None}
-        runs = iter([run for item in images if not item.audio for run in self.item_runs(cfg, item)])
+        visual = [(im, images[k + 1] if k + 1 < len(images) and images[k + 1].in_video else None)
+                  for k, im in enumerate(images) if not im.audio]
+        items = iter(visual)
         chunks: list[torch.Tensor] = []
         pos, i = 0, 0
         while i < len(ids):
@@ -130,16 +146,61 @@ class Qwen2_5OmniAdapter(MRopeAdapter):
                 while j < len(ids) and ids[j] not in media:
                     j += 1
                 chunks.append(torch.arange(pos, pos + j - i).view(1, -1).expand(3, -1))
-            else:
-                temporal, h, w, is_video = next(runs)
-                assert is_video == (ids[i] == self.video_token_id(cfg)), "an image's features at a video's tokens"
-                tt, hh, ww = torch.meshgrid(temporal, torch.arange(h), torch.arange(w), indexing="ij")
-                chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+                pos = int(chunks[-1].max()) + 1
+                i = j
+                continue
+            item, track = next(items)
+            run = self.item_runs(cfg, item)[0]
+            temporal, h, w, is_video = run
+            assert is_video == (ids[i] == self.video_token_id(cfg)), "an image's features at a video's tokens"
+            if track is None:
+                chunks.append(_grid_positions(temporal, h, w) + pos)
                 j = i + len(temporal) * h * w
+            else:  # <|vision_bos|><|audio_bos|> at one position (the text run gave them two), the block after it
+                chunks[-1] = chunks[-1].clone()
+                chunks[-1][:, -1] -= 1
+                start = pos - 1
+                grid, rows = _grid_positions(temporal, h, w) + start, torch.arange(track.num_tokens) + start
+                for (v0, v1), (a0, a1) in _track_chunks(cfg, run, track.num_tokens):
+                    chunks += [part for part in (grid[:, v0:v1], rows[a0:a1].view(1, -1).expand(3, -1)) if part.numel()]
+                end = int(chunks[-1].max()) + 1  # <|audio_eos|><|vision_eos|>: one position after the last chunk
+                chunks.append(torch.full((3, 2), end))
+                j = i + len(temporal) * h * w + track.num_tokens + 2
             pos = int(chunks[-1].max()) + 1
             i = j
         positions = torch.cat(chunks, dim=1)
         return positions.view(3, 1, -1), pos - len(ids)
+
+
+def _grid_positions(temporal: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(3, t * h * w) positions of a grid from 0: temporal (per patch, as given), row, column."""
+    tt, hh, ww = torch.meshgrid(temporal, torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([tt, hh, ww]).reshape(3, -1)
+
+
+def _track_chunks(cfg: Any, run: Run, rows: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The video's tokens [v0, v1) and its track's rows [a0, a1) of each chunk of `seconds_per_chunk`, in order
+    (an empty range where one of them has fewer chunks): `get_chunked_index` over the video's temporal positions
+    (one per token) and the track's (one per row)."""
+    temporal, h, w, _ = run
+    per_chunk = int(cfg.position_id_per_seconds * cfg.seconds_per_chunk)
+    video = _chunked(temporal.repeat_interleave(h * w).tolist(), per_chunk)
+    track = _chunked(list(range(rows)), per_chunk)
+    n = max(len(video), len(track))
+    pad = [(0, 0)] * n
+    return list(zip((video + pad)[:n], (track + pad)[:n], strict=True))
+
+
+def _chunked(values: list[int], per_chunk: int) -> list[tuple[int, int]]:
+    """transformers' `get_chunked_index`: [start, end) ranges of increasing `values`, a new one each time a value
+    reaches the next multiple of `per_chunk` (one step per value, as it does)."""
+    out, start, current = [], 0, 1
+    for i, value in enumerate(values):
+        if value >= current * per_chunk:
+            out.append((start, i))
+            start, current = i, current + 1
+    out.append((start, len(values)))
+    return out
 
 
 def clip_features(processor: Any, samples: np.ndarray) -> torch.Tensor:

@@ -25,15 +25,16 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from epd_common.errors import bad_request
+from epd_common.errors import APIError, bad_request
 from epd_contracts.audio import AudioConfig, AudioPart, audio_hash, plan_chunks
 from proxy.config import ProxyConfig
 from proxy.fetch import MediaKind
 from proxy.media import fleet_config, load_media_bytes
-from proxy.protocol import AudioURLPart, InputAudioPart
+from proxy.protocol import AudioURLPart, InputAudioPart, MMProcessorKwargs
 from scheduler.scheduler import MMItem
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class AudioItem:
     audio: AudioPart  # the whole clip: the fleet's rate and window
     chunks: tuple[MMItem, ...]
     param: str = ""  # the request field of its bytes
+    in_video: bool = False  # the sound track of the video before it (mm_processor_kwargs.use_audio_in_video)
 
 
 def audio_ref(part: InputAudioPart | AudioURLPart, where: str) -> AudioRef:
@@ -99,6 +101,19 @@ def audio_support(refs: list[AudioRef], config: AudioConfig | None) -> AudioConf
     return config
 
 
+def track_support(kwargs: MMProcessorKwargs | None, media: Sequence[Any], config: AudioConfig | None
+                  ) -> AudioConfig | None:
+    """The fleet's AudioConfig when the request asks for its videos' sound tracks (mm_processor_kwargs.
+    use_audio_in_video) and has a video; None when it does not; 400 audio_not_supported when the model does not
+    interleave a track with its video (checked before anything is loaded)."""
+    if kwargs is None or not kwargs.use_audio_in_video or not any(m.kind == "video" for m in media):
+        return None
+    if config is None or not config.in_video:
+        raise bad_request("this model does not take a video's sound track with its frames",
+                          "mm_processor_kwargs.use_audio_in_video", code="audio_not_supported")
+    return config
+
+
 def load_audios(refs: list[AudioRef], cfg: ProxyConfig, deadline: float | None,
                 config: AudioConfig) -> list[AudioItem]:
     """Each audio part in order -> its probed AudioItem (a clip repeated in the request is loaded once)."""
@@ -107,7 +122,7 @@ def load_audios(refs: list[AudioRef], cfg: ProxyConfig, deadline: float | None,
         key = (ref.url, ref.data, ref.fmt)
         if key not in loaded:
             data = audio_bytes(ref, cfg, deadline)
-            loaded[key] = plan_audio(data, probe(data, ref, cfg), ref.param, cfg, config)
+            loaded[key] = plan_audio(data, probe(data, ref.param, ref.fmt, cfg), ref.param, cfg, config)
     return [loaded[(ref.url, ref.data, ref.fmt)] for ref in refs]
 
 
@@ -148,14 +163,35 @@ def decode_base64(text: str, param: str, max_bytes: int) -> bytes:
     return data
 
 
-def probe(data: bytes, ref: AudioRef, cfg: ProxyConfig) -> AudioInfo:
+def probe(data: bytes, param: str, fmt: str | None, cfg: ProxyConfig) -> AudioInfo:
     """probe_audio under the flags' limits: 400 audio_too_large (a limit passed) or invalid_audio."""
     from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError, probe_audio
 
     try:
         return probe_audio(data, AudioLimits(max_bytes=cfg.max_audio_bytes, max_seconds=cfg.max_audio_seconds,
-                                             max_decode_s=PROBE_BUDGET_S), ref.fmt)
+                                             max_decode_s=PROBE_BUDGET_S), fmt)
     except AudioTooLargeError as exc:
-        raise bad_request(str(exc), ref.param, code="audio_too_large") from exc
+        raise bad_request(str(exc), param, code="audio_too_large") from exc
     except AudioError as exc:
-        raise bad_request(str(exc), ref.param, code="invalid_audio") from exc
+        raise bad_request(str(exc), param, code="invalid_audio") from exc
+
+
+def load_tracks(videos: list[tuple[str, bytes]], cfg: ProxyConfig, config: AudioConfig) -> list[AudioItem]:
+    """mm_processor_kwargs.use_audio_in_video: each video's sound track ((param, file bytes) of each video in order),
+    probed as an audio file under --max-audio-bytes and --max-audio-seconds (its first audio stream; the video
+    streams are not read) and planned like a clip of its own; 400 video_has_no_audio for a video without one (the
+    model would place a track that is not there: transformers mixes up such a prompt's positions)."""
+    from epd_common.audio import NoAudioStreamError
+
+    planned: dict[bytes, AudioItem] = {}
+    for param, data in videos:
+        if data not in planned:
+            try:
+                info = probe(data, param, None, cfg)
+            except APIError as exc:
+                if isinstance(exc.__cause__, NoAudioStreamError):
+                    raise bad_request("mm_processor_kwargs.use_audio_in_video is set, but this video has no audio "
+                                      "stream", param, code="video_has_no_audio") from exc
+                raise
+            planned[data] = replace(plan_audio(data, info, param, cfg, config), in_video=True)
+    return [planned[data] for _, data in videos]

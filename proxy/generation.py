@@ -6,6 +6,7 @@ import base64
 import logging
 import secrets
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import msgspec
@@ -174,7 +175,8 @@ class Generation:
         """A video or clip: named by its hash, with its whole part (a video's sampling, a clip's rate and window);
         its embeddings are its chunks' in order, each found like an image's (aggregated: the file, which the decoder
         samples or resamples and encodes itself)."""
-        kind = {"video": item.video} if isinstance(item, VideoItem) else {"audio": item.audio}
+        kind: dict[str, Any] = ({"video": item.video} if isinstance(item, VideoItem) else
+                                {"audio": item.audio, "in_video": item.in_video})
         if self.fleet.cfg.aggregated:
             return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), **kind)
         chunks = [ChunkRef(mm_hash=c.mm_hash, source=self.sources[c.mm_hash], pending=c.mm_hash in pending,

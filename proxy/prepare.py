@@ -12,7 +12,7 @@ from epd_contracts.audio import AudioConfig
 from epd_contracts.generate import Detail, GenerateRequest, ImageRef, ResponseFormat, ToolChoice
 from epd_contracts.hashing import mm_hash, multi_image_item
 from epd_contracts.sampling import SamplingParams
-from proxy.audio import AudioItem, AudioRef, audio_ref, audio_support, load_audios
+from proxy.audio import AudioItem, AudioRef, audio_ref, audio_support, load_audios, load_tracks, track_support
 from proxy.config import ProxyConfig
 from proxy.media import load_image_bytes
 from proxy.prefix_keys import chat_prefix_keys, prefix_secret
@@ -206,13 +206,37 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
     messages, media = _render_messages(req)
     audio_refs = [m for m in media if isinstance(m, AudioRef)]
     visual = [m for m in media if isinstance(m, MediaRef)]
+    tracks = track_support(req.mm_processor_kwargs, visual, audio)  # before anything is loaded, as audio's
     audio = audio_support(audio_refs, audio)  # a model without audio: 400 before anything is loaded
     seen = _load_media(visual, req, cfg, deadline, family, video)
     check_context([it for it in seen if isinstance(it, VideoItem)], sampling.max_tokens, max_model_len)
     items = _in_order(media, seen, load_audios(audio_refs, cfg, deadline, audio) if audio is not None else [])
+    params, marked = _params(media, items), [it.mm_hash for it in items]
+    if tracks is not None:
+        items, marked = _with_tracks(items, cfg, tracks, params)
     salt = req.cache_salt or ""
     return PreparedChat(messages=messages, items=items, sampling=sampling,
                         response_format=features.response_format, tools=features.tools,
-                        tool_choice=features.tool_choice, cache_salt=salt, params=_params(media, items),
-                        prefix_keys=chat_prefix_keys(messages, [it.mm_hash for it in items], features.tools,
-                                                     salt, prefix_secret(cfg.internal_key)))
+                        tool_choice=features.tool_choice, cache_salt=salt, params=params,
+                        prefix_keys=chat_prefix_keys(messages, marked, features.tools, salt,
+                                                     prefix_secret(cfg.internal_key)))
+
+
+def _with_tracks(items: list[MMItem | VideoItem | AudioItem], cfg: ProxyConfig, config: AudioConfig,
+                 params: dict[str, str]) -> tuple[list[MMItem | VideoItem | AudioItem], list[str]]:
+    """Each video followed by its sound track (use_audio_in_video), and the hash each marker of the messages stands
+    for (a video with its track: both, so its prefix keys differ from the video's alone)."""
+    videos = [it for it in items if isinstance(it, VideoItem)]
+    found = iter(load_tracks([(v.param, v.data) for v in videos], cfg, config))
+    out: list[MMItem | VideoItem | AudioItem] = []
+    marked: list[str] = []
+    for it in items:
+        out.append(it)
+        marked.append(it.mm_hash)
+        if isinstance(it, VideoItem):
+            track = next(found)
+            out.append(track)
+            marked[-1] += "+" + track.mm_hash
+            for c in track.chunks:
+                params.setdefault(c.mm_hash, it.param)
+    return out, marked

@@ -111,14 +111,17 @@ ContentPart = Annotated[TextPart | ImagePart | VideoURLPart | InputAudioPart | A
 
 class MMProcessorKwargs(BaseModel):
     """vLLM's `mm_processor_kwargs`, as far as it is honoured here: a request's video sampling, within the server's
-    limits (checked by proxy/video.py against --max-video-frames and the model's pixel bounds). Any other key is a
-    400 naming it; fps and num_frames together are a 400 (transformers refuses them too)."""
+    limits (checked by proxy/video.py against --max-video-frames and the model's pixel bounds), and whether each
+    video's sound track goes in with its frames (Qwen2.5-Omni). Any other key is a 400 naming it; fps and num_frames
+    together are a 400 (transformers refuses them too)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     fps: float | None = Field(default=None, gt=0, description="frames per second to sample from each video")
     num_frames: int | None = Field(default=None, ge=1, description="frames to sample from each video")
     max_pixels: int | None = Field(default=None, ge=1, description="pixel budget of each sampled frame")
+    use_audio_in_video: bool = Field(default=False, strict=True,
+                                     description="each video's sound track interleaved with its frames")
 
 
 _NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's pattern for function and json_schema names

@@ -142,3 +142,35 @@ def wav_header(sample_rate: int, channels: int = 1, bits: int = 16, data_bytes: 
     declared = data_bytes if declared_bytes is None else declared_bytes
     body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", declared)
     return b"RIFF" + struct.pack("<I", min(len(body) + declared, 0xFFFFFFFF)) + body + bytes(data_bytes)
+
+
+def make_video_with_audio(num_frames: int, fps: float, seconds: float, freq: float = 440.0, rate: int = 16_000,
+                          width: int = 56, height: int = 56) -> bytes:
+    """An MP4 (H.264) of tests.factories.make_video's frames with an AAC sound track of a `seconds` s tone."""
+    from fractions import Fraction
+
+    clip = Clip("m4a", seconds=seconds, rate=rate, channels=1, freq=freq)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "video.mp4")
+        with av.open(path, "w", format="mp4") as out:
+            video = cast(av.VideoStream, out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000)))
+            video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+            video.codec_context.options = {"preset": "ultrafast"}
+            audio, resampler = _add_stream(out, encoder_for("m4a"), rate, clip)
+            for i in range(num_frames):
+                pixels = np.full((height, width, 3), 128, np.uint8)
+                pixels[height // 4: 3 * height // 4, 4 * i % width: 4 * i % width + 8] = (255, 0, 0)
+                out.mux(video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+            out.mux(video.encode())
+            pcm = tone(seconds, rate, 1, freq)
+            for start in range(0, pcm.shape[1], rate // 10):
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, start:start + rate // 10]),
+                                                   format="fltp", layout="mono")
+                frame.sample_rate, frame.pts = rate, start
+                for piece in resampler.resample(frame):
+                    out.mux(audio.encode(piece))
+            for piece in resampler.resample(None):
+                out.mux(audio.encode(piece))
+            out.mux(audio.encode(None))
+        with open(path, "rb") as f:
+            return f.read()

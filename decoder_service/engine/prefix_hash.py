@@ -19,6 +19,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 _DIGEST = 16
 _TAG = b"epd-prefix-v1"
@@ -62,19 +63,48 @@ def root_of(salt: str) -> bytes:
     return hashlib.blake2b(_TAG + salt.encode(), digest_size=_DIGEST).digest()
 
 
+def _runs(ids: Sequence[int], positions: list[int], images: Sequence[tuple[str, int]],
+          kinds: Sequence[int | None]) -> list[tuple[int, int, int]]:
+    """The media positions as runs (first position index, item, its first row): consecutive positions of one item's
+    consecutive rows. Items take the media tokens in order, or, with `kinds`, each kind's tokens in order (None
+    when they do not add up)."""
+    if not kinds:
+        starts = [0, *accumulate(n for _, n in images)]
+        return [(starts[j], j, 0) for j, (_, n) in enumerate(images) if n]
+    queues: dict[int | None, list[tuple[int, int]]] = {}
+    for j, ((_, n), kind) in enumerate(zip(images, kinds, strict=True)):
+        if n:
+            queues.setdefault(kind, []).append((j, n))
+    at = {k: [0, 0] for k in queues}  # per kind: its item in the queue, the rows of it taken
+    runs: list[tuple[int, int, int]] = []
+    for g, p in enumerate(positions):
+        kind = ids[p]
+        if kind not in queues or at[kind][0] >= len(queues[kind]):
+            return []
+        k, taken = at[kind]
+        j, n = queues[kind][k]
+        if not (runs and runs[-1][1] == j and g > 0 and ids[positions[g - 1]] == kind):
+            runs.append((g, j, taken))
+        at[kind] = [k + 1, 0] if taken + 1 == n else [k, taken + 1]
+    return runs
+
+
 def prompt_chain(ids: Sequence[int], block_size: int, salt: str = "", image_token_id: int | None = None,
                  images: Sequence[tuple[str, int]] = (), video_token_id: int | None = None,
-                 audio_token_id: int | None = None) -> PrefixChain | None:
+                 audio_token_id: int | None = None, kinds: Sequence[int | None] = ()) -> PrefixChain | None:
     """The chain of a prompt whose image tokens (id `image_token_id`, and video and audio tokens: `video_token_id`,
     `audio_token_id`) take the rows of `images` ((mm_hash, number of rows) each, images, videos and clips in prompt
-    order) in order. None when the prompt's media tokens do not add up to the items' rows: not cached."""
+    order) in order. `kinds`: the token each item's rows take, where a kind's rows interleave with another's (a
+    video's sound track); each kind's tokens then take its items' rows in order. None when the prompt's media tokens
+    do not add up to the items' rows: not cached."""
     media = {image_token_id, video_token_id, audio_token_id} - {None}
     positions = [i for i, t in enumerate(ids) if t in media] if images else []
     if len(positions) != sum(n for _, n in images):
         return None
-    starts = [0]  # index of each image's first row among all image tokens
-    for _, n in images:
-        starts.append(starts[-1] + n)
+    runs = _runs(ids, positions, images, kinds)
+    if images and not runs and positions:
+        return None
+    firsts = [g for g, _, _ in runs]
     root = root_of(salt)
     keys: list[bytes] = []
     parent = root
@@ -82,13 +112,14 @@ def prompt_chain(ids: Sequence[int], block_size: int, salt: str = "", image_toke
         lo, hi = b * block_size, (b + 1) * block_size
         first, last = bisect.bisect_left(positions, lo), bisect.bisect_left(positions, hi)
         named = b""
-        if first < last:  # the images behind this block's image tokens, and where in each it starts
-            j = bisect.bisect_right(starts, first) - 1
+        if first < last:  # the items behind this block's media tokens, and where in each it starts
+            r = bisect.bisect_right(firsts, first) - 1
             g = first
             while g < last:
-                end = min(last, starts[j + 1])
-                named += f"{images[j][0]}:{g - starts[j]}:{end - g};".encode()
-                g, j = end, j + 1
+                start, j, row = runs[r]
+                end = min(last, firsts[r + 1] if r + 1 < len(runs) else last)
+                named += f"{images[j][0]}:{row + g - start}:{end - g};".encode()
+                g, r = end, r + 1
         parent = _key(parent, ids[lo:hi], named)
         keys.append(parent)
     full = len(keys) * block_size

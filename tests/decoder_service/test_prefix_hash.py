@@ -52,3 +52,25 @@ def test_audio_rows_are_named_by_their_clip() -> None:
     two = prompt_chain(ids, B, "", IMG, [("clip-2", 4)], audio_token_id=aud)
     assert one is not None and two is not None and one.keys[0] != two.keys[0]
     assert prompt_chain(ids, B, "", IMG, [("clip-1", 4)]) is None
+
+
+def test_interleaved_kinds_name_each_token_by_its_own_item() -> None:
+    """A video's sound track interleaves its rows with the video's (Qwen2.5-Omni's use_audio_in_video): with `kinds`,
+    each kind's tokens take its items' rows in order, so the audio tokens between two runs of video tokens are the
+    track's rows, not the video's next ones; kinds that do not add up leave the prompt uncached."""
+    from decoder_service.engine.prefix_hash import _runs
+
+    v, a = 7, 8
+    ids = [1, v, v, a, v, v, a, a]
+    positions = [i for i, t in enumerate(ids) if t in (v, a)]
+    items = [("video", 4), ("track", 3)]
+    # (first media index, item, its first row): video rows 0-1, track row 0, video rows 2-3, track rows 1-2
+    assert _runs(ids, positions, items, [v, a]) == [(0, 0, 0), (2, 1, 0), (3, 0, 2), (5, 1, 1)]
+    assert _runs(ids, positions, items, ()) == [(0, 0, 0), (4, 1, 0)]  # item order over all media tokens
+    with_kinds = prompt_chain(ids, 2, image_token_id=5, images=items, video_token_id=v, audio_token_id=a,
+                              kinds=[v, a])
+    without = prompt_chain(ids, 2, image_token_id=5, images=items, video_token_id=v, audio_token_id=a)
+    assert with_kinds is not None and without is not None
+    assert with_kinds.keys[0] == without.keys[0] and with_kinds.keys[1] != without.keys[1]
+    assert prompt_chain(ids, 2, image_token_id=5, images=[("video", 3), ("track", 4)], video_token_id=v,
+                        audio_token_id=a, kinds=[v, a]) is None

@@ -43,14 +43,14 @@ def audio_url(data: bytes, mime: str = "audio/wav") -> dict[str, Any]:
     return {"type": "audio_url", "audio_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
 
 
-def ask(base_url: str, model: str, *parts: dict[str, Any]) -> httpx.Response:
+def ask(base_url: str, model: str, *parts: dict[str, Any], **extra: Any) -> httpx.Response:
     body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": True,
-            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]}
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}], **extra}
     return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
 
 
-def answer(base_url: str, model: str, *parts: dict[str, Any]) -> dict[str, Any]:
-    resp = ask(base_url, model, *parts)
+def answer(base_url: str, model: str, *parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    resp = ask(base_url, model, *parts, **extra)
     assert resp.status_code == 200, resp.text
     out = dict(resp.json())
     assert_valid("CreateChatCompletionResponse", out)

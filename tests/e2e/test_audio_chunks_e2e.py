@@ -1,7 +1,8 @@
 """Long audio across encoders (issue 35 item 4), end to end: Qwen2.5-Omni's thinker encodes 2 s windows apart, so
 `disagg-epd-proxy --audio-chunk-seconds 2` cuts a 9 s clip into chunks of one window each that both encoders encode
 at once; the decoder gathers them in order and answers as the aggregated mode (one process that encodes the whole
-clip), and a clip beside an image and a video keeps its place. The chunks' rows equal the whole clip's to ~1e-7
+clip), a clip beside an image and a video keeps its place, and a video's sound track (mm_processor_kwargs.
+use_audio_in_video) is cut into chunks like a clip and interleaved with the video's frames. The chunks' rows equal the whole clip's to ~1e-7
 (epd_models/qwen2_5_omni.py), so tokens are equal and logprobs within 1e-4. Phi-4-multimodal the same with its 40 s
 windows (exact)."""
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.audio_clips import make_audio
+from tests.audio_clips import make_audio, make_video_with_audio
 from tests.e2e.answers import logprobs
-from tests.e2e.audio_stack import Pair, answer, assert_same, audio_stack, encoded, input_audio
+from tests.e2e.audio_stack import Pair, answer, ask, assert_same, audio_stack, encoded, input_audio
 from tests.factories import make_image, make_video
 
 pytestmark = pytest.mark.e2e
@@ -54,6 +55,30 @@ def test_a_clip_with_an_image_and_a_video_keeps_its_place(pair: Pair) -> None:
     moved = answer(pair.epd.base_url, pair.model, clip, parts[0], parts[2])
     assert moved["usage"]["prompt_tokens"] == epd["usage"]["prompt_tokens"]
     assert logprobs(moved) != pytest.approx(logprobs(epd), abs=1e-4)
+
+
+def test_a_video_with_its_sound_track_answers_as_the_aggregated_mode(pair: Pair) -> None:
+    """A 6 s video (12 frames at 2 fps: 6 temporal patches) with a 6 s AAC track: the track is 3 chunks of one 2 s
+    window, spread over the encoders beside the video's own; the prompt holds the track's rows (150) and its two
+    marks more than the video alone, and the answer is the aggregated mode's."""
+    data = make_video_with_audio(12, 2.0, 6.0, freq=350.0)
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+    track = {"mm_processor_kwargs": {"use_audio_in_video": True}}
+    before = encoded(pair.epd)
+    epd = answer(pair.epd.base_url, pair.model, part, **track)
+    assert_same(epd, answer(pair.aggregated, pair.model, part, **track))
+    grew = [after - b for after, b in zip(encoded(pair.epd), before, strict=True)]
+    alone = answer(pair.epd.base_url, pair.model, part)
+    assert epd["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"] + 150 + 2
+    assert sum(grew) >= 3 and all(g >= 1 for g in grew), grew  # the track's 3 chunks and the video's
+    assert logprobs(alone) != pytest.approx(logprobs(epd), abs=1e-4)
+
+
+def test_a_silent_video_with_use_audio_in_video_is_a_400(pair: Pair) -> None:
+    resp = ask(pair.epd.base_url, pair.model, video_part(), mm_processor_kwargs={"use_audio_in_video": True})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "video_has_no_audio"
+    assert resp.json()["error"]["param"] == "messages.0.content.0.video_url.url"
 
 
 @pytest.fixture(scope="module")
