@@ -61,7 +61,7 @@ def test_a_clip_is_encoded_and_stored_under_its_audio_hash(client: tuple[TestCli
     again = c.post("/encode", json={"items": [item(CLIP)]}).json()["items"][0]
     assert again["cached"] and worker.num_encoded == 1
     assert c.get("/health").json()["model_identity"]["audio"] == {"sample_rate": 16_000, "window_seconds": 0.0,
-                                                                  "max_seconds": 30.0}
+                                                                  "max_seconds": 30.0, "in_video": False}
 
 
 @pytest.mark.parametrize("data,part,code,field", [
