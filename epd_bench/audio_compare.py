@@ -26,17 +26,21 @@ import argparse
 import json
 import math
 import os
-import shutil
 import struct
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from epd_bench import audio_report
-from epd_bench.compare import ROOT, Workload, finish, resolve_model, start_measure_stop, systems_summary
+from epd_bench.compare import (
+    RunStart,
+    Workload,
+    finish,
+    start_measure_stop,
+    systems_summary,
+)
 from epd_bench.stacks import Running, SystemSpec, epd
-from epd_bench.video_compare import measure_rounds
+from epd_bench.video_compare import encoder_compare_args, measure_rounds
 
 AUDIO_SECONDS = 120
 CHUNK_SECONDS = 30  # the launcher's default --audio-chunk-seconds, written out so the docs show it
@@ -97,16 +101,10 @@ def model_info(model_dir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    started = time.monotonic()
-    run_dir = args.out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
-    load_before = os.getloadavg()
-    model_dir = resolve_model(args.model)
-    pin = args.pinning != "none" and shutil.which("taskset") is not None
+    started, run_dir, _, model_dir, pin = run = RunStart.of(args)
     specs = build_systems(model_dir, len(os.sched_getaffinity(0)), pin)
     measured, skipped = start_measure_stop(specs, run_dir, started, lambda up: measure(up, args, run_dir))
-    summary = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": args.model, "model_dir": str(model_dir),
-               "model_info": model_info(model_dir), "cores": len(os.sched_getaffinity(0)),
-               "load_before": load_before, "load_after": os.getloadavg(), "pinning": "split" if pin else "none",
+    summary = {**run.summary_head(args.model, model_info(model_dir)),
                "rounds": args.rounds, "audio_seconds": AUDIO_SECONDS, "chunk_seconds": CHUNK_SECONDS,
                "skipped": skipped, "systems": systems_summary(specs, skipped),
                "workload": {"name": AUDIO.name, "title": AUDIO.title},
@@ -117,19 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser("python -m epd_bench.audio_compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=BUILD_PRESET, help=f"'{BUILD_PRESET}' (built once, cached) or a checkpoint dir "
-                   "of a model that takes audio and encodes windows apart")
-    p.add_argument("--pinning", choices=["split", "none"], default="split", help="see epd_bench/stacks.py")
-    p.add_argument("--rounds", type=int, default=6, help="measured requests per system, alternating the order")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench-audio")
-    p.add_argument("--docs", type=Path, default=ROOT / "docs" / "BENCHMARKS.md")
-    p.add_argument("--no-docs", action="store_true", help="print the target, leave the docs alone")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
-    return args
+    return encoder_compare_args(argv, "python -m epd_bench.audio_compare", __doc__, BUILD_PRESET,
+                                "a model that takes audio and encodes windows apart", "bench-audio")
 
 
 if __name__ == "__main__":

@@ -13,25 +13,14 @@ from typing import Any
 
 from epd_bench.report import Target, format_targets, write_section
 from epd_bench.report import fmt as _f
-from epd_bench.video_report import _commands, _errors, ttft_table
+from epd_bench.video_report import _commands, _errors, encoder_ratio, target_rows, ttft_table
 
 BEGIN, END = "<!-- audio-bench:begin -->", "<!-- audio-bench:end -->"
 AFTER = "<!-- video-bench:end -->"  # where a first run puts the section
-ONE, TWO = "epd-1enc", "epd-2enc"
-
-
-def _ttft(summary: dict[str, Any], system: str) -> float | None:
-    result = summary["results"].get(system)
-    if not result or not result.get("completed") or result.get("mean_ttft_ms") is None:
-        return None
-    return float(result["mean_ttft_ms"])
 
 
 def targets(summary: dict[str, Any]) -> list[Target]:
-    one, two = _ttft(summary, ONE), _ttft(summary, TWO)
-    ratio = None if one is None or two is None or one == 0 else two / one
-    return [Target("audio_ttft_2enc_vs_1enc", f"one new {summary['audio_seconds']} s clip: mean TTFT, {TWO} ÷ {ONE}",
-                   ratio, 0.65, "<=")]
+    return [encoder_ratio("audio_ttft_2enc_vs_1enc", f"one new {summary['audio_seconds']} s clip", summary)]
 
 
 def targets_text(summary: dict[str, Any]) -> str:
@@ -89,9 +78,7 @@ def render_section(s: dict[str, Any]) -> str:
         "one every round, so nothing is cached) in one request. The 2-encoder system needs as many free cores as it "
         "has encoders: other work on the machine slows it more than the 1-encoder system, and the ratio rises with "
         "the load.", "",
-        "### Target", "", "| target | measured | limit | verdict |", "|---|---:|---:|---|",
-        *(f"| {t.what} | {_f(t.value, 3)} | {t.op} {t.limit} | {t.verdict()} |" for t in targets(s)), "",
-        *_errors(s),
+        *target_rows(targets(s)), *_errors(s),
         f"### Workload `{s['workload']['name']}`: {s['workload']['title']}", "", *ttft_table(s), "",
         "### Seconds of audio encoded per second, per encoder", "",
         "Each encoder's seconds of audio (the clip's, shared out by the chunks it encoded) over the time it worked on "

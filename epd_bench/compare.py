@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from epd_bench import report
 from epd_bench.results import merge_results
@@ -199,6 +199,32 @@ def start_measure_stop(specs: list[SystemSpec], run_dir: Path, started: float,
     finally:
         for r in running:
             r.stop()
+
+
+class RunStart(NamedTuple):
+    """A comparison's start: its clock, its run folder, the load before it, the checkpoint, whether to pin."""
+
+    started: float
+    run_dir: Path
+    load_before: tuple[float, ...]
+    model_dir: Path
+    pin: bool
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> RunStart:
+        """From a comparison's --model, --out-dir and --pinning (split pins only where taskset is found)."""
+        started = time.monotonic()
+        run_dir = args.out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
+        load_before = os.getloadavg()
+        return cls(started, run_dir, load_before, resolve_model(args.model),
+                   args.pinning != "none" and shutil.which("taskset") is not None)
+
+    def summary_head(self, model: str, model_info: dict[str, Any]) -> dict[str, Any]:
+        """What the comparison's summary starts with: when, which model, the machine, its load before and after the
+        run, and the pinning."""
+        return {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": model, "model_dir": str(self.model_dir),
+                "model_info": model_info, "cores": len(os.sched_getaffinity(0)), "load_before": self.load_before,
+                "load_after": os.getloadavg(), "pinning": "split" if self.pin else "none"}
 
 
 def systems_summary(specs: list[SystemSpec], skipped: dict[str, str]) -> dict[str, Any]:

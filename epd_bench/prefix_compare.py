@@ -18,21 +18,19 @@ import json
 import math
 import os
 import shlex
-import shutil
 import statistics
 import struct
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from epd_bench import prefix_report
 from epd_bench.compare import (
+    RunStart,
     Workload,
     epd_bench_cmd,
     finish,
     num_prompts,
-    resolve_model,
     run_epd_bench,
     run_workload,
     start_measure_stop,
@@ -130,16 +128,10 @@ def measure(up: list[Running], args: argparse.Namespace, run_dir: Path) -> dict[
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    started = time.monotonic()
-    run_dir = args.out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
-    load_before = os.getloadavg()
-    model_dir = resolve_model(args.model)
-    pin = args.pinning != "none" and shutil.which("taskset") is not None
+    started, run_dir, _, model_dir, pin = run = RunStart.of(args)
     specs = build_systems(model_dir, args.modes, len(os.sched_getaffinity(0)), pin)
     measured, skipped = start_measure_stop(specs, run_dir, started, lambda up: measure(up, args, run_dir))
-    summary = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": args.model, "model_dir": str(model_dir),
-               "model_info": model_info(model_dir), "cores": len(os.sched_getaffinity(0)),
-               "load_before": load_before, "load_after": os.getloadavg(), "pinning": "split" if pin else "none",
+    summary = {**run.summary_head(args.model, model_info(model_dir)),
                "scale": args.scale, "rounds": args.rounds, "skipped": skipped,
                "systems": systems_summary(specs, skipped),
                "workloads": {w.name: {"title": w.title} for w in WORKLOADS if w.name in args.workloads},

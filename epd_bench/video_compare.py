@@ -26,11 +26,9 @@ import json
 import math
 import os
 import shlex
-import shutil
 import struct
 import subprocess
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,10 +37,10 @@ import httpx
 from epd_bench import video_report
 from epd_bench.compare import (
     ROOT,
+    RunStart,
     Workload,
     epd_bench_cmd,
     finish,
-    resolve_model,
     run_epd_bench,
     start_measure_stop,
     systems_summary,
@@ -208,16 +206,10 @@ def model_info(model_dir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    started = time.monotonic()
-    run_dir = args.out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
-    load_before = os.getloadavg()
-    model_dir = resolve_model(args.model)
-    pin = args.pinning != "none" and shutil.which("taskset") is not None
+    started, run_dir, _, model_dir, pin = run = RunStart.of(args)
     specs = build_systems(model_dir, len(os.sched_getaffinity(0)), pin)
     measured, skipped = start_measure_stop(specs, run_dir, started, lambda up: measure(up, args, run_dir))
-    summary = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": args.model, "model_dir": str(model_dir),
-               "model_info": model_info(model_dir), "cores": len(os.sched_getaffinity(0)),
-               "load_before": load_before, "load_after": os.getloadavg(), "pinning": "split" if pin else "none",
+    summary = {**run.summary_head(args.model, model_info(model_dir)),
                "rounds": args.rounds, "frames": FRAMES, "frame_size": FRAME_SIZE, "chunk_frames": CHUNK_FRAMES,
                "skipped": skipped,
                "systems": systems_summary(specs, skipped), "workload": {"name": VIDEO.name, "title": VIDEO.title},
@@ -228,13 +220,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser("python -m epd_bench.video_compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="bench-video", help="'bench-video' (built once, cached) or a checkpoint dir of "
-                   "a model that takes video")
+    return encoder_compare_args(argv, "python -m epd_bench.video_compare", __doc__, "bench-video",
+                                "a model that takes video", "bench-video")
+
+
+def encoder_compare_args(argv: list[str] | None, prog: str, doc: str | None, model: str, takes: str,
+                         runs: str) -> argparse.Namespace:
+    """The flags of a 2-encoder ÷ 1-encoder comparison (video, audio): `model` the preset built by default, `takes`
+    what another checkpoint must take, `runs` its folder under runs/."""
+    p = argparse.ArgumentParser(prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=model, help=f"'{model}' (built once, cached) or a checkpoint dir of {takes}")
     p.add_argument("--pinning", choices=["split", "none"], default="split", help="see epd_bench/stacks.py")
     p.add_argument("--rounds", type=int, default=6, help="measured requests per system, alternating the order")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench-video")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / runs)
     p.add_argument("--docs", type=Path, default=ROOT / "docs" / "BENCHMARKS.md")
     p.add_argument("--no-docs", action="store_true", help="print the target, leave the docs alone")
     args = p.parse_args(argv)
