@@ -23,16 +23,17 @@ def served_name(model: str) -> str:
 
 
 def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str, Any]:
-    """{family, served_name, fingerprint, hidden_size, video, audio} of the checkpoint in model_dir, served as --model
-    `model` (None: the directory itself).
+    """{family, served_name, fingerprint, hidden_size, image, video, audio} of the checkpoint in model_dir, served as
+    --model `model` (None: the directory itself).
 
     The fingerprint is a hash of config.json's canonical JSON: the same checkpoint gives the same value on every
     host and path; an encoder and a decoder whose fingerprints differ must not be paired (their embeddings
     would be read by the wrong language model). The served name is only what clients call it: two workers
     that name one checkpoint differently still pair. hidden_size is the language model's (the width of an
-    image's rows on the connector). video is its VideoConfig as a dict (epd_models/video_config.py: how the proxy
-    samples a video's frames for this model), or None when the model takes no video; audio the same for its
-    AudioConfig (epd_contracts/audio.py).
+    image's rows on the connector). image: whether the family takes images at all (Qwen2-Audio and Phi-4-multimodal
+    do not: the proxy refuses an image for them before fetching it). video is its VideoConfig as a dict
+    (epd_models/video_config.py: how the proxy samples a video's frames for this model), or None when the model takes
+    no video; audio the same for its AudioConfig (epd_contracts/audio.py).
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
@@ -44,7 +45,7 @@ def model_identity(model_dir: str | Path, model: str | None = None) -> dict[str,
     audio = audio_config(model_dir)
     return {"family": family, "served_name": served_name(str(model_dir) if model is None else model),
             "fingerprint": hashlib.sha256(canonical).hexdigest()[:16], "hidden_size": int(hidden),
-            "video": video.as_dict() if video is not None else None,
+            "image": takes_images(model_dir), "video": video.as_dict() if video is not None else None,
             "audio": audio.as_dict() if audio is not None else None}
 
 
@@ -57,6 +58,17 @@ def _adapter_name(model_dir: str | Path, family: str) -> str:
         return adapter_for(load_config(model_dir)).name
     except ValueError:
         return family
+
+
+def takes_images(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's family takes image input (an audio-only family has no image token: -1)."""
+    from epd_models.registry import adapter_for, load_config
+
+    try:
+        cfg = load_config(model_dir)
+        return adapter_for(cfg).image_token_id(cfg) >= 0
+    except ValueError:  # not a family we serve: say nothing narrower than before
+        return True
 
 
 def audio_config(model_dir: str | Path) -> AudioConfig | None:

@@ -182,6 +182,19 @@ def read_regular_file(path: str, kind: MediaKind) -> bytes:
 _Config = TypeVar("_Config")
 
 
+def fleet_takes_images(identity: dict[str, Any] | None) -> bool:
+    """Whether the fleet's model takes images: False only where its workers say so (model_identity "image": false,
+    an audio-only family such as Qwen2-Audio); an identity without the key (an older worker) or none is taken to."""
+    return not identity or identity.get("image") is not False
+
+
+def image_support(parts: list[str], takes_images: bool) -> None:
+    """400 image_not_supported naming the first image part (`parts`: the request fields of its image parts) when the
+    model takes no image, checked before anything is fetched (as audio's: proxy/audio.py)."""
+    if parts and not takes_images:
+        raise bad_request("this model does not take image input", parts[0], code="image_not_supported")
+
+
 def fleet_config(identity: dict[str, Any] | None, key: str, parse: Callable[[dict[str, Any]], _Config]) -> _Config | None:
     """A media kind's config from the fleet's model identity (`key`: "video", "audio"): None when absent, null, or
     not such a config (the model is taken to accept none of that kind)."""

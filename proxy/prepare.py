@@ -14,7 +14,7 @@ from epd_contracts.hashing import mm_hash, multi_image_item
 from epd_contracts.sampling import SamplingParams
 from proxy.audio import AudioItem, AudioRef, audio_ref, audio_support, load_audios, load_tracks, track_support
 from proxy.config import ProxyConfig
-from proxy.media import load_image_bytes
+from proxy.media import image_support, load_image_bytes
 from proxy.prefix_keys import chat_prefix_keys, prefix_secret
 from proxy.protocol import AudioURLPart, ChatCompletionRequest, ImagePart, InputAudioPart, Message, VideoURLPart
 from proxy.video import VideoItem, check_context, check_sampling, load_videos
@@ -189,13 +189,15 @@ def _in_order(media: list[MediaRef | AudioRef], visual: list[MMItem | VideoItem]
 
 def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float | None = None,
                  family: str | None = None, video: VideoConfig | None = None,
-                 max_model_len: int | None = None, audio: AudioConfig | None = None) -> PreparedChat:
+                 max_model_len: int | None = None, audio: AudioConfig | None = None,
+                 images: bool = True) -> PreparedChat:
     """Check the request and load its images, videos and audio; raises APIError (4xx) naming the bad part. `family`:
     the fleet's model family (whether images of a multi-image prompt are encoded apart: epd_contracts.hashing);
     `video`: the fleet's video settings (None: the model takes no video, a request with one is a 400);
     `max_model_len`: the longest context of the fleet's decoders (a request whose videos cannot fit is a 400);
     `audio`: the fleet's audio settings (None: the model takes no audio, a request with some is a 400 before anything
-    is loaded).
+    is loaded); `images`: whether the model takes images (False: an audio-only family, a request with one is a 400
+    image_not_supported before anything is loaded).
 
     Blocking (media may be downloaded under cfg's media rules, see proxy.media; videos are probed): run it in a
     worker thread.
@@ -208,6 +210,7 @@ def prepare_chat(req: ChatCompletionRequest, cfg: ProxyConfig, deadline: float |
     visual = [m for m in media if isinstance(m, MediaRef)]
     tracks = track_support(req.mm_processor_kwargs, visual, audio)  # before anything is loaded, as audio's
     audio = audio_support(audio_refs, audio)  # a model without audio: 400 before anything is loaded
+    image_support([m.part for m in visual if m.kind == "image"], images)  # nor images: the same
     seen = _load_media(visual, req, cfg, deadline, family, video)
     check_context([it for it in seen if isinstance(it, VideoItem)], sampling.max_tokens, max_model_len)
     items = _in_order(media, seen, load_audios(audio_refs, cfg, deadline, audio) if audio is not None else [])

@@ -17,7 +17,7 @@ from proxy.audio import fleet_audio_config
 from proxy.config import ProxyConfig
 from proxy.fetch_slots import FetchSlots
 from proxy.fleet import Fleet
-from proxy.media import remote_kinds
+from proxy.media import fleet_takes_images, remote_kinds
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import PreparedChat, prepare_chat
 from proxy.protocol import ChatCompletionRequest
@@ -87,7 +87,7 @@ class ProxyState:
         family = identity.get("family") if identity else None
         max_model_len = self.started.max_model_len() if self.started is not None else None
         args = (req, self.cfg, deadline, family, fleet_video_config(identity), max_model_len,
-                fleet_audio_config(identity))
+                fleet_audio_config(identity), fleet_takes_images(identity))
         kinds = remote_kinds(req)
         if kinds:
             code = f"{kinds.pop()}_fetch_timeout" if len(kinds) == 1 else "image_fetch_timeout"
