@@ -17,6 +17,8 @@ from tests.e2e.stack import metric
 from tests.proxy.fake_decoder import FakeDecoder
 
 LONE = "\ud800"  # json.dumps writes it as the escape "\ud800", which json.loads reads back alone
+LOW = "\udc00"  # a lone low (trailing) surrogate
+REVERSED = "\udc00\ud800"  # a low then a high: two lone surrogates, not a pair
 SCHEMA = {"type": "object", "properties": {"x": {"type": "string", "description": "d"}}}
 TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": SCHEMA}}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
@@ -79,9 +81,9 @@ def client() -> Iterator[TestClient]:
         decoder.close()
 
 
-def post(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+def post(client: TestClient, path: str, body: dict[str, Any], escape: str = "\\ud800") -> Any:
     raw = json.dumps(body)  # ensure_ascii: the lone surrogate travels as its \\ud800 escape, as a client sends it
-    assert "\\ud800" in raw
+    assert escape in raw
     return client.post(path, content=raw, headers={"content-type": "application/json"})
 
 
@@ -89,9 +91,9 @@ def counted(client: TestClient, status: int, path: str = "/v1/chat/completions")
     return metric(client.get("/metrics").text, f'epd_proxy_requests_total{{endpoint="{path}",status="{status}"}}')
 
 
-def refused(client: TestClient, path: str, body: dict[str, Any], param: str) -> None:
+def refused(client: TestClient, path: str, body: dict[str, Any], param: str, escape: str = "\\ud800") -> None:
     before = counted(client, 400, path)
-    resp = post(client, path, body)
+    resp = post(client, path, body, escape)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and error["code"] == "invalid_request" and "surrogate" in error["message"]
@@ -112,6 +114,19 @@ def test_a_lone_surrogate_in_a_completions_field_is_a_400_naming_it(client: Test
                                                                    stream: bool) -> None:
     fields, param = COMPLETION_CASES[case]
     refused(client, "/v1/completions", {"model": "demo", "max_tokens": 2, "stream": stream, **fields}, param)
+
+
+@pytest.mark.parametrize("text", [LOW, f"a{LOW}b", REVERSED, f"a{REVERSED}b"],
+                         ids=["low", "low inside", "reversed pair", "reversed pair inside"])
+def test_a_lone_low_surrogate_or_a_reversed_pair_is_a_400_in_a_value_and_in_a_key(client: TestClient,
+                                                                                 text: str) -> None:
+    """The whole surrogate range is refused, not only high surrogates: "a\\udc00b" and "\\udc00\\ud800" (a low
+    before a high pairs nothing) in a value and in an object key."""
+    in_value = {"messages": user(text)}
+    in_key = {"response_format": schema_format({"type": "object", "properties": {text: {}}})}
+    for fields, param in [(in_value, "messages.0.content"), (in_key, "response_format.json_schema.schema.properties")]:
+        body = {"model": "demo", "messages": user("hi"), "max_tokens": 2, **fields}
+        refused(client, "/v1/chat/completions", body, param, escape="\\udc00")
 
 
 def test_a_valid_surrogate_pair_is_text_like_any_other(client: TestClient) -> None:
