@@ -3,7 +3,8 @@ av.AudioResampler (FFmpeg's libswresample), bounded. Runs on the encoders.
 
 `decode_audio` does not trust that the proxy probed the bytes: it runs probe_audio again (epd_common/audio.py: the
 bytes, the headers and a demux-only count of the packets' durations; a few ms), then decodes, checking every
-decoded frame's sample rate and channels (a bitstream may say other than its container) and counting the decoded
+decoded frame's sample rate and channels (a bitstream may say other than its container, and may change format
+midway: refused) and counting the decoded
 seconds: refused as soon as they pass ``max_seconds`` (so the output has at most ``max_seconds * sample_rate``
 samples, also where packet durations lie) or the wall clock passes ``max_decode_s``. Memory: one decoded frame at a
 time (at most 64 Ki samples a channel for these codecs and WAV's packets) plus the output. A file that decodes to
@@ -41,12 +42,19 @@ if TYPE_CHECKING:
 
 
 def _frames(container: Any, stream: Any, limits: AudioLimits) -> Iterator[Any]:
-    """The decoded frames, each checked (rate, channels), refused past max_seconds decoded or max_decode_s."""
+    """The decoded frames, each checked (rate and channels within the limits, and the same as the first frame's:
+    a clip whose header passes and whose later frames change format, two MP3 streams of different rates back to
+    back, is refused by name), refused past max_seconds decoded or max_decode_s."""
     deadline = time.monotonic() + limits.max_decode_s
-    seconds = 0.0
+    seconds, first = 0.0, None
     try:
         for frame in container.decode(stream):
-            check_format(frame.sample_rate, frame.layout.nb_channels, limits)
+            fmt = (frame.sample_rate, frame.layout.nb_channels)
+            check_format(*fmt, limits)
+            first = first or fmt
+            if fmt != first:  # NOTE: the first frame, not the header: HE-AAC decodes at twice its header's rate
+                raise AudioError(f"the audio changes format after {seconds:.2f} s: {fmt[0]} Hz, {fmt[1]} channel(s) "
+                                 f"where it began at {first[0]} Hz, {first[1]} channel(s)")
             seconds += frame.samples / frame.sample_rate
             check_duration(seconds, limits, what="lasts more than")
             if time.monotonic() > deadline:

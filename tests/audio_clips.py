@@ -133,6 +133,21 @@ def hour_of_silence_flac(rate: int = 8000, declare: bool = False) -> bytes:
     return bytes(data)
 
 
+def _without_id3(data: bytes) -> bytes:
+    """MP3 bytes less their leading ID3v2 tag (a tag mid-stream is not audio)."""
+    if data[:3] != b"ID3" or len(data) < 10:
+        return data
+    size = (data[6] & 0x7F) << 21 | (data[7] & 0x7F) << 14 | (data[8] & 0x7F) << 7 | data[9] & 0x7F  # syncsafe
+    return data[10 + size:]
+
+
+def format_change_mp3(first: tuple[int, int], then: tuple[int, int], seconds: float = 2.0) -> bytes:
+    """Two MP3 streams back to back, `seconds` each at (rate, channels) `first` then `then`: the headers (and the
+    probe) see the first stream's format, the decoder's frames change it midway."""
+    head = make_audio("mp3", seconds=seconds, rate=first[0], channels=first[1])
+    return head + _without_id3(make_audio("mp3", seconds=seconds, rate=then[0], channels=then[1]))
+
+
 def wav_header(sample_rate: int, channels: int = 1, bits: int = 16, data_bytes: int = 0,
                declared_bytes: int | None = None) -> bytes:
     """A PCM WAV file made by hand: its fmt chunk says `sample_rate` and `channels`, its data chunk declares

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import epd_common.audio_decode
-from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError
+from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError, probe_audio
 from epd_common.audio_decode import decode_audio
-from tests.audio_clips import FORMATS, hour_of_silence_flac, make_audio, wav_header
+from tests.audio_clips import FORMATS, format_change_mp3, hour_of_silence_flac, make_audio, wav_header
 from tests.audio_hostile import HOSTILE, hostile_case
 from tests.test_audio_probe import peak_growth
 
@@ -115,6 +115,26 @@ def test_a_hostile_file_is_refused_by_decode_too_with_bounded_memory(name: str) 
     def decode() -> Any:
         with pytest.raises(case.error, match=case.match):
             decode_audio(data, 16_000, case.limits)
+
+    decode()
+    assert peak_growth(decode) < MAX_DECODE_GROWTH
+
+
+@pytest.mark.parametrize(("first", "then", "match"), [
+    ((44_100, 1), (22_050, 1), "changes format after 2.0[0-9] s: 22050 Hz, 1 channel.* began at 44100 Hz, 1 channel"),
+    ((44_100, 2), (44_100, 1), "changes format after 2.0[0-9] s: 44100 Hz, 1 channel.* began at 44100 Hz, 2 channel"),
+], ids=["rate", "channels"])
+def test_frames_that_change_rate_or_channels_after_a_header_that_passes_are_refused(
+        first: tuple[int, int], then: tuple[int, int], match: str) -> None:
+    """Two MP3 streams back to back: the probe (headers and packets) passes them as the first one's format, and the
+    decoder refuses the first frame of the other, by name, with bounded memory."""
+    data = format_change_mp3(first, then)
+    info = probe_audio(data)
+    assert (info.sample_rate, info.channels) == first  # the header passes
+
+    def decode() -> Any:
+        with pytest.raises(AudioError, match=match):
+            decode_audio(data, 16_000)
 
     decode()
     assert peak_growth(decode) < MAX_DECODE_GROWTH
