@@ -1,7 +1,10 @@
 """The `epd-encoder` command line: flags -> config -> the worker's HTTP server."""
 from __future__ import annotations
 
+import sys
+
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
+from connector.tensors.disk_tier import DiskTierError, check_tier_folder
 from connector.tensors.ungathered import UNGATHERED_MAX_AGE_S
 from encoder_service.config import EncoderConfig
 from encoder_service.server import create_app
@@ -87,6 +90,12 @@ def security_gaps(cfg: EncoderConfig) -> list[Gap]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
+    if cfg.ec_disk_dir is not None:  # before the model loads: a folder another user could change stops the start
+        try:
+            check_tier_folder(cfg.ec_disk_dir)
+        except DiskTierError as e:
+            print(f"epd-encoder: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     run_worker("encoder", cfg, create_app, security_gaps(cfg))
 
 

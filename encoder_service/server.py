@@ -15,6 +15,7 @@ import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 
+from connector.tensors.disk_format import file_key
 from connector.tensors.disk_tier import DiskTier
 from connector.tensors.producer import ECProducer
 from encoder_service.config import EncoderConfig
@@ -122,7 +123,7 @@ def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     disk = None
     if cfg.ec_disk_dir is not None:
         fingerprint = encoder_fingerprint(vision.model_dir, str(vision.dtype), str(vision.device))
-        disk = DiskTier(cfg.ec_disk_dir, cfg.ec_disk_bytes, fingerprint)
+        disk = DiskTier(cfg.ec_disk_dir, cfg.ec_disk_bytes, fingerprint, key=file_key(cfg.internal_key))
     producer = ECProducer(disk=disk, bind=cfg.ec_bind, cache_bytes=cfg.ec_cache_bytes, events_bind=cfg.ec_events_bind,
                           curve=cfg.curve, advertise_host=cfg.ec_advertise_host,
                           max_items_per_get=cfg.ec_max_items_per_get, max_reply_bytes=cfg.ec_max_reply_bytes,

@@ -13,6 +13,7 @@ from connector.control.curve_flags import pop_curve
 from connector.control.security import CurveConfig
 from epd_common.logs import setup_logging
 from epd_common.server import ENV_REUSE_PORT, HttpLimits, serve
+from epd_launcher.disk_dir import refuse_unsafe_disk_dir
 from epd_launcher.flags import parse_args
 from epd_launcher.group import STOP_MARGIN_S, RestartPolicy, Secrets, WorkerGroup
 from epd_launcher.proxy_procs import serve_proxies
@@ -59,6 +60,7 @@ def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig |
 
     if curve is not None:
         logger.warning("launcher mode generates its own CURVE keys per start: the EPD_EC_CURVE_* keys are not used")
+    refuse_unsafe_disk_dir(args)  # before any worker starts
     _check_port_free(args.host, args.port)
     keys = Secrets.generate(args.internal_key)
     args.internal_key = keys.internal_key

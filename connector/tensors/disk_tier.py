@@ -2,7 +2,12 @@
 
 Layout: DIR/.lock (held with flock for the process's life: one encoder per folder) and DIR/<fingerprint>/ with one
 file per item (connector/tensors/disk_format.py). Only the fingerprint's own folder is ever read, written or
-cleaned; the files of another model stay where they are, and a foreign file found in ours is skipped.
+cleaned; the files of another model stay where they are, and a file found in ours that fails a check is removed.
+
+The folders are this process's user's alone (epd_common/private_dir.py): DIR and DIR/<fingerprint> are opened
+with O_NOFOLLOW, fstat-checked on the open fd and refused (DiskTierError, naming the folder, its owner and mode)
+when another user owns them or group or others can write them; a file not owned by this user is skipped. Every
+file is keyed (disk_format.file_key of the internal key), so a file planted by anyone without the key fails.
 
 Writes happen on a thread of their own, behind the memory cache (write-through: a kill -9 loses only the items
 still queued): a temporary file in the same folder, written whole, then renamed over its name, so a reader sees
@@ -12,8 +17,14 @@ page cache is the kernel's); a power loss may leave a renamed file short or zero
 opened with O_NOFOLLOW, so a symlink in the folder (or a file swapped for one) is never followed.
 
 At start the folder is indexed: every file's header and length are checked, leftover temporary files are removed,
-anything else (truncated, another format or model, a symlink, a folder, a name that is not its item's) is skipped
-and logged. Order of eviction across restarts is the files' modification times (touched on each read).
+anything else (truncated, another format, model or key, a symlink, a folder, a name that is not its item's) is
+skipped and logged, and removed unless it is a folder. Order of eviction across restarts is the files'
+modification times (touched on each read).
+
+Bound: `max_bytes`, and the filesystem's free space (`cap_bytes`): before each write the tier may hold at most
+what it holds plus what is free, less a reserve left to everyone else (5% of the filesystem, at most 1 GiB); a
+write that fails for space (ENOSPC, EDQUOT) evicts least recently used files and is tried once more. A full disk
+is logged once (until a write succeeds again) and counted (`disk_no_space`), never per item.
 """
 from __future__ import annotations
 
@@ -32,22 +43,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from connector.control.wire import MAX_TENSOR_BYTES
+from connector.tensors.disk_folder import DiskTierError, check_tier_folder, open_private, open_top
 from connector.tensors.disk_format import SUFFIX, DiskFormatError, encode_file, file_name, read_features, read_header
 from epd_contracts.embeddings import ImageFeatures
 
 logger = logging.getLogger("epd.connector")
 
 MAX_QUEUED_BYTES = 256 << 20  # embeddings waiting for the writer; past it a store is not written (counted)
+FREE_RESERVE_FRACTION, FREE_RESERVE_MAX = 0.05, 1 << 30  # of the filesystem, left free for everyone else
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _TMP_PREFIX = ".tmp-"
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+__all__ = ["DISK_KEYS", "DiskTier", "DiskTierError", "check_tier_folder"]
 DISK_KEYS = ("disk_items", "disk_bytes", "disk_max_bytes", "disk_hits", "disk_misses", "disk_writes",
              "disk_write_bytes", "disk_write_seconds", "disk_read_bytes", "disk_read_seconds", "disk_evictions",
-             "disk_skipped_files", "disk_failures", "disk_writes_dropped", "disk_queued_bytes")
-
-
-class DiskTierError(RuntimeError):
-    """The folder cannot be used (another encoder holds it, or it cannot be made)."""
+             "disk_skipped_files", "disk_failures", "disk_writes_dropped", "disk_queued_bytes", "disk_cap_bytes",
+             "disk_no_space")
+_fstatvfs = os.fstatvfs  # tests give a full filesystem here
 
 
 @dataclass
@@ -60,11 +73,13 @@ class DiskTier:
     """Embeddings on disk under one model fingerprint. Thread-safe; `on_forget` is called (outside the tier's lock)
     with hashes the tier stopped holding (evicted, unreadable, or a write that failed)."""
 
-    def __init__(self, directory: str | Path, max_bytes: int, fingerprint: str,
+    def __init__(self, directory: str | Path, max_bytes: int, fingerprint: str, *, key: bytes,
                  max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.directory, self.max_bytes, self.fingerprint = Path(directory), max_bytes, fingerprint
+        self._key = key  # disk_format.file_key(internal key): files written without it fail their checks
+        self._no_space = False  # the filesystem was found full (logged once, until a write succeeds)
         self.max_item_bytes = min(max_bytes, MAX_TENSOR_BYTES)
         self.max_queued_bytes = max_queued_bytes
         self.on_forget: Callable[[list[str]], None] = lambda hashes: None
@@ -76,6 +91,7 @@ class DiskTier:
         self._queued_bytes = self._nbytes = 0
         self._closed = False
         self._stats: dict[str, float] = dict.fromkeys(DISK_KEYS, 0)
+        self._stats["disk_cap_bytes"] = max_bytes
         self._lock_fd, self._dir_fd = self._open_folder()
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="epd-ec-disk", daemon=True)
@@ -121,7 +137,7 @@ class DiskTier:
         start = time.perf_counter()
         try:
             features = self._read(entry, mm_hash)
-        except (OSError, DiskFormatError) as e:  # evicted meanwhile, or altered: either way not held any more
+        except (OSError, DiskFormatError) as e:  # evicted meanwhile, altered or forged: either way not held any more
             logger.warning("disk tier: %s (item %s) could not be read: %s", entry.name, mm_hash[:16], e)
             self._forget_entry(mm_hash, entry, failure=True)
             return None
@@ -156,31 +172,26 @@ class DiskTier:
     # start-up
 
     def _open_folder(self) -> tuple[int, int]:
+        """(lock fd, fingerprint folder fd): DIR and DIR/<fingerprint> each made 0700 if missing, opened without
+        following a symlink and refused unless private (epd_common.private_dir); DIR/.lock flocked."""
+        top = open_top(self.directory)
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            lock_fd = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=top)
         except OSError as e:
+            os.close(top)
             raise DiskTierError(f"--ec-disk-dir {self.directory}: {e}") from None
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            return lock_fd, open_private(self.fingerprint, top, self.directory / self.fingerprint)
+        except BlockingIOError:
             os.close(lock_fd)
             raise DiskTierError(f"--ec-disk-dir {self.directory} is in use by another encoder (its .lock is held); "
                                 "give each encoder a folder of its own") from None
-        try:
-            parent = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(self.fingerprint, 0o700, dir_fd=parent)
-                dir_fd = os.open(self.fingerprint, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                 dir_fd=parent)
-            finally:
-                os.close(parent)
-        except OSError as e:
+        except BaseException:
             os.close(lock_fd)
-            raise DiskTierError(f"--ec-disk-dir {self.directory}/{self.fingerprint}: {e} (a symlink is refused)") \
-                from None
-        return lock_fd, dir_fd
+            raise
+        finally:
+            os.close(top)
 
     def _scan(self) -> None:
         """Index the folder: whole files of this fingerprint, oldest first; skip and log everything else."""
@@ -194,17 +205,25 @@ class DiskTier:
                 try:
                     mtime, mm_hash, size = self._check(entry)
                 except (OSError, DiskFormatError) as e:
-                    self._stats["disk_skipped_files"] += 1
-                    logger.warning("disk tier: skipped %s/%s: %s", self.directory / self.fingerprint, entry.name, e)
+                    self._skip(entry, e)
                     continue
                 found.append((mtime, mm_hash, _Entry(entry.name, size)))
         for _, mm_hash, held in sorted(found, key=lambda f: f[0]):
             self._index[mm_hash] = held
             self._nbytes += held.size
-        self._evict_until(self.max_bytes)  # the bound may have been lowered since
+        self._evict_until(self.cap_bytes())  # the bound may have been lowered since, or the disk filled
         logger.info("disk tier %s: %d items, %d bytes (cap %d), %d files skipped",
-                    self.directory / self.fingerprint, len(self._index), self._nbytes, self.max_bytes,
+                    self.directory / self.fingerprint, len(self._index), self._nbytes, self._stats["disk_cap_bytes"],
                     self._stats["disk_skipped_files"])
+
+    def _skip(self, entry: os.DirEntry[str], why: Exception) -> None:
+        """Log and count an entry that is not a usable file of ours; remove it unless it is a folder (the folder
+        is ours: nothing in it is another's to keep, and a file under another key would only take room)."""
+        self._stats["disk_skipped_files"] += 1
+        logger.warning("disk tier: skipped %s/%s: %s", self.directory / self.fingerprint, entry.name, why)
+        if not entry.is_dir(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.name, dir_fd=self._dir_fd)
 
     def _check(self, entry: os.DirEntry[str]) -> tuple[int, str, int]:
         if not entry.name.endswith(SUFFIX) or entry.is_symlink() or not entry.is_file(follow_symlinks=False):
@@ -214,7 +233,9 @@ class DiskTier:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise DiskFormatError("not a regular file")
-            header, _ = read_header(fd, st.st_size, self.fingerprint, self.max_item_bytes)
+            if st.st_uid != os.geteuid():
+                raise DiskFormatError(f"owned by uid {st.st_uid}, not by this process's user")
+            header, _ = read_header(fd, st.st_size, self.fingerprint, self.max_item_bytes, self._key)
         finally:
             os.close(fd)
         if file_name(header.item.mm_hash) != entry.name:
@@ -229,10 +250,10 @@ class DiskTier:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
                 raise DiskFormatError(f"changed since it was indexed ({st.st_size} bytes, indexed {entry.size})")
-            header, start = read_header(fd, st.st_size, self.fingerprint, self.max_item_bytes)
+            header, start = read_header(fd, st.st_size, self.fingerprint, self.max_item_bytes, self._key)
             if header.item.mm_hash != mm_hash:
                 raise DiskFormatError("holds another item")
-            return read_features(fd, header, start)
+            return read_features(fd, header, start, self._key)
         finally:
             os.close(fd)
 
@@ -256,26 +277,19 @@ class DiskTier:
 
     def _write(self, mm_hash: str, features: ImageFeatures) -> bool:
         start = time.perf_counter()
-        name, tmp = file_name(mm_hash), f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+        name = file_name(mm_hash)
         try:
-            parts = encode_file(self.fingerprint, mm_hash, features)
+            parts = encode_file(self.fingerprint, mm_hash, features, self._key)
             size = sum(memoryview(p).nbytes for p in parts)
             if size > self.max_bytes:
                 raise DiskFormatError(f"{size} bytes is more than the tier's {self.max_bytes}")
-            self._make_room(size)
-            fd = os.open(tmp, _OPEN_WRITE, 0o600, dir_fd=self._dir_fd)
-            try:
-                _write_all(fd, parts, size)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+            if not self._make_room(size) or not self._write_file(name, parts, size):
+                self._out_of_space(mm_hash)
+                return False
         except Exception as e:  # noqa: BLE001 - a write that fails costs that item's file, never the writer
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self._dir_fd)
             with self._lock:
                 self._stats["disk_failures"] += 1
-            level = logging.WARNING if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else logging.ERROR
-            logger.log(level, "disk tier: item %s not written: %s", mm_hash[:16], e)
+            logger.error("disk tier: item %s not written: %s", mm_hash[:16], e)
             return False
         with self._lock:
             self._index[mm_hash] = _Entry(name, size)
@@ -283,13 +297,72 @@ class DiskTier:
             self._stats["disk_writes"] += 1
             self._stats["disk_write_bytes"] += size
             self._stats["disk_write_seconds"] += time.perf_counter() - start
+            if self._no_space:
+                self._no_space = False
+                logger.info("disk tier %s: files are written again", self.directory)
         return True
 
-    def _make_room(self, size: int) -> None:
+    def _write_file(self, name: str, parts: list[bytes | memoryview], size: int) -> bool:
+        """Write `.tmp-<random>` whole and rename it to `name`; False when the filesystem is out of space even
+        after least recently used files of `size` bytes were removed to make room (a second try)."""
+        for attempt in range(2):
+            tmp = f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+            try:
+                fd = os.open(tmp, _OPEN_WRITE, 0o600, dir_fd=self._dir_fd)
+                try:
+                    _write_all(fd, parts, size)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+                return True
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=self._dir_fd)
+                if e.errno not in _NO_SPACE:
+                    raise
+            if attempt == 0 and not self._evict(lambda: self._nbytes - size):
+                break
+        return False
+
+    def _out_of_space(self, mm_hash: str) -> None:
+        """An item not written for want of space: counted; logged once until a write succeeds again."""
         with self._lock:
-            victims = self._evict_until(self.max_bytes - size)
+            self._stats["disk_no_space"] += 1
+            first, self._no_space = not self._no_space, True
+        if first:
+            logger.warning("disk tier %s: the filesystem has no room (cap now %d bytes of --ec-disk-bytes %d, %d "
+                           "held): items are not written until there is; this is logged once",
+                           self.directory, self._stats["disk_cap_bytes"], self.max_bytes, self._nbytes)
+        else:
+            logger.debug("disk tier: item %s not written: no room", mm_hash[:16])
+
+    def cap_bytes(self) -> int:
+        """What the tier may hold now: --ec-disk-bytes, or less when the filesystem has less room (its free space
+        plus what the tier holds, less the reserve it leaves everyone else). Call under the lock."""
+        try:
+            fs = _fstatvfs(self._dir_fd)
+        except OSError:
+            return self.max_bytes
+        reserve = min(FREE_RESERVE_MAX, int(fs.f_blocks * fs.f_frsize * FREE_RESERVE_FRACTION))
+        cap = max(0, min(self.max_bytes, self._nbytes + fs.f_bavail * fs.f_frsize - reserve))
+        self._stats["disk_cap_bytes"] = cap
+        return cap
+
+    def _make_room(self, size: int) -> bool:
+        """Evict until a file of `size` fits the cap; False (nothing evicted) when it cannot fit at all."""
+        with self._lock:
+            if size > self.cap_bytes():
+                return False
+        self._evict(lambda: self.cap_bytes() - size)
+        return True
+
+    def _evict(self, limit: Callable[[], int]) -> bool:
+        """Evict down to `limit()` bytes (evaluated under the lock); whether anything was evicted."""
+        with self._lock:
+            victims = self._evict_until(limit())
         if victims:
             self.on_forget(victims)
+        return bool(victims)
 
     def _evict_until(self, limit: int) -> list[str]:
         """Remove least recently used files until at most `limit` bytes are held (under the lock)."""

@@ -10,6 +10,7 @@ import torch
 
 from connector.control.cache_index import FleetCacheIndex
 from connector.tensors.consumer import ECConsumer
+from connector.tensors.disk_format import file_key
 from connector.tensors.disk_tier import DiskTier
 from connector.tensors.producer import ECProducer
 from epd_contracts.embeddings import ImageFeatures
@@ -40,7 +41,7 @@ def consumer() -> Iterator[ECConsumer]:
 def start(folder: Path, memory_items: int = 2, disk_bytes: int = 1 << 20, shm: bool = False,
           max_age_s: float = 60.0, **kw: int) -> ECProducer:
     return ECProducer(cache_bytes=memory_items * ITEM_BYTES, shm=shm, shm_min_bytes=0,
-                      disk=DiskTier(folder, disk_bytes, "fp"), ungathered_max_age_s=max_age_s, **kw).start()
+                      disk=DiskTier(folder, disk_bytes, "fp", key=file_key("internal key")), ungathered_max_age_s=max_age_s, **kw).start()
 
 
 def saved(producer: ECProducer, n: int) -> dict[str, ImageFeatures]:

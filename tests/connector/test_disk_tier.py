@@ -11,11 +11,12 @@ import msgspec
 import pytest
 import torch
 
-from connector.tensors.disk_format import MAGIC, DiskHeader, encode_file, file_name
+from connector.tensors.disk_format import MAGIC, DiskHeader, encode_file, encode_head, file_key, file_name
 from connector.tensors.disk_tier import DiskTier, DiskTierError
 from epd_contracts.embeddings import ImageFeatures
 
 FP = "model-a"
+KEY = file_key("the fleet's internal key")
 WAIT_S = 10.0  # the writer thread's guard; never reached when things work
 
 
@@ -42,7 +43,7 @@ def tiers(tmp_path: Path) -> Iterator[list[DiskTier]]:
 
 
 def open_tier(tiers: list[DiskTier], folder: Path, max_bytes: int = 1 << 20, fp: str = FP) -> DiskTier:
-    tier = DiskTier(folder, max_bytes, fp)
+    tier = DiskTier(folder, max_bytes, fp, key=KEY)
     tiers.append(tier)
     return tier
 
@@ -81,7 +82,7 @@ def test_a_queued_item_is_held_and_loadable_before_it_is_written(tiers: list[Dis
 
 def test_least_recently_used_files_go_first_and_the_bound_holds(tiers: list[DiskTier], tmp_path: Path) -> None:
     probe = open_tier(tiers, tmp_path / "probe")
-    size = sum(memoryview(p).nbytes for p in encode_file(FP, "x0", features(0)))
+    size = sum(memoryview(p).nbytes for p in encode_file(FP, "x0", features(0), KEY))
     tier = open_tier(tiers, tmp_path / "lru", max_bytes=3 * size + size // 2)  # three files fit
     forgotten: list[str] = []
     tier.on_forget = forgotten.extend
@@ -104,7 +105,7 @@ def test_a_lowered_bound_is_applied_at_start(tiers: list[DiskTier], tmp_path: Pa
 def test_one_encoder_per_folder(tiers: list[DiskTier], tmp_path: Path) -> None:
     open_tier(tiers, tmp_path)
     with pytest.raises(DiskTierError, match="in use by another encoder"):
-        DiskTier(tmp_path, 1 << 20, FP)
+        DiskTier(tmp_path, 1 << 20, FP, key=KEY)
 
 
 def test_a_symlinked_fingerprint_folder_is_refused(tmp_path: Path) -> None:
@@ -112,7 +113,7 @@ def test_a_symlinked_fingerprint_folder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / FP).symlink_to(tmp_path / "elsewhere")
     with pytest.raises(DiskTierError, match="symlink"):
-        DiskTier(tmp_path / "dir", 1 << 20, FP)
+        DiskTier(tmp_path / "dir", 1 << 20, FP, key=KEY)
 
 
 def test_another_models_files_are_never_read_nor_removed(tiers: list[DiskTier], tmp_path: Path) -> None:
@@ -126,19 +127,19 @@ def test_another_models_files_are_never_read_nor_removed(tiers: list[DiskTier], 
 
 def _hostile_files(folder: Path, outside: Path) -> dict[str, str]:
     """name -> why it must be skipped; each next to one good file."""
-    good = b"".join(bytes(memoryview(p).cast("B")) for p in encode_file(FP, "good", features(1)))
-    foreign = b"".join(bytes(memoryview(p).cast("B")) for p in encode_file("model-b", "foreign", features(2)))
+    good = b"".join(bytes(memoryview(p).cast("B")) for p in encode_file(FP, "good", features(1), KEY))
+    foreign = b"".join(bytes(memoryview(p).cast("B")) for p in encode_file("model-b", "foreign", features(2), KEY))
     head_len = struct.unpack("<8sI", good[:12])[1]
-    header = msgspec.msgpack.decode(good[12:12 + head_len], type=DiskHeader)
+    header = msgspec.msgpack.decode(good[28:28 + head_len], type=DiskHeader)
     huge_item = msgspec.structs.replace(header.item, mm_hash="huge", shape=[1 << 40, 1 << 20], num_tokens=1 << 40)
-    huge = msgspec.msgpack.encode(msgspec.structs.replace(header, item=huge_item, payload_bytes=1 << 62))
+    huge = encode_head(msgspec.structs.replace(header, item=huge_item, payload_bytes=1 << 62), KEY)
     files = {
         file_name("truncated"): good[:-7],
         file_name("bad-magic"): b"NOTEPD\x00\x01" + good[8:],
         file_name("foreign"): foreign,
-        file_name("huge"): struct.pack("<8sI", MAGIC, len(huge)) + huge + b"\x00" * 64,
-        file_name("huge-header"): struct.pack("<8sI", MAGIC, 1 << 31) + b"\x00" * 64,
-        file_name("garbage-header"): struct.pack("<8sI", MAGIC, 16) + b"\xff" * 16,
+        file_name("huge"): huge + b"\x00" * 64,
+        file_name("huge-header"): struct.pack("<8sI16s", MAGIC, 1 << 31, bytes(16)) + b"\x00" * 64,
+        file_name("garbage-header"): struct.pack("<8sI16s", MAGIC, 16, bytes(16)) + b"\xff" * 16,
         file_name("renamed"): good,  # a whole file, but under another item's name
         "notes.txt": b"hello",
         file_name("empty"): b"",
@@ -163,6 +164,8 @@ def test_hostile_files_are_skipped_and_logged_never_a_crash(tiers: list[DiskTier
     assert tier.hashes() == [] and tier.stats()["disk_skipped_files"] == len(hostile)
     assert all(name in caplog.text for name in hostile)
     assert not (folder / FP / ".tmp-0123").exists()  # leftovers of a killed write are removed
+    # so is every file that failed (the folder is ours: nothing in it is another's to keep), never a folder
+    assert sorted(os.listdir(folder / FP)) == [file_name("a-folder")]
     assert (outside / "target.emb").exists()  # nothing outside the folder is touched
     written(tier, {"fresh": features(5)})  # and the tier works
     assert tier.load("fresh") is not None
@@ -193,7 +196,7 @@ def test_a_file_swapped_for_a_symlink_after_indexing_is_not_followed(tiers: list
 def test_items_larger_than_the_tier_or_the_queue_are_not_written(tiers: list[DiskTier], tmp_path: Path) -> None:
     tier = open_tier(tiers, tmp_path, max_bytes=1000)
     assert not tier.put("big", ImageFeatures(torch.zeros(100, 16)))  # 6,400 bytes
-    small = DiskTier(tmp_path / "q", 1 << 20, FP, max_queued_bytes=100)
+    small = DiskTier(tmp_path / "q", 1 << 20, FP, key=KEY, max_queued_bytes=100)
     tiers.append(small)
     assert not small.put("big", ImageFeatures(torch.zeros(100, 16)))
     assert tier.stats()["disk_writes_dropped"] == 1 and small.stats()["disk_writes_dropped"] == 1
