@@ -5,7 +5,7 @@ import asyncio
 import base64
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
@@ -35,7 +35,12 @@ class Generation:
     A prefill worker that fails before its first event is replaced like a decoder; with none healthy the request
     runs E + PD on a decoder. A decode worker that fails before its first event is replaced too, with the same
     hand-off (it fetches the K/V, or prefills the prompt itself when the K/V is gone). A prefill worker declines a
-    short prompt before prefilling it (its one event is `declined`): the request then runs E + PD on a decoder."""
+    short prompt before prefilling it (its one event is `declined`): the request then runs E + PD on a decoder.
+
+    A stream opens on a prefill worker only while a decode worker is healthy to continue it. With none, a prefill
+    worker (it holds the whole model) runs the request whole, without a hand-off; and a hand-off that finds no decode
+    worker after all (it died since the check) continues on a prefill worker, which prefills the prompt again (its
+    prefix cache holds it) and decodes on. With no worker of either role the request is a 503 before any byte."""
 
     def __init__(self, fleet: Fleet, chat: PreparedChat, request_id: str):
         self.fleet, self.chat, self.request_id = fleet, chat, request_id
@@ -62,8 +67,11 @@ class Generation:
             self.cached = cached
         while True:
             keys = self.chat.prefix_keys if self.handoff is None else ()  # a decode worker is chosen by load
+            if self.role == "prefill" and not self.fleet.workers.healthy("decoder"):
+                logger.warning("no decode worker is healthy to continue a hand-off; the request runs whole")
+                self.role = "decoder"  # never a first token that nothing can continue
             try:
-                decoder = self.decoder = self.fleet.acquire_decoder(self.tried, keys, self.role)  # 503: all failed
+                decoder = self.decoder = self._acquire(keys)  # 503: all failed
             except APIError:
                 if self.role == "prefill":  # no prefill worker can take it: E + PD on a decoder
                     logger.warning("no prefill worker available; the request prefills on a decoder")
@@ -88,6 +96,19 @@ class Generation:
                 self._release()
                 raise
             pending = frozenset()
+
+    def _acquire(self, keys: Sequence[str]) -> Worker:
+        """A worker of the role the next open goes to. A decode worker, when none is left: a prefill worker (E -> P
+        -> D only), chosen by the prompt's prefix keys (the one that prefilled it holds its K/V), which runs the
+        request whole, or continues the hand-off by prefilling it again."""
+        try:
+            return self.fleet.acquire_decoder(self.tried, keys, self.role)
+        except APIError:
+            if self.role != "decoder" or not self.fleet.splits_prefill:
+                raise
+        logger.warning("no decode worker available; a prefill worker %s the request",
+                       "runs" if self.handoff is None else "continues")
+        return self.fleet.acquire_decoder(self.tried, self.chat.prefix_keys, "prefill")
 
     async def _open_on_decoder(self, pending: frozenset[str]) -> None:
         """A gather miss re-encodes the missing items and retries once on the same decoder."""

@@ -265,10 +265,11 @@ class Workers:
         self._set_down(worker, reason)
 
     def not_ready(self, need_encoder: bool) -> str | None:
-        """Why no request could be served now (no healthy decoder; no healthy encoder unless aggregated)."""
-        for role in ("decoder", "encoder") if need_encoder else ("decoder",):
-            if not self.healthy(role):
-                reasons = "; ".join(f"{w.url}: {w.reason}" for w in self.of(role)) or "none registered"
+        """Why no request could be served now (no healthy decoder or prefill worker: either runs a request whole; no
+        healthy encoder unless aggregated)."""
+        for role, roles in (("decoder", GENERATORS), ("encoder", ("encoder",)))[:2 if need_encoder else 1]:
+            if not any(self.healthy(r) for r in roles):
+                reasons = "; ".join(f"{w.url}: {w.reason}" for r in roles for w in self.of(r)) or "none registered"
                 return f"no healthy {role} ({reasons})"
         return None
 

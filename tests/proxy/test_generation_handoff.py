@@ -59,8 +59,34 @@ def test_a_decoder_lost_before_its_first_event_is_replaced_with_the_same_hand_of
     assert [url for url, _ in fleet.opened] == ["p0", "d0", "d1"] and fleet.opened[2][1]["handoff"] == HANDOFF
 
 
-def test_no_decoder_for_a_hand_off_ends_the_stream_with_an_error() -> None:
-    fleet = FakeFleet({"p0": [FakeStream([delta("a"), handoff()])]})
+def test_with_no_decode_worker_a_prefill_worker_runs_the_request_whole() -> None:
+    for script in ({"p0": [FakeStream([delta("ab"), DONE])]},  # none configured
+                   {"p0": [FakeStream([delta("ab"), DONE])], "d0": []}):  # the only one down
+        fleet = FakeFleet(script)
+        if "d0" in script:
+            fleet.workers.mark_down(fleet.workers.by_url["d0"], "killed")
+        _, events = asyncio.run(run(fleet))
+        assert events == [delta("ab"), DONE]  # never a first token that nothing could continue
+        assert [url for url, _ in fleet.opened] == ["p0"]
+        assert "handoff_key" not in fleet.opened[0][1] and "handoff" not in fleet.opened[0][1]
+        assert fleet.metrics.handoffs.value == 0 and fleet.workers.by_url["p0"].load == 0
+
+
+def test_a_hand_off_whose_decode_worker_died_continues_on_the_prefill_worker() -> None:
+    fleet = FakeFleet({"p0": [FakeStream([delta("a"), handoff()]), FakeStream([delta("b"), DONE])],
+                       "d0": [WorkerFailed("ConnectError")]})  # healthy at the check, dead when asked
+    fleet.workers.add("prefill", "p1").healthy = True  # holds none of the prompt
+    _, events = asyncio.run(run(fleet))
+    assert events == [delta("a"), delta("b"), DONE]
+    assert [url for url, _ in fleet.opened] == ["p0", "d0", "p0"]
+    assert fleet.acquired[2] == ("p0", list(CHAT.prefix_keys))  # chosen by the prompt's keys: it holds its K/V
+    assert fleet.opened[2][1]["handoff"] == HANDOFF and "handoff_key" not in fleet.opened[2][1]
+    assert fleet.failed == [("d0", False)] and [w.load for w in fleet.workers.by_url.values()] == [0, 0, 0]
+
+
+def test_with_no_worker_left_for_a_hand_off_the_stream_ends_with_an_error() -> None:
+    fleet = FakeFleet({"p0": [FakeStream([delta("a"), handoff()]), WorkerFailed("ConnectError")],
+                       "d0": [WorkerFailed("ConnectError")]})
     _, events = asyncio.run(run(fleet))
     assert events[0] == delta("a") and events[1]["type"] == "error" and len(events) == 2
     assert "decode worker" in events[1]["message"]

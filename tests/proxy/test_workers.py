@@ -172,6 +172,16 @@ def test_readiness_names_the_missing_role() -> None:
     assert workers.not_ready(need_encoder=True) is None
 
 
+def test_a_healthy_prefill_worker_alone_is_ready_it_runs_requests_whole() -> None:
+    workers = Workers(None, 1.0, 1.0, 3, on_up=lambda w: None, on_down=lambda w: None)  # type: ignore[arg-type]
+    workers.add("decoder", "http://d").reason = "killed"
+    p = workers.add("prefill", "http://p")
+    p.reason = "starting"
+    assert "http://d: killed; http://p: starting" in str(workers.not_ready(need_encoder=False))
+    p.healthy = True
+    assert workers.not_ready(need_encoder=False) is None
+
+
 def test_waiting_for_workers_logs_each_unreachable_one_with_url_and_reason_rate_limited(
         caplog: pytest.LogCaptureFixture) -> None:
     def unreachable(request: httpx.Request) -> httpx.Response:
