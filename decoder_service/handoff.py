@@ -4,8 +4,9 @@ continues it.
 Prefill side (`--role prefill`, a request with `handoff_key`): the engine prefills the prompt and samples each
 choice's first token as usual (streaming it), then `HandoffOut.hand_off` copies the prompt's K/V blocks out of the
 pool (decoder_service/engine/kv_blocks.py), keeps them under the key for a decode worker to fetch (bounded in bytes
-and time: connector/tensors/kv_store.py), and ends the stream with a `handoff` event: where the blocks are, and
-each choice's first token and sampler state. The rows give their blocks back (to the prefix cache).
+and time, freed once the decode worker has them: connector/tensors/kv_store.py), and ends the stream with a
+`handoff` event: where the blocks are, and each choice's first token and sampler state. The rows give their blocks
+back (to the prefix cache).
 
 Decode side (`--role decode`, a request with `handoff`): `resume_from` fetches and checks the blocks off the engine
 thread (while the request is prepared); the engine replays each choice's first token without sending it again and
@@ -195,7 +196,21 @@ class HandoffEndpoints:
 
     @property
     def fetch(self) -> KVFetch | None:
-        return None if self.client is None else self.client.fetch
+        """The decode worker's fetch: it tells the prefill worker once it has the blocks, which frees them then."""
+        client = self.client
+        if client is None:
+            return None
+
+        def fetch(address: str, key: str, layout: KVLayout, first_block: int = 0, timeout: float = 10.0) -> Any:
+            return client.fetch(address, key, layout, first_block, timeout, release=True)
+        return fetch
+
+    def stats(self) -> dict[str, Any]:
+        """A prefill worker's hand-off store (what it holds, and how entries left it) and its K/V server's counters;
+        empty for other roles."""
+        if self.store is None or self.server is None:
+            return {}
+        return {**self.store.stats(), **self.server.stats()}
 
     @property
     def address(self) -> str | None:

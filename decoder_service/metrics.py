@@ -42,6 +42,7 @@ class DecoderMetrics:
         cache_gauges(registry, "epd_ec_consumer", "Connector consumer", cache_stats, CONSUMER_KEYS)
         self.prefix_stats: Callable[[], dict[str, int]] = dict  # the engine's prefix cache, once it runs one
         self.kv_stats: Callable[[], dict[str, int]] = dict  # the engine's K/V pool, once it runs
+        self.kv_store_stats: Callable[[], dict[str, Any]] = dict  # a prefill worker's hand-off store (else empty)
         registry.register(_PrefixCollector(self))
 
     def request_finished(self, arrival: float, admitted: float, first: float, last: float) -> None:
@@ -90,6 +91,11 @@ _KV_GAUGES = (("blocks_total", "K/V blocks in the pool (the null block not count
               ("bytes_per_token", "K/V bytes of one position, every layer"))
 
 
+_KV_STORE_GAUGES = (("items", "Hand-offs a prefill worker holds for pickup"),
+                    ("bytes", "Bytes of K/V blocks it holds for pickup"),
+                    ("max_bytes", "The hand-off store's bound (--kv-store-bytes)"))
+
+
 class _PrefixCollector:
     """The prefix cache's counters and the K/V pool's gauges, read at scrape time (the engine thread only adds to
     plain ints)."""
@@ -108,3 +114,13 @@ class _PrefixCollector:
             yield GaugeMetricFamily(f"epd_decoder_kv_{key}", doc, value=kv.get(key, 0))
         yield CounterMetricFamily("epd_decoder_preemptions", "Sequences preempted (their K/V recomputed later)",
                                   value=kv.get("preemptions", 0))
+        if store := self.metrics.kv_store_stats():  # a prefill worker only
+            for key, doc in _KV_STORE_GAUGES:
+                yield GaugeMetricFamily(f"epd_decoder_kv_store_{key}", doc, value=store.get(key, 0))
+            left = CounterMetricFamily("epd_decoder_kv_store_freed", "Hand-offs freed, by why: released (their "
+                                       "decode worker had them), expired (--kv-ttl), evicted (--kv-store-bytes)",
+                                       labels=["why"])
+            for why in ("released", "expired", "evicted"):
+                left.add_metric([why], store.get(why, 0))
+            yield left
+            yield CounterMetricFamily("epd_decoder_kv_store_puts", "Hand-offs kept", value=store.get("puts", 0))

@@ -163,7 +163,8 @@ async def health(request: Request) -> dict[str, object]:
             "waiting": engine.num_waiting, "running": engine.num_running,
             "loaded": loaded, "prefix_cache": engine.prefix_summary(),
             "decoder_role": cfg.role, "kv_address": state.handoff.address,
-            "kv_cache": engine.kv_summary(), **internal_pid(request.headers, cfg.internal_key)}
+            "kv_cache": engine.kv_summary(), **({"kv_store": kv_store} if (kv_store := state.handoff.stats()) else {}),
+            **internal_pid(request.headers, cfg.internal_key)}
 
 
 async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: FatalHandler) -> Watchdog:
@@ -183,6 +184,7 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
                        str(state.identity["fingerprint"]))
     state.handoff = HandoffEndpoints.start(cfg.role, layout, cfg.curve, cfg.kv_bind, cfg.kv_advertise_host,
                                            cfg.kv_store_bytes, cfg.kv_ttl, shm=cfg.ec_shm == "auto")
+    state.metrics.kv_store_stats = state.handoff.stats  # a prefill worker's hand-off store on /metrics
     engine = state.engine = Engine(half, state.consumer, cfg, state.metrics, inline, handoff_out=state.handoff.out,
                                    kv_fetch=state.handoff.fetch, fingerprint=layout.fingerprint)
     kv = engine.kv_summary()

@@ -3,8 +3,8 @@
 Each is a msgspec Struct tagged by `op` and travels msgpack-encoded after the magic+version prefix
 (connector/control/wire.py frames it; tensor frames follow a `get_reply`). Field types and bounds are
 checked on decode, so a handler never sees a malformed header. The unions also carry the K/V hand-off's
-`kv_get`/`kv_reply` (epd_contracts/kv.py), as every connector op travels the same wire. Torch-free: every process
-imports it.
+`kv_get`/`kv_reply`/`kv_release` (epd_contracts/kv.py), as every connector op travels the same wire. Torch-free:
+every process imports it.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from epd_contracts.header import MAX_TOKEN_ID as MAX_TOKEN_ID
 from epd_contracts.header import SHM_TAG_BYTES as SHM_TAG_BYTES
 from epd_contracts.header import DType, NonNegative, TokenId, _Header
 from epd_contracts.header import ShmHandle as ShmHandle
-from epd_contracts.kv import KVGetReply, KVGetRequest
+from epd_contracts.kv import KVGetReply, KVGetRequest, KVRelease
 
 MAX_WAIT_MS = 60_000  # the longest a producer holds a `get` for items still encoding
 MAX_HASH_LEN = 256  # characters of one mm_hash on the wire (real ones are 64)
@@ -136,6 +136,7 @@ class CacheEvent(_Header, tag="event", kw_only=True):
     hashes: list[Hash]
 
 
-Request = GetRequest | HasRequest | PingRequest | SnapshotRequest | ShmProbe | KVGetRequest  # kv_get: epd_contracts/kv.py
+Request = (GetRequest | HasRequest | PingRequest | SnapshotRequest | ShmProbe
+           | KVGetRequest | KVRelease)  # kv_get, kv_release: epd_contracts/kv.py
 Reply = GetReply | HasReply | Pong | SnapshotReply | ShmProbeReply | ErrorReply | KVGetReply
 Message = Request | Reply | CacheEvent

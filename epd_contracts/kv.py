@@ -74,6 +74,13 @@ class KVGetRequest(_Header, tag="kv_get"):
     traceparent: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
+class KVRelease(_Header, tag="kv_release"):
+    """The consumer has the hand-off `key`'s blocks (copied out of frames, or its own mapping of their segment): the
+    producer frees them now instead of at their TTL. Answered with a Pong, for a key not held too."""
+
+    key: KVKey
+
+
 class KVGetReply(_Header, tag="kv_reply"):
     """Found: `num_tokens` prompt positions in `num_blocks` blocks, of which blocks `first_block`.. follow as frames
     (one each, `layout.block_shape`), or, answering a `shm` get, are in the segment of `shm` (all `num_blocks`

@@ -12,6 +12,9 @@ handle, whose size must be the layout's block bytes times the block count. The b
 over a copy-on-write mapping of the segment (no copy), their values checked finite as a frame's. A handle that
 cannot be mapped (the entry freed meanwhile, another host or user, a stale fd) is asked again by socket in the
 same fetch, and that address gets frames until its retry is due.
+
+A fetch with `release` then tells the producer it has the blocks (`kv_release`: the producer frees them now, not at
+their TTL); that call's failure changes nothing (the TTL frees them) and never fails the fetch.
 """
 from __future__ import annotations
 
@@ -33,10 +36,11 @@ from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES, extent_error, layout
 from connector.tensors.shm import ShmError, mapped_tensor, open_handle, probed_pid
 from connector.tensors.shm_peers import ShmPeers
 from epd_common.tracing import traceparent
-from epd_contracts.ec import ErrorReply, ShmProbe, ShmProbeReply
-from epd_contracts.kv import MAX_BLOCKS, MAX_CHOICES, KVChoice, KVGetReply, KVGetRequest, KVLayout
+from epd_contracts.ec import ErrorReply, Pong, ShmProbe, ShmProbeReply
+from epd_contracts.kv import MAX_BLOCKS, MAX_CHOICES, KVChoice, KVGetReply, KVGetRequest, KVLayout, KVRelease
 
 _PROBE_TIMEOUT_S = 2.0  # a prefill worker that does not answer a shared-memory probe in this long is asked by socket
+_RELEASE_TIMEOUT_S = 0.5  # a kv_release not answered in this long is left to the producer's TTL
 
 # wire dtype -> (the unsigned integer of its width, +inf's bits): a value is NaN or infinite exactly when its bits,
 # the sign cleared, are at least +inf's (its exponent all ones)
@@ -69,25 +73,45 @@ class KVClient:
         self._client = ProducerClient(curve, max_message_bytes, max_reply_bytes, MAX_KV_FRAMES)
         self._peers = ShmPeers(shm)
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("shm_fetches", "socket_fetches", "shm_fallbacks", "shm_probes"), 0)
+        self._counts = dict.fromkeys(("shm_fetches", "socket_fetches", "shm_fallbacks", "shm_probes", "releases",
+                                      "release_failures"), 0)
 
     def fetch(self, address: str, key: str, layout: KVLayout, first_block: int = 0,
-              timeout: float = 10.0) -> KVFetched:
-        """The blocks of hand-off `key` from `first_block` on, for a model of `layout`; KVUnavailable otherwise."""
+              timeout: float = 10.0, release: bool = False) -> KVFetched:
+        """The blocks of hand-off `key` from `first_block` on, for a model of `layout`; KVUnavailable otherwise.
+        `release`: once they are here (copied, or mapped), the producer is told to free them (`release`)."""
         deadline = time.monotonic() + timeout
         if self._peers.to_probe((address,)):
             self._probe(address, min(timeout, _PROBE_TIMEOUT_S))
         pid = self._peers.pid(address)
+        got: KVFetched | None = None
         if pid is not None:
             try:
-                return self._fetch(address, key, layout, first_block, deadline, pid)
+                got = self._fetch(address, key, layout, first_block, deadline, pid)
             except ShmError as e:  # asked again by socket, now and until the retry is due
                 self._peers.failed(address, str(e))
                 self._count("shm_fallbacks")
-        return self._fetch(address, key, layout, first_block, deadline, None)
+        if got is None:
+            got = self._fetch(address, key, layout, first_block, deadline, None)
+        if release:
+            self.release(address, key)
+        return got
+
+    def release(self, address: str, key: str, timeout: float = _RELEASE_TIMEOUT_S) -> bool:
+        """Tell the producer at `address` this worker has hand-off `key` (it frees the blocks now); whether it
+        answered. A failure is counted, never raised: the producer's TTL frees them anyway."""
+        try:
+            reply = self._client.exchange_one(address, KVRelease(req_id=self._client.next_req_id(), key=key), timeout)
+            expect(reply, Pong, address)
+        except (WireError, zmq.ZMQError):
+            self._count("release_failures")
+            return False
+        self._count("releases")
+        return True
 
     def stats(self) -> dict[str, int]:
-        """Fetches answered by handle and by frames, handles that fell back to the socket, probes sent."""
+        """Fetches answered by handle and by frames, handles that fell back to the socket, probes sent, releases
+        answered and not."""
         with self._lock:
             return {**self._counts, "shm_producers": self._peers.num_mapped()}
 

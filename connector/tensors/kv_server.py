@@ -1,4 +1,5 @@
-"""A prefill worker's K/V endpoint: a ROUTER thread answering `kv_get` (and `ping`) from a KVStore.
+"""A prefill worker's K/V endpoint: a ROUTER thread answering `kv_get`, `kv_release` (and `ping`) from a KVStore,
+and expiring the store's entries on a timer (each wake-up, at least every EXPIRE_EVERY_S).
 
 A found hand-off is a KVGetReply header and one raw frame per block from the asked `first_block`, sent from the
 stored tensor's memory; or, for a decode worker that asks with `shm` (it has mapped this server's probe segment:
@@ -10,6 +11,7 @@ serving. CURVE as on every connector link (connector/control/security.py).
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 from typing import Any
@@ -24,7 +26,7 @@ from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES, layout_difference
 from connector.tensors.kv_store import KVStore
 from epd_common.tracing import span
 from epd_contracts.ec import ErrorReply, Message, PingRequest, Pong, ShmProbe, ShmProbeReply
-from epd_contracts.kv import KVGetReply, KVGetRequest
+from epd_contracts.kv import KVGetReply, KVGetRequest, KVRelease
 
 logger = logging.getLogger("epd.connector")
 
@@ -32,6 +34,7 @@ _START_TIMEOUT_S = 10.0
 MAX_REQUEST_BYTES = 1 << 16  # a kv_get is a key and a layout: well under 1 KiB
 _MORE = int(zmq.SNDMORE)
 _BATCH = 64  # requests served per wake-up
+EXPIRE_EVERY_S = 1.0  # the longest the serving thread sleeps between expiries (an entry put meanwhile is not seen)
 
 
 class KVServer:
@@ -54,7 +57,7 @@ class KVServer:
         # blocks_sent, bytes_sent: by frames; shm_*: answered by handle (no byte sent)
         self._counts = dict.fromkeys(("kv_gets_served", "kv_gets_refused", "blocks_sent", "bytes_sent",
                                       "shm_gets_served", "shm_blocks_served", "shm_bytes_served", "shm_probes",
-                                      "bad_messages"), 0)
+                                      "kv_releases", "bad_messages"), 0)
 
     def start(self) -> KVServer:
         """Bind in a daemon thread and wait until it listens."""
@@ -116,7 +119,9 @@ class KVServer:
         poller.register(router, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
-            events = dict(poller.poll())
+            due = self._store.expire()  # the timer: entries nobody asks for go at their TTL, not at the next put
+            wait = EXPIRE_EVERY_S if due is None else min(max(due, 0.0), EXPIRE_EVERY_S)
+            events = dict(poller.poll(math.ceil(wait * 1000)))
             if self._waker.fileno() in events:
                 self._waker.drain()
             # NOTE: a bounded batch, so a flood of requests never keeps the loop from seeing a stop
@@ -151,6 +156,10 @@ class KVServer:
                 if traced is not None:
                     traced.set_attribute("epd.found", reply.found)
                 return reply, blocks
+        if isinstance(header, KVRelease):  # the decode worker has the blocks: free them now
+            self._counts["kv_releases"] += 1
+            self._store.release(header.key)
+            return Pong(req_id=header.req_id), []
         if isinstance(header, PingRequest):
             return Pong(req_id=header.req_id), []
         if isinstance(header, ShmProbe):

@@ -1,8 +1,10 @@
 """A prefill worker's K/V hand-offs held for pickup, bounded in bytes and in time; the oldest go first.
 
 The engine puts a prompt's blocks once, after its prefill; the KV server's thread reads them for every kv_get.
-A get does not remove an entry: a decode worker whose fetch timed out may ask again, so only the TTL, the byte
-bound and `drop` free one. Every entry lives `ttl_s`, so put order is expiry order and the oldest are at the front.
+A get does not remove an entry (a decode worker whose fetch timed out may ask again): the decode worker's
+`kv_release`, once it has the blocks, frees it (`release`), and otherwise its TTL, the byte bound or `drop`. The KV
+server's thread calls `expire` on a timer, so an entry nobody asks for is freed within a moment of its TTL, not at
+the next hand-off. Every entry lives `ttl_s`, so put order is expiry order and the oldest are at the front.
 
 With shared memory on, a put copies the blocks once into a sealed memfd segment (connector/tensors/shm.py) and the
 entry's tensor views it, so a same-host decode worker maps the blocks (the server answers with the segment's
@@ -83,8 +85,8 @@ class KVStore:
         self._entries: collections.OrderedDict[str, KVEntry] = collections.OrderedDict()  # key -> entry, oldest first
         self._lock = threading.Lock()
         self._bytes = 0
-        self._counts = dict.fromkeys(("puts", "hits", "misses", "expired", "evicted", "rejected", "shm_placed",
-                                      "shm_place_failures"), 0)
+        self._counts = dict.fromkeys(("puts", "hits", "misses", "released", "expired", "evicted", "rejected",
+                                      "shm_placed", "shm_place_failures"), 0)
         self._shm_probe = open_probe("K/V blocks") if shm else None
 
     def probe_handle(self) -> ShmHandle | None:
@@ -147,13 +149,30 @@ class KVStore:
         with self._lock:
             self._remove(key)
 
-    def stats(self) -> dict[str, Any]:
-        """Counters (`shm_placed`: hand-offs held in shared memory so far, `shm_place_failures`: those that fell
-        back to the heap because shared memory was unavailable or full)."""
+    def release(self, key: str) -> bool:
+        """A decode worker has `key`'s blocks: free them now (its mapping, or a send in flight, keeps the pages it
+        views). Whether it was held."""
         with self._lock:
-            self._expire(self._clock())
+            held = key in self._entries
+            self._remove(key)
+            self._counts["released"] += held
+            return held
+
+    def expire(self) -> float | None:
+        """Free the entries past their TTL; the seconds until the next one is due (None: none is held)."""
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            return None if not self._entries else next(iter(self._entries.values())).expires_at - now
+
+    def stats(self) -> dict[str, Any]:
+        """What is held now (`items`, `bytes`, of `max_bytes`; `ttl_s`) and counters (`released`: freed by their
+        decode worker's kv_release, `expired`: by the TTL; `shm_placed`: hand-offs held in shared memory so far,
+        `shm_place_failures`: those that fell back to the heap because shared memory was unavailable or full).
+        Reading does not expire anything: the KV server's timer does."""
+        with self._lock:
             return {"items": len(self._entries), "bytes": self._bytes, "max_bytes": self.max_bytes,
-                    "shm": self._shm_probe is not None, **self._counts}
+                    "ttl_s": self.ttl_s, "shm": self._shm_probe is not None, **self._counts}
 
     def close(self) -> None:
         """Free every entry and the probe segment (their fds; pages a decode worker still maps live until it unmaps)."""

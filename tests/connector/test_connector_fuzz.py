@@ -36,7 +36,7 @@ from epd_contracts.ec import (
     SnapshotRequest,
 )
 from epd_contracts.embeddings import ImageFeatures
-from epd_contracts.kv import KVGetRequest, KVLayout
+from epd_contracts.kv import KVGetRequest, KVLayout, KVRelease
 
 GUARD_MS = 5000  # upper bound on any wait; never reached while the producer answers
 RSS_BOUND = 64 << 20  # the producer's process may grow by less than this over the whole fuzz run
@@ -85,12 +85,14 @@ def frame(header_bytes: bytes) -> bytes:
 
 
 def valid_requests() -> list[list[bytes]]:
-    """Well-formed requests of every op, as raw frames (a kv_get is answered with an error: KVServer serves it)."""
+    """Well-formed requests of every op, as raw frames (a kv_get or kv_release is answered with an error: KVServer
+    serves them)."""
     requests: list[Message] = [GetRequest(req_id=7, hashes=[HASH, "missing"]), HasRequest(req_id=7, hashes=[HASH, "x"]),
                                PingRequest(req_id=7), SnapshotRequest(req_id=7), ShmProbe(req_id=7),
                                GetRequest(req_id=7, hashes=[HASH], shm=True),
                                KVGetRequest(req_id=7, key=HASH, layout=KVLayout(fingerprint="m", num_layers=1, kv_heads=1,
-                                                                                head_dim=8, block_size=4, dtype="bfloat16"))]
+                                                                                head_dim=8, block_size=4, dtype="bfloat16")),
+                               KVRelease(req_id=7, key=HASH)]
     assert {type(r) for r in requests} == set(get_args(Request)), "a new request op needs a sample here"
     return [[bytes(f) for f in encode_message(r)] for r in requests]
 

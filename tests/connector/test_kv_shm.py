@@ -102,7 +102,7 @@ def test_a_same_host_fetch_maps_the_blocks_and_sends_no_frame(client: KVClient) 
     assert stats["bytes_sent"] == 0 and stats["blocks_sent"] == 0 and stats["shm_probes"] == 1
     assert stats["shm_gets_served"] == 1 and stats["shm_bytes_served"] == BLOCKS.nbytes
     assert client.stats() == {"shm_fetches": 1, "socket_fetches": 0, "shm_fallbacks": 0, "shm_probes": 1,
-                              "shm_producers": 1}
+                              "releases": 0, "release_failures": 0, "shm_producers": 1}
     got.blocks[0, 0, 0, 0, 0, 0] = 1234.0  # copy on write: the write stays in the decode worker
     assert torch.equal(held.blocks, BLOCKS)
     store.close()
@@ -141,6 +141,25 @@ def test_first_block_by_handle_maps_only_the_rest(client: KVClient) -> None:
     assert in_mapping(got.blocks) and stats["bytes_sent"] == 0
     assert stats["shm_blocks_served"] == 1 and stats["shm_bytes_served"] == blocks[0].nbytes
     store.close()
+
+
+def test_a_reply_by_handle_over_the_consumers_byte_limit_is_refused() -> None:
+    """The consumer's cap holds for blocks it would map, as for frames: the handle is never opened."""
+    store = shm_store()
+    store.put("k", LAYOUT, NUM_TOKENS, BLOCKS, CHOICES)
+    block = BLOCKS[0].nbytes
+    small = KVClient(max_reply_bytes=2 * block)  # two of the three blocks
+    try:
+        with serving(store) as server:
+            with pytest.raises(KVUnavailable, match=f"{3 * block} bytes of blocks, over the {2 * block}-byte cap"):
+                small.fetch(server.address, "k", LAYOUT, timeout=GUARD_S)
+            got = small.fetch(server.address, "k", LAYOUT, first_block=1, timeout=GUARD_S)
+            assert server.stats()["shm_gets_served"] == 2 and server.stats()["bytes_sent"] == 0  # both by handle
+        assert got.shm and torch.equal(got.blocks, BLOCKS[1:])
+        assert small.stats()["shm_fetches"] == 1 and small.stats()["shm_fallbacks"] == 0  # refused, not retried
+    finally:
+        small.close()
+        store.close()
 
 
 def test_a_fetched_tensor_outlives_the_entry(client: KVClient) -> None:
@@ -305,7 +324,7 @@ def test_freeing_an_entry_closes_its_segment_fd(how: str) -> None:
     assert inode in segment_inodes() - before
     free: dict[str, Callable[[], object]] = {
         "evicted": lambda: store.put("other", LAYOUT, NUM_TOKENS, BLOCKS, CHOICES),
-        "expired": lambda: (now.__setitem__(0, 5.0), store.stats()),
+        "expired": lambda: (now.__setitem__(0, 5.0), store.expire()),
         "dropped": lambda: store.drop("k"),
         "replaced": lambda: store.put("k", LAYOUT, NUM_TOKENS, BLOCKS, CHOICES),
         "closed": store.close,

@@ -201,6 +201,16 @@ def test_blocks_that_are_not_this_models_are_refused(tiny_model_dirs: dict[str, 
                                    blocks=data, choices=[KVChoice(first_token=1)])
             resume = resume_from(handoff, tokens, lambda *a, f=fake, **k: f, layout, shape, 1.0)
             assert resume.kv is None and "KVRefused" in resume.why, name  # refused: the prompt is prefilled here
+        # blocks whose first tokens are not the hand-off's (another prompt's, or a stale key's): never resumed from
+        two = Handoff(key="k", source="mem://prefill", num_tokens=20,
+                      choices=[HandoffChoice(first_token=1), HandoffChoice(), HandoffChoice(first_token=3)])
+        for firsts in ([1, 4], [4, 3], [3, 1], [1]):
+            other = SimpleNamespace(num_tokens=20, num_blocks=2, first_block=0, blocks=good,
+                                    choices=[KVChoice(first_token=t) for t in firsts])
+            resume = resume_from(two, 20, lambda *a, f=other, **k: f, layout, shape, 1.0)
+            assert resume.kv is None and "first tokens are not the hand-off's" in resume.why, firsts
+        same = SimpleNamespace(**{**vars(fine), "choices": [KVChoice(first_token=1), KVChoice(first_token=3)]})
+        assert resume_from(two, 20, lambda *a, **k: same, layout, shape, 1.0).kv is good  # the control case
     finally:
         engine.close()
 

@@ -71,6 +71,27 @@ def test_a_hand_off_whose_blocks_are_gone_is_prefilled_by_the_decode_worker(work
     assert 'how="recomputed"} 1.0' in metric(workers["decode"], "epd_decoder_handoff_resumes_total")
 
 
+def test_a_prefill_worker_frees_a_hand_off_once_its_decode_worker_has_it(workers: dict[str, TestClient]) -> None:
+    """Not at the next hand-off, not at its TTL: the decode worker's kv_release, sent once it has the blocks (and
+    answered before its stream starts). /health and /metrics show the store."""
+    def store() -> dict[str, Any]:
+        return dict(workers["prefill"].get("/health").json()["kv_store"])
+
+    before = store()
+    first = events(workers["prefill"], {"handoff_key": "req-freed"})
+    held = store()
+    assert held["puts"] == before["puts"] + 1 and held["bytes"] > 0 and held["max_bytes"] > held["bytes"]
+    assert f"epd_decoder_kv_store_items {float(held['items'])}" in metric(workers["prefill"], "epd_decoder_kv_store")
+    events(workers["decode"], {"handoff": first[-1]["handoff"]})
+    after = store()
+    assert after["released"] == before["released"] + 1 and after["kv_releases"] == before["kv_releases"] + 1
+    assert after["items"] == held["items"] - 1 - (after["expired"] - held["expired"])  # gone, whatever else expired
+    freed = metric(workers["prefill"], "epd_decoder_kv_store_freed_total")
+    assert f'why="released"}} {float(after["released"])}' in freed
+    assert "kv_store" not in workers["decode"].get("/health").json()  # a decode worker keeps no hand-offs
+    assert metric(workers["decode"], "epd_decoder_kv_store") == ""
+
+
 def test_only_a_prefill_worker_takes_a_handoff_key(workers: dict[str, TestClient]) -> None:
     resp = workers["decode"].post("/generate", json={"messages": MESSAGES, "sampling": SAMPLING, "handoff_key": "x"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "handoff_key"
