@@ -24,6 +24,10 @@ decodes at most a few packets, within its 5 MB probe size):
    as the sum passes ``max_seconds`` or the pass passes ``max_decode_s``: an hour of silence in a few KB, whose
    header says nothing (or lies), is refused after reading ``max_seconds`` of packets. A corrupt packet, a packet
    with no duration (other than PCM, counted by its size) or no packet at all is refused;
+7b. the same pass estimates what decoding the packets read so far will cost (``decode_cost_s``: per packet and per
+   sample of each channel, from measurement) and refuses the clip as soon as it passes ``decode_budget_s``, the
+   encoders' decode budget: a 4 MB FLAC of 16-sample frames at 384 kHz (250,000 packets) is refused here, not after
+   an encoder has spent its 30 s on it;
 8. the counted duration against the declared one: a file that holds less than its header declares (by more than
    ``max(0.05 s, 1 %)``) is truncated. A WAV file declares its length in its data chunk's size (a streamed WAV's
    0 or 0xFFFFFFFF declares none, and is counted to its end); MP3 declares a duration only in a Xing/Info/VBRI header; without one FFmpeg
@@ -56,6 +60,23 @@ _CODEC_NAMES = {av.Codec(name, "r").id: name for names in CODECS.values() for na
 DECLARED_FORMATS = {"wav": "wav", "mp3": "mp3"}  # OpenAI input_audio.format -> the container it must be
 
 
+DECODE_BUDGET_S = 30.0  # an encoder's wall clock for one clip's decode (AudioLimits.max_decode_s)
+# One decode's cost, estimated from the probe's packets (decode_cost_s). Measured with decode_audio on this project's
+# 2 shared cores under a load average of 12 (docs/SECURITY.md, "Audio input"): each packet's frame goes through the
+# decoder, the resampler and numpy, about 80 us of wall clock a packet (35 us of CPU), whatever its size; resampling
+# costs about 60 ns a sample of each channel (30 ns of CPU). The estimate takes about twice the loaded wall clock,
+# so a clip it passes decodes within the budget on a busy encoder, and any ordinary clip passes with room to spare.
+DECODE_S_PER_PACKET = 150e-6
+DECODE_S_PER_SAMPLE = 100e-9
+
+
+def decode_cost_s(packets: int, seconds: float, sample_rate: int, channels: int) -> float:
+    """Estimated wall clock of decode_audio on `packets` packets holding `seconds` of audio at `sample_rate` Hz over
+    `channels` channels: packet count dominates for tiny frames (a FLAC of 16-sample frames), samples for long clips
+    at high rates."""
+    return packets * DECODE_S_PER_PACKET + seconds * sample_rate * channels * DECODE_S_PER_SAMPLE
+
+
 class AudioError(ValueError):
     """The bytes are not audio we accept; the message says why (and is safe to show a client)."""
 
@@ -78,7 +99,10 @@ class AudioLimits:
     min_sample_rate: int = 1000
     max_sample_rate: int = 384_000
     max_streams: int = 4  # all streams of the container (cover art included)
-    max_decode_s: float = 30.0  # wall clock of the probe's demux pass, or of one decode
+    max_decode_s: float = DECODE_BUDGET_S  # wall clock of the probe's demux pass, or of one decode
+    # what one decode on an encoder may cost (its max_decode_s): a clip whose decode the probe estimates past it is
+    # refused before it is sent (the proxy probes with a shorter max_decode_s of its own, and this default)
+    decode_budget_s: float = DECODE_BUDGET_S
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -208,11 +232,14 @@ def check_counted(counted_s: float, declared_s: float | None, declared: bool) ->
 
 
 def count_seconds(container: Any, stream: Any, limits: AudioLimits) -> float:
-    """Demux (no decoding) the stream's packets and sum their durations, within max_seconds and max_decode_s."""
+    """Demux (no decoding) the stream's packets and sum their durations, within max_seconds and max_decode_s, and
+    the estimated cost of decoding them within decode_budget_s (stopped as soon as it passes: at most
+    decode_budget_s / DECODE_S_PER_PACKET packets are read)."""
     deadline = time.monotonic() + limits.max_decode_s
     time_base = float(stream.time_base)
     pcm_bytes = _pcm_bytes_per_sample(stream)  # a PCM packet without a duration is counted by its size
-    ticks = 0
+    ctx = stream.codec_context
+    ticks = packets = 0
     try:
         for packet in container.demux(stream):
             if packet.size == 0:  # the end-of-stream packet
@@ -226,6 +253,8 @@ def count_seconds(container: Any, stream: Any, limits: AudioLimits) -> float:
             else:
                 raise AudioError("cannot count the audio's duration: a packet has none")
             check_duration(ticks * time_base, limits, what="lasts more than")
+            packets += 1
+            check_decode_cost(packets, ticks * time_base, ctx.sample_rate, ctx.channels, limits)
             if time.monotonic() > deadline:
                 raise AudioTooLargeError("audio takes too long to read")
     except AudioError:
@@ -235,6 +264,19 @@ def count_seconds(container: Any, stream: Any, limits: AudioLimits) -> float:
     if ticks == 0:
         raise AudioError("the audio stream holds no audio")
     return ticks * time_base
+
+
+def check_decode_cost(packets: int, seconds: float, sample_rate: int, channels: int, limits: AudioLimits) -> None:
+    """Refuse a clip whose decode (estimated by decode_cost_s from what the probe has read so far) passes the
+    encoders' budget."""
+    cost = decode_cost_s(packets, seconds, sample_rate, channels)
+    if cost > limits.decode_budget_s:
+        frame = seconds * sample_rate / packets
+        raise AudioTooLargeError(
+            f"audio would take more than {limits.decode_budget_s:g} s to decode, the limit of one clip's decode: "
+            f"{packets} packets of {frame:.0f} samples at {sample_rate} Hz x {channels} channel(s) so far (estimated "
+            f"{DECODE_S_PER_PACKET * 1e6:g} us a packet, {DECODE_S_PER_SAMPLE * 1e9:g} ns a sample): send it in "
+            "longer frames, at a lower sample rate or shorter")
 
 
 def _pcm_bytes_per_sample(stream: Any) -> int:

@@ -133,6 +133,49 @@ def hour_of_silence_flac(rate: int = 8000, declare: bool = False) -> bytes:
     return bytes(data)
 
 
+def tiny_frames_flac(num_frames: int, rate: int = 384_000, block: int = 16) -> bytes:
+    """A FLAC file of `num_frames` frames of `block` samples of mono 16-bit silence at `rate` Hz, made by hand (an
+    encoder takes minutes for 250,000 frames): about 17 bytes a frame, so 4 MB hold 250,000 packets of 16 samples,
+    10 s at 384 kHz. Each frame: its header (fixed block size, the block size and the rate in tens of Hz written
+    out, its number UTF-8 coded, CRC-8), a CONSTANT subframe of 0, and its CRC-16; the numbers count up, so
+    FFmpeg's parser takes every frame as one packet."""
+    assert 1 <= block <= 256 and rate % 10 == 0 and rate // 10 < 1 << 16 and num_frames < 1 << 21
+    info = struct.pack(">HH", block, block) + bytes(6)  # block sizes; frame sizes unknown
+    info += ((rate << 44) | (15 << 36) | (num_frames * block)).to_bytes(8, "big") + bytes(16)  # mono, 16 bits; MD5 0
+    out = [b"fLaC", bytes([0x80, 0, 0, len(info)]), info]  # the last metadata block: STREAMINFO
+    numbers = np.arange(num_frames, dtype=np.int64)
+    widths = np.select([numbers < 0x80, numbers < 0x800, numbers < 0x10000], [1, 2, 3], 4)
+    for width in (1, 2, 3, 4):
+        n = numbers[widths == width]
+        if not n.size:
+            continue
+        if width == 1:
+            coded = [n]
+        else:  # UTF-8: a lead byte marking the width, then 6 bits a byte
+            lead = (0xFF << (8 - width)) & 0xFF | n >> (6 * (width - 1))
+            coded = [lead] + [0x80 | (n >> (6 * k)) & 0x3F for k in range(width - 2, -1, -1)]
+        head = np.stack([np.full_like(n, b) for b in (0xFF, 0xF8, 0x6E, 0x08)] + coded  # 8-bit block, 16-bit rate
+                        + [np.full_like(n, b) for b in (block - 1, rate // 10 >> 8, rate // 10 & 0xFF)], 1)
+        head = np.concatenate([head, _crc(head, 8)[:, None]], 1)
+        frame = np.concatenate([head, np.zeros((len(n), 3), np.int64)], 1)  # subframe: CONSTANT, value 0
+        crc16 = _crc(frame, 16)
+        frames = np.concatenate([frame, (crc16 >> 8)[:, None], (crc16 & 0xFF)[:, None]], 1).astype(np.uint8)
+        out.append(frames.tobytes())
+    return b"".join(out)
+
+
+def _crc(rows: np.ndarray, bits: int) -> np.ndarray:
+    """FLAC's CRC-8 (x^8+x^2+x+1) or CRC-16 (x^16+x^15+x^2+1) of each row of bytes, all rows at once."""
+    poly, top = (0x07, 0x80) if bits == 8 else (0x8005, 0x8000)
+    mask = (1 << bits) - 1
+    crc = np.zeros(len(rows), np.int64)
+    for col in rows.T:
+        crc ^= col << (bits - 8)
+        for _ in range(8):
+            crc = np.where(crc & top, (crc << 1) ^ poly, crc << 1) & mask
+    return crc
+
+
 def _without_id3(data: bytes) -> bytes:
     """MP3 bytes less their leading ID3v2 tag (a tag mid-stream is not audio)."""
     if data[:3] != b"ID3" or len(data) < 10:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError
-from tests.audio_clips import hour_of_silence_flac, make_audio, wav_header
+from tests.audio_clips import hour_of_silence_flac, make_audio, tiny_frames_flac, wav_header
 from tests.factories import make_image, make_video
 
 NOT_AUDIO = "cannot identify audio data"
@@ -91,6 +91,12 @@ HOSTILE: dict[str, Hostile] = {
                           "9 channels; the limit is 8"),
     "channels-64": Hostile(lambda: wav_header(16_000, channels=64, data_bytes=64 * 2 * 100), AudioTooLargeError,
                            "64 channels; the limit is 8"),
+    # cheap to send, dear to decode: 4 MB of 16-sample FLAC frames at 384 kHz (245,000 packets, 10 s) passed every
+    # check above and then held an encoder for its whole 30 s decode budget (issue 44); its estimated decode cost is
+    # refused while the probe counts its packets
+    "tiny-frames-flac": Hostile(lambda: tiny_frames_flac(245_000), AudioTooLargeError,
+                                "more than 30 s to decode, the limit of one clip's decode: 19[0-9]{4} packets of 16 "
+                                "samples at 384000 Hz"),
     "slow": Hostile(_clip("mp3", seconds=5), AudioTooLargeError, "takes too long", AudioLimits(max_decode_s=1e-6)),
 }
 

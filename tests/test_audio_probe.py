@@ -2,6 +2,7 @@
 message, found from the bytes, headers and packets (nothing decoded), with bounded memory."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import av
@@ -9,8 +10,16 @@ import pytest
 
 import epd_common.audio
 import epd_common.media_open
-from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError, probe_audio
-from tests.audio_clips import FORMATS, make_audio, wav_header
+from epd_common.audio import (
+    DECODE_BUDGET_S,
+    DECODE_S_PER_PACKET,
+    AudioError,
+    AudioLimits,
+    AudioTooLargeError,
+    decode_cost_s,
+    probe_audio,
+)
+from tests.audio_clips import FORMATS, make_audio, tiny_frames_flac, wav_header
 from tests.audio_hostile import HOSTILE, hostile_case
 from tests.hostile.memory import peak_rss_bytes, rss_bytes
 
@@ -133,3 +142,33 @@ def test_only_the_allowed_demuxers_are_whitelisted(monkeypatch: pytest.MonkeyPat
     assert names == {"wav", "mp3", "flac", "ogg", "mov", "mp4", "m4a", "3gp", "3g2", "mj2", "matroska", "webm"}
     assert seen["io_open"] is epd_common.media_open.refuse_nested_open
     assert seen["container_options"]["max_streams"] == "5"
+
+
+def test_a_clips_decode_cost_is_estimated_from_its_packets_and_refused_past_the_budget() -> None:
+    """The 4 MB FLAC of 16-sample frames at 384 kHz is refused by its packet count, the probe reading no more than the
+    budget's worth of packets; the same frames under a budget they fit pass, and so does the same 10 s of audio in
+    ordinary 4096-sample frames."""
+    data = tiny_frames_flac(245_000)
+    assert 4_000_000 < len(data) < 4_200_000
+    per_packet = decode_cost_s(1, 16 / 384_000, 384_000, 1)  # a packet and its 16 samples
+    assert per_packet < 1.02 * DECODE_S_PER_PACKET  # the packets, not the samples, make the cost
+    most = math.ceil(DECODE_BUDGET_S / per_packet)  # packets read before the estimate passes the budget
+    with pytest.raises(AudioTooLargeError, match=f"more than {DECODE_BUDGET_S:g} s to decode") as err:
+        probe_audio(data)
+    read = int(str(err.value).split(": ", 1)[1].split(" packets", 1)[0])
+    assert most - 1 <= read <= most + 1
+    assert probe_audio(data, AudioLimits(decode_budget_s=60.0)).duration_s == pytest.approx(245_000 * 16 / 384_000)
+    assert probe_audio(make_audio("flac", seconds=10, rate=384_000, channels=1, silence=True,
+                                  frame_size=4096)).duration_s == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(("packets", "seconds", "rate", "channels"), [
+    (600 * 48_000 // 960, 600, 48_000, 2),  # Opus in 20 ms frames
+    (600 * 48_000 // 1152, 600, 48_000, 2),  # MP3
+    (600 * 48_000 // 1024, 600, 48_000, 8),  # AAC, 7.1
+    (600 * 192_000 // 4096, 600, 192_000, 2),  # FLAC at 192 kHz
+    (25 * 2**20 // 4096, 25 * 2**20 / (384_000 * 8 * 4), 384_000, 8),  # 25 MiB of 32-bit 384 kHz 7.1 WAV
+], ids=["opus", "mp3", "aac-7.1", "flac-192k", "wav-384k-7.1"])
+def test_ordinary_clips_of_the_longest_allowed_length_fit_the_decode_budget(packets: int, seconds: float, rate: int,
+                                                                            channels: int) -> None:
+    assert decode_cost_s(packets, seconds, rate, channels) < DECODE_BUDGET_S
