@@ -19,6 +19,7 @@ from uvicorn.server import ServerState
 
 from epd_common.errors import APIError
 from epd_common.http import closing_response
+from epd_common.port_listeners import ExclusiveListenSocket
 
 logger = logging.getLogger("epd.http")
 _DRAIN_POLL_S = 0.1  # as uvicorn's own wait for connections to close
@@ -75,6 +76,21 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.server_state = DrainState()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup; between the app's startup and listen(), an ExclusiveListenSocket (a worker beside its
+        launcher's reservation) is SystemExit if another process listens on its port by then."""
+        exclusive = [s for s in sockets or () if isinstance(s, ExclusiveListenSocket)]
+        if exclusive:
+            app_startup = self.lifespan.startup  # NOTE: uvicorn makes the lifespan in _serve, before startup()
+
+            async def started_then_alone() -> None:
+                await app_startup()
+                for sock in exclusive:
+                    sock.refuse_if_listened()
+
+            self.lifespan.startup = started_then_alone
+        await super().startup(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state, loop = self.server_state, asyncio.get_running_loop()

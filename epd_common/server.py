@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - httptools is a dependency; h11 serves 
 from epd_common.admission import Admit, GracefulServer
 from epd_common.errors import APIError
 from epd_common.http import closing_response
+from epd_common.port_listeners import ExclusiveListenSocket
 
 logger = logging.getLogger("epd.http")
 
@@ -258,18 +259,22 @@ def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "info",
 
 
 # "1": the port was reserved by the process that started this one (a bound, never listening SO_REUSEPORT socket:
-# epd_launcher.group.reserve_port), so the server binds it with SO_REUSEPORT beside that reservation
+# epd_launcher.group.reserve_port), so the server binds it with SO_REUSEPORT beside that reservation, and refuses to
+# start if another process already listens there (epd_common.port_listeners)
 ENV_REUSE_PORT = "EPD_REUSE_PORT"
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
+def reuseport_socket(host: str, port: int, exclusive: bool = False) -> socket.socket:
     """A TCP socket bound to host:port with SO_REUSEPORT: every process that binds one this way shares the port and
     the kernel spreads new connections over those listening. Not listening yet: uvicorn (asyncio) calls
-    listen(backlog) once the app's startup is over, so a process still starting gets no connections."""
+    listen(backlog) once the app's startup is over, so a process still starting gets no connections.
+    `exclusive`: the first of its group (a worker beside its launcher's reservation, the first proxy process):
+    its listen() is SystemExit if another socket already listens on the port, whose group it would join."""
     # NOTE: proto IPPROTO_TCP, as getaddrinfo gives uvicorn's own bind: asyncio turns Nagle off only on accepted
     # sockets whose proto says TCP; with proto 0 every small write after the first waited for the client's
     # delayed ACK (measured: 46 ms median time to the first streamed bytes instead of 2 ms)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    kind = ExclusiveListenSocket if exclusive else socket.socket
+    sock = kind(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -286,6 +291,6 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "info", limits: H
     shutdown_timeout) before exit. `sock`: serve on this bound socket (e.g. `reuseport_socket`) instead of binding
     host:port here."""
     if sock is None and os.environ.get(ENV_REUSE_PORT) == "1":
-        sock = reuseport_socket(host, port)  # the launcher holds the port for us (epd_launcher.group.reserve_port)
+        sock = reuseport_socket(host, port, exclusive=True)  # beside our launcher's hold (group.reserve_port)
     server = GracefulServer(uvicorn_config(app, host, port, log_level, limits))
     server.run(sockets=None if sock is None else [sock])

@@ -38,17 +38,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A fresh port (or `port`: OSError if another socket has it) held for a child until the socket is closed: bound
-    with SO_REUSEPORT, never listening.
+    alone, never listening, then marked SO_REUSEPORT for the child.
 
-    Nobody else can bind the port meanwhile (bind(0) never hands it out; a bind to it without SO_REUSEPORT is
-    EADDRINUSE), connections to it are refused while no child listens (failover sees a dead worker at once), and
-    a child started with EPD_REUSE_PORT=1 binds it with SO_REUSEPORT beside the reservation (epd_common.server):
-    at its first start and at every restart, however long the worker was down. No SO_REUSEADDR here: with it, a
-    stranger's SO_REUSEADDR bind (asyncio's default) would be let in beside a socket that does not listen."""
+    The bind itself is exclusive: SO_REUSEADDR only (a connection of an earlier run in TIME_WAIT is no conflict), so
+    it fails on a port where anything listens, SO_REUSEPORT or not (another EPD stack's worker: issue 44 item 3), or
+    that another socket holds bound (another launcher's reservation). Then SO_REUSEADDR is cleared and SO_REUSEPORT
+    set: nobody else can bind the port meanwhile (bind(0) never hands it out; a stranger's bind without SO_REUSEPORT
+    is EADDRINUSE, with SO_REUSEADDR too: the kernel checks the flags each socket has now), connections to it are
+    refused while no child listens (failover sees a dead worker at once), and a child started with EPD_REUSE_PORT=1
+    binds it with SO_REUSEPORT beside the reservation (epd_common.server): at its first start and at every restart,
+    however long the worker was down; that child still refuses to listen where another process listens
+    (epd_common.port_listeners)."""
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     except OSError:
         s.close()
         raise

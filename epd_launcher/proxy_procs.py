@@ -30,6 +30,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from epd_common.logs import setup_logging
 from epd_common.metrics import use_multiprocess
+from epd_common.port_listeners import refuse_if_listened
 from epd_common.server import HttpLimits, reuseport_socket, serve
 from epd_launcher.flags import MAX_PROXY_WORKERS
 from epd_launcher.group import STOP_MARGIN_S, RestartPolicy
@@ -48,6 +49,11 @@ def serve_proxies(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy | None
     """Serve `cfg` here and in num_procs - 1 spawned processes on one port, until SIGINT/SIGTERM; then stop all."""
     assert 1 <= num_procs <= MAX_PROXY_WORKERS, f"num_procs must be in 1..{MAX_PROXY_WORKERS}"
     sock = reuseport_socket(cfg.host, cfg.port)  # before the children: a port error stops us here
+    try:  # NOTE: at bind, not listen: a child may listen first; none has started yet
+        refuse_if_listened(*sock.getsockname()[:2])
+    except SystemExit:
+        sock.close()
+        raise
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; SystemExit lets the `finally` stop the children
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     remove_stale_metrics(Path(tempfile.gettempdir()))

@@ -12,15 +12,19 @@ import errno
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from epd_common.port_listeners import listeners
 from epd_launcher import spawn as spawn_module
 from epd_launcher.flags import parse_args
 from epd_launcher.group import Worker, WorkerGroup, free_port
+from tests.ports import REUSE_PORT_ENV, PortHolds
 
 
 def _plain(port: int) -> None:
@@ -134,3 +138,65 @@ def test_the_ports_run_encoders_then_decoders_then_prefill_workers_from_the_base
     with pytest.raises(SystemExit):  # a launcher-mode flag: attach mode spawns nothing
         parse_args(["--worker-base-port", "9100", "--encode-servers-urls", "http://e:1", "--decode-servers-urls",
                     "http://d:2"])
+
+
+def _reuseport_listener() -> socket.socket:
+    """A server bound as every EPD worker binds (SO_REUSEADDR + SO_REUSEPORT), listening on a fresh port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_port_an_epd_worker_listens_on_cannot_be_reserved(group: WorkerGroup, tmp_path: Path) -> None:
+    """Issue 44 item 3: the reservation was SO_REUSEPORT, so a second stack's workers joined the first's on a shared
+    --worker-base-port; now a listener with SO_REUSEPORT stops the start like any other program."""
+    with _reuseport_listener() as stranger:
+        port = stranger.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"cannot reserve port {port} .*--worker-base-port"):
+            group.spawn("decoder", "none", "127.0.0.1", 1, ["--go", str(tmp_path / "go")], port=port)
+    assert not group.workers  # nothing was started
+
+
+def test_a_second_stack_on_the_same_worker_port_stops_and_the_first_keeps_serving(
+        group: WorkerGroup, tmp_path: Path, port_holds: PortHolds) -> None:
+    """The first stack: a fake worker spawned by a WorkerGroup on a port; the second: the launcher itself, asked
+    for the same --worker-base-port. It exits with the one-line error before starting any worker, and every
+    connection to the port still reaches the first stack's worker."""
+    go = tmp_path / "go"
+    go.touch()
+    w = group.spawn("decoder", "none", "127.0.0.1", 1, ["--go", str(go)])
+    group.wait_healthy(timeout=120)
+    proxy_port = port_holds.take()  # the second launcher's own --port, held for it (it binds beside the hold)
+    second = subprocess.run(
+        [sys.executable, "-m", "epd_launcher.cli", "--model", "demo", "--port", str(proxy_port),
+         "--worker-base-port", str(_port(w)), "--log-level", "warning"],
+        env={**os.environ, **REUSE_PORT_ENV}, capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0
+    assert f"cannot reserve port {_port(w)} on 127.0.0.1 for a encoder" in second.stderr, second.stderr
+    assert "Traceback" not in second.stderr
+    assert {_served_by_fresh(w) for _ in range(20)} == {w.proc.pid}  # the first stack's worker, alone
+
+
+def _served_by_fresh(w: Worker) -> int:
+    return int(httpx.get(f"{w.url}/health", headers={"Connection": "close"}, timeout=10).json()["pid"])
+
+
+def test_a_worker_never_listens_where_another_process_listens(port_holds: PortHolds, tmp_path: Path) -> None:
+    """The worker's side: started beside its hold (EPD_REUSE_PORT=1), it could join a listener of the same user
+    that bound the port with SO_REUSEPORT after the hold; it looks before it listens and exits naming the port."""
+    port = port_holds.take()
+    go = tmp_path / "go"
+    go.touch()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as stranger:
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        stranger.bind(("127.0.0.1", port))  # beside the hold: same user, SO_REUSEPORT
+        stranger.listen()
+        worker = subprocess.run([sys.executable, "-m", "tests.launcher.fake_worker", "--model", "none", "--host",
+                                 "127.0.0.1", "--port", str(port), "--go", str(go)],
+                                env={**os.environ, **REUSE_PORT_ENV}, capture_output=True, text=True, timeout=120)
+        assert worker.returncode != 0
+        assert f"another process already listens on 127.0.0.1:{port}" in worker.stderr, worker.stderr
+        assert listeners("127.0.0.1", port) == 1  # the stranger's, alone
