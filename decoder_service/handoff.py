@@ -150,7 +150,8 @@ class HandoffOut:
                            key, data.nbytes)
         try:
             job.emit(Event(type="handoff", handoff=Handoff(key=key, source=self.source() if kept else "",
-                                                           num_tokens=num_tokens, choices=choices)))
+                                                           num_tokens=num_tokens, choices=choices,
+                                                           cached_tokens=job.cached_tokens)))
         except Exception:  # noqa: BLE001 - its loop is gone: the client left
             logger.warning("hand-off %s: its client is gone", key)
 

@@ -101,6 +101,9 @@ class Handoff(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     source: Annotated[str, msgspec.Meta(max_length=512)] = ""
     num_tokens: Annotated[int, msgspec.Meta(ge=1)]
     choices: Annotated[list[HandoffChoice], msgspec.Meta(min_length=1, max_length=MAX_CHOICES)]
+    # usage's cached_tokens of the prefill (what the prefill worker reused of this prompt: its prefix cache, held
+    # images): the proxy reports it on the decode worker's `done`s, as one worker would have
+    cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):

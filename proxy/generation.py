@@ -276,6 +276,10 @@ class Generation:
     def _seen(self, event: Event) -> Event:
         if event.type != "delta":  # an error is the stream's last event: it undoes an earlier choice's `done`
             self.finished = event.type == "done"
+        if event.type == "done" and event.usage is not None and self.handoff is not None:
+            # a continued choice: what was reused of the prompt is the prefill's (the decode worker reused none)
+            usage = msgspec.structs.replace(event.usage, cached_tokens=self.handoff.cached_tokens)
+            return msgspec.structs.replace(event, usage=usage)
         return event
 
     async def _reopen(self, reason: str) -> bool:

@@ -92,6 +92,22 @@ def test_a_prefill_worker_frees_a_hand_off_once_its_decode_worker_has_it(workers
     assert metric(workers["decode"], "epd_decoder_kv_store") == ""
 
 
+def test_a_hand_off_carries_what_the_prefill_reused(workers: dict[str, TestClient]) -> None:
+    """A repeated prompt of the same salt reuses the prefill worker's prefix cache: its hand-off says how much (the
+    proxy reports it as usage's cached_tokens), as much as one worker alone reports; another salt reuses none."""
+    def reused_alone(salt: str) -> int:
+        done = [e for e in events(workers["both"], {"cache_salt": salt}) if e["type"] == "done"]
+        return int(done[0]["usage"]["cached_tokens"])
+
+    def reused_split(salt: str, key: str) -> int:
+        return int(events(workers["prefill"], {"handoff_key": key, "cache_salt": salt})[-1]["handoff"]
+                   .get("cached_tokens", 0))
+
+    alone = [reused_alone("item13"), reused_alone("item13"), reused_alone("item13-other")]
+    split = [reused_split("item13", "r13-1"), reused_split("item13", "r13-2"), reused_split("item13-other", "r13-3")]
+    assert split == alone and alone[0] == 0 and alone[1] > 0 and alone[2] == 0
+
+
 def test_only_a_prefill_worker_takes_a_handoff_key(workers: dict[str, TestClient]) -> None:
     resp = workers["decode"].post("/generate", json={"messages": MESSAGES, "sampling": SAMPLING, "handoff_key": "x"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "handoff_key"

@@ -43,3 +43,22 @@ def test_a_request_prefills_on_the_prefill_worker_and_decodes_on_the_decoder(sta
     assert 'epd_decoder_handoff_resumes_total{how="kv"} 1.0' in resumes  # the K/V came over CURVE, not recomputed
     prefills = [w for w in split.info()["prefills"]]
     assert len(prefills) == 1 and prefills[0]["healthy"]
+
+
+def test_a_repeated_prompt_reports_what_was_reused_as_one_worker_would(stacks: tuple[Stack, Stack]) -> None:
+    """Issue 44 item 13: split, the same prompt with the same salt reported cached_tokens 0 every time."""
+    def cached(stack: Stack, salt: str) -> int:
+        text = "Tell me about the colours of the rainbow, one by one, and what each one means to you. " * 4
+        body = {"model": "demo", "messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0,
+                "cache_salt": salt}
+        resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    split, together = stacks
+    handoffs = metric(split.get("/metrics").text, "epd_proxy_handoffs_total")
+    seen = {name: [cached(stack, "t13"), cached(stack, "t13"), cached(stack, "t13-other")]
+            for name, stack in (("split", split), ("together", together))}
+    assert seen["split"] == seen["together"], seen
+    assert seen["split"][0] == 0 and seen["split"][1] > 0 and seen["split"][2] == 0, seen
+    assert metric(split.get("/metrics").text, "epd_proxy_handoffs_total") == handoffs + 3  # each was handed off

@@ -29,6 +29,17 @@ def test_the_first_token_comes_from_the_prefill_worker_and_the_rest_from_a_decod
     assert [w.load for w in fleet.workers.by_url.values()] == [0, 0]
 
 
+def test_a_continued_choice_reports_what_the_prefill_reused() -> None:
+    reused = {"type": "handoff", "handoff": {**HANDOFF, "cached_tokens": 16}}
+    fleet = FakeFleet({"p0": [FakeStream([delta("a"), reused])], "d0": [FakeStream([delta("b"), DONE])]})
+    _, events = asyncio.run(run(fleet))  # the decode worker reused none of the prompt: it prefilled nothing
+    assert events == [delta("a"), delta("b"), {**DONE, "usage": {**DONE["usage"], "cached_tokens": 16}}]
+    ended = {**DONE, "index": 1, "usage": {**DONE["usage"], "cached_tokens": 3}}  # a choice done on the prefill worker
+    fleet = FakeFleet({"p0": [FakeStream([delta("a"), ended, reused])], "d0": [FakeStream([DONE])]})
+    _, events = asyncio.run(run(fleet))
+    assert [e["usage"]["cached_tokens"] for e in events if e["type"] == "done"] == [3, 16]
+
+
 def test_a_first_token_that_ends_the_request_needs_no_decoder() -> None:
     fleet = FakeFleet({"p0": [FakeStream([delta("x"), DONE])], "d0": []})
     _, events = asyncio.run(run(fleet))
