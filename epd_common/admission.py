@@ -1,17 +1,21 @@
-"""Who a server lets in: a 503 `overloaded` past --limit-concurrency, and a 503 `shutting_down` to every new request
-while it drains after SIGTERM; both as OpenAI error bodies.
+"""Who a server lets in: a 503 `overloaded` past --limit-concurrency requests in progress, and a 503 `shutting_down`
+to every new request while it drains after SIGTERM; both as OpenAI error bodies. Connections that have sent no
+complete request head are bounded per source address (`PendingConnections`), not counted as requests.
 
 uvicorn (0.55) answers past its limit_concurrency with a plain-text "Service Unavailable" from `service_unavailable`,
 a function each protocol module imports by name. Rather than patch that global (every server in the process) or
 override the private method that starts the app, uvicorn's own limit is left off and `Admit`, which the protocol puts
-in front of the app (epd_common.server._Deadlines), takes uvicorn's count the way uvicorn takes it: from the
-connection and task sets uvicorn hands every protocol. Nothing here breaks silently when uvicorn renames a private.
+in front of the app (epd_common.server._Deadlines), counts the requests it let in itself. uvicorn's rule also counted
+open connections, so sockets that sent nothing filled the limit and every request, /health included, got a 503
+(issue 44 item 5); here only requests whose head has arrived count, and the probes (/health, /ready) never wait on
+the limit. Nothing here breaks silently when uvicorn renames a private.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+import time
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -23,48 +27,92 @@ from epd_common.port_listeners import ExclusiveListenSocket
 
 logger = logging.getLogger("epd.http")
 _DRAIN_POLL_S = 0.1  # as uvicorn's own wait for connections to close
+PROBE_PATHS = frozenset({"/health", "/ready"})  # answered past --limit-concurrency (not while draining): cheap, and
+# a probe refused for load would mark a busy server down
+_EVICT_LOG_S = 10.0  # at most one warning per this many seconds about closed idle connections
+
+
+class PendingConnections:
+    """Connections that have sent no complete request head yet, per source address, oldest first; past `limit` for
+    one address its oldest is dropped from the count and handed back to be closed."""
+
+    def __init__(self) -> None:
+        self.by_source: dict[str, dict[object, None]] = {}  # insertion ordered: the oldest first
+        self.evicted = 0
+        self._logged_at = float("-inf")
+
+    def add(self, source: str, conn: object, limit: int) -> object | None:
+        conns = self.by_source.setdefault(source, {})
+        conns[conn] = None
+        if len(conns) <= limit:
+            return None
+        oldest = next(iter(conns))
+        del conns[oldest]
+        self.evicted += 1
+        if time.monotonic() - self._logged_at >= _EVICT_LOG_S:
+            self._logged_at = time.monotonic()
+            logger.warning("closed a connection from %s that sent no request: over %d such connections from one "
+                           "address (--max-pending-connections-per-ip; %d closed so far)", source, limit,
+                           self.evicted)
+        return oldest
+
+    def remove(self, source: str, conn: object) -> None:
+        conns = self.by_source.get(source)
+        if conns is not None:
+            conns.pop(conn, None)
+            if not conns:
+                del self.by_source[source]
+
+    def count(self, source: str) -> int:
+        return len(self.by_source.get(source, ()))
 
 
 class DrainState(ServerState):
-    """uvicorn's per-server state, plus whether it drains and how many requests it let in are still running."""
+    """uvicorn's per-server state, plus whether it drains, how many requests it let in are still running (all, and
+    those counted against --limit-concurrency), and the connections that have sent no complete request head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.draining = False
         self.num_admitted = 0
+        self.num_limited = 0
+        self.pending = PendingConnections()
 
 
 class Admit:
-    """Pure ASGI, one per connection: refuses a request with a closing 503 when the server drains, or when the open
-    connections or the requests in progress before it reach `limit` (uvicorn's rule; 0: no limit)."""
+    """Pure ASGI, one per connection: refuses a request with a closing 503 when the server drains, or when the
+    requests in progress before it (probes not counted) reach `limit` (0: no limit); a probe is never refused for
+    load."""
 
     def __init__(self, app: ASGIApp, limit: int, state: ServerState) -> None:
         assert isinstance(state, DrainState), "a server with epd_common.server's protocol runs as GracefulServer"
         self.app, self.limit, self.state = app, limit, state
 
-    def refusal(self) -> APIError | None:
+    def refusal(self, probe: bool) -> APIError | None:
         if self.state.draining:
             return APIError(503, "server is shutting down: send the request to another instance", code="shutting_down")
-        # NOTE: this request's own task is in `tasks` already (uvicorn counted the others when it decided)
-        over = self.limit and (len(self.state.connections) >= self.limit or len(self.state.tasks) - 1 >= self.limit)
-        if over:
-            logger.warning("refused a request: %d connections, %d requests in progress (--limit-concurrency %d)",
-                           len(self.state.connections), len(self.state.tasks) - 1, self.limit)
-            return APIError(503, f"server is overloaded: over {self.limit} connections and requests in progress "
+        if self.limit and not probe and self.state.num_limited >= self.limit:
+            logger.warning("refused a request: %d requests in progress (--limit-concurrency %d)",
+                           self.state.num_limited, self.limit)
+            return APIError(503, f"server is overloaded: {self.limit} requests in progress "
                                  "(--limit-concurrency); retry later", code="overloaded")
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        error = self.refusal()
+        probe = scope["path"] in PROBE_PATHS
+        error = self.refusal(probe)
         if error is not None:
             return await closing_response(error)(scope, receive, send)
+        counted = 0 if probe else 1
         self.state.num_admitted += 1
+        self.state.num_limited += counted
         try:
             await self.app(scope, receive, send)
         finally:
             self.state.num_admitted -= 1
+            self.state.num_limited -= counted
 
 
 class GracefulServer(uvicorn.Server):

@@ -152,7 +152,11 @@ def add_http_flags(p: argparse.ArgumentParser, defaults: Any) -> None:
                    help="seconds to receive a request's headers (from connect, or the first byte on a kept-alive "
                         "connection); the connection is closed after (slow-header clients)")
     g.add_argument("--limit-concurrency", type=int, default=d["limit_concurrency"],
-                   help="open connections + requests in progress; beyond it requests get 503 overloaded (0: no limit)")
+                   help="requests in progress (their headers arrived; /health and /ready not counted); beyond it "
+                        "requests get 503 overloaded (0: no limit)")
+    g.add_argument("--max-pending-connections-per-ip", type=int, default=d["max_pending_connections_per_ip"],
+                   help="connections from one address that have not sent a complete request head yet; past it the "
+                        "oldest of them is closed (default: --limit-concurrency; 0: no bound)")
     g.add_argument("--timeout-keep-alive", type=int, default=d["timeout_keep_alive"],
                    help="seconds an idle keep-alive connection stays open")
     g.add_argument("--max-header-bytes", type=int, default=d["max_header_bytes"],

@@ -39,7 +39,7 @@ logger = logging.getLogger("epd.http")
 
 @dataclass(frozen=True, kw_only=True)
 class HttpLimits:
-    """What one HTTP server lets a client hold: body bytes and time, header bytes and time, connections.
+    """What one HTTP server lets a client hold: body bytes and time, header bytes and time, requests, connections.
 
     Every service's config inherits these fields (one declaration; `epd_common.cli.add_http_flags` makes the flags)
     and calls `super().__post_init__()` last."""
@@ -47,7 +47,10 @@ class HttpLimits:
     max_body_bytes: int = 64 << 20  # request body, counted as received (chunked or not); 413 above
     body_read_timeout: float = 60.0  # seconds to receive a whole request body; 408 after
     header_timeout: float = 10.0  # seconds from a connection's first byte (or its opening) to a request's last header
-    limit_concurrency: int = 2048  # connections + requests in progress; 503 overloaded beyond (0: no limit)
+    limit_concurrency: int = 2048  # requests in progress (headers arrived; not /health, /ready); 503 beyond (0: none)
+    # connections from one address that have sent no complete request head yet; past it the oldest is closed
+    # (None: limit_concurrency, a client never needs more at once: its requests past that would get 503s; 0: none)
+    max_pending_connections_per_ip: int | None = None
     timeout_keep_alive: int = 5  # seconds an idle keep-alive connection is kept
     max_header_bytes: int = 16 << 10  # request line + headers: 431 above (400 when they arrive in pieces)
     backlog: int = 2048  # connections the kernel queues before accept
@@ -59,7 +62,14 @@ class HttpLimits:
         assert self.body_read_timeout > 0 and self.header_timeout > 0 and self.timeout_keep_alive > 0
         assert self.send_timeout > 0, "send_timeout must be > 0"
         assert self.limit_concurrency >= 0, "limit_concurrency must be >= 0 (0: no limit)"
+        assert (self.max_pending_connections_per_ip or 0) >= 0, "max_pending_connections_per_ip must be >= 0"
         assert self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"
+
+    @property
+    def pending_per_ip(self) -> int:
+        """The bound on one address's connections that have sent no complete request head (0: none)."""
+        given = self.max_pending_connections_per_ip
+        return self.limit_concurrency if given is None else given
 
     @classmethod
     def of(cls, cfg: object) -> HttpLimits:
@@ -94,6 +104,11 @@ class _Deadlines:
     never reads): the app sees a disconnect, which stops the generation like any client that went away.
 
     Every request passes `Admit` (epd_common/admission.py: --limit-concurrency, the drain) and the header cap first.
+    --limit-concurrency counts requests, not connections: a socket that sends nothing holds no request slot (eight
+    idle sockets used to make every request and /health a 503, issue 44 item 5). Such connections are bounded per
+    source address instead (`max_pending_per_ip`, epd_common.admission.PendingConnections): past the bound the
+    oldest of that address's connections that have not yet sent a complete request head is closed, so an address
+    that floods idle sockets closes its own, and a new client's connection, which sends its head at once, stays.
 
     Mixed in before a uvicorn protocol class, which supplies `loop`, `transport`, `client`, `server_state` and the
     callbacks; the protocol's own subclass says whether the current request's headers are still incomplete
@@ -104,6 +119,8 @@ class _Deadlines:
     max_header_bytes = 16 << 10
     send_timeout = 60.0
     concurrency_limit = 0  # NOTE: not `limit_concurrency`: uvicorn's protocols set that one from its config (None)
+    max_pending_per_ip = 0  # connections of one address with no complete request head yet (0: no bound)
+    _pending_source: str | None = None  # the address it is counted under while it has sent no complete head
     _header_timer: asyncio.TimerHandle | None = None
     _send_timer: asyncio.TimerHandle | None = None
     loop: asyncio.AbstractEventLoop
@@ -122,6 +139,12 @@ class _Deadlines:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._arm_header_timer()
+        if self.max_pending_per_ip and self.client:
+            self._pending_source = str(self.client[0])
+            pending = self.server_state.pending  # type: ignore[attr-defined]  # a DrainState (Admit checks it)
+            evicted = pending.add(self._pending_source, self, self.max_pending_per_ip)
+            if evicted is not None:
+                evicted._evict()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)  # type: ignore[misc]
@@ -129,11 +152,25 @@ class _Deadlines:
             self._arm_header_timer()
         else:
             self._disarm_header_timer()
+            self._leave_pending()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         self._disarm_send_timer()
+        self._leave_pending()
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def _leave_pending(self) -> None:
+        """Its first request's head is complete (or it closed): no longer counted against its address's bound."""
+        if self._pending_source is not None:
+            self.server_state.pending.remove(self._pending_source, self)  # type: ignore[attr-defined]
+            self._pending_source = None
+
+    def _evict(self) -> None:
+        """Closed to make room: the oldest of its address's connections that have sent no complete request head."""
+        self._pending_source = None  # PendingConnections.add has dropped it already
+        if not self.transport.is_closing():
+            self.transport.abort()  # nothing to flush: it sent nothing we answer
 
     def pause_writing(self) -> None:
         super().pause_writing()  # type: ignore[misc]
@@ -244,7 +281,8 @@ def http_protocol(limits: HttpLimits, http: str = "auto") -> type[H11Protocol | 
         else _DeadlinesH11
     return type(f"Deadlines{base.__name__.removeprefix('_Deadlines')}", (base,),
                 {"header_timeout": limits.header_timeout, "max_header_bytes": limits.max_header_bytes,
-                 "send_timeout": limits.send_timeout, "concurrency_limit": limits.limit_concurrency})
+                 "send_timeout": limits.send_timeout, "concurrency_limit": limits.limit_concurrency,
+                 "max_pending_per_ip": limits.pending_per_ip})
 
 
 def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "info",

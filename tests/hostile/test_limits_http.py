@@ -1,5 +1,5 @@
 """The HTTP limits every service shares (epd_common/http.py, epd_common/server.py), in process: body bytes counted as received, a body
-deadline, a header deadline (slowloris), header size, connection count, and cancellation on disconnect."""
+deadline, a header deadline (slowloris), header size, requests in progress, and cancellation on disconnect."""
 from __future__ import annotations
 
 import asyncio
@@ -150,10 +150,12 @@ def test_headers_over_the_size_cap_are_refused_whole_or_in_pieces(server: tuple[
 
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])
-def test_connections_beyond_the_concurrency_limit_get_an_openai_503(http: str) -> None:
+def test_requests_beyond_the_concurrency_limit_get_an_openai_503(http: str) -> None:
     limits = HttpLimits(limit_concurrency=2)
-    with served(echo_app(limits, []), limits, http) as port, connect(port) as idle1, connect(port) as idle2:
-        assert idle1 and idle2  # two open connections fill the limit
+    with served(echo_app(limits, []), limits, http) as port, connect(port) as busy1, connect(port) as busy2:
+        for busy in (busy1, busy2):  # two streams in progress fill the limit (idle connections do not:
+            busy.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")  # tests/hostile/test_idle_sockets.py)
+            assert busy.recv(12).startswith(b"HTTP/1.1 200")
         refused = ordinary(port)
         assert refused.status_code == 503 and refused.headers["connection"] == "close"
         assert refused.json() == {"error": {"message": refused.json()["error"]["message"],
