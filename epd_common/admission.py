@@ -16,6 +16,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -119,11 +120,13 @@ class GracefulServer(uvicorn.Server):
     """uvicorn's server whose shutdown drains first: still listening, it answers every new request 503
     `shutting_down` (a load balancer or client sees why and goes elsewhere, where a closed port would only be
     refused) until the requests it let in have finished, or `timeout_graceful_shutdown` (--shutdown-timeout)
-    has passed; then uvicorn's own shutdown closes the port and cancels whatever still runs."""
+    has passed; then uvicorn's own shutdown closes the port and cancels whatever still runs. `on_drain` is called
+    as the drain begins (the first proxy process signals the others then, so all drain at once)."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.server_state = DrainState()
+        self.on_drain = on_drain
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's startup; between the app's startup and listen(), an ExclusiveListenSocket (a worker beside its
@@ -144,6 +147,8 @@ class GracefulServer(uvicorn.Server):
         state, loop = self.server_state, asyncio.get_running_loop()
         assert isinstance(state, DrainState)
         state.draining = True
+        if self.on_drain is not None:
+            self.on_drain()
         timeout = self.config.timeout_graceful_shutdown or 0.0
         deadline = loop.time() + timeout
         if state.num_admitted:

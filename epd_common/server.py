@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,11 +325,11 @@ def reuseport_socket(host: str, port: int, exclusive: bool = False) -> socket.so
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "info", limits: HttpLimits | None = None,
-          sock: socket.socket | None = None) -> None:
+          sock: socket.socket | None = None, on_drain: Callable[[], None] | None = None) -> None:
     """Run uvicorn until SIGINT/SIGTERM; then new requests get 503 while those in flight finish (up to the limits'
     shutdown_timeout) before exit. `sock`: serve on this bound socket (e.g. `reuseport_socket`) instead of binding
-    host:port here."""
+    host:port here. `on_drain`: called as the drain after SIGTERM begins (GracefulServer)."""
     if sock is None and os.environ.get(ENV_REUSE_PORT) == "1":
         sock = reuseport_socket(host, port, exclusive=True)  # beside our launcher's hold (group.reserve_port)
-    server = GracefulServer(uvicorn_config(app, host, port, log_level, limits))
+    server = GracefulServer(uvicorn_config(app, host, port, log_level, limits), on_drain)
     server.run(sockets=None if sock is None else [sock])

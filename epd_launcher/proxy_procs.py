@@ -62,8 +62,10 @@ def serve_proxies(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy | None
     try:
         use_multiprocess(metrics_dir)  # NOTE: the workers were spawned before: their environment is without it
         children.start()
+        # NOTE: the others are signalled as this one starts to drain, not after: all drain at once, within one
+        # --shutdown-timeout, and none takes new requests meanwhile (they were signalled in turn before)
         serve(create_app(cfg, on_ready, metrics_dir), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg),
-              sock=sock)
+              sock=sock, on_drain=children.terminate)
     finally:
         children.stop()
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -138,6 +140,13 @@ class ProxyChildren:
         restarts.append(time.monotonic())
         self.procs[i] = self._spawn(i)
 
+    def terminate(self) -> None:
+        """SIGTERM to every child at once (each drains: epd_common.admission), none restarted; returns at once."""
+        self._stopping.set()
+        for proc in self.procs:
+            if proc.pid is not None and proc.exitcode is None:
+                proc.terminate()
+
     def stop(self) -> None:
         """SIGTERM to each child (each finishes its in-flight requests), SIGKILL past the grace; all joined."""
         self._stopping.set()
@@ -145,7 +154,7 @@ class ProxyChildren:
             self._thread.join()
         live = [p for p in self.procs if p.pid is not None and p.exitcode is None]
         for proc in live:
-            proc.terminate()
+            proc.terminate()  # NOTE: again after terminate(): a child the watcher spawned meanwhile; a 2nd is harmless
         grace = self.cfg.shutdown_timeout + STOP_MARGIN_S  # each child drains for up to --shutdown-timeout
         deadline = time.monotonic() + grace
         for proc in live:
