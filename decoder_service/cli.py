@@ -28,6 +28,9 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="requests waiting for a slot; more get 503")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="sequences decoded together (an upper bound on rows per step; the K/V pool bounds them too)")
+    p.add_argument("--max-seqs-per-request", type=int, default=d.max_seqs_per_request,
+                   help="rows one request's n choices hold at once; its other choices are admitted as its rows free "
+                        "up, and other requests are admitted past it (0: half of --max-num-seqs)")
     _add_memory_flags(p.add_argument_group("K/V memory and steps"), d)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                    help="prompt tokens prefilled per engine step while streams decode (8x when none do)")

@@ -22,6 +22,8 @@ class DecoderConfig(HttpLimits, TraceSettings):
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     max_queued: int = 256  # requests waiting for a slot; more get 503
     max_num_seqs: int = 32  # sequences decoded together (an upper bound on rows per step)
+    # rows one request's n choices hold at once (the rest are admitted as its rows free up); 0: max_num_seqs // 2
+    max_seqs_per_request: int = 0
     block_size: int = 16  # tokens per K/V block: the pool's unit, and a prefix is reused in whole blocks
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and K/V
     kv_cache_memory: int = 0  # bytes of the K/V pool; 0: from gpu_memory_utilization (CUDA), 1/4 of RAM (CPU)
@@ -77,6 +79,11 @@ class DecoderConfig(HttpLimits, TraceSettings):
         return self.block_size
 
     @property
+    def seqs_per_request(self) -> int:
+        """Rows one request may hold at once: the flag, or half of --max-num-seqs (at least 1)."""
+        return self.max_seqs_per_request or max(1, self.max_num_seqs // 2)
+
+    @property
     def num_batched_tokens(self) -> int:
         """Tokens one step may run (prefill chunks + decode rows): the flag, or vLLM's default max(2048, seqs)."""
         return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
@@ -87,6 +94,8 @@ class DecoderConfig(HttpLimits, TraceSettings):
         assert self.gather_timeout > 0, "gather_timeout must be > 0"
         assert self.ec_shm in ("auto", "off"), f"ec_shm must be auto or off, got {self.ec_shm!r}"
         assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"
+        assert 0 <= self.max_seqs_per_request <= self.max_num_seqs, \
+            "max_seqs_per_request must be 0 (max_num_seqs // 2) or at most max_num_seqs"
         assert self.engine_stall_timeout > 0, "engine_stall_timeout must be > 0"
         assert self.grammar_compile_threads >= 1 and self.grammar_compile_timeout > 0, \
             "grammar_compile_threads must be >= 1 and grammar_compile_timeout > 0"

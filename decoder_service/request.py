@@ -68,6 +68,7 @@ class Work:
     route_keys: tuple[str, ...] = ()  # the proxy's prefix keys (routing hints, reported in /health)
     handoff_key: str | None = None  # prefill worker: hand the request off under this key after its first tokens
     resume: Resume | None = None  # decode worker: continue what a prefill worker began (decoder_service/handoff.py)
+    client: str = ""  # whose request, for fair admission (decoder_service/engine/scheduler.py): its cache_salt
 
     @property
     def cached_tokens(self) -> int:
@@ -114,7 +115,8 @@ class Preparer:
                                         [((0, g.features.num_tokens),) if ref.cached else g.held
                                          for g, ref in zip(images, req.images, strict=True)])
         positions, chain = self._image_tokens(req, prompt, held)
-        return Work(prompt, self._fit(prompt, params), guide, tools, echo, positions, chain, tuple(req.prefix_keys))
+        return Work(prompt, self._fit(prompt, params), guide, tools, echo, positions, chain, tuple(req.prefix_keys),
+                    client=req.cache_salt)
 
     def _image_tokens(self, req: GenerateRequest, prompt: Prompt,
                       held: list[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, ...], PrefixChain | None]:

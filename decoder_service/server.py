@@ -41,6 +41,7 @@ from epd_models.resolve import resolve_model
 from epd_models.video_config import video_limits
 
 logger = logging.getLogger("epd.decoder")
+KEEPALIVE_S = 1.0  # an empty NDJSON line after this long without an event (a stream queued for a row)
 router = APIRouter()
 
 
@@ -85,14 +86,24 @@ async def _read(request: Request) -> GenerateRequest:
 
 async def _stream(job: Job, request_id: str) -> AsyncIterator[bytes]:
     """The job's events as NDJSON lines, until each of its choices is `done` (those a prefill worker did not end,
-    for a continued request), or its one `error`, or its `handoff` (a prefill worker's)."""
+    for a continued request), or its one `error`, or its `handoff` (a prefill worker's). An empty line every
+    KEEPALIVE_S while there is nothing to send (the stream waits in the queue for a row): the proxy's
+    --worker-timeout is a bound on a decoder's silence, and a live decoder with a long queue is never silent."""
     request_id_var.set(request_id)
     encoder = msgspec.json.Encoder()
     resume = job.work.resume
     num_running = job.params.n if resume is None else resume.rows
     try:
         while num_running:
-            event = await job.events.get()
+            try:
+                event = job.events.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(KEEPALIVE_S):
+                        event = await job.events.get()
+                except TimeoutError:  # queued for a row, or between slow tokens: not a dead decoder
+                    yield b"\n"
+                    continue
             yield encoder.encode(event) + b"\n"
             if event.type in ("error", "handoff"):
                 return

@@ -82,6 +82,8 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--max-model-len", non_negative,
      "positions of one sequence, prompt included (0: the checkpoint's, lowered to what the decoder's K/V pool holds)"),
     ("--max-num-seqs", positive, "sequences one decoder runs at once (rows per step)"),
+    ("--max-seqs-per-request", non_negative,
+     "rows one request's n choices hold at once on a decoder; the rest wait for its own rows (0: --max-num-seqs // 2)"),
     ("--block-size", positive, "tokens per K/V block (the pool's unit; prefixes are reused in whole blocks)"),
     ("--gpu-memory-utilization", fraction, "CUDA: share of each decoder's GPU for weights, activations and K/V"),
     ("--kv-cache-memory", byte_size,

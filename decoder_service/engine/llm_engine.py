@@ -101,7 +101,7 @@ class Engine:
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
                                          device=lm.device, tokens=TokenTable(lm.tokenizer))
         self.scheduler = Scheduler(self.runner, cfg.max_prefill_tokens, new_sequence,  # engine thread only
-                                   cfg.num_batched_tokens)
+                                   cfg.num_batched_tokens, cfg.seqs_per_request)
         metrics.kv_stats = self.kv_summary
         self._stopping = False
         self.progress_at = time.monotonic()  # when the loop last completed an iteration

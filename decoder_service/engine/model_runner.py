@@ -290,22 +290,39 @@ class ModelRunner:
         return [Segment(r, r.length, 1, True) for r in rows]
 
     def _prefill_segments(self, budget: int) -> list[Segment]:
+        """This step's prompt chunks: each prompt still prefilling gets an equal part of the budget (at least a
+        block), what they cannot use goes to the others in admission order; so a short prompt admitted beside long
+        ones completes in the steps its own length needs."""
+        rows = [r for r in self.rows.values() if not r.prefilled]
+        if budget <= 0 or not rows:
+            return []
+        limit = {r.key: self._chunk_limit(r) for r in rows}
+        share = max(self.block_size, -(-budget // len(rows)))
+        grant: dict[Hashable, int] = {}
+        for r in rows:
+            grant[r.key] = min(limit[r.key], share, budget)
+            budget -= grant[r.key]
+        for r in rows:
+            more = min(limit[r.key] - grant[r.key], budget)
+            grant[r.key] += more
+            budget -= more
         out: list[Segment] = []
-        for row in self.rows.values():
-            if budget <= 0:
-                break
-            if row.prefilled:
-                continue
+        for row in rows:
             start = row.length
-            end = min(start + self.chunk, start + budget, row.target)
-            if row.state is not None and start < row.prompt.num_tokens:  # the family's state covers the prompt only
-                end = min(end, row.prompt.num_tokens)
+            end = start + grant[row.key]
+            if row.state is not None and start < row.prompt.num_tokens:
                 end = self.lm.adapter.chunk_end(row.state, start, end)  # e.g. never inside a Gemma 3 image
-            if end <= start:
-                continue
-            out.append(Segment(row, start, end - start, False))
-            budget -= end - start
+            if end > start:
+                out.append(Segment(row, start, end - start, False))
         return out
+
+    def _chunk_limit(self, row: Row) -> int:
+        """Positions the row may prefill in one step: its chunk, up to its prompt's end first when the family's state
+        covers the prompt only."""
+        end = min(row.length + self.chunk, row.target)
+        if row.state is not None and row.length < row.prompt.num_tokens:
+            end = min(end, row.prompt.num_tokens)
+        return end - row.length
 
     def _run_segments(self, segments: list[Segment], failed: Failed) -> RowLogits:
         logits = RowLogits()

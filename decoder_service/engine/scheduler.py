@@ -7,9 +7,20 @@ pool has none) and returns what the `ModelRunner` runs: the token each decoding 
 prefill budget. The engine postprocesses the logits and tells the scheduler which sequences `finish` and which
 `fail`; the scheduler frees their blocks. Engine thread only.
 
-A job with n choices is admitted only when n rows are free: its n sequences run under n keys, the first
-prefilling the prompt and the others waiting for its K/V (`ModelRunner` forks it). The job is one unit: a
-choice that fails ends every choice with one error event, and a cancelled job frees all its blocks.
+The n choices of a job are independent sequences, admitted as rows free up (vLLM's engine does so): a wave of
+choices is one row that prefills the prompt (from the prefix cache where its blocks are held) and forks for the
+others (`ModelRunner` forks them). A job holds at most `share` rows at once (--max-seqs-per-request; a prefill
+worker's hand-off job, which holds its rows for one token, takes its n rows together); a job at its share, or one
+waiting for rows, never holds back the jobs queued behind it. The job is one unit: a choice that fails ends every
+choice with one error event, and a cancelled job frees all its blocks.
+
+Fairness across clients (a client is a request's cache_salt: "" is one client): each admission takes, among the
+preempted sequences and the waiting jobs, one of the client holding the fewest rows now (preempted sequences
+before new jobs of the same client, then by arrival); a client with no prompt still prefilling may start one even
+when other clients' prompts fill this step's prefill budget (`ModelRunner` splits a step's budget between the
+prompts it prefills); preemption takes a decoding sequence of the client holding the most blocks, the one of
+them holding the most (the newest of equals). So a new short request of another client waits for at most a
+block's worth of growth of the running rows, never behind every earlier long one.
 
 Preemption is by recompute (vLLM's default): the preempted sequence keeps its sampler, detokenizer and pending
 token, gives its blocks back (naming its full ones in the prefix cache first) and waits at the front of the queue;
@@ -23,7 +34,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from decoder_service.engine.outputs import SchedulerOutput
@@ -41,8 +52,9 @@ class Scheduler:
     """Owns the waiting queue and the running sequences (by slot key); the runner owns their slots."""
 
     def __init__(self, runner: ModelRunner, max_prefill_tokens: int, new_sequence: Callable[[Job, int], Sequence],
-                 max_batched_tokens: int = 0):
+                 max_batched_tokens: int = 0, share: int = 0):
         self.runner, self.max_prefill_tokens, self.new_sequence = runner, max_prefill_tokens, new_sequence
+        self.share = share or max(1, runner.max_slots // 2)  # rows one job's choices hold at once
         self.max_batched_tokens = max_batched_tokens or max(2048, runner.max_slots)
         self.waiting: collections.deque[Job] = collections.deque()
         self.preempted: collections.deque[tuple[int, Sequence]] = collections.deque()  # first back in
@@ -71,21 +83,29 @@ class Scheduler:
         self._abort_cancelled()
         feed = self._decoding()
         while self.runner.blocks_to_grow(feed) > self.runner.num_free_blocks:
-            self._preempt_newest()
+            self._preempt()
             feed = self._decoding()
         self.runner.grow(feed)
-        budget = self.prefill_budget(len(feed))
-        self._resume(budget)
+        budget, preempted = self.prefill_budget(len(feed)), self.num_preempted
         self._admit(budget)
+        if self.num_preempted != preempted:  # admission preempted some (`_room`): they decode no more this step
+            feed = {k: t for k, t in feed.items() if k in self.running}
         return SchedulerOutput(decode=feed, prefill_budget=budget)
 
     def _decoding(self) -> dict[Hashable, int]:
         return {key: seq.pending for key, seq in self.running.items()
                 if seq.pending is not None and self.runner.is_decoding(key)}
 
-    def _preempt_newest(self) -> None:
-        """The most recently admitted decoding sequence gives its blocks back and waits first in line."""
-        key = max(k for k in self.running if self.runner.is_decoding(k))
+    def _preempt(self, among: Iterable[int] | None = None) -> None:
+        """A decoding sequence (of `among`) of the client holding the most blocks (the one of them holding the most,
+        the newest of equals) gives its blocks back and waits first in line."""
+        rows = self.runner.rows
+        held: Counter[str] = Counter()
+        for k, seq in self.running.items():
+            if k in rows:
+                held[seq.job.work.client] += len(rows[k].blocks)
+        key = max(among if among is not None else (k for k in self.running if self.runner.is_decoding(k)),
+                  key=lambda k: (held[self.running[k].job.work.client], len(rows[k].blocks), k))
         seq = self.running.pop(key)
         self.runner.donate(key, seq.generated)
         self.runner.remove(key)
@@ -93,28 +113,40 @@ class Scheduler:
         self.num_preempted += 1
         seq.job.decode_events.append(("preempted", time.perf_counter(), {"epd.choice": seq.index}))  # traced
 
-    def _resume(self, budget: int) -> None:
-        """Preempted sequences come back first, each when the pool has its blocks again."""
-        while self.preempted and self.runner.num_free_slots >= 1 and self.runner.num_prefill_tokens_left < budget:
-            key, seq = self.preempted[0]
-            fed = seq.generated[:-1] if seq.pending is not None else seq.generated
-            need = self.runner.blocks_to_admit(seq.job.prompt.num_tokens + len(fed), 1, None)
-            if need + self._watermark > self.runner.num_free_blocks and self.running:
-                return
-            self.preempted.popleft()
-            seq.job.decode_events.append(("resumed", time.perf_counter(), {"epd.choice": seq.index}))  # traced
-            request_id_var.set(seq.job.request_id)
-            try:
-                self.runner.add(key, seq.job.prompt, chain=seq.job.work.chain, route_keys=seq.job.work.route_keys,
-                                fed=fed)
-            except Exception as exc:
-                self.keys[seq.job].remove(key)
-                if not self.keys[seq.job]:
-                    del self.keys[seq.job]
-                self.finished["error"] += 1
-                seq.job.fail(exc, "resume")
-                continue
-            self.running[key] = seq
+    def _resume(self, key: int, seq: Sequence) -> bool:
+        """A preempted sequence comes back when the pool has its blocks again (False: not yet)."""
+        fed = seq.generated[:-1] if seq.pending is not None else seq.generated
+        need = self.runner.blocks_to_admit(seq.job.prompt.num_tokens + len(fed), 1, None)
+        if not self._room(need, seq.job.work.client):
+            return False
+        self.preempted.remove((key, seq))
+        seq.job.decode_events.append(("resumed", time.perf_counter(), {"epd.choice": seq.index}))  # traced
+        request_id_var.set(seq.job.request_id)
+        try:
+            self.runner.add(key, seq.job.prompt, chain=seq.job.work.chain, route_keys=seq.job.work.route_keys,
+                            fed=fed)
+        except Exception as exc:
+            self.keys[seq.job].remove(key)
+            if not self.keys[seq.job]:
+                del self.keys[seq.job]
+            self.finished["error"] += 1
+            seq.job.fail(exc, "resume")
+            return True
+        self.running[key] = seq
+        return True
+
+    def _room(self, need: int, client: str) -> bool:
+        """Whether `need` blocks (beyond the watermark) are free for a request of `client`, after preempting, while
+        they are not, decoding sequences of a client holding at least two rows more than `client` does (so clients'
+        rows even out; never a sequence of its own client or of one as light)."""
+        while need + self._watermark > self.runner.num_free_blocks and self.running:
+            rows = Counter(seq.job.work.client for seq in self.running.values())
+            heavier = [k for k, seq in self.running.items()
+                       if rows[seq.job.work.client] >= rows[client] + 2 and self.runner.is_decoding(k)]
+            if not heavier:
+                return False
+            self._preempt(heavier)
+        return True
 
     @property
     def _watermark(self) -> int:
@@ -144,6 +176,9 @@ class Scheduler:
         self._unpreempt()
         for key in list(self.running):
             self.finish(key, "abort")
+        for job in self.waiting:  # choices not admitted yet (a job's others just ended): its stream ends too
+            job.emit_error("the decoder is closing; retry on another decoder")
+        self.waiting.clear()
 
     def _unpreempt(self, only: Callable[[Sequence], bool] = lambda seq: True) -> None:
         """Preempted sequences (those `only` picks) back among the running, so finish/fail find them."""
@@ -153,7 +188,7 @@ class Scheduler:
 
     def drain(self) -> list[Job]:
         """Every job running or waiting, forgotten (the engine died: it tells them)."""
-        jobs = list(self.keys) + list(self.waiting)
+        jobs = list(dict.fromkeys([*self.keys, *self.waiting]))
         self.running.clear()
         self.preempted.clear()
         self.keys.clear()
@@ -170,45 +205,109 @@ class Scheduler:
         self.finished["abort"] += num_waiting - len(self.waiting)
 
     def _admit(self, budget: int) -> None:
-        """Take waiting requests (n rows each) while the pool has their prompt's blocks (beyond a watermark), but
-        only as many as this step's prefill budget can start; none while a preempted sequence waits."""
-        while (self.waiting and not self.preempted and self.runner.num_free_slots >= self.waiting[0].params.n
-               and self.runner.num_prefill_tokens_left < budget):
-            job = self.waiting[0]
-            if job.work.resume is None:
-                need = self.runner.blocks_to_admit(job.prompt.num_tokens, job.params.n, job.work.chain)
-            else:  # a row per continuing choice, each with the whole prompt's blocks (no forks)
-                need = job.work.resume.rows * self.runner.blocks_to_admit(job.prompt.num_tokens, 1, job.work.chain)
-            if need + self._watermark > self.runner.num_free_blocks and self.running:
-                return
-            self.waiting.popleft()
-            job.admitted = time.perf_counter()  # its queue wait ends (traced: decoder_service/job_trace.py)
-            request_id_var.set(job.request_id)
-            if job.work.resume is not None:
-                self._admit_resumed(job)
-                continue
-            keys = [next(self._keys) for _ in range(job.params.n)]
-            try:  # its samplers (seeds), guides, embedding merge and positions: its failure is its own
-                seqs = [self.new_sequence(job, i) for i in range(job.params.n)]
-                job.reused_tokens = self.runner.add(keys[0], job.prompt, forks=keys[1:], chain=job.work.chain,
-                                                    route_keys=job.work.route_keys)
-            except Exception as exc:
-                self.finished["error"] += 1
-                job.fail(exc, "admission")
-                continue
-            self.running.update(zip(keys, seqs, strict=True))
-            self.keys[job] = keys
+        """Admit preempted sequences and waves of waiting jobs' choices, fairest first (`_next`), while rows are free
+        and the pool has their prompt's blocks (beyond a watermark)."""
+        self.waiting = collections.deque(j for j in self.waiting if not j.errored and self.choices_left(j))
+        while self.runner.num_free_slots >= 1 and (pick := self._next(budget)) is not None:
+            if isinstance(pick, tuple):
+                if not self._resume(*pick):
+                    break
+            elif not self._admit_wave(pick):
+                break
         self.peak_running = max(self.peak_running, len(self.running))
 
-    def _admit_resumed(self, job: Job) -> None:
-        """A job a prefill worker began (E -> P -> D): each continuing choice replays its first token and takes a row
-        over the received K/V blocks (or, when they could not be had, a row that prefills the prompt here with its
-        logits dropped, as a preempted row's); a row per choice, each decoding on from its first token."""
+    def _next(self, budget: int) -> tuple[int, Sequence] | Job | None:
+        """The next preempted sequence or waiting job to take a row: of the client holding the fewest rows now
+        (preempted before new, then by arrival). Jobs at their share (or, for a hand-off's, without n free rows) wait
+        for their own rows, not holding back others; a client whose prompt is still prefilling starts another only
+        within this step's prefill budget."""
+        rows: Counter[str] = Counter()
+        prefilling: set[str] = set()
+        for k, seq in self.running.items():
+            rows[seq.job.work.client] += 1
+            if (row := self.runner.rows.get(k)) is not None and not row.prefilled:
+                prefilling.add(seq.job.work.client)
+        within_budget = self.runner.num_prefill_tokens_left < budget
+        best: tuple[tuple[int, int, float], tuple[int, Sequence] | Job] | None = None
+        for key, seq in self.preempted:
+            client = seq.job.work.client
+            rank = (rows[client], 0, seq.job.arrival)
+            if (within_budget or client not in prefilling) and (best is None or rank < best[0]):
+                best = (rank, (key, seq))
+        for job in self.waiting:
+            client = job.work.client
+            rank = (rows[client], 1, job.arrival)
+            if (job.errored or not self.choices_left(job) or len(self.keys.get(job, ())) >= self._share_of(job)
+                    or not (within_budget or client not in prefilling)):
+                continue
+            if best is None or rank < best[0]:
+                best = (rank, job)
+        return best[1] if best is not None else None
+
+    def _share_of(self, job: Job) -> int:
+        """Rows the job may hold at once: a prefill worker's hand-off job all n (it holds them for one token)."""
+        return job.params.n if job.work.handoff_key is not None else self.share
+
+    def choices_left(self, job: Job) -> int:
+        """Choices of the job not admitted yet (a continued job's: those that continue here)."""
+        if job.work.resume is None:
+            return job.params.n - job.next_choice
+        return sum(c.first_token is not None for c in job.work.resume.handoff.choices[job.next_choice:])
+
+    def _admit_wave(self, job: Job) -> bool:
+        """The job's next choices, as many as its share and the free rows allow (a hand-off job's all n), when the
+        pool has their blocks (False: not yet)."""
+        held = len(self.keys.get(job, ()))
+        free = self.runner.num_free_slots
+        k = min(self.choices_left(job), free, self._share_of(job) - held)
+        if job.work.handoff_key is not None and k < job.params.n:
+            return False  # its n rows together
+        if job.work.resume is None:
+            need = self.runner.blocks_to_admit(job.prompt.num_tokens, k, job.work.chain)
+        else:  # a row per continuing choice, each with the whole prompt's blocks (no forks)
+            need = k * self.runner.blocks_to_admit(job.prompt.num_tokens, 1, job.work.chain)
+        if not self._room(need, job.work.client):
+            return False
+        if not job.admitted:
+            job.admitted = time.perf_counter()  # its queue wait ends (traced: decoder_service/job_trace.py)
+        request_id_var.set(job.request_id)
+        if job.work.resume is not None:
+            self._admit_resumed(job, k)
+        else:
+            self._admit_fresh(job, k)
+        if not job.errored and not self.choices_left(job):
+            self.waiting.remove(job)
+        return True
+
+    def _admit_fresh(self, job: Job, k: int) -> None:
+        """Choices next_choice .. +k: one row prefilling the prompt (its held prefix from the cache), k - 1 forks."""
+        first = job.next_choice
+        job.next_choice += k
+        keys = [next(self._keys) for _ in range(k)]
+        try:  # its samplers (seeds), guides, embedding merge and positions: its failure is its own
+            seqs = [self.new_sequence(job, i) for i in range(first, first + k)]
+            reused = self.runner.add(keys[0], job.prompt, forks=keys[1:], chain=job.work.chain,
+                                     route_keys=job.work.route_keys)
+        except Exception as exc:
+            self._fail_job(job, exc, "admission")
+            return
+        if first == 0:
+            job.reused_tokens = reused
+        self.running.update(zip(keys, seqs, strict=True))
+        self.keys.setdefault(job, []).extend(keys)
+
+    def _admit_resumed(self, job: Job, k: int) -> None:
+        """A job a prefill worker began (E -> P -> D), its next k continuing choices: each replays its first token
+        and takes a row over the received K/V blocks (or, when they could not be had, a row that prefills the
+        prompt here with its logits dropped, as a preempted row's), decoding on from its first token."""
         resume = job.work.resume
         assert resume is not None
         keys: list[int] = []
+        choices = resume.handoff.choices
         try:
-            for i, choice in enumerate(resume.handoff.choices):
+            while len(keys) < k and job.next_choice < len(choices):
+                i, choice = job.next_choice, choices[job.next_choice]
+                job.next_choice += 1
                 if choice.first_token is None:  # it ended at its first token on the prefill worker
                     continue
                 seq = self.new_sequence(job, i)
@@ -219,15 +318,9 @@ class Scheduler:
                 self._add_resumed(key, job)
                 self.running[key] = seq
                 keys.append(key)
+                self.keys.setdefault(job, []).append(key)
         except Exception as exc:
-            for key in keys:
-                self.runner.remove(key)
-                del self.running[key]
-            self.finished["error"] += 1
-            job.fail(exc, "admission")
-            return
-        if keys:
-            self.keys[job] = keys
+            self._fail_job(job, exc, "admission")
 
     def _add_resumed(self, key: int, job: Job) -> None:
         """A continuing choice's row: over the received blocks (after the held prefix), else prefilled here."""
@@ -244,9 +337,12 @@ class Scheduler:
 
     def _fail_job(self, job: Job, exc: Exception, stage: str) -> None:
         self._unpreempt(lambda seq: seq.job is job)
+        if job not in self.keys:  # no row of it ran yet (its admission failed): counted once
+            self.finished["error"] += 1
         for key in [k for k in self.keys.get(job, []) if k in self.running]:
             self._drop(key, "error")
-        job.fail(exc, stage)
+        self.keys.pop(job, None)
+        job.fail(exc, stage)  # its choices not admitted yet never are (errored)
 
     def _drop(self, key: int, reason: str) -> Sequence:
         self.runner.remove(key)

@@ -128,6 +128,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)
     admitted: float = 0.0  # perf_counter() when the scheduler gave it rows (0: not yet)
+    next_choice: int = 0  # its choices admitted so far (or, continued, passed over): the next one's index
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each chosen token (engine side)
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter(), tokens), tracing on only
     # (name, perf_counter(), attributes) of a choice's preemption and resumption: the `decode` span's events (rare)

@@ -10,9 +10,27 @@ import pytest
 import uvicorn
 
 from decoder_service.config import DecoderConfig
+from decoder_service.engine.llm_engine import Engine
 from decoder_service.server import DecoderState, create_app
 from epd_models.halves import LanguageHalf
+from tests.decoder_service.pool_invariants import pool_violations
 from tests.ports import serve_in_thread
+
+
+@pytest.fixture(autouse=True)
+def pool_checked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every engine step of the test leaves the K/V pool whole (tests/decoder_service/pool_invariants.py): checked
+    on the engine thread after each step, reported when the test ends."""
+    seen: list[str] = []
+    step = Engine.step
+
+    def checked(self: Engine) -> None:
+        step(self)
+        seen.extend(f"after step: {v}" for v in pool_violations(self.runner) if v not in seen)
+
+    monkeypatch.setattr(Engine, "step", checked)
+    yield seen
+    assert not seen, "the K/V pool broke its invariants:\n" + "\n".join(seen[:20])
 
 
 @contextmanager

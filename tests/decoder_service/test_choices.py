@@ -131,16 +131,18 @@ def test_a_cancelled_job_frees_every_slot(engine: Engine) -> None:
     assert engine.runner.rows == {} and engine.runner.num_free_blocks == engine.runner.blocks.num_usable and engine.num_running == 0 and engine.runner.num_free_slots == 8
 
 
-def test_a_job_waits_until_n_slots_are_free(tiny_model_dirs: dict[str, Path]) -> None:
-    engine = make_engine(tiny_model_dirs["llava"], max_num_seqs=3)
+def test_a_job_holds_its_share_of_rows_and_its_other_choices_follow(tiny_model_dirs: dict[str, Path]) -> None:
+    """n = 3 with --max-num-seqs 4 (a share of 2): two choices run beside the other request, the third once one of
+    them ends, from a prompt prefilled again (the prefix cache's blocks); every choice is the greedy answer."""
+    engine = make_engine(tiny_model_dirs["llava"], max_num_seqs=4)
     try:
+        assert engine.scheduler.share == 2
         prompt = text_prompt(engine, 3)
         one, three = run_jobs(engine, [(prompt, greedy(6)), (prompt, greedy(6, n=3))])
-        assert sorted(three.done) == [0, 1, 2] and len(set(three.texts.values())) == 1 and one.done
-        assert engine.scheduler.peak_running == 3
+        assert sorted(three.done) == [0, 1, 2] and set(three.texts.values()) == {one.texts[0]} and one.done
+        assert engine.scheduler.peak_running == 3  # 1 + the job's share, never 4
     finally:
         engine.close()
-
 
 
 def test_the_stream_ends_after_every_choice_is_done(decoder: tuple[str, DecoderState]) -> None:
