@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ import zmq
 
 from connector.control.security import CurveConfig
 from connector.control.wire import decode_message, encode_message
+from connector.tensors.errors import KVUnavailable
 from connector.tensors.frames import DTYPES
 from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES
 from connector.tensors.kv_server import KVServer
@@ -80,3 +82,10 @@ def fake_producer(answer: Answer, probe: ShmHandle | None = None) -> Iterator[st
         stop.set()
         thread.join(GUARD_S)
         sock.close()
+
+
+def waited_s(error: KVUnavailable) -> float:
+    """How long a fetch that got no reply waited for one: the seconds its refusal names ("no reply ... within Xs")."""
+    found = re.search(r"no reply from .* within ([0-9.]+)s", error.reason)
+    assert found, error.reason
+    return float(found[1])

@@ -16,6 +16,7 @@ from PIL import Image
 from encoder_service.encode_scheduler import BatchStats, Busy, EncodeScheduler
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.encode import Encoded, ImageJob, Job, VideoJob
+from tests.waiting import until  # the scheduler's state, polled under a hang guard
 
 IMAGE = Image.new("RGB", (8, 8))
 
@@ -42,11 +43,6 @@ class Runner:
         if self.bad & {j.mm_hash for j in jobs}:
             raise RuntimeError("vision failed")
         return {j.mm_hash: Encoded(ImageFeatures(embeds=torch.zeros(1, 4)), cached=False) for j in jobs}
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.005)  # polling the scheduler's state, not a fixed wait before acting
 
 
 def run_scenario(scenario: Callable[[], Awaitable[Any]]) -> Any:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
 
 from epd_common.cli import run_worker
+from tests.waiting import wait_for
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ def main() -> None:
         p.add_argument(flag, required=True)
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args()
-    while not Path(args.go).exists():  # the test holds the worker here, between the launcher's pick and the bind
-        time.sleep(0.02)
+    # the test holds the worker here, between the launcher's pick and the bind; a test that never lets it go (it
+    # failed, or hung) leaves no worker behind waiting forever
+    wait_for(Path(args.go).exists, f"the test's --go file {args.go}", interval=0.02)
     run_worker("fake", FakeConfig(args.host, args.port), create_app, [])
 
 

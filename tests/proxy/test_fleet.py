@@ -21,6 +21,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.workers import ModelMismatch
 from scheduler.scheduler import MMItem
 from tests.e2e.stack import metric
+from tests.waiting import HANG_S
 
 Handler = Callable[[str, list[str]], Awaitable[httpx.Response]]  # (encoder url, hashes) -> reply
 
@@ -53,6 +54,14 @@ class Encoders:
         self.handler = handler
         self.calls: list[tuple[str, list[str], str | None]] = []
         self.in_flight = self.max_in_flight = 0
+        self._called = asyncio.Event()  # set at each /encode call
+
+    async def wait_calls(self, n: int = 1) -> None:
+        """Until `n` /encode calls have arrived (the deadline only guards a hang)."""
+        async with asyncio.timeout(HANG_S):
+            while len(self.calls) < n:
+                self._called.clear()
+                await self._called.wait()
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
@@ -61,6 +70,7 @@ class Encoders:
             return httpx.Response(200, json={"ec_address": producer.address, "ec_events_address": producer.events_address})
         hashes = [it["mm_hash"] for it in json.loads(request.content)["items"]]
         self.calls.append((url, hashes, request.headers.get("authorization")))
+        self._called.set()
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -108,8 +118,7 @@ async def start_two(fleet: Fleet, encoders: Encoders, first: list[MMItem],
                     second: list[MMItem]) -> tuple[asyncio.Task[dict[str, str]], asyncio.Task[dict[str, str]]]:
     """Start a request, wait until its encode call is in flight, then start a second request."""
     one = asyncio.create_task(fleet.encode(first, "r1"))
-    while not encoders.calls:
-        await asyncio.sleep(0)
+    await encoders.wait_calls()
     two = asyncio.create_task(fleet.encode(second, "r2"))
     await asyncio.sleep(0)
     return one, two
@@ -223,8 +232,7 @@ def test_an_encoder_that_hangs_is_abandoned_when_probes_mark_it_down() -> None:
     async def main() -> dict[str, str]:
         async with fleet_of(encoders) as fleet:
             task = asyncio.create_task(fleet.encode(items("a", "b"), "rid"))
-            while len(encoders.calls) < 2:
-                await asyncio.sleep(0)
+            await encoders.wait_calls(2)
             fleet.workers.mark_down(fleet.workers.by_url["http://127.0.0.1:9100"], "3 failed probe(s)")
             return await task
 

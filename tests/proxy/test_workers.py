@@ -11,6 +11,7 @@ import pytest
 
 from epd_common.errors import APIError
 from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, until_down
+from tests.waiting import HANG_S
 
 
 class Probed:
@@ -184,7 +185,13 @@ def test_a_healthy_prefill_worker_alone_is_ready_it_runs_requests_whole() -> Non
 
 def test_waiting_for_workers_logs_each_unreachable_one_with_url_and_reason_rate_limited(
         caplog: pytest.LogCaptureFixture) -> None:
+    probes = {"dns": 0, "slow": 0, "refused": 0}  # host -> probes so far
+    probed_thrice = asyncio.Event()
+
     def unreachable(request: httpx.Request) -> httpx.Response:
+        probes[request.url.host] += 1
+        if min(probes.values()) == 3:
+            probed_thrice.set()
         if request.url.host == "dns":
             raise httpx.ConnectError("[Errno -2] Name or service not known")
         if request.url.host == "slow":
@@ -197,10 +204,16 @@ def test_waiting_for_workers_logs_each_unreachable_one_with_url_and_reason_rate_
             urls = ["http://dns:1", "http://slow:2", "http://refused:3"]
             for u in urls:
                 workers.add("decoder", u)
-            await workers.wait_healthy(urls, time.monotonic() + 0.5)  # ~3 probes each
+            waiting = asyncio.create_task(workers.wait_healthy(urls, time.monotonic() + HANG_S))
+            async with asyncio.timeout(HANG_S):  # three probes each, counted; the deadline only guards a hang
+                await probed_thrice.wait()
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await workers.wait_healthy(urls, time.monotonic())  # past its deadline: fails after one probe each
 
     with pytest.raises(RuntimeError, match="not healthy"):
         asyncio.run(main())
+    assert min(probes.values()) >= 4
     waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for")]
     assert len(waits) == 3  # one line per worker (then at most one per 10 s), not one per probe
     assert any("http://dns:1" in m and "DNS" in m for m in waits)
@@ -229,17 +242,20 @@ def test_one_odd_worker_does_not_stop_the_probes_of_the_others() -> None:
         odd, fine = workers.add("encoder", "http://odd"), workers.add("decoder", "http://fine")
         odd.healthy = True
         probed: list[str] = []
+        fine_thrice = asyncio.Event()
 
         async def probe(w: Worker) -> bool:
             probed.append(w.url)
+            if probed.count("http://fine") == 3:
+                fine_thrice.set()
             if w is odd:
                 raise KeyError("ec_address")
             return True
 
         workers.probe = probe  # type: ignore[method-assign]
         workers.start()
-        while probed.count("http://fine") < 3:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(HANG_S):  # the third probe of the fine worker; the deadline only guards a hang
+            await fine_thrice.wait()
         await workers.stop()
         return odd.healthy, fine.url in probed
 
