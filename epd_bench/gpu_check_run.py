@@ -38,10 +38,24 @@ class Run:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
+    @property
+    def guard_only(self) -> bool:
+        """The CPU dry run (--size small): its work is fixed and small, so its --budget only guards against a hang:
+        no step is skipped for time and a step is stopped only when the whole budget is spent (a wall clock cannot
+        tell a slow step on a busy machine from a stuck one). On a GPU (--size full) the budget is the lease's:
+        each step has its own limit and the feature benchmarks are skipped when time runs short."""
+        return bool(self.args.size == "small")
+
+    def short_of(self, seconds: float) -> bool:
+        """Whether an optional step should be skipped: fewer than `seconds` of the budget left (never in the dry
+        run: see guard_only)."""
+        return not self.guard_only and self.left() < seconds
+
     def timeout(self, limit: float) -> float:
+        """A step's timeout: `limit` (its own; not in the dry run) within what is left of the budget."""
         if self.left() < 5:
             raise TimeoutError(f"out of time: the run's --budget of {self.args.budget:.0f} s is spent")
-        return round(min(limit, self.left()), 1)
+        return round(self.left() if self.guard_only else min(limit, self.left()), 1)
 
     @contextmanager
     def step(self, name: str, *logs: str) -> Iterator[dict[str, Any]]:

@@ -6,12 +6,23 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
-from epd_bench.gpu_check import FAMILIES, SMALL_WORKLOADS, junit_counts, on_device, parse_args
+from epd_bench.gpu_check import (
+    BUDGET_S,
+    EXTRA_MIN_S,
+    FAMILIES,
+    LIMITS,
+    SMALL_WORKLOADS,
+    junit_counts,
+    on_device,
+    parse_args,
+)
 from epd_bench.gpu_check_report import BEGIN, END, write_section
+from epd_bench.gpu_check_run import Run
 from epd_bench.stacks import epd
 from epd_builders.full_size import preset
 
@@ -24,6 +35,7 @@ case "$*" in
 esac
 """
 SYSTEMS = ("epd-1enc", "aggregated")
+HANG_GUARD_S = BUDGET_S["small"] + 100  # the dry run's own --budget stops a hung run first; this only guards that
 
 
 def outside(text: str) -> str:
@@ -32,6 +44,7 @@ def outside(text: str) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(HANG_GUARD_S + 60)
 def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -43,8 +56,8 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
            "EPD_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-m", "epd_bench.gpu_check", "--size", "small", "--device", "cpu", "--out",
-                           str(out), "--budget", "500", "--write-benchmarks", str(docs)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           str(out), "--write-benchmarks", str(docs)],  # the default --budget: a hang guard
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "logs.tar.gz"]
     record = json.loads((out / "gpu_check.json").read_text())
@@ -85,6 +98,23 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
         names = set(tar.getnames())
     assert {"work/pytest.log", f"work/results/{FAMILIES[0]}/epd-1enc-repeat50.json",
             f"work/logs/{FAMILIES[1]}/aggregated-decoder.log"} <= names
+
+
+def test_the_dry_runs_budget_only_guards_a_hang_while_a_gpu_runs_budget_limits_and_skips(tmp_path: Path) -> None:
+    """A busy machine stretches the dry run's wall time (over 500 s at load average 4-15): its fixed steps all run,
+    each until the run's budget, however little of it is left; on a GPU each step keeps its limit and the feature
+    benchmarks are skipped when time runs short."""
+    small, full = (Run(parse_args(["--out", str(tmp_path / size), "--size", size])) for size in ("small", "full"))
+    given = Run(parse_args(["--out", str(tmp_path / "given"), "--size", "small", "--budget", "30"]))
+    for run in (small, full, given):
+        run.scratch.rmdir()  # made empty for the small run's tiny model; nothing runs here
+    assert (small.args.budget, full.args.budget) == (BUDGET_S["small"], BUDGET_S["full"]) == (1800.0, 540.0)
+    assert small.timeout(LIMITS["engine"]) > LIMITS["engine"] and full.timeout(LIMITS["engine"]) == LIMITS["engine"]
+    for run in (small, full):
+        run.deadline = time.monotonic() + EXTRA_MIN_S / 2  # a run late in its budget
+    assert not small.short_of(EXTRA_MIN_S) and full.short_of(EXTRA_MIN_S)
+    assert LIMITS["engine"] > small.timeout(LIMITS["engine"]) > EXTRA_MIN_S / 2 - 5
+    assert given.args.budget == 30.0 and given.record["budget_s"] == 30.0
 
 
 def test_the_section_is_replaced_in_place_and_notes_failed_and_skipped_steps(tmp_path: Path) -> None:
