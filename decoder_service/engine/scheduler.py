@@ -90,7 +90,16 @@ class Scheduler:
         self._admit(budget)
         if self.num_preempted != preempted:  # admission preempted some (`_room`): they decode no more this step
             feed = {k: t for k, t in feed.items() if k in self.running}
+        if self._continuing():  # the budget its prompt had on a prefill worker (nothing decodes there)
+            budget = max(budget, self.prefill_budget(0))
         return SchedulerOutput(decode=feed, prefill_budget=budget)
+
+    def _continuing(self) -> bool:
+        """A continued request's prompt prefills here (its prefill worker's K/V could not be had, E -> P -> D): its
+        stream has its first token and waits for this prefill, which a fresh prompt gets whole on a prefill worker."""
+        rows = self.runner.rows
+        return any(seq.job.work.resume is not None and (row := rows.get(k)) is not None and not row.prefilled
+                   for k, seq in self.running.items())
 
     def _decoding(self) -> dict[Hashable, int]:
         return {key: seq.pending for key, seq in self.running.items()
