@@ -149,6 +149,7 @@ def test_the_stream_ends_after_every_choice_is_done(decoder: tuple[str, DecoderS
     url, _ = decoder
     body = {"messages": [{"role": "user", "content": "hi"}],
             "sampling": {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 3}}
-    lines = [json.loads(line) for line in httpx.post(f"{url}/generate", json=body, timeout=60).text.splitlines()]
+    lines = [json.loads(line) for line in httpx.post(f"{url}/generate", json=body, timeout=60).text.splitlines()
+             if line]  # empty: a keep-alive
     dones = [e for e in lines if e["type"] == "done"]
     assert sorted(e.get("index", 0) for e in dones) == [0, 1, 2] and lines[-1]["type"] == "done"

@@ -50,6 +50,8 @@ def watched(tiny_model_dirs: dict[str, Path], request: pytest.FixtureRequest) ->
 def first_delta_then_rest(url: str, body: dict[str, Any], started: threading.Event, out: list[dict]) -> None:
     with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as resp:
         for line in resp.iter_lines():
+            if not line:  # a keep-alive
+                continue
             out.append(json.loads(line))
             started.set()
 

@@ -47,6 +47,8 @@ def _generate(url: str, messages: list[dict[str, Any]], started: threading.Event
     with httpx.stream("POST", f"{url}/generate", json={"messages": messages, "sampling": GREEDY}, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
+            if not line:  # a keep-alive
+                continue
             event = json.loads(line)
             assert event["type"] != "error", event
             text += event.get("text", "")
