@@ -1,29 +1,30 @@
 """The decoder's scheduling policy: which sequences run, how many prompt tokens a step prefills, who is preempted.
 
-nano-vllm's `Scheduler` shape: `schedule()` decides this step (cancelled requests leave, preempted sequences and
-then waiting requests are admitted while the pool has their prompt's blocks, rows are free and the prefill budget
-lasts; every decoding row gets the block its next position needs, the newest running sequence preempted while the
-pool has none) and returns what the `ModelRunner` runs: the token each decoding sequence feeds back and the
+nano-vllm's `Scheduler` shape: `schedule()` decides this step (cancelled requests leave; every decoding row gets
+the block its next position needs, a sequence preempted while the pool has none; preempted sequences and waiting
+requests are admitted, fairest first, while the pool has their prompt's blocks, rows are free and the prefill
+budget lasts) and returns what the `ModelRunner` runs: the token each decoding sequence feeds back and the
 prefill budget. The engine postprocesses the logits and tells the scheduler which sequences `finish` and which
 `fail`; the scheduler frees their blocks. Engine thread only.
 
 The n choices of a job are independent sequences, admitted as rows free up (vLLM's engine does so): a wave of
 choices is one row that prefills the prompt (from the prefix cache where its blocks are held) and forks for the
 others (`ModelRunner` forks them). A job holds at most `share` rows at once (--max-seqs-per-request; a prefill
-worker's hand-off job, which holds its rows for one token, takes its n rows together); a job at its share, or one
-waiting for rows, never holds back the jobs queued behind it. The job is one unit: a choice that fails ends every
+worker's hand-off job, which holds its rows for one token, takes its n rows together); a job at its share never
+holds back the jobs queued behind it. The job is one unit: a choice that fails ends every
 choice with one error event, and a cancelled job frees all its blocks.
 
 Fairness across clients (a client is a request's cache_salt: "" is one client): each admission takes, among the
 preempted sequences and the waiting jobs, one of the client holding the fewest rows now (preempted sequences
 before new jobs of the same client, then by arrival); a client with no prompt still prefilling may start one even
 when other clients' prompts fill this step's prefill budget (`ModelRunner` splits a step's budget between the
-prompts it prefills); preemption takes a decoding sequence of the client holding the most blocks, the one of
-them holding the most (the newest of equals). So a new short request of another client waits for at most a
-block's worth of growth of the running rows, never behind every earlier long one.
+prompts it prefills); a request that does not fit the pool preempts decoding sequences of clients holding at least
+two rows more than its own (`_room`: rows even out between clients, never a thrash between equals); growth
+preempts a decoding sequence of the client holding the most blocks, the one of them holding the most (the newest
+of equals). So a new short request of another client is never queued behind every earlier long one.
 
 Preemption is by recompute (vLLM's default): the preempted sequence keeps its sampler, detokenizer and pending
-token, gives its blocks back (naming its full ones in the prefix cache first) and waits at the front of the queue;
+token, gives its blocks back (naming its full ones in the prefix cache first) and waits, first of its client's;
 re-admitted, it prefills its prompt and the tokens it had fed, then decodes on. Never an out-of-memory, never a
 failed request.
 """
