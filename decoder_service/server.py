@@ -170,7 +170,7 @@ async def health(request: Request) -> dict[str, object]:
                   "num_encoded": engine.inline.num_encoded}
     cfg = state.cfg
     return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": state.identity,
-            "aggregated": cfg.aggregated, "max_model_len": engine.max_model_len,
+            "aggregated": cfg.aggregated, "max_model_len": engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
             "waiting": engine.num_waiting, "running": engine.num_running,
             "loaded": loaded, "prefix_cache": engine.prefix_summary(),
             "decoder_role": cfg.role, "kv_address": state.handoff.address,

@@ -7,13 +7,27 @@ reason; the answer's usage counts the prompt once and the completion tokens of e
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from epd_common.errors import APIError
+from epd_common.errors import APIError, bad_request
 from epd_contracts.generate import Event, TokenLogprob, ToolCallDelta, Usage
+
+if TYPE_CHECKING:
+    from proxy.workers import Worker
+
+
+def check_n(n: int | None, decoders: Iterable[Worker]) -> None:
+    """`n` above the largest --max-num-seqs the decoders report on /health could never run (its choices take their
+    rows in waves, but a prefill worker's hand-off takes n at once): a 400 naming the limit, before any media is
+    fetched or encoded. Decoders that do not say are not counted (the decoder refuses it then)."""
+    limits = [m for w in decoders if isinstance(m := w.info.get("max_num_seqs"), int) and not isinstance(m, bool)
+              and m > 0]
+    if n is not None and limits and n > max(limits):
+        raise bad_request(f"n ({n}) exceeds the decoders' --max-num-seqs ({max(limits)})", param="n")
 
 
 @dataclass

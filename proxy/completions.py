@@ -21,7 +21,7 @@ from epd_common.logs import request_id_var
 from epd_contracts.generate import MAX_PROMPT_TOKEN_IDS, Event
 from epd_contracts.limits import MAX_MODEL_NAME_CHARS
 from epd_contracts.sampling import MAX_N
-from proxy.choices import Choices, legacy_logprobs
+from proxy.choices import Choices, check_n, legacy_logprobs
 from proxy.generation import Generation
 from proxy.prefix_keys import prefix_secret, prompt_keys
 from proxy.prepare import PreparedChat, check_model
@@ -137,6 +137,7 @@ async def _answer(state: ProxyState, req: CompletionRequest) -> Response:
     fleet = state.fleet
     served = fleet.served_model_name()
     check_model(req.model, served)
+    check_n(req.n, fleet.workers.of("decoder"))
     prepared = req.prepare(prefix_secret(state.cfg.internal_key))
     gen = Generation(fleet, prepared, request_id_var.get())
     await gen.start()

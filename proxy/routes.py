@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request, Response
 from epd_common.errors import APIError
 from epd_common.http import has_bearer, is_internal, until_disconnected
 from epd_common.logs import request_id_var
+from proxy.choices import check_n
 from proxy.completions import router as completions_router
 from proxy.fleet import Fleet
 from proxy.generation import Generation
@@ -41,6 +42,7 @@ async def _answer_chat(state: ProxyState, req: ChatCompletionRequest) -> Respons
     fleet = state.fleet
     served = fleet.served_model_name()
     check_model(req.model, served)
+    check_n(req.n, fleet.workers.of("decoder"))
     chat = await state.prepare(req)
     gen = Generation(fleet, chat, request_id_var.get())
     await gen.start()
