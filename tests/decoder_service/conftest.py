@@ -1,6 +1,7 @@
 """A decoder app served by uvicorn in a thread, on the tiny LLaVA model (no encoders needed for text)."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,16 +21,22 @@ from tests.ports import serve_in_thread
 @pytest.fixture(autouse=True)
 def pool_checked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Every engine step of the test leaves the K/V pool whole (tests/decoder_service/pool_invariants.py): checked
-    on the engine thread after each step, reported when the test ends."""
+    on the engine thread after each step (the blocks a step touches), and the whole pool of every engine that
+    stepped, idle, when the test ends; reported then."""
     seen: list[str] = []
+    engines: weakref.WeakSet[Engine] = weakref.WeakSet()
     step = Engine.step
 
     def checked(self: Engine) -> None:
         step(self)
-        seen.extend(f"after step: {v}" for v in pool_violations(self.runner) if v not in seen)
+        engines.add(self)
+        seen.extend(f"after step: {v}" for v in pool_violations(self.runner, full=False) if v not in seen)
 
     monkeypatch.setattr(Engine, "step", checked)
     yield seen
+    for engine in list(engines):
+        if engine.dead is None and engine.scheduler.is_idle and engine.num_waiting == 0:
+            seen.extend(f"at the end: {v}" for v in pool_violations(engine.runner))
     assert not seen, "the K/V pool broke its invariants:\n" + "\n".join(seen[:20])
 
 
