@@ -21,10 +21,11 @@ anything else (truncated, another format, model or key, a symlink, a folder, a n
 skipped and logged, and removed unless it is a folder. Order of eviction across restarts is the files'
 modification times (touched on each read).
 
-Bound: `max_bytes`, and the filesystem's free space (`cap_bytes`): before each write the tier may hold at most
-what it holds plus what is free, less a reserve left to everyone else (5% of the filesystem, at most 1 GiB); a
-write that fails for space (ENOSPC, EDQUOT) evicts least recently used files and is tried once more. A full disk
-is logged once (until a write succeeds again) and counted (`disk_no_space`), never per item.
+Bound: `max_bytes`, and the filesystem's free space (`cap_bytes`, connector/tensors/disk_space.py): before each
+write the tier may hold at most what it holds plus what is free, less a reserve left to everyone else (5% of the
+filesystem, at most 1 GiB); least recently used files are evicted to make room, and a write that fails for space
+(ENOSPC, EDQUOT) evicts them and is tried once more. A full disk is logged once (until a write succeeds again) and
+counted (`disk_no_space`), never per item.
 """
 from __future__ import annotations
 
@@ -45,13 +46,12 @@ from pathlib import Path
 from connector.control.wire import MAX_TENSOR_BYTES
 from connector.tensors.disk_folder import DiskTierError, check_tier_folder, open_private, open_top
 from connector.tensors.disk_format import SUFFIX, DiskFormatError, encode_file, file_name, read_features, read_header
+from connector.tensors.disk_space import NO_SPACE, DiskSpace
 from epd_contracts.embeddings import ImageFeatures
 
 logger = logging.getLogger("epd.connector")
 
 MAX_QUEUED_BYTES = 256 << 20  # embeddings waiting for the writer; past it a store is not written (counted)
-FREE_RESERVE_FRACTION, FREE_RESERVE_MAX = 0.05, 1 << 30  # of the filesystem, left free for everyone else
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _TMP_PREFIX = ".tmp-"
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -60,7 +60,6 @@ DISK_KEYS = ("disk_items", "disk_bytes", "disk_max_bytes", "disk_hits", "disk_mi
              "disk_write_bytes", "disk_write_seconds", "disk_read_bytes", "disk_read_seconds", "disk_evictions",
              "disk_skipped_files", "disk_failures", "disk_writes_dropped", "disk_queued_bytes", "disk_cap_bytes",
              "disk_no_space")
-_fstatvfs = os.fstatvfs  # tests give a full filesystem here
 
 
 @dataclass
@@ -79,7 +78,6 @@ class DiskTier:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.directory, self.max_bytes, self.fingerprint = Path(directory), max_bytes, fingerprint
         self._key = key  # disk_format.file_key(internal key): files written without it fail their checks
-        self._no_space = False  # the filesystem was found full (logged once, until a write succeeds)
         self.max_item_bytes = min(max_bytes, MAX_TENSOR_BYTES)
         self.max_queued_bytes = max_queued_bytes
         self.on_forget: Callable[[list[str]], None] = lambda hashes: None
@@ -91,8 +89,8 @@ class DiskTier:
         self._queued_bytes = self._nbytes = 0
         self._closed = False
         self._stats: dict[str, float] = dict.fromkeys(DISK_KEYS, 0)
-        self._stats["disk_cap_bytes"] = max_bytes
         self._lock_fd, self._dir_fd = self._open_folder()
+        self._space = DiskSpace(self._dir_fd, max_bytes, self.directory)  # the filesystem's room (under the lock)
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="epd-ec-disk", daemon=True)
         self._writer.start()
@@ -152,7 +150,8 @@ class DiskTier:
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {**self._stats, "disk_items": len(self._index), "disk_bytes": self._nbytes,
-                    "disk_max_bytes": self.max_bytes, "disk_queued_bytes": self._queued_bytes}
+                    "disk_max_bytes": self.max_bytes, "disk_queued_bytes": self._queued_bytes,
+                    "disk_cap_bytes": self._space.cap, "disk_no_space": self._space.no_space}
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued item is written (or dropped); False on timeout."""
@@ -213,7 +212,7 @@ class DiskTier:
             self._nbytes += held.size
         self._evict_until(self.cap_bytes())  # the bound may have been lowered since, or the disk filled
         logger.info("disk tier %s: %d items, %d bytes (cap %d), %d files skipped",
-                    self.directory / self.fingerprint, len(self._index), self._nbytes, self._stats["disk_cap_bytes"],
+                    self.directory / self.fingerprint, len(self._index), self._nbytes, self._space.cap,
                     self._stats["disk_skipped_files"])
 
     def _skip(self, entry: os.DirEntry[str], why: Exception) -> None:
@@ -297,9 +296,7 @@ class DiskTier:
             self._stats["disk_writes"] += 1
             self._stats["disk_write_bytes"] += size
             self._stats["disk_write_seconds"] += time.perf_counter() - start
-            if self._no_space:
-                self._no_space = False
-                logger.info("disk tier %s: files are written again", self.directory)
+            self._space.written()
         return True
 
     def _write_file(self, name: str, parts: list[bytes | memoryview], size: int) -> bool:
@@ -318,7 +315,7 @@ class DiskTier:
             except OSError as e:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=self._dir_fd)
-                if e.errno not in _NO_SPACE:
+                if e.errno not in NO_SPACE:
                     raise
             if attempt == 0 and not self._evict(lambda: self._nbytes - size):
                 break
@@ -327,26 +324,13 @@ class DiskTier:
     def _out_of_space(self, mm_hash: str) -> None:
         """An item not written for want of space: counted; logged once until a write succeeds again."""
         with self._lock:
-            self._stats["disk_no_space"] += 1
-            first, self._no_space = not self._no_space, True
-        if first:
-            logger.warning("disk tier %s: the filesystem has no room (cap now %d bytes of --ec-disk-bytes %d, %d "
-                           "held): items are not written until there is; this is logged once",
-                           self.directory, self._stats["disk_cap_bytes"], self.max_bytes, self._nbytes)
-        else:
-            logger.debug("disk tier: item %s not written: no room", mm_hash[:16])
+            first = self._space.out_of_space()
+        self._space.report_full(first, mm_hash, self._nbytes)
 
     def cap_bytes(self) -> int:
         """What the tier may hold now: --ec-disk-bytes, or less when the filesystem has less room (its free space
         plus what the tier holds, less the reserve it leaves everyone else). Call under the lock."""
-        try:
-            fs = _fstatvfs(self._dir_fd)
-        except OSError:
-            return self.max_bytes
-        reserve = min(FREE_RESERVE_MAX, int(fs.f_blocks * fs.f_frsize * FREE_RESERVE_FRACTION))
-        cap = max(0, min(self.max_bytes, self._nbytes + fs.f_bavail * fs.f_frsize - reserve))
-        self._stats["disk_cap_bytes"] = cap
-        return cap
+        return self._space.cap_bytes(self._nbytes)
 
     def _make_room(self, size: int) -> bool:
         """Evict until a file of `size` fits the cap; False (nothing evicted) when it cannot fit at all."""

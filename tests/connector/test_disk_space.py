@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.tensors import disk_tier
+from connector.tensors import disk_space, disk_tier
 from connector.tensors.disk_format import encode_file
-from connector.tensors.disk_tier import FREE_RESERVE_FRACTION, DiskTier
+from connector.tensors.disk_space import FREE_RESERVE_FRACTION
+from connector.tensors.disk_tier import DiskTier
 from tests.connector.test_disk_tier import FP, KEY, WAIT_S, features
 
 FILE = sum(memoryview(p).nbytes for p in encode_file(FP, "h0", features(0), KEY))  # each file of h<i>
@@ -30,7 +31,7 @@ def tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[
     opened: list[DiskTier] = []
 
     def make(size: int) -> DiskTier:
-        monkeypatch.setattr(disk_tier, "_fstatvfs", lambda fd: SimpleNamespace(
+        monkeypatch.setattr(disk_space, "_fstatvfs", lambda fd: SimpleNamespace(
             f_frsize=1, f_blocks=size, f_bavail=max(0, size - used(tmp_path))))
         opened.append(DiskTier(tmp_path, BIG_FLAG, FP, key=KEY))
         return opened[-1]
