@@ -24,6 +24,8 @@ async def stream(client: httpx.AsyncClient, url: str, payload: dict) -> tuple[st
     async with client.stream("POST", f"{url}/generate", json=payload) as resp:
         assert resp.status_code == 200
         async for line in resp.aiter_lines():
+            if not line:  # a keep-alive line while the stream waits for a row
+                continue
             event = json.loads(line)
             if event["type"] == "delta":
                 text.append(event["text"])
@@ -36,8 +38,12 @@ async def run_all(url: str) -> tuple[dict[int, tuple[str, dict]], list[tuple[str
     limits = httpx.Limits(max_connections=NUM_REQUESTS)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         alone = {i: await stream(client, url, body(i)) for i in range(NUM_PROMPTS * 7)}  # one at a time
-        together = await asyncio.gather(*(stream(client, url, body(i)) for i in range(NUM_REQUESTS)))
-    return alone, list(together)
+        # NOTE: a TaskGroup, not gather: when one stream fails the others are cancelled and awaited, so every stream
+        # leaves its `async with` and closes its connection before the client goes (gather left them running, and
+        # their sockets unclosed for a later test's ResourceWarning)
+        async with asyncio.TaskGroup() as group:
+            together = [group.create_task(stream(client, url, body(i))) for i in range(NUM_REQUESTS)]
+    return alone, [task.result() for task in together]
 
 
 def test_200_concurrent_streams_all_complete_with_their_single_run_output(
