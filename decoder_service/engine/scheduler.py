@@ -1,4 +1,4 @@
-"""The decoder's scheduling policy: which sequences run, how many prompt tokens a step prefills, who is preempted.
+"""The decoder's scheduler: which sequences run, how many prompt tokens a step prefills, who is preempted.
 
 nano-vllm's `Scheduler` shape: `schedule()` decides this step (cancelled requests leave; every decoding row gets
 the block its next position needs, a sequence preempted while the pool has none; preempted sequences and waiting
@@ -14,14 +14,12 @@ worker's hand-off job, which holds its rows for one token, takes its n rows toge
 holds back the jobs queued behind it. The job is one unit: a choice that fails ends every
 choice with one error event, and a cancelled job frees all its blocks.
 
-Fairness across clients (a client is a request's cache_salt: "" is one client): each admission takes, among the
-preempted sequences and the waiting jobs, one of the client holding the fewest rows now (preempted sequences
-before new jobs of the same client, then by arrival); a client with no prompt still prefilling may start one even
-when other clients' prompts fill this step's prefill budget (`ModelRunner` splits a step's budget between the
-prompts it prefills); a request that does not fit the pool preempts decoding sequences of clients holding at least
-two rows more than its own (`_room`: rows even out between clients, never a thrash between equals); growth
-preempts a decoding sequence of the client holding the most blocks, the one of them holding the most (the newest
-of equals). So a new short request of another client is never queued behind every earlier long one.
+Fairness across clients (a client is a request's cache_salt: "" is one client) is decoder_service/engine/fairness.py:
+which preempted sequence or waiting job takes the next free row (the client holding the fewest rows), how many rows
+a job may hold, and whose sequence is preempted, for growth (the client holding the most blocks) and for a request
+that does not fit the pool (`_room`: only clients holding at least two rows more than its own). This module does
+the mechanics: admit, preempt, resume, finish. `ModelRunner` splits a step's prefill budget between the prompts it
+prefills.
 
 Preemption is by recompute (vLLM's default): the preempted sequence keeps its sampler, detokenizer and pending
 token, gives its blocks back (naming its full ones in the prefix cache first) and waits, first of its client's;
@@ -38,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
+from decoder_service.engine.fairness import choices_left, next_pick, preempt_choice, room_victims, share_of
 from decoder_service.engine.outputs import SchedulerOutput
 from epd_common.logs import request_id_var
 
@@ -109,13 +108,8 @@ class Scheduler:
     def _preempt(self, among: Iterable[int] | None = None) -> None:
         """A decoding sequence (of `among`) of the client holding the most blocks (the one of them holding the most,
         the newest of equals) gives its blocks back and waits first in line."""
-        rows = self.runner.rows
-        held: Counter[str] = Counter()
-        for k, seq in self.running.items():
-            if k in rows:
-                held[seq.job.work.client] += len(rows[k].blocks)
-        key = max(among if among is not None else (k for k in self.running if self.runner.is_decoding(k)),
-                  key=lambda k: (held[self.running[k].job.work.client], len(rows[k].blocks), k))
+        key = preempt_choice(self.running, self.runner.rows,
+                             among if among is not None else (k for k in self.running if self.runner.is_decoding(k)))
         seq = self.running.pop(key)
         self.runner.donate(key, seq.generated)
         self.runner.remove(key)
@@ -150,9 +144,7 @@ class Scheduler:
         they are not, decoding sequences of a client holding at least two rows more than `client` does (so clients'
         rows even out; never a sequence of its own client or of one as light)."""
         while need + self._watermark > self.runner.num_free_blocks and self.running:
-            rows = Counter(seq.job.work.client for seq in self.running.values())
-            heavier = [k for k, seq in self.running.items()
-                       if rows[seq.job.work.client] >= rows[client] + 2 and self.runner.is_decoding(k)]
+            heavier = room_victims(self.running, client, self.runner.is_decoding)
             if not heavier:
                 return False
             self._preempt(heavier)
@@ -217,7 +209,7 @@ class Scheduler:
     def _admit(self, budget: int) -> None:
         """Admit preempted sequences and waves of waiting jobs' choices, fairest first (`_next`), while rows are free
         and the pool has their prompt's blocks (beyond a watermark)."""
-        self.waiting = collections.deque(j for j in self.waiting if not j.errored and self.choices_left(j))
+        self.waiting = collections.deque(j for j in self.waiting if not j.errored and choices_left(j))
         while self.runner.num_free_slots >= 1 and (pick := self._next(budget)) is not None:
             if isinstance(pick, tuple):
                 if not self._resume(*pick):
@@ -227,49 +219,17 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(self.running))
 
     def _next(self, budget: int) -> tuple[int, Sequence] | Job | None:
-        """The next preempted sequence or waiting job to take a row: of the client holding the fewest rows now
-        (preempted before new, then by arrival). Jobs at their share (or, for a hand-off's, without n free rows) wait
-        for their own rows, not holding back others; a client whose prompt is still prefilling starts another only
-        within this step's prefill budget."""
-        rows: Counter[str] = Counter()
-        prefilling: set[str] = set()
-        for k, seq in self.running.items():
-            rows[seq.job.work.client] += 1
-            if (row := self.runner.rows.get(k)) is not None and not row.prefilled:
-                prefilling.add(seq.job.work.client)
-        within_budget = self.runner.num_prefill_tokens_left < budget
-        best: tuple[tuple[int, int, float], tuple[int, Sequence] | Job] | None = None
-        for key, seq in self.preempted:
-            client = seq.job.work.client
-            rank = (rows[client], 0, seq.job.arrival)
-            if (within_budget or client not in prefilling) and (best is None or rank < best[0]):
-                best = (rank, (key, seq))
-        for job in self.waiting:
-            client = job.work.client
-            rank = (rows[client], 1, job.arrival)
-            if (job.errored or not self.choices_left(job) or len(self.keys.get(job, ())) >= self._share_of(job)
-                    or not (within_budget or client not in prefilling)):
-                continue
-            if best is None or rank < best[0]:
-                best = (rank, job)
-        return best[1] if best is not None else None
-
-    def _share_of(self, job: Job) -> int:
-        """Rows the job may hold at once: a prefill worker's hand-off job all n (it holds them for one token)."""
-        return job.params.n if job.work.handoff_key is not None else self.share
-
-    def choices_left(self, job: Job) -> int:
-        """Choices of the job not admitted yet (a continued job's: those that continue here)."""
-        if job.work.resume is None:
-            return job.params.n - job.next_choice
-        return sum(c.first_token is not None for c in job.work.resume.handoff.choices[job.next_choice:])
+        """The next preempted sequence or waiting job to take a row (fairness.next_pick), `budget` being this
+        step's prefill budget."""
+        return next_pick(self.running, self.runner.rows, self.preempted, self.waiting, self.keys, self.share,
+                         within_budget=self.runner.num_prefill_tokens_left < budget)
 
     def _admit_wave(self, job: Job) -> bool:
         """The job's next choices, as many as its share and the free rows allow (a hand-off job's all n), when the
         pool has their blocks (False: not yet)."""
         held = len(self.keys.get(job, ()))
         free = self.runner.num_free_slots
-        k = min(self.choices_left(job), free, self._share_of(job) - held)
+        k = min(choices_left(job), free, share_of(job, self.share) - held)
         if job.work.handoff_key is not None and k < job.params.n:
             return False  # its n rows together
         if job.work.resume is None:
@@ -285,7 +245,7 @@ class Scheduler:
             self._admit_resumed(job, k)
         else:
             self._admit_fresh(job, k)
-        if not job.errored and not self.choices_left(job):
+        if not job.errored and not choices_left(job):
             self.waiting.remove(job)
         return True
 
