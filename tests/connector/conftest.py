@@ -1,4 +1,4 @@
-"""A live producer and a consumer on tcp loopback, closed after each test.
+"""A live producer and a consumer on tcp loopback, and a K/V client, closed after each test.
 
 They use the socket path (shared memory off); tests/connector/test_connector_shm.py covers shared memory.
 """
@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from connector.tensors.consumer import ECConsumer
+from connector.tensors.kv_client import KVClient
 from connector.tensors.producer import ECProducer
 
 
@@ -22,5 +23,13 @@ def producer() -> Iterator[ECProducer]:
 @pytest.fixture
 def consumer() -> Iterator[ECConsumer]:
     c = ECConsumer(shm=False)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def client() -> Iterator[KVClient]:
+    """A decode worker's K/V client (connector/tensors/kv_client.py)."""
+    c = KVClient()
     yield c
     c.close()

@@ -25,6 +25,7 @@ from epd_contracts.kv import KVChoice, KVGetRequest, KVLayout
 GUARD_S = 10.0  # upper bound on any wait; never reached while the server answers
 LAYOUT = KVLayout(fingerprint="f" * 64, num_layers=2, kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 CHOICES = [KVChoice(first_token=7, generator_state=bytes(range(256)) * 20), KVChoice(first_token=9)]
+NUM_TOKENS = 10  # a hand-off's prompt: 3 blocks of LAYOUT.block_size 4
 Answer = Callable[[KVGetRequest], list[Any]]  # the request -> the frames to send back
 
 
@@ -40,6 +41,9 @@ def make_blocks(lay: KVLayout, num_tokens: int) -> torch.Tensor:
     if num_blocks:
         blocks[-1, :, :, :, tail:] = 0
     return blocks
+
+
+BLOCKS = make_blocks(LAYOUT, NUM_TOKENS)  # a hand-off's blocks (random, made once)
 
 
 @contextmanager

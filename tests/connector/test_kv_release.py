@@ -5,34 +5,14 @@ with a deadline."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-
 import pytest
 import torch
 
 from connector.tensors.errors import KVUnavailable
 from connector.tensors.kv_client import KVClient
 from connector.tensors.kv_store import KVStore
-from tests.connector.kv_factories import CHOICES, GUARD_S, LAYOUT, make_blocks, serving
-
-NUM_TOKENS = 10
-BLOCKS = make_blocks(LAYOUT, NUM_TOKENS)
-
-
-@pytest.fixture
-def client() -> Iterator[KVClient]:
-    c = KVClient()
-    yield c
-    c.close()
-
-
-def until(condition: Callable[[], bool], what: str) -> None:
-    """Wait for `condition` (the serving thread's work), failing after GUARD_S."""
-    deadline = time.monotonic() + GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {GUARD_S} s: {what}"
-        time.sleep(0.01)
+from tests.connector.kv_factories import BLOCKS, CHOICES, GUARD_S, LAYOUT, NUM_TOKENS, serving
+from tests.waiting import wait_for
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["by handle", "by frames"])
@@ -76,10 +56,10 @@ def test_the_server_expires_entries_on_a_timer_with_nothing_asked() -> None:
         store.put("new", LAYOUT, NUM_TOKENS, BLOCKS, CHOICES)
         assert store.stats()["items"] == 2  # reading the stats frees nothing
         now[0] = 130.0  # "old" is due; no request, no put follows
-        until(lambda: store.stats()["items"] == 1, "the timer freed the expired hand-off")
+        wait_for(lambda: store.stats()["items"] == 1, "the timer freed the expired hand-off", GUARD_S)
         assert store.stats()["expired"] == 1 and store.get("new") is not None
         now[0] = 140.0
-        until(lambda: store.stats()["bytes"] == 0, "the timer freed the last hand-off")
+        wait_for(lambda: store.stats()["bytes"] == 0, "the timer freed the last hand-off", GUARD_S)
         assert server.stats()["kv_gets_served"] == 0
     store.close()
 

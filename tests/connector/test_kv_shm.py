@@ -25,17 +25,16 @@ from connector.tensors.kv_store import KVStore
 from connector.tensors.shm import Segment, ShmError, open_handle
 from epd_contracts.ec import SHM_TAG_BYTES, ShmHandle
 from epd_contracts.kv import KVGetReply, KVGetRequest
-from tests.connector.kv_factories import CHOICES, GUARD_S, LAYOUT, fake_producer, make_blocks, serving
-
-NUM_TOKENS = 10  # 3 blocks of LAYOUT.block_size 4
-BLOCKS = make_blocks(LAYOUT, NUM_TOKENS)
-
-
-@pytest.fixture
-def client() -> Iterator[KVClient]:
-    c = KVClient()
-    yield c
-    c.close()
+from tests.connector.kv_factories import (
+    BLOCKS,
+    CHOICES,
+    GUARD_S,
+    LAYOUT,
+    NUM_TOKENS,
+    fake_producer,
+    make_blocks,
+    serving,
+)
 
 
 def shm_store(**kwargs: Any) -> KVStore:
