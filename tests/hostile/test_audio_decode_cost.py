@@ -6,7 +6,6 @@ audio model."""
 from __future__ import annotations
 
 import base64
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,12 +14,11 @@ from fastapi.testclient import TestClient
 
 from epd_common.audio import DECODE_BUDGET_S
 from epd_contracts.audio import AudioConfig
-from proxy.app import create_app
-from proxy.config import ProxyConfig
 from tests.audio_clips import make_audio, tiny_frames_flac
 from tests.openai_schema import assert_valid
 from tests.proxy.fake_decoder import IDENTITY, FakeDecoder
 from tests.proxy.fake_encoder import FakeEncoder
+from tests.proxy.fake_stack import proxy_in_front
 
 AUDIO_IDENTITY = {**IDENTITY, "audio": AudioConfig(sample_rate=16_000).as_dict()}
 
@@ -33,16 +31,8 @@ class Stack:
 @pytest.fixture
 def stack() -> Iterator[Stack]:
     decoder, encoder = FakeDecoder(identity=AUDIO_IDENTITY), FakeEncoder(AUDIO_IDENTITY)
-    cfg = ProxyConfig(encode_urls=(encoder.url,), decode_urls=(decoder.url,), startup_timeout=10.0)
-    try:
-        with TestClient(create_app(cfg)) as client:
-            yield Stack(client, decoder, encoder)
-    finally:
-        closing = [threading.Thread(target=w.close) for w in (decoder, encoder)]
-        for t in closing:
-            t.start()
-        for t in closing:
-            t.join()
+    with proxy_in_front(decoder, [encoder]) as client:
+        yield Stack(client, decoder, encoder)
 
 
 def chat(data: bytes) -> dict[str, Any]:

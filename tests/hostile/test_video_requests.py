@@ -4,7 +4,6 @@ max_model_len), and the frames its chunks decode (each from the keyframe before 
 --max-video-decode-frames. An encoder's refusal of a chunk names the client's field, not the /encode call's."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -17,12 +16,11 @@ from epd_common.video import probe_video
 from epd_common.video_index import decode_cost
 from epd_common.video_sampling import VideoConfig, frame_indices, target_frames
 from epd_common.video_tokens import video_rows
-from proxy.app import create_app
-from proxy.config import ProxyConfig
 from tests.factories import make_video
 from tests.hostile.video_clips import gop_clip
 from tests.proxy.fake_decoder import IDENTITY, FakeDecoder
 from tests.proxy.fake_encoder import FakeEncoder
+from tests.proxy.fake_stack import proxy_in_front
 from tests.proxy.media_helpers import as_data_url
 
 # Qwen2-VL's video processor settings, with its token rule (patch 14, merge 2)
@@ -59,16 +57,8 @@ def stack(config: VideoConfig = QWEN2, max_model_len: int | None = None, refusal
     identity = {**IDENTITY, "family": "qwen2_vl", "video": config.as_dict()}
     decoder = FakeDecoder(identity=identity, health={"max_model_len": max_model_len} if max_model_len else {})
     encoder = FakeEncoder(identity, refusal=refusal)
-    proxy = ProxyConfig(encode_urls=(encoder.url,), decode_urls=(decoder.url,), startup_timeout=10.0, **cfg)
-    try:
-        with TestClient(create_app(proxy)) as client:
-            yield Stack(client, decoder, encoder)
-    finally:
-        closing = [threading.Thread(target=w.close) for w in (decoder, encoder)]
-        for t in closing:
-            t.start()
-        for t in closing:
-            t.join()
+    with proxy_in_front(decoder, [encoder], **cfg) as client:
+        yield Stack(client, decoder, encoder)
 
 
 @pytest.fixture
