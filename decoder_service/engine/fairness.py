@@ -10,7 +10,8 @@ a prefill worker's hand-off job, which holds its rows for one token, takes its n
 job at its share never holds back the jobs queued behind it. A request that does not fit the pool may preempt only
 decoding sequences of clients holding at least two rows more than its own (`room_victims`: rows even out between
 clients, never a thrash between equals); growth preempts a decoding sequence of the client holding the most blocks,
-the one of them holding the most (the newest of equals: `preempt_choice`). So a new short request of another client
+the one of them holding the most (the newest of equals: `preempt_choice`). Each step's prefill budget is split
+between the prompts prefilling (`split_prefill_budget`, for the model runner). So a new short request of another client
 is never queued behind every earlier long one.
 """
 from __future__ import annotations
@@ -81,3 +82,21 @@ def room_victims(running: Mapping[int, Sequence], client: str, is_decoding: Call
     client or of one as light)."""
     clients = Counter(seq.job.work.client for seq in running.values())
     return [k for k, seq in running.items() if clients[seq.job.work.client] >= clients[client] + 2 and is_decoding(k)]
+
+
+def split_prefill_budget(limits: Mapping[Hashable, int], budget: int, floor: int) -> dict[Hashable, int]:
+    """Positions each prompt still prefilling takes this step, from `limits` (what each may take, in admission order):
+    an equal part of the budget (at least `floor`, a block) each, then what some cannot use to the others in
+    admission order; so a short prompt admitted beside long ones completes in the steps its own length needs."""
+    if budget <= 0 or not limits:
+        return {}
+    share = max(floor, -(-budget // len(limits)))
+    grant: dict[Hashable, int] = {}
+    for key, limit in limits.items():
+        grant[key] = min(limit, share, budget)
+        budget -= grant[key]
+    for key, limit in limits.items():
+        more = min(limit - grant[key], budget)
+        grant[key] += more
+        budget -= more
+    return grant

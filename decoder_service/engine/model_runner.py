@@ -30,6 +30,7 @@ import torch
 
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
+from decoder_service.engine.fairness import split_prefill_budget
 from decoder_service.engine.kv_blocks import import_blocks
 from decoder_service.engine.kv_cache import ATTENTION, PagedCache
 from decoder_service.engine.kv_shape import KVShape
@@ -290,22 +291,11 @@ class ModelRunner:
         return [Segment(r, r.length, 1, True) for r in rows]
 
     def _prefill_segments(self, budget: int) -> list[Segment]:
-        """This step's prompt chunks: each prompt still prefilling gets an equal part of the budget (at least a
-        block), what they cannot use goes to the others in admission order; so a short prompt admitted beside long
-        ones completes in the steps its own length needs."""
+        """This step's prompt chunks, the budget split between the prompts still prefilling (fairness.py)."""
         rows = [r for r in self.rows.values() if not r.prefilled]
-        if budget <= 0 or not rows:
+        grant = split_prefill_budget({r.key: self._chunk_limit(r) for r in rows}, budget, self.block_size)
+        if not grant:
             return []
-        limit = {r.key: self._chunk_limit(r) for r in rows}
-        share = max(self.block_size, -(-budget // len(rows)))
-        grant: dict[Hashable, int] = {}
-        for r in rows:
-            grant[r.key] = min(limit[r.key], share, budget)
-            budget -= grant[r.key]
-        for r in rows:
-            more = min(limit[r.key] - grant[r.key], budget)
-            grant[r.key] += more
-            budget -= more
         out: list[Segment] = []
         for row in rows:
             start = row.length
