@@ -32,7 +32,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def package_version() -> str:
     try:
-        return metadata.version("epd")
+        return metadata.version("disagg-epd")
     except metadata.PackageNotFoundError:  # a source tree run with `python -m`, never installed
         return "unknown (not installed)"
 

@@ -78,7 +78,7 @@ def start_tracing(service: str, settings: TraceSettings) -> bool:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     except ImportError as exc:
         raise SystemExit(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporter: "
-                         f"pip install 'epd[tracing]' ({exc})") from None
+                         f"pip install 'disagg-epd[tracing]' ({exc})") from None
     provider = TracerProvider(resource=Resource.create({"service.name": service}),
                               sampler=ParentBased(TraceIdRatioBased(settings.otlp_traces_sample_ratio)))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_traces_endpoint),

@@ -25,9 +25,9 @@ PLATFORMS=$(for minor in $(seq 17 36); do printf -- '--platform manylinux_2_%s_x
   --python-version 3.11 --implementation cp --abi cp311 --abi abi3 --abi none \
   $PLATFORMS --platform manylinux2014_x86_64 \
   ${FIND_LINKS:+--find-links "$FIND_LINKS"} -r "$REQS"
-rm -f "$OUT"/epd/epd-*.whl
+rm -f "$OUT"/epd/disagg_epd-*.whl
 "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$OUT/epd" "$ROOT"
-rm -rf "$ROOT"/build/lib "$ROOT"/build/bdist.* "$ROOT"/epd.egg-info
+rm -rf "$ROOT"/build/lib "$ROOT"/build/bdist.* "$ROOT"/disagg_epd.egg-info
 cp "$REQS" "$OUT/requirements.txt"
 cp "$ROOT/deploy/k8s/epd_register.py" "$OUT/epd/epd-register"
 echo "$OUT: $(ls "$OUT"/wheels/*.whl | wc -l) wheels, $(du -sh "$OUT" | cut -f1)"
