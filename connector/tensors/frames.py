@@ -3,32 +3,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from connector.control.wire import MAX_TENSOR_BYTES, Frame, WireError, as_buffer, encode_message, tensor_nbytes
-from epd_contracts.ec import DTYPE_SIZES, DType, GetItem, GetReply
+from connector.tensors.dtypes import DTYPES, dtype_name
+from connector.tensors.shm import Segment
+from epd_contracts.ec import GetItem, GetReply
 from epd_contracts.embeddings import ImageFeatures
 
-if TYPE_CHECKING:
-    from connector.tensors.shm import Segment
-
-# wire name -> torch dtype; the names and sizes are the contract's closed table
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
 _REQ_ID_MARK = (1 << 64) - 1  # a req_id no consumer sends, so its encoding marks where a reply's req_id goes
-DTYPE_NAMES: dict[torch.dtype, DType] = {dtype: name for name, dtype in DTYPES.items()}  # type: ignore[misc]
-assert all(DTYPES[name].itemsize == size for name, size in DTYPE_SIZES.items()) and DTYPES.keys() == DTYPE_SIZES.keys()
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:
@@ -36,12 +20,6 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     # NOTE: viewing as uint8 gives numpy a dtype it knows (bfloat16 has no numpy twin).
     flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy())  # type: ignore[arg-type]  # ndarray implements the buffer protocol
-
-
-def dtype_name(t: torch.Tensor) -> DType:
-    if t.dtype not in DTYPE_NAMES:
-        raise TypeError(f"dtype {t.dtype} cannot travel on the connector wire")
-    return DTYPE_NAMES[t.dtype]
 
 
 def tensor_from_frame(buf: Frame, dtype: str, shape: list[int], max_bytes: int = MAX_TENSOR_BYTES) -> torch.Tensor:

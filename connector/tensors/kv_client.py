@@ -30,8 +30,9 @@ import zmq
 from connector.control.client import ProducerClient, Reply, expect
 from connector.control.security import CurveConfig
 from connector.control.wire import MAX_KV_FRAMES, MAX_TENSOR_BYTES, WireError, tensor_nbytes
+from connector.tensors.dtypes import DTYPES
 from connector.tensors.errors import KVUnavailable
-from connector.tensors.frames import DTYPES, tensor_buffer
+from connector.tensors.frames import tensor_buffer
 from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES, extent_error, layout_difference
 from connector.tensors.shm import ShmError, mapped_tensor, open_handle, probed_pid
 from connector.tensors.shm_peers import ShmPeers

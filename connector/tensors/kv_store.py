@@ -25,7 +25,8 @@ from typing import Any
 import msgspec
 import torch
 
-from connector.tensors.frames import DTYPES, tensor_buffer
+from connector.tensors.dtypes import DTYPES
+from connector.tensors.frames import tensor_buffer
 from connector.tensors.kv_checks import extent_error
 from connector.tensors.shm import SHM_MIN_BYTES, Segment, open_probe
 from epd_contracts.header import ShmHandle

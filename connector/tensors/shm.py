@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from connector.tensors.frames import DTYPES
+from connector.tensors.dtypes import DTYPES
 from epd_contracts.ec import SHM_TAG_BYTES, ShmHandle
 from epd_contracts.embeddings import ImageFeatures
 

@@ -14,8 +14,8 @@ import zmq
 
 from connector.control.security import CurveConfig
 from connector.control.wire import decode_message, encode_message
+from connector.tensors.dtypes import DTYPES
 from connector.tensors.errors import KVUnavailable
-from connector.tensors.frames import DTYPES
 from connector.tensors.kv_checks import MAX_KV_REPLY_BYTES
 from connector.tensors.kv_server import KVServer
 from connector.tensors.kv_store import KVStore

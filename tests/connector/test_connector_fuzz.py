@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from connector.control.wire import MAGIC_VERSION, WireError, decode_message, encode_message
 from connector.tensors.consumer import ECConsumer
-from connector.tensors.frames import DTYPES
+from connector.tensors.dtypes import DTYPES
 from connector.tensors.producer import ECProducer
 from connector.tensors.replies import read_get_reply
 from epd_contracts.ec import (

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from connector.control.wire import encode_message
+from connector.tensors.dtypes import DTYPES
 from connector.tensors.errors import KVUnavailable
-from connector.tensors.frames import DTYPES, tensor_buffer
+from connector.tensors.frames import tensor_buffer
 from connector.tensors.kv_client import KVClient
 from epd_contracts.ec import ErrorReply, Pong
 from epd_contracts.kv import KVChoice, KVGetReply, KVGetRequest
