@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 
-def parse_args(argv: list[str] | None = None) -> DecoderConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every epd-decoder flag with its default (docs/FLAGS.md is generated from it)."""
     d = DecoderConfig()
     p = worker_parser("epd-decoder", "EPD decoder worker (language model only)", d)
     add_device_flags(p, d)
@@ -86,8 +87,13 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
                    help="hashes asked of one encoder per get (keep at most the encoders' --ec-max-items-per-get)")
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=False)
     add_tracing_flags(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> DecoderConfig:
+    p = build_parser()
     args = p.parse_args(argv)
-    _resolve_block_size(p, args, d)
+    _resolve_block_size(p, args, DecoderConfig())
     if args.kv_store_bytes < 1 or not args.kv_ttl > 0:
         p.error("--kv-store-bytes and --kv-ttl must be > 0")
     if args.handoff_min_tokens < 0:

@@ -1,6 +1,7 @@
 """The `epd-encoder` command line: flags -> config -> the worker's HTTP server."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
@@ -15,7 +16,8 @@ from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
 
 
-def parse_args(argv: list[str] | None = None) -> EncoderConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every epd-encoder flag with its default (docs/FLAGS.md is generated from it)."""
     d = EncoderConfig()
     p = worker_parser("epd-encoder", "EPD encoder worker (vision tower + projector only)", d)
     add_device_flags(p, d)
@@ -73,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
                    help="hashes all held gets may name together (bounds their memory)")
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=True)
     add_tracing_flags(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> EncoderConfig:
+    p = build_parser()
     args = p.parse_args(argv)
     for flag in ("max_batch_size", "max_encode_batch_items", "max_encode_batch_tokens", "max_pending_encode_tokens",
                  "ec_disk_bytes", "max_ungathered_bytes"):

@@ -247,8 +247,8 @@ to start without an internal key and CURVE keys (or --insecure).
 See docs/DEPLOY.md and docs/SECURITY.md."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point (`epd-ec-keygen`): `generate DIR [--name NAME]` or `env DIR`."""
+def build_parser() -> argparse.ArgumentParser:
+    """`epd-ec-keygen`'s flags: `generate DIR [--name NAME]` or `env DIR` (docs/FLAGS.md is generated from it)."""
     parser = argparse.ArgumentParser(prog="epd-ec-keygen", description=_KEYGEN_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -262,6 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "encoders_secret_key, ...), and k8s-curve.env and k8s-keys.env "
                                      "(kubectl create secret generic --from-env-file)")
     env.add_argument("directory", type=Path)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point (`epd-ec-keygen`)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         paths = generate_keypair(args.directory, args.name) if args.command == "generate" else \
