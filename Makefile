@@ -32,8 +32,10 @@ $(STAMP): $(RUN_STAMP)
 
 install: $(STAMP)
 
-demo-model: $(RUN_STAMP)
-	$(BIN)/python -c "from epd_models.demo import ensure_demo_model; print(ensure_demo_model())"
+demo-model: epd_models/demo/model.safetensors
+
+epd_models/demo/model.safetensors: | $(RUN_STAMP)  # committed; built only where a checkout lacks it
+	$(BIN)/python -m epd_builders.demo_train train
 
 run: $(RUN_STAMP)
 	$(BIN)/disagg-epd-proxy --model demo --num-encoders $(NUM_ENCODERS) --num-decoders $(NUM_DECODERS) \

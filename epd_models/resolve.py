@@ -11,9 +11,9 @@ def resolve_model(name: str) -> Path:
     benchmark model (built on first use; epd_builders/bench_model.py); a directory -> itself; else a hub id (needs a
     network)."""
     if name == "demo":
-        from epd_models.demo import ensure_demo_model
+        from epd_models.demo import find_demo_model
 
-        return ensure_demo_model()
+        return find_demo_model()
     if name in BENCH_MODELS:
         from epd_builders.bench_model import PRESETS, ensure_bench_model
 

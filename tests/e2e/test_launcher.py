@@ -17,7 +17,7 @@ from openai import BadRequestError, OpenAI
 from safetensors import safe_open
 
 from epd_builders.shapes import draw_shape
-from epd_models.demo import ensure_demo_model
+from epd_models.demo import find_demo_model
 from tests.deploy.monitoring import dashboard_metrics, exported_names
 from tests.e2e.stack import ROOT, Stack, health, launched, metric, urls_of
 from tests.openai_schema import assert_valid
@@ -123,7 +123,7 @@ def test_images_of_one_request_are_encoded_on_both_encoders(client: OpenAI, stac
 
 
 def test_each_process_holds_only_its_half(stack: Stack) -> None:
-    model_dir = ensure_demo_model()
+    model_dir = find_demo_model()
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         numel = {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
     vision = sum(n for k, n in numel.items() if k.startswith(("vision_tower.", "multi_modal_projector.")))

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from epd_models.demo import ensure_demo_model
+from epd_models.demo import find_demo_model
 from tests.e2e.stack import Stack, demo_png, launched
 from tests.openai_schema import assert_valid
 
@@ -271,7 +271,7 @@ def test_logit_bias_min_p_and_stop_token_ids_change_the_output(stacks: dict[str,
 
 def _token_id(token: str) -> int:
     """The id of a token's text in the demo model's tokenizer."""
-    tok = AutoTokenizer.from_pretrained(ensure_demo_model())
+    tok = AutoTokenizer.from_pretrained(find_demo_model())
     ids = tok(token, add_special_tokens=False)["input_ids"]
     assert len(ids) == 1, (token, ids)
     return int(ids[0])

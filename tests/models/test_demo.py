@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from epd_builders import demo_train
 from epd_builders.demo_train import answer, train
 from epd_builders.shapes import draw_shape
 from epd_builders.tokenizer import QUESTIONS
-from epd_models.demo import DEMO_DIR, ensure_demo_model, has_model
+from epd_models.demo import BUILD_COMMAND, DEMO_DIR, find_demo_model, has_model
 from epd_models.halves import LanguageHalf, VisionHalf
 
 
@@ -24,13 +23,16 @@ def test_demo_model_names_the_colour_via_split_path(color: str, shape: str) -> N
     assert _answer(color, shape, seed=7) == color
 
 
-def test_ensure_demo_model_returns_committed_dir_without_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(*args: object, **kwargs: object) -> None:
-        raise AssertionError("ensure_demo_model trained although the weights are committed")
-
-    monkeypatch.setattr(demo_train, "train", fail)
+def test_find_demo_model_returns_the_committed_dir() -> None:
     assert has_model(DEMO_DIR)
-    assert ensure_demo_model() == DEMO_DIR
+    assert find_demo_model() == DEMO_DIR
+
+
+def test_find_demo_model_without_weights_names_the_build_command(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*`{BUILD_COMMAND}`"):
+        find_demo_model(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))  # nothing was trained
 
 
 def test_training_script_runs_and_saves_a_loadable_model(tmp_path: Path) -> None:
