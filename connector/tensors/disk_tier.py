@@ -2,24 +2,11 @@
 
 Layout: DIR/.lock (held with flock for the process's life: one encoder per folder) and DIR/<fingerprint>/ with one
 file per item (connector/tensors/disk_format.py). Only the fingerprint's own folder is ever read, written or
-cleaned; the files of another model stay where they are, and a file found in ours that fails a check is removed.
-
-The folders are this process's user's alone (epd_common/private_dir.py): DIR and DIR/<fingerprint> are opened
-with O_NOFOLLOW, fstat-checked on the open fd and refused (DiskTierError, naming the folder, its owner and mode)
-when another user owns them or group or others can write them; a file not owned by this user is skipped. Every
-file is keyed (disk_format.file_key of the internal key), so a file planted by anyone without the key fails.
+cleaned; the files of another model stay where they are. The folders are this process's user's alone
+(connector/tensors/disk_folder.py); how the files are checked, read and written is connector/tensors/disk_files.py.
 
 Writes happen on a thread of their own, behind the memory cache (write-through: a kill -9 loses only the items
-still queued): a temporary file in the same folder, written whole, then renamed over its name, so a reader sees
-an old file, a whole new one, or none. No fsync: a process crash (kill -9 included) keeps every renamed file (the
-page cache is the kernel's); a power loss may leave a renamed file short or zeroed, which the start-up index
-(length) or the first read (digest) finds and removes. Every file operation is relative to the folder's fd and
-opened with O_NOFOLLOW, so a symlink in the folder (or a file swapped for one) is never followed.
-
-At start the folder is indexed: every file's header and length are checked, leftover temporary files are removed,
-anything else (truncated, another format, model or key, a symlink, a folder, a name that is not its item's) is
-skipped and logged, and removed unless it is a folder. Order of eviction across restarts is the files'
-modification times (touched on each read).
+still queued). Order of eviction across restarts is the files' modification times (touched on each read).
 
 Bound: `max_bytes`, and the filesystem's free space (`cap_bytes`, connector/tensors/disk_space.py): before each
 write the tier may hold at most what it holds plus what is free, less a reserve left to everyone else (5% of the
@@ -29,43 +16,29 @@ counted (`disk_no_space`), never per item.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import logging
 import os
-import secrets
-import stat
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from connector.control.wire import MAX_TENSOR_BYTES
-from connector.tensors.disk_folder import DiskTierError, check_tier_folder, open_private, open_top
-from connector.tensors.disk_format import SUFFIX, DiskFormatError, encode_file, file_name, read_features, read_header
-from connector.tensors.disk_space import NO_SPACE, DiskSpace
+from connector.tensors.disk_files import FileEntry, TierFiles
+from connector.tensors.disk_folder import DiskTierError, check_tier_folder, open_tier_folder
+from connector.tensors.disk_format import DiskFormatError, encode_file, file_name
+from connector.tensors.disk_space import DiskSpace
 from epd_contracts.embeddings import ImageFeatures
 
 logger = logging.getLogger("epd.connector")
 
 MAX_QUEUED_BYTES = 256 << 20  # embeddings waiting for the writer; past it a store is not written (counted)
-_TMP_PREFIX = ".tmp-"
-_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 __all__ = ["DISK_KEYS", "DiskTier", "DiskTierError", "check_tier_folder"]
 DISK_KEYS = ("disk_items", "disk_bytes", "disk_max_bytes", "disk_hits", "disk_misses", "disk_writes",
              "disk_write_bytes", "disk_write_seconds", "disk_read_bytes", "disk_read_seconds", "disk_evictions",
              "disk_skipped_files", "disk_failures", "disk_writes_dropped", "disk_queued_bytes", "disk_cap_bytes",
              "disk_no_space")
-
-
-@dataclass
-class _Entry:
-    name: str
-    size: int  # the file's bytes (header included): what the byte bound counts
 
 
 class DiskTier:
@@ -83,13 +56,14 @@ class DiskTier:
         self.on_forget: Callable[[list[str]], None] = lambda hashes: None
         self._lock = threading.Lock()
         self._queued = threading.Condition(self._lock)
-        self._index: OrderedDict[str, _Entry] = OrderedDict()  # mm_hash -> file, least recently used first
+        self._index: OrderedDict[str, FileEntry] = OrderedDict()  # mm_hash -> file, least recently used first
         self._pending: dict[str, ImageFeatures] = {}  # stored in memory, not written yet
         self._queue: deque[str] = deque()
         self._queued_bytes = self._nbytes = 0
         self._closed = False
         self._stats: dict[str, float] = dict.fromkeys(DISK_KEYS, 0)
-        self._lock_fd, self._dir_fd = self._open_folder()
+        self._lock_fd, self._dir_fd = open_tier_folder(self.directory, fingerprint)
+        self._files = TierFiles(self._dir_fd, self.directory / fingerprint, fingerprint, self.max_item_bytes, key)
         self._space = DiskSpace(self._dir_fd, max_bytes, self.directory)  # the filesystem's room (under the lock)
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="epd-ec-disk", daemon=True)
@@ -134,7 +108,7 @@ class DiskTier:
             self._index.move_to_end(mm_hash)
         start = time.perf_counter()
         try:
-            features = self._read(entry, mm_hash)
+            features = self._files.read(entry, mm_hash)
         except (OSError, DiskFormatError) as e:  # evicted meanwhile, altered or forged: either way not held any more
             logger.warning("disk tier: %s (item %s) could not be read: %s", entry.name, mm_hash[:16], e)
             self._forget_entry(mm_hash, entry, failure=True)
@@ -143,8 +117,7 @@ class DiskTier:
             self._stats["disk_hits"] += 1
             self._stats["disk_read_bytes"] += entry.size
             self._stats["disk_read_seconds"] += time.perf_counter() - start
-        with contextlib.suppress(OSError):  # the eviction order across restarts
-            os.utime(entry.name, dir_fd=self._dir_fd, follow_symlinks=False)
+        self._files.touch(entry.name)
         return features
 
     def stats(self) -> dict[str, float]:
@@ -170,91 +143,16 @@ class DiskTier:
 
     # start-up
 
-    def _open_folder(self) -> tuple[int, int]:
-        """(lock fd, fingerprint folder fd): DIR and DIR/<fingerprint> each made 0700 if missing, opened without
-        following a symlink and refused unless private (epd_common.private_dir); DIR/.lock flocked."""
-        top = open_top(self.directory)
-        try:
-            lock_fd = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=top)
-        except OSError as e:
-            os.close(top)
-            raise DiskTierError(f"--ec-disk-dir {self.directory}: {e}") from None
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return lock_fd, open_private(self.fingerprint, top, self.directory / self.fingerprint)
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise DiskTierError(f"--ec-disk-dir {self.directory} is in use by another encoder (its .lock is held); "
-                                "give each encoder a folder of its own") from None
-        except BaseException:
-            os.close(lock_fd)
-            raise
-        finally:
-            os.close(top)
-
     def _scan(self) -> None:
-        """Index the folder: whole files of this fingerprint, oldest first; skip and log everything else."""
-        found: list[tuple[int, str, _Entry]] = []
-        with os.scandir(self._dir_fd) as entries:
-            for entry in entries:
-                if entry.name.startswith(_TMP_PREFIX):  # a write cut short (kill -9): never renamed, never used
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.name, dir_fd=self._dir_fd)
-                    continue
-                try:
-                    mtime, mm_hash, size = self._check(entry)
-                except (OSError, DiskFormatError) as e:
-                    self._skip(entry, e)
-                    continue
-                found.append((mtime, mm_hash, _Entry(entry.name, size)))
-        for _, mm_hash, held in sorted(found, key=lambda f: f[0]):
+        """Index the folder's whole files of this fingerprint, oldest first (disk_files: the rest is skipped)."""
+        found, skipped = self._files.index()
+        for mm_hash, held in found:
             self._index[mm_hash] = held
             self._nbytes += held.size
+        self._stats["disk_skipped_files"] += skipped
         self._evict_until(self.cap_bytes())  # the bound may have been lowered since, or the disk filled
         logger.info("disk tier %s: %d items, %d bytes (cap %d), %d files skipped",
-                    self.directory / self.fingerprint, len(self._index), self._nbytes, self._space.cap,
-                    self._stats["disk_skipped_files"])
-
-    def _skip(self, entry: os.DirEntry[str], why: Exception) -> None:
-        """Log and count an entry that is not a usable file of ours; remove it unless it is a folder (the folder
-        is ours: nothing in it is another's to keep, and a file under another key would only take room)."""
-        self._stats["disk_skipped_files"] += 1
-        logger.warning("disk tier: skipped %s/%s: %s", self.directory / self.fingerprint, entry.name, why)
-        if not entry.is_dir(follow_symlinks=False):
-            with contextlib.suppress(OSError):
-                os.unlink(entry.name, dir_fd=self._dir_fd)
-
-    def _check(self, entry: os.DirEntry[str]) -> tuple[int, str, int]:
-        if not entry.name.endswith(SUFFIX) or entry.is_symlink() or not entry.is_file(follow_symlinks=False):
-            raise DiskFormatError("not an embedding file (a symlink, a folder, or another name)")
-        fd = os.open(entry.name, _OPEN_READ, dir_fd=self._dir_fd)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise DiskFormatError("not a regular file")
-            if st.st_uid != os.geteuid():
-                raise DiskFormatError(f"owned by uid {st.st_uid}, not by this process's user")
-            header, _ = read_header(fd, st.st_size, self.fingerprint, self.max_item_bytes, self._key)
-        finally:
-            os.close(fd)
-        if file_name(header.item.mm_hash) != entry.name:
-            raise DiskFormatError("its name is not its item's")
-        return st.st_mtime_ns, header.item.mm_hash, st.st_size
-
-    # reads
-
-    def _read(self, entry: _Entry, mm_hash: str) -> ImageFeatures:
-        fd = os.open(entry.name, _OPEN_READ, dir_fd=self._dir_fd)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
-                raise DiskFormatError(f"changed since it was indexed ({st.st_size} bytes, indexed {entry.size})")
-            header, start = read_header(fd, st.st_size, self.fingerprint, self.max_item_bytes, self._key)
-            if header.item.mm_hash != mm_hash:
-                raise DiskFormatError("holds another item")
-            return read_features(fd, header, start, self._key)
-        finally:
-            os.close(fd)
+                    self.directory / self.fingerprint, len(self._index), self._nbytes, self._space.cap, skipped)
 
     # the writer thread
 
@@ -282,7 +180,7 @@ class DiskTier:
             size = sum(memoryview(p).nbytes for p in parts)
             if size > self.max_bytes:
                 raise DiskFormatError(f"{size} bytes is more than the tier's {self.max_bytes}")
-            if not self._make_room(size) or not self._write_file(name, parts, size):
+            if not self._make_room(size) or not self._files.write(name, parts, size, self._room_for(size)):
                 self._out_of_space(mm_hash)
                 return False
         except Exception as e:  # noqa: BLE001 - a write that fails costs that item's file, never the writer
@@ -291,35 +189,13 @@ class DiskTier:
             logger.error("disk tier: item %s not written: %s", mm_hash[:16], e)
             return False
         with self._lock:
-            self._index[mm_hash] = _Entry(name, size)
+            self._index[mm_hash] = FileEntry(name, size)
             self._nbytes += size
             self._stats["disk_writes"] += 1
             self._stats["disk_write_bytes"] += size
             self._stats["disk_write_seconds"] += time.perf_counter() - start
             self._space.written()
         return True
-
-    def _write_file(self, name: str, parts: list[bytes | memoryview], size: int) -> bool:
-        """Write `.tmp-<random>` whole and rename it to `name`; False when the filesystem is out of space even
-        after least recently used files of `size` bytes were removed to make room (a second try)."""
-        for attempt in range(2):
-            tmp = f"{_TMP_PREFIX}{secrets.token_hex(8)}"
-            try:
-                fd = os.open(tmp, _OPEN_WRITE, 0o600, dir_fd=self._dir_fd)
-                try:
-                    _write_all(fd, parts, size)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-                return True
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=self._dir_fd)
-                if e.errno not in NO_SPACE:
-                    raise
-            if attempt == 0 and not self._evict(lambda: self._nbytes - size):
-                break
-        return False
 
     def _out_of_space(self, mm_hash: str) -> None:
         """An item not written for want of space: counted; logged once until a write succeeds again."""
@@ -340,6 +216,10 @@ class DiskTier:
         self._evict(lambda: self.cap_bytes() - size)
         return True
 
+    def _room_for(self, size: int) -> Callable[[], bool]:
+        """What a write that failed for space calls before its second try: evict files of `size` bytes."""
+        return lambda: self._evict(lambda: self._nbytes - size)
+
     def _evict(self, limit: Callable[[], int]) -> bool:
         """Evict down to `limit()` bytes (evaluated under the lock); whether anything was evicted."""
         with self._lock:
@@ -355,35 +235,18 @@ class DiskTier:
             mm_hash, entry = self._index.popitem(last=False)
             self._nbytes -= entry.size
             self._stats["disk_evictions"] += 1
-            with contextlib.suppress(OSError):
-                os.unlink(entry.name, dir_fd=self._dir_fd)
+            self._files.remove(entry.name)
             if mm_hash not in self._pending:
                 victims.append(mm_hash)
         return victims
 
-    def _forget_entry(self, mm_hash: str, entry: _Entry, failure: bool) -> None:
+    def _forget_entry(self, mm_hash: str, entry: FileEntry, failure: bool) -> None:
         with self._lock:
             if self._index.get(mm_hash) is not entry:
                 return
             del self._index[mm_hash]
             self._nbytes -= entry.size
             self._stats["disk_failures"] += failure
-            with contextlib.suppress(OSError):
-                os.unlink(entry.name, dir_fd=self._dir_fd)
+            self._files.remove(entry.name)
         self.on_forget([mm_hash])
 
-
-def _write_all(fd: int, parts: list[bytes | memoryview], size: int) -> None:
-    """writev until every byte is down (a short write continues where it stopped)."""
-    views = [memoryview(p).cast("B") for p in parts]
-    written = 0
-    while views:
-        n = os.writev(fd, views)
-        written += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    if written != size:
-        raise OSError(errno.EIO, f"wrote {written} of {size} bytes")

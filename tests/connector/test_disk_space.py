@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.tensors import disk_space, disk_tier
+from connector.tensors import disk_files, disk_space
 from connector.tensors.disk_format import encode_file
 from connector.tensors.disk_space import FREE_RESERVE_FRACTION
 from connector.tensors.disk_tier import DiskTier
@@ -74,14 +74,14 @@ def test_no_room_at_all_is_logged_once_not_per_item(tier: Callable[[int], DiskTi
 def enospc(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Writes fail with ENOSPC while the list holds a count above 0 (each failure takes one off; -1: always)."""
     left = [0]
-    real = disk_tier._write_all
+    real = disk_files.write_all
 
     def write_all(fd: int, parts: list[bytes | memoryview], size: int) -> None:
         if left[0]:
             left[0] -= left[0] > 0
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, parts, size)
-    monkeypatch.setattr(disk_tier, "_write_all", write_all)
+    monkeypatch.setattr(disk_files, "write_all", write_all)
     return left
 
 
