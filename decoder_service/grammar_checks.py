@@ -12,16 +12,13 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from decoder_service.engine.interfaces import RequestFault
 from epd_contracts.schema_checks import schema_cost_error, subschemas, unsatisfiable
 
 
-class GuideError(ValueError):
+class GuideError(RequestFault):
     """A spec the library cannot compile, or a token its grammar refuses; `param` is the request field to name,
-    `code` the error code of its 400."""
-
-    def __init__(self, message: str, param: str, code: str = "invalid_value"):
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+    `code` the error code of its 400 (a request's own fault: on the engine thread it ends that request alone)."""
 
 
 def check_schema(schema: dict[str, Any], param: str, specials: re.Pattern[str] | None) -> None:

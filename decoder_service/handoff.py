@@ -28,26 +28,12 @@ from connector.control.security import CurveConfig
 from decoder_service.engine.kv_blocks import KVRefused, check_blocks, export_blocks, kv_layout
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.sequence import Job, Sequence
+from decoder_service.engine.work import Resume
 from epd_common.tracing import span
 from epd_contracts.generate import Event, Handoff, HandoffChoice
 from epd_contracts.kv import KVChoice, KVLayout
 
 logger = logging.getLogger("epd.decoder")
-
-
-@dataclass(frozen=True)
-class Resume:
-    """A request to continue: its hand-off, and the checked blocks of its prompt (None: prefill it here, `why`)."""
-
-    handoff: Handoff
-    kv: torch.Tensor | None = None  # (blocks from first_block on, *KVLayout.block_shape) on the host
-    why: str = ""
-    first_block: int = 0  # the blocks before it were held here already, under the same prefix keys: not fetched
-
-    @property
-    def rows(self) -> int:
-        """Choices that continue here (the others ended at their first token on the prefill worker)."""
-        return sum(c.first_token is not None for c in self.handoff.choices)
 
 
 class HandoffDeclined(Exception):

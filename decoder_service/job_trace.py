@@ -3,16 +3,10 @@ notes times (Job.arrival, Job.admitted, Job.token_times, and while tracing is on
 made here, on the request's own thread, once its stream ends, and cost nothing while tracing is off."""
 from __future__ import annotations
 
-import time
-from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
 
 from decoder_service.engine.sequence import Job
 from epd_common import tracing
-
-if TYPE_CHECKING:
-    from decoder_service.engine.sequence import Sequence
-    from decoder_service.engine.step_inputs import Row
 
 
 def trace_job(job: Job) -> None:
@@ -36,22 +30,6 @@ def trace_job(job: Job) -> None:
     if len(times) > 1:
         tracing.record("decode", first, times[-1], {"epd.tokens": len(times), "epd.choices": job.params.n},
                        job.decode_events)
-
-
-def prefilling(rows: Mapping[Hashable, Row]) -> dict[Hashable, int] | None:
-    """Engine thread, before a step's forward, while tracing is on: each row still prefilling -> its length."""
-    if not tracing.enabled():
-        return None
-    return {key: row.length for key, row in rows.items() if not row.prefilled}
-
-
-def note_chunks(before: Mapping[Hashable, int], rows: Mapping[Hashable, Row], running: Mapping[Any, Sequence]) -> None:
-    """Engine thread, after the forward: each row that prefilled a chunk notes (time, tokens) on its job."""
-    now = time.perf_counter()  # NOTE: on CUDA, when the forward was queued (no sync here)
-    for key, length in before.items():
-        row, seq = rows.get(key), running.get(key)
-        if row is not None and seq is not None and row.length > length:
-            seq.job.prefill_chunks.append((now, row.length - length))
 
 
 def gather_transport(received: Mapping[str, int], inline: bool) -> dict[str, str | int]:

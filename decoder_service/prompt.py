@@ -2,23 +2,12 @@
 tokens; an audio clip's: its audio token once per row)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from decoder_service.engine.work import Prompt
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.base import splice_media
 from epd_models.halves import LanguageHalf
-
-
-@dataclass(frozen=True)
-class Prompt:
-    input_ids: torch.Tensor  # (1, L) int64, placeholders expanded
-    images: list[ImageFeatures]  # images and videos, in prompt order
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[-1])
 
 
 def build_prompt(lm: LanguageHalf, ids: list[int], images: list[ImageFeatures]) -> Prompt:

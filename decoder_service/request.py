@@ -6,7 +6,6 @@ running stream. Whatever cannot run is a 400 naming the field, before the reques
 """
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,9 +14,10 @@ from typing import TYPE_CHECKING
 from jinja2 import TemplateError
 
 from decoder_service.engine.prefix_hash import PrefixChain, prompt_chain
+from decoder_service.engine.work import Prompt, Work
 from decoder_service.grammar import CompiledGuide, GuideCompiler, GuideError, spec_for
 from decoder_service.image_hits import SaltedHits
-from decoder_service.prompt import Prompt, build_prompt
+from decoder_service.prompt import build_prompt
 from decoder_service.video_gather import Gathered
 from epd_common.errors import APIError, bad_request
 from epd_contracts.generate import GenerateRequest
@@ -26,7 +26,6 @@ from epd_models.chat import PromptTooLong, chat_template, image_edges, render
 from epd_models.tool_parsers import ToolFormat, tool_format
 
 if TYPE_CHECKING:
-    from decoder_service.handoff import Resume
     from epd_contracts.embeddings import ImageFeatures
     from epd_models.guide_spec import GuideSpec
     from epd_models.halves import LanguageHalf
@@ -52,33 +51,6 @@ class PendingGuide:
 
 def _refused(exc: GuideError, param: str) -> APIError:
     return bad_request(exc.message, param=exc.param or param, code=exc.code)
-
-
-@dataclass(frozen=True)
-class Work:
-    """One request, ready to run: n choices of `params` from one prefill of `prompt`."""
-
-    prompt: Prompt
-    params: SamplingParams  # max_tokens resolved
-    guide: CompiledGuide | None = None  # each choice makes its own matcher at admission
-    tools: ToolFormat | None = None  # each choice parses its output with its own parser
-    echo: str = ""  # completions with echo: the prompt's text, each choice's first delta
-    held_image_positions: tuple[int, ...] = ()  # sorted prompt positions of the held image (video) rows' tokens
-    chain: PrefixChain | None = None  # the prompt's prefix-cache keys (None: the cache is off, or not cacheable)
-    route_keys: tuple[str, ...] = ()  # the proxy's prefix keys (routing hints, reported in /health)
-    handoff_key: str | None = None  # prefill worker: hand the request off under this key after its first tokens
-    resume: Resume | None = None  # decode worker: continue what a prefill worker began (decoder_service/handoff.py)
-    client: str = ""  # whose request, for fair admission (decoder_service/engine/scheduler.py): its cache_salt
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens of images (and video chunks) whose embeddings were already held (no vision work for this
-        request)."""
-        return len(self.held_image_positions)
-
-    def held_image_tokens_from(self, position: int) -> int:
-        """Tokens of held images at `position` or later (those before it came from the prefix cache)."""
-        return len(self.held_image_positions) - bisect.bisect_left(self.held_image_positions, position)
 
 
 class Preparer:

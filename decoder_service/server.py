@@ -19,12 +19,12 @@ from decoder_service.config import DecoderConfig
 from decoder_service.embedding_check import EmbeddingCheck
 from decoder_service.engine.kv_blocks import kv_layout
 from decoder_service.engine.kv_shape import KVShape
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.memory_plan import KVPlanError, plan_for
 from decoder_service.engine.sequence import Job
 from decoder_service.handoff import HandoffDeclined, HandoffEndpoints
 from decoder_service.job_trace import trace_job
 from decoder_service.metrics import DecoderMetrics
+from decoder_service.shell import Engine
 from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
 from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id, internal_pid

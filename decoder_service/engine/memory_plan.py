@@ -19,7 +19,7 @@ import torch
 from decoder_service.engine.kv_shape import KVShape
 
 if TYPE_CHECKING:
-    from decoder_service.config import DecoderConfig
+    from decoder_service.engine.interfaces import EngineSettings
     from epd_models.halves import LanguageHalf
 
 NULL_BLOCKS = 1  # block 0: always zero, read by padded block-table entries; never given to a sequence
@@ -104,7 +104,7 @@ def kv_budget(*, kv_cache_memory: int, device: torch.device, gpu_memory_utilizat
     return max(0, pool), f"1/{CPU_SHARE} of {_size(total_bytes)} RAM, at most {CPU_HEADROOM:g} of it less the weights"
 
 
-def plan_for(cfg: DecoderConfig, lm: LanguageHalf, used_bytes: int | None = None) -> KVPlan:
+def plan_for(cfg: EngineSettings, lm: LanguageHalf, used_bytes: int | None = None) -> KVPlan:
     """The plan for a loaded LM under cfg. used_bytes: the caller's measure (CUDA: after a profiling forward);
     None measures now (CUDA: the weights only, an upper bound on the pool; CPU: the weights' bytes)."""
     shape = KVShape.of(lm.config.get_text_config(), lm.dtype)
@@ -119,7 +119,7 @@ def plan_for(cfg: DecoderConfig, lm: LanguageHalf, used_bytes: int | None = None
                          used_bytes=used_now if used_bytes is None else used_bytes)
 
 
-def plan_engine(cfg: DecoderConfig, lm: LanguageHalf) -> KVPlan:
+def plan_engine(cfg: EngineSettings, lm: LanguageHalf) -> KVPlan:
     """The engine's plan. CUDA: measured after one profiling forward of a full step (--max-num-batched-tokens
     positions), so its activations count as used (vLLM's rule); CPU: from the weights' bytes."""
     used = None

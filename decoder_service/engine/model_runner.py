@@ -37,7 +37,7 @@ from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.outputs import RowLogits, RunnerOutput, SchedulerOutput
 from decoder_service.engine.prefix_hash import PrefixChain
 from decoder_service.engine.step_inputs import Row, Segment, StepInputs
-from decoder_service.prompt import Prompt
+from decoder_service.engine.work import Prompt
 from epd_models.halves import LanguageHalf
 
 logger = logging.getLogger("epd.decoder")

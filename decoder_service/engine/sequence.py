@@ -20,15 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from decoder_service.engine.detokenizer import IncrementalDetokenizer
+from decoder_service.engine.interfaces import RequestFault, SequenceMetrics
 from decoder_service.engine.sampling import Sampler
-from decoder_service.grammar import GuideError
-from decoder_service.metrics import DecoderMetrics
-from decoder_service.request import Work
+from decoder_service.engine.work import Prompt, Work
 from epd_contracts.generate import Event, TokenLogprob, ToolCallDelta, Usage
 
 if TYPE_CHECKING:
     from decoder_service.engine.logprobs import TokenTable
-    from decoder_service.prompt import Prompt
     from epd_contracts.sampling import SamplingParams
 
 logger = logging.getLogger("epd.decoder")
@@ -160,7 +158,7 @@ class Job:
         """This request failed on the engine thread: log why, tell its client where to look (once)."""
         if self.errored:
             return
-        if isinstance(exc, GuideError):  # its own schema cannot be completed: a 400 naming it, not a server fault
+        if isinstance(exc, RequestFault):  # e.g. its own schema cannot be completed: a 400 naming it, not a server fault
             logger.info("request %s: %s", self.request_id, exc.message)
             self.emit_error(exc.message, status=400, code=exc.code, param=exc.param)
             return
@@ -182,7 +180,7 @@ class Job:
 class Sequence:
     """Choice `index` of a job: turns each chosen token into events; `pending` is the token the next step feeds back."""
 
-    def __init__(self, job: Job, index: int, tokenizer: object, eos_ids: set[int], metrics: DecoderMetrics,
+    def __init__(self, job: Job, index: int, tokenizer: object, eos_ids: set[int], metrics: SequenceMetrics,
                  device: torch.device | str = "cpu", tokens: TokenTable | None = None):
         self.job, self.index, self.metrics = job, index, metrics
         work, params = job.work, job.params

@@ -13,7 +13,7 @@ import torch
 
 from decoder_service.engine.kv_cache import Group, StepPlan, causal_mask, int_tensor
 from decoder_service.engine.prefix_hash import PrefixChain
-from decoder_service.prompt import Prompt
+from decoder_service.engine.work import Prompt
 from epd_models.halves import LanguageHalf
 
 DECODE_SPLIT_BLOCKS = 8  # CPU: a decode row this many blocks longer than its group's first (and twice as long) splits

@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry
 
 from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.sequence import Job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt, build_prompt
+from decoder_service.shell import Engine
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import Event
 from epd_contracts.sampling import SamplingParams

@@ -11,10 +11,10 @@ import httpx
 import pytest
 import torch
 
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.sequence import Job, Sequence
 from decoder_service.prompt import Prompt
 from decoder_service.server import DecoderState
+from decoder_service.shell import Engine
 from epd_common.errors import APIError
 from epd_contracts.generate import Event, GenerateRequest
 from epd_contracts.sampling import SamplingParams

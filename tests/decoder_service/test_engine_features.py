@@ -11,10 +11,10 @@ import msgspec
 import pytest
 import torch
 
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.generate import generate
 from decoder_service.grammar import GuideError
 from decoder_service.request import Work
+from decoder_service.shell import Engine
 from decoder_service.video_gather import Gathered
 from epd_common.errors import APIError
 from epd_contracts.embeddings import ImageFeatures

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from decoder_service.engine.kv_blocks import KVRefused, check_blocks
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.handoff import HandoffOut, Resume, resume_from
 from decoder_service.prompt import Prompt
 from decoder_service.request import Work
+from decoder_service.shell import Engine
 from epd_builders.tiny import FAMILIES
 from epd_contracts.generate import Event, GenerateRequest, Handoff, HandoffChoice, ResponseFormat, ToolChoice
 from epd_contracts.kv import KVChoice, KVLayout

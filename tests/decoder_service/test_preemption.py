@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from decoder_service.engine.kv_shape import KVShape
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.sequence import Job
 from decoder_service.job_trace import trace_job
 from decoder_service.prompt import Prompt, build_prompt
+from decoder_service.shell import Engine
 from epd_builders.tiny import FAMILIES
 from epd_common import tracing
 from epd_contracts.hashing import multi_image_item

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.metrics import DecoderMetrics
+from decoder_service.shell import Engine
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf

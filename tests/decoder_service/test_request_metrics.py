@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.producer import ECProducer
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.metrics import DecoderMetrics
+from decoder_service.shell import Engine
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import GenerateRequest, ImageRef
 from epd_contracts.hashing import mm_hash

@@ -20,9 +20,9 @@ from connector.tensors.producer import ECProducer
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.embedding_check import EmbeddingCheck
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.request import Work
+from decoder_service.shell import Engine
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from epd_common.errors import APIError
 from epd_contracts.generate import ChunkRef, GenerateRequest, ImageRef

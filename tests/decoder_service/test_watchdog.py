@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.llm_engine import Engine
+from decoder_service.shell import Engine
 from decoder_service.watchdog import EXIT_ENGINE_FAILED
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.conftest import served
@@ -109,12 +109,12 @@ def test_a_step_that_blocks_is_503_engine_stalled_after_the_timeout(
 SCRIPT = """
 import sys
 from decoder_service import cli
-from decoder_service.engine import llm_engine as engine
+from decoder_service.engine.llm_engine import LLMEngine
 
 def broken(self, block):
     raise SystemError("injected engine fault")
 
-engine.Engine._take_new_jobs = broken  # the engine thread dies at once, outside any request
+LLMEngine._take_new_jobs = broken  # the engine thread dies at once, outside any request
 cli.main(sys.argv[1:])
 """
 

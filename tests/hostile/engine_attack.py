@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.sequence import Job
 from decoder_service.prompt import Prompt
 from decoder_service.request import Work
+from decoder_service.shell import Engine
 from epd_contracts.sampling import SamplingParams
 from tests.decoder_service.engine_run import Result, collect
 

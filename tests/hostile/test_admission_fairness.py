@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from decoder_service.engine.kv_shape import KVShape
-from decoder_service.engine.llm_engine import Engine
+from decoder_service.shell import Engine
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.engine_run import greedy, make_engine, run, text_prompt
 from tests.hostile.engine_attack import MEMORY_BOUND, attack

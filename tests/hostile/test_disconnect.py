@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.server import create_app as decoder_app
+from decoder_service.shell import Engine
 from epd_common.server import HttpLimits
 from epd_models.halves import LanguageHalf
 from proxy.app import create_app as proxy_app

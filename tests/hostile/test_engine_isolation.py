@@ -23,9 +23,9 @@ import torch
 import decoder_service.engine.sequence as sequence_module
 from decoder_service.engine.detokenizer import IncrementalDetokenizer
 from decoder_service.engine.kv_cache import current_plan
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.sampling import Sampler
 from decoder_service.prompt import Prompt
+from decoder_service.shell import Engine
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.sampling import SamplingParams
 from tests.decoder_service.engine_run import Result, greedy, make_engine, run, text_prompt

@@ -15,8 +15,8 @@ import pytest
 import uvicorn
 
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.server import create_app
+from decoder_service.shell import Engine
 from epd_contracts.generate import GenerateRequest
 from epd_models.demo import DEMO_DIR
 from epd_models.halves import LanguageHalf
