@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from decoder_service.engine.kv_cache import Group, Mask, StepPlan
+from decoder_service.engine.step_plan import Group, Mask, StepPlan
 
 HALF = (torch.float16, torch.bfloat16)
 

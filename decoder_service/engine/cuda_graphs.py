@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from decoder_service.engine.cuda_attention import HALF, VarlenMeta, paged_supported, row_lengths
-from decoder_service.engine.kv_cache import Group, PagedCache, StepPlan
+from decoder_service.engine.kv_cache import PagedCache
+from decoder_service.engine.step_plan import Group, StepPlan
 
 if TYPE_CHECKING:
     from epd_models.halves import LanguageHalf

@@ -32,9 +32,10 @@ from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
 from decoder_service.engine.fairness import split_prefill_budget
 from decoder_service.engine.kv_blocks import import_blocks
-from decoder_service.engine.kv_cache import ATTENTION, PagedCache
+from decoder_service.engine.kv_cache import PagedCache
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.outputs import RowLogits, RunnerOutput, SchedulerOutput
+from decoder_service.engine.paged_attention import ATTENTION
 from decoder_service.engine.prefix_hash import PrefixChain
 from decoder_service.engine.step_inputs import Row, Segment, StepInputs
 from decoder_service.engine.work import Prompt

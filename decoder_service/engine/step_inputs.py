@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from decoder_service.engine.kv_cache import Group, StepPlan, causal_mask, int_tensor
 from decoder_service.engine.prefix_hash import PrefixChain
+from decoder_service.engine.step_plan import Group, StepPlan, causal_mask, int_tensor
 from decoder_service.engine.work import Prompt
 from epd_models.halves import LanguageHalf
 

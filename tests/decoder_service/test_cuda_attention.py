@@ -1,6 +1,6 @@
 """The varlen metadata a step's plan becomes on CUDA, and what it means: fed to a plain-torch varlen over the paged
 pool (decoder_service/engine/cuda_attention.py: reference_varlen), it gives what the CPU path of
-kv_cache.paged_attention gives, for causal, sliding-window and bidirectional-image (Gemma 3) masks."""
+paged_attention.paged_attention gives, for causal, sliding-window and bidirectional-image (Gemma 3) masks."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decoder_service.engine import kv_cache
+from decoder_service.engine import paged_attention
 from decoder_service.engine.cuda_attention import (
     build_meta,
     meta_of,
@@ -17,8 +17,9 @@ from decoder_service.engine.cuda_attention import (
     varlen_paged_attention,
     window_mask,
 )
-from decoder_service.engine.kv_cache import Group, PagedCache, StepPlan
+from decoder_service.engine.kv_cache import PagedCache
 from decoder_service.engine.kv_shape import KVShape
+from decoder_service.engine.step_plan import Group, StepPlan
 
 BS, KV_HEADS, HEADS, DIM, BLOCKS, WINDOW = 4, 2, 4, 8, 40, 3
 DECODE = [5, 12, 0]  # the decode rows' positions (each reads start + 1 positions)
@@ -83,7 +84,7 @@ def _cpu(cache: PagedCache, module: SimpleNamespace, query: torch.Tensor, plan: 
     assert layer.keys is not None and layer.values is not None
     cache.activate(plan)
     try:
-        return kv_cache.paged_attention(module, query, layer.keys, layer.values, None, scaling=0.3)[0][0]
+        return paged_attention.paged_attention(module, query, layer.keys, layer.values, None, scaling=0.3)[0][0]
     finally:
         cache.activate(None)
 

@@ -22,8 +22,8 @@ import torch
 
 import decoder_service.engine.sequence as sequence_module
 from decoder_service.engine.detokenizer import IncrementalDetokenizer
-from decoder_service.engine.kv_cache import current_plan
 from decoder_service.engine.sampling import Sampler
+from decoder_service.engine.step_plan import current_plan
 from decoder_service.prompt import Prompt
 from decoder_service.shell import Engine
 from epd_contracts.embeddings import ImageFeatures

@@ -21,10 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from decoder_service.cli import parse_args as decoder_args
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.kv_cache import PagedCache, StepPlan
+from decoder_service.engine.kv_cache import PagedCache
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.model_runner import BatchRunner
 from decoder_service.engine.sampling import Sampler
+from decoder_service.engine.step_plan import StepPlan
 from decoder_service.prompt import build_prompt
 from encoder_service.cli import parse_args as encoder_args
 from encoder_service.config import EncoderConfig

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig, AutoProcessor
 from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
-from decoder_service.engine.kv_cache import causal_mask
 from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.step_plan import causal_mask
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_models.base import splice_spans
