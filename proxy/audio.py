@@ -1,5 +1,6 @@
-"""A request's audio parts (OpenAI's input_audio, vLLM's audio_url): counted, refused for a model without audio,
-loaded, probed and hashed; each step before the next one costs anything.
+"""The audio kind: a request's audio parts (OpenAI's input_audio, vLLM's audio_url) counted, refused for a model
+without audio, loaded, probed, hashed and planned in chunks; each step before the next one costs anything. A video's
+sound track (mm_processor_kwargs.use_audio_in_video) is probed and planned here too, for proxy/video.py.
 
 1. counted with the images and videos (proxy/prepare.py): more than --max-audios-per-request is a 400
    too_many_audios before anything is loaded;
@@ -31,10 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from epd_common.errors import APIError, bad_request
 from epd_contracts.audio import AudioConfig, AudioPart, audio_hash, plan_chunks
+from epd_contracts.generate import ImageRef
 from proxy.config import ProxyConfig
-from proxy.fetch import MediaKind
+from proxy.content_parts import AudioURLPart, InputAudioPart, MMProcessorKwargs
 from proxy.media import fleet_config, load_media_bytes
-from proxy.protocol import AudioURLPart, InputAudioPart, MMProcessorKwargs
+from proxy.media_kind import MediaContext, MediaKind, Placement, chunked_ref
+from proxy.media_rules import MediaBytes
 from scheduler.scheduler import MMItem
 
 if TYPE_CHECKING:
@@ -54,7 +57,6 @@ class AudioRef:
     url: str | None = None  # audio_url.url
     data: str | None = None  # input_audio.data (base64)
     fmt: str | None = None  # input_audio.format: "wav" or "mp3"
-    kind: str = "audio"
 
     @property
     def param(self) -> str:
@@ -75,15 +77,8 @@ class AudioItem:
     param: str = ""  # the request field of its bytes
     in_video: bool = False  # the sound track of the video before it (mm_processor_kwargs.use_audio_in_video)
 
-
-def audio_ref(part: InputAudioPart | AudioURLPart, where: str) -> AudioRef:
-    if isinstance(part, AudioURLPart):
-        return AudioRef(where, url=part.audio_url.url)
-    return AudioRef(where, data=part.input_audio.data, fmt=part.input_audio.format)
-
-
-def audio_kind(cfg: ProxyConfig) -> MediaKind:
-    return MediaKind("audio", cfg.max_audio_bytes)
+    def decoder_ref(self, at: Placement) -> ImageRef:
+        return chunked_ref(self, at, audio=self.audio, in_video=self.in_video)
 
 
 def fleet_audio_config(identity: dict[str, Any] | None) -> AudioConfig | None:
@@ -91,39 +86,16 @@ def fleet_audio_config(identity: dict[str, Any] | None) -> AudioConfig | None:
     return fleet_config(identity, "audio", AudioConfig.from_dict)
 
 
-def audio_support(refs: list[AudioRef], config: AudioConfig | None) -> AudioConfig | None:
-    """`config` when the request has audio the model takes; None without audio; 400 audio_not_supported naming the
-    first audio part when the model takes none (checked before anything is loaded)."""
-    if not refs:
-        return None
-    if config is None:
-        raise bad_request("this model does not take audio input", refs[0].part, code="audio_not_supported")
-    return config
-
-
-def track_support(kwargs: MMProcessorKwargs | None, media: Sequence[Any], config: AudioConfig | None
-                  ) -> AudioConfig | None:
-    """The fleet's AudioConfig when the request asks for its videos' sound tracks (mm_processor_kwargs.
-    use_audio_in_video) and has a video; None when it does not; 400 audio_not_supported when the model does not
+def track_support(kwargs: MMProcessorKwargs | None, config: AudioConfig | None) -> AudioConfig | None:
+    """For a request with a video: the fleet's AudioConfig when the request asks for its videos' sound tracks
+    (mm_processor_kwargs.use_audio_in_video); None when it does not; 400 audio_not_supported when the model does not
     interleave a track with its video (checked before anything is loaded)."""
-    if kwargs is None or not kwargs.use_audio_in_video or not any(m.kind == "video" for m in media):
+    if kwargs is None or not kwargs.use_audio_in_video:
         return None
     if config is None or not config.in_video:
         raise bad_request("this model does not take a video's sound track with its frames",
                           "mm_processor_kwargs.use_audio_in_video", code="audio_not_supported")
     return config
-
-
-def load_audios(refs: list[AudioRef], cfg: ProxyConfig, deadline: float | None,
-                config: AudioConfig) -> list[AudioItem]:
-    """Each audio part in order -> its probed AudioItem (a clip repeated in the request is loaded once)."""
-    loaded: dict[tuple[str | None, ...], AudioItem] = {}
-    for ref in refs:
-        key = (ref.url, ref.data, ref.fmt)
-        if key not in loaded:
-            data = audio_bytes(ref, cfg, deadline)
-            loaded[key] = plan_audio(data, probe(data, ref.param, ref.fmt, cfg), ref.param, cfg, config)
-    return [loaded[(ref.url, ref.data, ref.fmt)] for ref in refs]
 
 
 def plan_audio(data: bytes, info: AudioInfo, param: str, cfg: ProxyConfig, config: AudioConfig) -> AudioItem:
@@ -144,7 +116,7 @@ def plan_audio(data: bytes, info: AudioInfo, param: str, cfg: ProxyConfig, confi
 
 def audio_bytes(ref: AudioRef, cfg: ProxyConfig, deadline: float | None) -> bytes:
     if ref.url is not None:
-        return load_media_bytes(ref.url, audio_kind(cfg), ref.param, cfg, deadline)
+        return load_media_bytes(ref.url, MediaBytes("audio", cfg.max_audio_bytes), ref.param, cfg, deadline)
     assert ref.data is not None, "an input_audio part has data"
     return decode_base64(ref.data, ref.param, cfg.max_audio_bytes)
 
@@ -195,3 +167,41 @@ def load_tracks(videos: list[tuple[str, bytes]], cfg: ProxyConfig, config: Audio
                 raise
             planned[data] = replace(plan_audio(data, info, param, cfg, config), in_video=True)
     return [planned[data] for _, data in videos]
+
+
+class AudioKind(MediaKind[AudioRef, AudioConfig, "AudioInfo", AudioItem]):
+    name, plural, parts = "audio", "audio parts", (InputAudioPart, AudioURLPart)
+    only_user = "audio is only allowed in user messages"
+
+    def limit(self, cfg: ProxyConfig) -> int:
+        return cfg.max_audios_per_request
+
+    def url(self, part: InputAudioPart | AudioURLPart) -> str | None:
+        return part.audio_url.url if isinstance(part, AudioURLPart) else None
+
+    def ref(self, part: InputAudioPart | AudioURLPart, where: str) -> AudioRef:
+        if isinstance(part, AudioURLPart):
+            return AudioRef(where, url=part.audio_url.url)
+        return AudioRef(where, data=part.input_audio.data, fmt=part.input_audio.format)
+
+    def accept(self, refs: Sequence[AudioRef], ctx: MediaContext) -> AudioConfig:
+        """400 audio_not_supported naming the first audio part when the model takes no audio."""
+        if ctx.model.audio is None:
+            raise bad_request("this model does not take audio input", refs[0].part, code="audio_not_supported")
+        return ctx.model.audio
+
+    def key(self, ref: AudioRef) -> object:
+        return ref.url, ref.data, ref.fmt
+
+    def load(self, ref: AudioRef, settings: AudioConfig, ctx: MediaContext) -> bytes:
+        return audio_bytes(ref, ctx.cfg, ctx.deadline)
+
+    def probe(self, data: bytes, ref: AudioRef, settings: AudioConfig, ctx: MediaContext) -> AudioInfo:
+        return probe(data, ref.param, ref.fmt, ctx.cfg)
+
+    def plan(self, data: bytes, info: AudioInfo, ref: AudioRef, settings: AudioConfig,
+             ctx: MediaContext) -> AudioItem:
+        return plan_audio(data, info, ref.param, ctx.cfg, settings)
+
+
+AUDIO = AudioKind()

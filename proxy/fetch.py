@@ -1,11 +1,11 @@
-"""http(s) media downloads (images, videos, audio) with an SSRF guard.
+"""http(s) media downloads (images, videos, audio), each hop to an address the SSRF guard checked.
 
-The host is resolved once and every address it resolves to must be public (not loopback, private,
-link-local -- which includes the 169.254.169.254 cloud metadata address --, unspecified, multicast, reserved
-or otherwise non-global); the connection goes to the address that was checked, so a second DNS answer cannot
-rebind it to an internal one. Hosts named in ``ProxyConfig.allowed_media_domains`` skip the address check
+The host is resolved once and every address it resolves to must be public (``proxy/ssrf.py``: not loopback,
+private, link-local -- which includes the 169.254.169.254 cloud metadata address --, unspecified, multicast,
+reserved or otherwise non-global); the connection goes to the address that was checked, so a second DNS answer
+cannot rebind it to an internal one. Hosts named in ``ProxyConfig.allowed_media_domains`` skip the address check
 (but are still pinned). Redirects are followed by hand, at most ``MAX_REDIRECTS``, and each target is checked
-by the same rules before it is contacted. The body is capped at its kind's byte limit (``MediaKind.max_bytes``:
+by the same rules before it is contacted. The body is capped at its kind's byte limit (``MediaBytes.max_bytes``:
 --max-image-bytes, --max-video-bytes, --max-audio-bytes) while it is read.
 
 Time is bounded twice: each download by ``TOTAL_TIMEOUT_FACTOR`` x ``media_fetch_timeout`` (400), and all of a
@@ -21,10 +21,7 @@ itself gets its 408 from the event loop one second after its deadline (``proxy/f
 from __future__ import annotations
 
 import functools
-import ipaddress
 import os
-import re
-import socket
 import ssl
 import time
 from dataclasses import dataclass
@@ -35,57 +32,18 @@ import httpx
 
 from epd_common.tracing import span
 from proxy.config import ProxyConfig
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+from proxy.media_rules import MediaBytes, MediaError
+from proxy.ssrf import IPAddress, check_fetch_target, host_of, is_ip_literal, valid_host
 
 MAX_REDIRECTS = 5
 # The whole download (all hops, connect to last byte) must finish within this many media_fetch_timeouts;
 # the per-read timeout alone would let a server that trickles a byte at a time hold a worker thread for hours.
 TOTAL_TIMEOUT_FACTOR = 3
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
-# Names of cloud metadata services, refused even before resolving (they may be reachable without resolving to
-# a link-local address, e.g. through a resolver search domain or a metadata proxy).
-METADATA_HOSTS = frozenset({
-    "metadata", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal",
-    "metadata.azure.internal", "metadata.tencentyun.com", "metadata.oraclecloud.com",
-})
 # Generic binary types some servers use for media; accepted because the bytes are then identified by content
 # (open_image accepts only a recognised image format, probe_video only an allowed container and codec), so nothing
 # but an image (a video) gets through either way.
 _GENERIC_CONTENT_TYPES = frozenset({"", "application/octet-stream", "binary/octet-stream"})
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
-_HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
-
-
-# a reason a media reference is refused -> its error code, by the media kind's name
-_CODES = {"invalid_url": "invalid_{}_url", "forbidden": "{}_url_forbidden", "failed": "{}_fetch_failed",
-          "too_large": "{}_too_large", "invalid": "invalid_{}", "timeout": "{}_fetch_timeout"}
-
-
-class MediaError(Exception):
-    """A media reference we refuse; proxy.media turns it into an error (400 unless `status` says otherwise)
-    naming the request field."""
-
-    def __init__(self, code: str, message: str, status: int = 400):
-        super().__init__(message)
-        self.code, self.message, self.status = code, message, status
-
-
-@dataclass(frozen=True)
-class MediaKind:
-    """What a URL is loaded as: its name (in messages and error codes: image_too_large, invalid_video_url, ...),
-    the byte cap of one file, and the media types taken from a server or a data: URL (``<name>/*``)."""
-
-    name: str  # "image", "video" or "audio"
-    max_bytes: int
-
-    @property
-    def accept(self) -> str:
-        return f"{self.name}/*"
-
-    def error(self, reason: str, message: str, status: int = 400) -> MediaError:
-        """The MediaError for `reason` (a key of _CODES): e.g. "too_large" -> code video_too_large."""
-        return MediaError(_CODES[reason].format(self.name), message, status)
 
 
 @dataclass(frozen=True)
@@ -94,7 +52,7 @@ class Deadline:
 
     at: float
     of_request: bool  # the request's media deadline (a 408), not the download's own time limit (a 400)
-    kind: MediaKind
+    kind: MediaBytes
 
     def remaining(self) -> float:
         return self.at - time.monotonic()
@@ -103,11 +61,11 @@ class Deadline:
         k = self.kind.name
         if self.of_request:
             return self.kind.error("timeout", f"the request's media were not loaded within the media fetch deadline "
-                                              f"(still fetching {k} from {_host(url)!r})", status=408)
-        return self.kind.error("failed", f"timed out fetching {k} from {_host(url)!r}")
+                                              f"(still fetching {k} from {host_of(url)!r})", status=408)
+        return self.kind.error("failed", f"timed out fetching {k} from {host_of(url)!r}")
 
 
-def download_deadline(cfg: ProxyConfig, request_deadline: float | None, kind: MediaKind) -> Deadline:
+def download_deadline(cfg: ProxyConfig, request_deadline: float | None, kind: MediaBytes) -> Deadline:
     """The earlier of the download's own limit and the request's deadline (if any)."""
     own = time.monotonic() + TOTAL_TIMEOUT_FACTOR * cfg.media_fetch_timeout
     if request_deadline is not None and request_deadline <= own:
@@ -115,7 +73,7 @@ def download_deadline(cfg: ProxyConfig, request_deadline: float | None, kind: Me
     return Deadline(own, of_request=False, kind=kind)
 
 
-def fetch_http(url: str, kind: MediaKind, cfg: ProxyConfig, request_deadline: float | None = None) -> bytes:
+def fetch_http(url: str, kind: MediaBytes, cfg: ProxyConfig, request_deadline: float | None = None) -> bytes:
     """GET an image or a video, following redirects by hand so each hop is checked before any connection is made."""
     deadline = download_deadline(cfg, request_deadline, kind)
     target = parse_http_url(url, kind)
@@ -134,7 +92,7 @@ def fetch_http(url: str, kind: MediaKind, cfg: ProxyConfig, request_deadline: fl
         return data
 
 
-def _follow(target: httpx.URL, kind: MediaKind, cfg: ProxyConfig, deadline: Deadline) -> bytes:
+def _follow(target: httpx.URL, kind: MediaBytes, cfg: ProxyConfig, deadline: Deadline) -> bytes:
     """The file at `target`, through at most MAX_REDIRECTS redirects, each hop checked before it is contacted."""
     for _ in range(MAX_REDIRECTS + 1):
         addresses = check_fetch_target(target, cfg, kind)
@@ -142,75 +100,17 @@ def _follow(target: httpx.URL, kind: MediaKind, cfg: ProxyConfig, deadline: Dead
         if isinstance(outcome, bytes):
             return outcome
         target = outcome
-    raise kind.error("failed", f"more than {MAX_REDIRECTS} redirects fetching {kind.name} from {_host(target)!r}")
+    raise kind.error("failed", f"more than {MAX_REDIRECTS} redirects fetching {kind.name} from {host_of(target)!r}")
 
 
-def parse_http_url(url: str, kind: MediaKind) -> httpx.URL:
+def parse_http_url(url: str, kind: MediaBytes) -> httpx.URL:
     try:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as exc:
         raise kind.error("invalid_url", f"{kind.name} URL is not a valid URL") from exc
-    if parsed.scheme not in ("http", "https") or not _valid_host(parsed.raw_host.decode("ascii")):
+    if parsed.scheme not in ("http", "https") or not valid_host(parsed.raw_host.decode("ascii")):
         raise kind.error("invalid_url", f"{kind.name} URL must be http(s)://host/... with a valid host name")
     return parsed
-
-
-def check_fetch_target(url: httpx.URL, cfg: ProxyConfig, kind: MediaKind) -> list[IPAddress]:
-    """Resolve the URL's host and return the addresses that may be connected to, refusing non-public ones.
-
-    Runs before any connection. A host listed in cfg.allowed_media_domains (exact, case-insensitive; names or
-    IP literals) may resolve anywhere; for any other host every resolved address must be public, so a name
-    with one public and one private address is refused too.
-    """
-    names = _host_names(url)
-    allowed = not names.isdisjoint(_allowed_hosts(cfg))
-    if not allowed and not names.isdisjoint(METADATA_HOSTS):
-        raise kind.error("forbidden", f"{kind.name} host {_host(url)!r} is a cloud metadata service")
-    addresses = resolve(url, kind)
-    if not allowed and not all(is_public_address(a) for a in addresses):
-        raise kind.error("forbidden", f"{kind.name} host {_host(url)!r} resolves to a non-public address (loopback, "
-                                      "private, link-local or reserved); the server must list it in "
-                                      "--allowed-media-domains")
-    return addresses
-
-
-def resolve(url: httpx.URL, kind: MediaKind) -> list[IPAddress]:
-    """All addresses the URL's host resolves to (an IP literal resolves to itself, in any inet_aton form)."""
-    host = url.raw_host.decode("ascii")
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise kind.error("failed", f"cannot resolve {kind.name} host {_host(url)!r}") from exc
-    addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos
-                                   if info[0] in (socket.AF_INET, socket.AF_INET6)))
-    if not addresses:
-        raise kind.error("failed", f"cannot resolve {kind.name} host {_host(url)!r}")
-    return addresses
-
-
-def is_public_address(ip: IPAddress) -> bool:
-    """False for loopback, private (RFC 1918, fc00::/7), link-local, unspecified, multicast, reserved and any
-    other non-global range (e.g. 100.64/10), also when wrapped in an IPv6 form that routes to IPv4."""
-    return not any(a.is_loopback or a.is_private or a.is_link_local or a.is_unspecified or a.is_multicast
-                   or a.is_reserved or not a.is_global for a in _address_forms(ip))
-
-
-def _address_forms(ip: IPAddress) -> list[IPAddress]:
-    """The addresses that decide where a connection to `ip` really goes.
-
-    IPv4-mapped (::ffff:a.b.c.d) and NAT64 (64:ff9b::a.b.c.d) addresses reach the embedded IPv4 address, so
-    that is what is judged (the IPv6 forms themselves are 'reserved'); a 6to4 address must be public in both
-    forms.
-    """
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return [ip.ipv4_mapped]
-        if ip in _NAT64:
-            return [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)]
-        if ip.sixtofour is not None:
-            return [ip, ip.sixtofour]
-    return [ip]
 
 
 def pinned_request(url: httpx.URL, address: IPAddress, timeout: float, accept: str) -> httpx.Request:
@@ -224,7 +124,7 @@ def pinned_request(url: httpx.URL, address: IPAddress, timeout: float, accept: s
     headers = {"Host": url.netloc.decode("ascii"), "Accept": accept, "Accept-Encoding": "identity",
                "User-Agent": "epd-proxy"}
     extensions: dict[str, Any] = {"timeout": httpx.Timeout(timeout).as_dict()}
-    if url.scheme == "https" and not _is_ip_literal(url.raw_host.decode("ascii")):
+    if url.scheme == "https" and not is_ip_literal(url.raw_host.decode("ascii")):
         extensions["sni_hostname"] = url.raw_host.decode("ascii")
     return httpx.Request("GET", url.copy_with(host=str(address)), headers=headers, extensions=extensions)
 
@@ -245,9 +145,9 @@ def fetch_once(url: httpx.URL, addresses: list[IPAddress], cfg: ProxyConfig, dea
     except httpx.TimeoutException as exc:
         if deadline.remaining() <= 0.05:  # the read timeout was cut to the deadline: that is what ran out
             raise deadline.error(url) from exc
-        raise deadline.kind.error("failed", f"timed out fetching {deadline.kind.name} from {_host(url)!r}") from exc
+        raise deadline.kind.error("failed", f"timed out fetching {deadline.kind.name} from {host_of(url)!r}") from exc
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise deadline.kind.error("failed", f"could not fetch {deadline.kind.name} from {_host(url)!r}") from exc
+        raise deadline.kind.error("failed", f"could not fetch {deadline.kind.name} from {host_of(url)!r}") from exc
 
 
 def fetch_from(url: httpx.URL, address: IPAddress, cfg: ProxyConfig, deadline: Deadline) -> bytes | httpx.URL:
@@ -287,7 +187,7 @@ def _read_response(url: httpx.URL, response: httpx.Response, deadline: Deadline)
     if response.status_code in _REDIRECTS:
         return redirect_target(url, response, kind)
     if response.status_code != 200:
-        raise kind.error("failed", f"{kind.name} host {_host(url)!r} answered HTTP {response.status_code}")
+        raise kind.error("failed", f"{kind.name} host {host_of(url)!r} answered HTTP {response.status_code}")
     check_content_type(url, response, kind)
     declared = response.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > kind.max_bytes:
@@ -295,9 +195,9 @@ def _read_response(url: httpx.URL, response: httpx.Response, deadline: Deadline)
     return read_capped(url, response, deadline)
 
 
-def redirect_target(url: httpx.URL, response: httpx.Response, kind: MediaKind) -> httpx.URL:
+def redirect_target(url: httpx.URL, response: httpx.Response, kind: MediaBytes) -> httpx.URL:
     """Where a redirect points, resolved against the original (not the pinned) URL; only http(s) targets."""
-    host = f"{kind.name} host {_host(url)!r}"
+    host = f"{kind.name} host {host_of(url)!r}"
     location = response.headers.get("location")
     if not location:
         raise kind.error("failed", f"{host} sent a redirect without a Location")
@@ -310,21 +210,21 @@ def redirect_target(url: httpx.URL, response: httpx.Response, kind: MediaKind) -
         raise kind.error("failed", f"{host} redirected to an invalid URL") from exc
     if target.scheme not in ("http", "https"):
         raise kind.error("forbidden", f"{host} redirected to a non-http(s) URL")
-    if not _valid_host(target.raw_host.decode("ascii")):
+    if not valid_host(target.raw_host.decode("ascii")):
         raise kind.error("failed", f"{host} redirected to an invalid URL")
     return target
 
 
-def check_content_type(url: httpx.URL, response: httpx.Response, kind: MediaKind) -> None:
+def check_content_type(url: httpx.URL, response: httpx.Response, kind: MediaBytes) -> None:
     """The kind's types (image/*, video/*) are accepted; so are application/octet-stream and a missing type,
     because the bytes are then identified by content anyway. Anything else (text/html, JSON error pages, ...) is
     refused before the body is read."""
     content_type = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if not (content_type.startswith(f"{kind.name}/") or content_type in _GENERIC_CONTENT_TYPES):
-        raise kind.error("invalid", f"{kind.name} URL on {_host(url)!r} returned {content_type!r}, not {kind.accept}")
+        raise kind.error("invalid", f"{kind.name} URL on {host_of(url)!r} returned {content_type!r}, not {kind.accept}")
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # we asked for identity; decoding could expand far past the cap
-        raise kind.error("failed", f"{kind.name} host {_host(url)!r} sent a {encoding!r}-encoded body")
+        raise kind.error("failed", f"{kind.name} host {host_of(url)!r} sent a {encoding!r}-encoded body")
 
 
 def read_capped(url: httpx.URL, response: httpx.Response, deadline: Deadline) -> bytes:
@@ -342,31 +242,3 @@ def read_capped(url: httpx.URL, response: httpx.Response, deadline: Deadline) ->
     return b"".join(chunks)
 
 
-def _host(url: httpx.URL) -> str:
-    return url.host
-
-
-def _host_names(url: httpx.URL) -> set[str]:
-    """The host as written and in its IDNA (ASCII) form, lower case, without a trailing dot."""
-    return {_normalise_host(url.host), _normalise_host(url.raw_host.decode("ascii"))}
-
-
-def _allowed_hosts(cfg: ProxyConfig) -> set[str]:
-    return {_normalise_host(h) for h in cfg.allowed_media_domains if h.strip()}
-
-
-def _normalise_host(host: str) -> str:
-    return host.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
-
-
-def _valid_host(host: str) -> bool:
-    """A DNS name (IDNA-encoded already) or an IP literal; httpx lets through hosts like 'exa mple.com'."""
-    return bool(_HOSTNAME.fullmatch(host)) or _is_ip_literal(host)
-
-
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True

@@ -2,25 +2,22 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import httpx
 import msgspec
 
 from epd_common.errors import APIError
 from epd_common.tracing import span
-from epd_contracts.generate import ChunkRef, Event, Handoff, ImageRef
-from proxy.audio import AudioItem
+from epd_contracts.generate import Event, Handoff
 from proxy.decoder_http import DecoderResponse
 from proxy.fleet import Fleet, ItemRefused, WorkerFailed
+from proxy.media_kind import Placement
 from proxy.prepare import PreparedChat
-from proxy.video import VideoItem
 from proxy.workers import Worker, WorkerDown, until_down
-from scheduler.scheduler import MMItem, SchedulerOutput
+from scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger("epd.proxy")
 
@@ -114,7 +111,8 @@ class Generation:
         """A gather miss re-encodes the missing items and retries once on the same decoder."""
         assert self.decoder is not None
         for attempt in (0, 1):
-            body = self.chat.request([self._ref(it, pending) for it in self.chat.items])
+            at = Placement(self.sources, pending, self.cached, self.fleet.cfg.aggregated)
+            body = self.chat.request([it.decoder_ref(at) for it in self.chat.items])
             if self.role == "prefill":
                 body = msgspec.structs.replace(body, handoff_key=self.handoff_key)
             elif self.handoff is not None:
@@ -180,29 +178,6 @@ class Generation:
         await asyncio.gather(opening, return_exceptions=True)
         await self.close_stream()
         await self.open(sources)
-
-    def _ref(self, item: MMItem | VideoItem | AudioItem, pending: frozenset[str]) -> ImageRef:
-        """The decoder's reference to one image, video or clip: where its embeddings are, or (aggregated) its
-        bytes."""
-        if isinstance(item, (VideoItem, AudioItem)):
-            return self._chunked(item, pending)
-        if self.fleet.cfg.aggregated:  # the decoder encodes it: send the bytes
-            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), detail=item.detail,
-                            multi_image=item.multi_image)
-        return ImageRef(mm_hash=item.mm_hash, source=self.sources[item.mm_hash], pending=item.mm_hash in pending,
-                        cached=item.mm_hash in self.cached, detail=item.detail, multi_image=item.multi_image)
-
-    def _chunked(self, item: VideoItem | AudioItem, pending: frozenset[str]) -> ImageRef:
-        """A video or clip: named by its hash, with its whole part (a video's sampling, a clip's rate and window);
-        its embeddings are its chunks' in order, each found like an image's (aggregated: the file, which the decoder
-        samples or resamples and encodes itself)."""
-        kind: dict[str, Any] = ({"video": item.video} if isinstance(item, VideoItem) else
-                                {"audio": item.audio, "in_video": item.in_video})
-        if self.fleet.cfg.aggregated:
-            return ImageRef(mm_hash=item.mm_hash, data=base64.b64encode(item.data).decode(), **kind)
-        chunks = [ChunkRef(mm_hash=c.mm_hash, source=self.sources[c.mm_hash], pending=c.mm_hash in pending,
-                           cached=c.mm_hash in self.cached) for c in item.chunks]
-        return ImageRef(mm_hash=item.mm_hash, chunks=chunks, **kind)
 
     async def events(self) -> AsyncIterator[Event]:
         """The decoder's events; before the first token a lost decoder means a retry on another one."""

@@ -1,4 +1,5 @@
-"""Image, video and audio references in a request -> checked bytes.
+"""A media URL (image, video or audio) -> its bytes, capped at its kind's limit; and a kind's config from the fleet's
+model identity.
 
 An image_url, video_url or audio_url may be:
 
@@ -8,10 +9,9 @@ An image_url, video_url or audio_url may be:
   and ``..`` resolved) lies under it.
 
 Whatever the source, the bytes are capped at the kind's limit (``max_image_bytes``, ``max_video_bytes``,
-``max_audio_bytes``) while they are read (never read unbounded). An image must then pass the header-only check of
-``epd_common.images.open_image`` (format allow-list, pixel limit); a video is probed by ``proxy/video.py``, an audio
-clip by ``proxy/audio.py``.
-Error codes are the kind's (``image_too_large``, ``invalid_video_url``, ...: ``MediaKind.error``). Error messages
+``max_audio_bytes``) while they are read (never read unbounded); each kind then probes them (``proxy/image.py``,
+``proxy/video.py``, ``proxy/audio.py``).
+Error codes are the kind's (``image_too_large``, ``invalid_video_url``, ...: ``MediaBytes.error``). Error messages
 name the problem and at most the URL's host; resolved addresses and OS errors are not shown.
 """
 from __future__ import annotations
@@ -28,28 +28,19 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from epd_common.errors import APIError, bad_request
-from epd_common.images import ImageError, ImageTooLargeError, open_image
+from epd_common.errors import APIError
 from proxy.config import ProxyConfig
-from proxy.fetch import MediaError, MediaKind, fetch_http
-from proxy.protocol import AudioURLPart, ChatCompletionRequest, ImagePart, VideoURLPart
+from proxy.fetch import fetch_http
+from proxy.media_rules import MediaBytes, MediaError
 
 logger = logging.getLogger("epd.proxy")
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
 
 
-def image_kind(cfg: ProxyConfig) -> MediaKind:
-    return MediaKind("image", cfg.max_image_bytes)
-
-
-def video_kind(cfg: ProxyConfig) -> MediaKind:
-    return MediaKind("video", cfg.max_video_bytes)
-
-
-def load_media_bytes(url: str, kind: MediaKind, param: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
+def load_media_bytes(url: str, kind: MediaBytes, param: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
     """A media URL's bytes, fetched under cfg's media rules and capped at the kind's byte limit (not yet checked to
-    be an image or a video: load_image_bytes, proxy.video do that).
+    be an image, a video or a clip: each kind's probe does that).
 
     `deadline` (time.monotonic()) is when all of the request's media must be loaded. Raises APIError 400 with
     `param` and one of the kind's codes: invalid_<kind>_url, <kind>_url_forbidden, <kind>_fetch_failed,
@@ -62,38 +53,7 @@ def load_media_bytes(url: str, kind: MediaKind, param: str, cfg: ProxyConfig, de
         raise APIError(exc.status, exc.message, param=param, code=exc.code) from exc
 
 
-def load_image_bytes(url: str, param: str, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
-    """An image_url's bytes (load_media_bytes), checked to be an image we accept: 400 image_too_large (pixels)
-    or invalid_image otherwise."""
-    data = load_media_bytes(url, image_kind(cfg), param, cfg, deadline)
-    try:
-        open_image(data, cfg.max_image_pixels)
-    except ImageTooLargeError as exc:
-        raise bad_request(str(exc), param, code="image_too_large") from exc
-    except ImageError as exc:
-        raise bad_request(str(exc), param, code="invalid_image") from exc
-    return data
-
-
-def remote_kinds(req: ChatCompletionRequest) -> set[str]:
-    """The kinds ("image", "video", "audio") of the request's http(s) URLs (downloads: they need a fetch slot)."""
-    kinds: set[str] = set()
-    for m in req.messages:
-        for p in m.content if isinstance(m.content, list) else ():
-            if isinstance(p, ImagePart) and _is_http(p.image_url.url):
-                kinds.add("image")
-            elif isinstance(p, VideoURLPart) and _is_http(p.video_url.url):
-                kinds.add("video")
-            elif isinstance(p, AudioURLPart) and _is_http(p.audio_url.url):
-                kinds.add("audio")
-    return kinds
-
-
-def _is_http(url: str) -> bool:
-    return url[:8].lower().startswith(("http://", "https://"))
-
-
-def read_source(url: str, kind: MediaKind, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
+def read_source(url: str, kind: MediaBytes, cfg: ProxyConfig, deadline: float | None = None) -> bytes:
     """Dispatch on the URL scheme; anything but data:, http(s): and file: is refused."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
@@ -107,7 +67,7 @@ def read_source(url: str, kind: MediaKind, cfg: ProxyConfig, deadline: float | N
 
 # --- data: URLs ---------------------------------------------------------------------------------------------
 
-def decode_data_url(url: str, kind: MediaKind) -> bytes:
+def decode_data_url(url: str, kind: MediaBytes) -> bytes:
     """data:[<mime>][;base64],<payload> -> bytes, refusing what is malformed, of another media type or too large
     (before decoding)."""
     k = kind.name
@@ -128,7 +88,7 @@ def decode_data_url(url: str, kind: MediaKind) -> bytes:
 
 # --- file:// URLs -------------------------------------------------------------------------------------------
 
-def read_file(url: str, kind: MediaKind, cfg: ProxyConfig) -> bytes:
+def read_file(url: str, kind: MediaBytes, cfg: ProxyConfig) -> bytes:
     """A local file, only from under cfg.allowed_local_media_path (checked on the fully resolved path)."""
     if not cfg.allowed_local_media_path:
         raise kind.error("forbidden", f"file:// {kind.name} URLs are not enabled on this server")
@@ -139,7 +99,7 @@ def read_file(url: str, kind: MediaKind, cfg: ProxyConfig) -> bytes:
     return read_regular_file(path, kind)
 
 
-def file_url_path(url: str, kind: MediaKind) -> str:
+def file_url_path(url: str, kind: MediaBytes) -> str:
     """file:///abs/path or file://localhost/abs/path -> /abs/path (percent-decoded); other hosts are refused."""
     parts = urlsplit(url)
     if parts.netloc.lower() not in ("", "localhost"):
@@ -150,7 +110,7 @@ def file_url_path(url: str, kind: MediaKind) -> str:
     return path
 
 
-def read_regular_file(path: str, kind: MediaKind) -> bytes:
+def read_regular_file(path: str, kind: MediaBytes) -> bytes:
     """Read at most kind.max_bytes + 1 bytes of a regular file.
 
     O_NONBLOCK so a FIFO cannot block the open; O_NOFOLLOW so a symlink swapped in after the containment
@@ -180,19 +140,6 @@ def read_regular_file(path: str, kind: MediaKind) -> bytes:
 
 
 _Config = TypeVar("_Config")
-
-
-def fleet_takes_images(identity: dict[str, Any] | None) -> bool:
-    """Whether the fleet's model takes images: False only where its workers say so (model_identity "image": false,
-    an audio-only family such as Qwen2-Audio); an identity without the key (an older worker) or none is taken to."""
-    return not identity or identity.get("image") is not False
-
-
-def image_support(parts: list[str], takes_images: bool) -> None:
-    """400 image_not_supported naming the first image part (`parts`: the request fields of its image parts) when the
-    model takes no image, checked before anything is fetched (as audio's: proxy/audio.py)."""
-    if parts and not takes_images:
-        raise bad_request("this model does not take image input", parts[0], code="image_not_supported")
 
 
 def fleet_config(identity: dict[str, Any] | None, key: str, parse: Callable[[dict[str, Any]], _Config]) -> _Config | None:

@@ -13,16 +13,14 @@ from prometheus_client import CollectorRegistry
 
 from epd_common.errors import APIError
 from epd_common.tracing import inject_traceparent, span
-from proxy.audio import fleet_audio_config
 from proxy.config import ProxyConfig
 from proxy.fetch_slots import FetchSlots
 from proxy.fleet import Fleet
-from proxy.media import fleet_takes_images, remote_kinds
+from proxy.kinds import KINDS, media_counts, model_media, remote_kinds
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import PreparedChat, prepare_chat
 from proxy.protocol import ChatCompletionRequest
 from proxy.signals import Interrupted, unless_signalled
-from proxy.video import fleet_video_config
 
 logger = logging.getLogger("epd.proxy")
 
@@ -72,22 +70,21 @@ class ProxyState:
     async def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
         """Text alone is cheap: no thread hop. Images, videos and audio are loaded (videos and clips probed) within
         --media-fetch-deadline, never on the event loop: downloads on a fetch slot (threads of their own, a cap
-        shared by all requests), data and file URLs on asyncio's pool. The fleet's model identity says its family
-        and its video and audio settings (proxy/video.py, proxy/audio.py). Traced as `prepare` (media fetch
+        shared by all requests), data and file URLs on asyncio's pool. The fleet's model identity says what its model
+        takes of each media kind (proxy/kinds.py). Traced as `prepare` (media fetch
         included)."""
-        with span("prepare", {"epd.images": req.num_images(), "epd.videos": req.num_videos(),
-                              "epd.audios": req.num_audios()}):
-            return await self._prepare(req)
+        counts = media_counts(req)
+        with span("prepare", {f"epd.{kind.name}s": counts[kind.name] for kind in KINDS}):
+            return await self._prepare(req, bool(counts))
 
-    async def _prepare(self, req: ChatCompletionRequest) -> PreparedChat:
-        if not req.num_images() and not req.num_videos() and not req.num_audios():
+    async def _prepare(self, req: ChatCompletionRequest, has_media: bool) -> PreparedChat:
+        if not has_media:
             return prepare_chat(req, self.cfg)
         deadline = time.monotonic() + self.cfg.media_fetch_deadline
-        identity = self.started.workers.identity if self.started is not None else None
-        family = identity.get("family") if identity else None
-        max_model_len = self.started.max_model_len() if self.started is not None else None
-        args = (req, self.cfg, deadline, family, fleet_video_config(identity), max_model_len,
-                fleet_audio_config(identity), fleet_takes_images(identity))
+        fleet = self.started
+        model = model_media(fleet.workers.identity if fleet is not None else None,
+                            fleet.max_model_len() if fleet is not None else None)
+        args = (req, self.cfg, deadline, model.family, model.video, model.max_model_len, model.audio, model.images)
         kinds = remote_kinds(req)
         if kinds:
             code = f"{kinds.pop()}_fetch_timeout" if len(kinds) == 1 else "image_fetch_timeout"

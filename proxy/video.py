@@ -1,4 +1,5 @@
-"""A request's videos: probed, sampled and cut into the chunks encoders take apart (epd_contracts/video.py's plan).
+"""The video kind: a request's videos probed, sampled and cut into the chunks encoders take apart (the plan of
+epd_contracts/video.py), and each one's sound track when the request asks for it (proxy/audio.py plans that).
 
 For each video_url the proxy (torch-free, in prepare_chat's worker thread, never on the event loop):
 1. loads the bytes under the image rules with the video's own byte cap (proxy.media, --max-video-bytes);
@@ -21,18 +22,24 @@ come from proxy.media (invalid_video_url, video_url_forbidden, video_fetch_faile
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from epd_common.errors import bad_request
 from epd_common.video import VideoError, VideoInfo, VideoLimits, VideoTooLargeError, probe_video
 from epd_common.video_index import decode_cost
 from epd_common.video_sampling import VideoConfig, frame_indices, sampled_fps, target_frames
 from epd_common.video_tokens import video_rows
+from epd_contracts.audio import AudioConfig
+from epd_contracts.generate import ImageRef
 from epd_contracts.video import VideoPart, VideoSampling, plan_chunks, video_hash
+from proxy.audio import load_tracks, track_support
 from proxy.config import ProxyConfig
-from proxy.media import fleet_config, load_media_bytes, video_kind
-from proxy.protocol import MMProcessorKwargs
+from proxy.content_parts import MMProcessorKwargs, VideoURLPart
+from proxy.media import fleet_config, load_media_bytes
+from proxy.media_kind import MediaContext, MediaItem, MediaKind, Placement, chunked_ref
+from proxy.media_rules import MediaBytes
 from scheduler.scheduler import MMItem
 
 KWARGS = "mm_processor_kwargs"
@@ -51,6 +58,20 @@ class VideoItem:
     num_tokens: int | None = None  # embedding rows its chunks make in all (None: the model's rule is not known)
     num_decoded: int = 0  # frames the encoders decode for its chunks (from the keyframe before each chunk's frames)
 
+    def decoder_ref(self, at: Placement) -> ImageRef:
+        return chunked_ref(self, at, video=self.video)
+
+
+class VideoPartRef(NamedTuple):
+    """A video part of the request, before anything is loaded."""
+
+    part: str  # the request field of the part: messages.<i>.content.<j>
+    url: str
+
+    @property
+    def param(self) -> str:
+        return f"{self.part}.video_url.url"
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -61,6 +82,7 @@ class Sampling:
     fps: float | None = None
     num_frames: int | None = None
     max_pixels: int | None = None
+    track: AudioConfig | None = None  # mm_processor_kwargs.use_audio_in_video: each video's sound track goes in too
 
 
 def fleet_video_config(identity: dict[str, Any] | None) -> VideoConfig | None:
@@ -93,30 +115,9 @@ def check_sampling(kwargs: MMProcessorKwargs | None, config: VideoConfig | None,
     return Sampling(config, kwargs.fps, kwargs.num_frames, kwargs.max_pixels)
 
 
-def load_videos(videos: list[tuple[str, str]], cfg: ProxyConfig, deadline: float | None,
-                sampling: Sampling) -> list[VideoItem]:
-    """(param, url) of each video in order -> its planned VideoItem (a URL repeated is loaded and planned once);
-    400 video_too_large naming the video that takes the request's decoding past --max-video-decode-frames."""
-    planned: dict[str, VideoItem] = {}
-    decoded = 0
-    for param, url in videos:
-        if url not in planned:
-            data = load_media_bytes(url, video_kind(cfg), param, cfg, deadline)
-            item = planned[url] = plan_video(data, param, cfg, sampling)
-            decoded += item.num_decoded
-            if decoded > cfg.max_video_decode_frames:
-                raise bad_request(f"the sampled frames of this request's videos take {decoded} decoded frames to "
-                                  f"reach (from the keyframe before each chunk); this server decodes at most "
-                                  f"{cfg.max_video_decode_frames} frames a request: send a shorter video, fewer "
-                                  "frames (mm_processor_kwargs.num_frames) or one with more keyframes", param,
-                                  code="video_too_large")
-    return [planned[url] for _, url in videos]
-
-
-def plan_video(data: bytes, param: str, cfg: ProxyConfig, sampling: Sampling) -> VideoItem:
-    """Probe the bytes and plan the video (the steps of the module docstring); APIError 400 naming `param`."""
+def plan_video(data: bytes, info: VideoInfo, param: str, cfg: ProxyConfig, sampling: Sampling) -> VideoItem:
+    """Plan the probed video (steps 3 to 5 of the module docstring); APIError 400 naming `param`."""
     config = sampling.config
-    info = probe(data, param, cfg)
     n = target_frames(config, info, sampling.fps, sampling.num_frames, max_frames=cfg.max_video_frames)
     try:
         indices = frame_indices(config, info, n)
@@ -185,3 +186,65 @@ def probe(data: bytes, param: str, cfg: ProxyConfig) -> VideoInfo:
     except VideoError as exc:
         raise bad_request(str(exc), param, code="invalid_video") from exc
 
+
+
+def check_decoding(videos: Sequence[VideoItem], cfg: ProxyConfig) -> None:
+    """400 video_too_large naming the last of `videos` (the distinct videos planned so far) when their decoding
+    takes the request past --max-video-decode-frames: no further video is loaded."""
+    decoded = sum(v.num_decoded for v in videos)
+    if decoded > cfg.max_video_decode_frames:
+        raise bad_request(f"the sampled frames of this request's videos take {decoded} decoded frames to reach (from "
+                          f"the keyframe before each chunk); this server decodes at most {cfg.max_video_decode_frames}"
+                          " frames a request: send a shorter video, fewer frames (mm_processor_kwargs.num_frames) or "
+                          "one with more keyframes", videos[-1].param, code="video_too_large")
+
+
+def video_bytes(cfg: ProxyConfig) -> MediaBytes:
+    return MediaBytes("video", cfg.max_video_bytes)
+
+
+class VideoKind(MediaKind[VideoPartRef, Sampling, VideoInfo, VideoItem]):
+    name, plural, parts = "video", "videos", (VideoURLPart,)
+    only_user = "videos are only allowed in user messages"
+
+    def limit(self, cfg: ProxyConfig) -> int:
+        return cfg.max_videos_per_request
+
+    def url(self, part: VideoURLPart) -> str:
+        return part.video_url.url
+
+    def ref(self, part: VideoURLPart, where: str) -> VideoPartRef:
+        return VideoPartRef(where, part.video_url.url)
+
+    def accept(self, refs: Sequence[VideoPartRef], ctx: MediaContext) -> Sampling:
+        """A sound track the model cannot take with its video (use_audio_in_video), then the sampling settings."""
+        track = track_support(ctx.kwargs, ctx.model.audio)
+        sampling = check_sampling(ctx.kwargs, ctx.model.video, ctx.cfg, refs[0].part)
+        return Sampling(sampling.config, sampling.fps, sampling.num_frames, sampling.max_pixels, track)
+
+    def key(self, ref: VideoPartRef) -> object:
+        return ref.url
+
+    def load(self, ref: VideoPartRef, settings: Sampling, ctx: MediaContext) -> bytes:
+        return load_media_bytes(ref.url, video_bytes(ctx.cfg), ref.param, ctx.cfg, ctx.deadline)
+
+    def probe(self, data: bytes, ref: VideoPartRef, settings: Sampling, ctx: MediaContext) -> VideoInfo:
+        return probe(data, ref.param, ctx.cfg)
+
+    def plan(self, data: bytes, info: VideoInfo, ref: VideoPartRef, settings: Sampling,
+             ctx: MediaContext) -> VideoItem:
+        return plan_video(data, info, ref.param, ctx.cfg, settings)
+
+    def admit(self, loaded: Sequence[VideoItem], ctx: MediaContext) -> None:
+        check_decoding(loaded, ctx.cfg)
+
+    def settle(self, items: list[VideoItem], settings: Sampling, ctx: MediaContext) -> list[tuple[MediaItem, ...]]:
+        """The videos' rows against the context length; then, asked for, each video's sound track after it."""
+        check_context(items, ctx.max_tokens, ctx.model.max_model_len)
+        if settings.track is None:
+            return [(v,) for v in items]
+        tracks = load_tracks([(v.param, v.data) for v in items], ctx.cfg, settings.track)
+        return list(zip(items, tracks, strict=True))
+
+
+VIDEO = VideoKind()

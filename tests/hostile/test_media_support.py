@@ -15,7 +15,7 @@ from epd_contracts.audio import AudioConfig
 from epd_models.identity import model_identity
 from proxy.app import create_app
 from proxy.config import ProxyConfig
-from proxy.media import fleet_takes_images
+from proxy.image import fleet_takes_images
 from tests.openai_schema import assert_valid
 from tests.proxy.fake_decoder import IDENTITY, FakeDecoder
 from tests.proxy.media_helpers import PNG, CountingServer, as_data_url, connections_made, running, serve

@@ -186,7 +186,7 @@ def test_prepare_refuses_audio_for_a_model_without_it_without_loading_anything(
         monkeypatch: pytest.MonkeyPatch) -> None:
     def load(*args: object) -> bytes:
         raise AssertionError("something was loaded")
-    monkeypatch.setattr("proxy.prepare.load_image_bytes", load)
+    monkeypatch.setattr("proxy.image.load_media_bytes", load)
     monkeypatch.setattr("proxy.audio.load_media_bytes", load)
     monkeypatch.setattr("proxy.audio.decode_base64", load)
     image = {"type": "image_url", "image_url": {"url": as_data_url(PNG)}}

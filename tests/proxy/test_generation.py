@@ -16,6 +16,7 @@ from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
 from proxy.fleet import WorkerFailed
 from proxy.generation import Generation
+from proxy.image import ImageItem
 from proxy.prepare import PreparedChat
 from proxy.workers import Worker, Workers
 from scheduler.scheduler import MMItem
@@ -96,7 +97,7 @@ class FakeFleet:
         return outcome
 
 
-CHAT = PreparedChat(messages=[{"role": "user", "content": "hi"}], items=[MMItem("a", b"1"), MMItem("b", b"2")], sampling=SamplingParams())
+CHAT = PreparedChat(messages=[{"role": "user", "content": "hi"}], items=[ImageItem(MMItem("a", b"1")), ImageItem(MMItem("b", b"2"))], sampling=SamplingParams())
 SOURCES = {"a": "tcp://e0", "b": "tcp://e1"}
 MISSING_B = APIError(409, "missing", code="missing_embeddings", extra={"missing": ["b"]})
 

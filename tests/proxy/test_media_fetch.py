@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from epd_contracts.hashing import mm_hash
-from proxy import fetch
+from proxy import fetch, ssrf
 from proxy.prepare import prepare_chat
 from tests.proxy.media_helpers import (
     PARAM,
@@ -188,7 +188,7 @@ def test_https_is_pinned_yet_verified_against_the_host_name(
     ("64:ff9b::808:808", True), ("255.255.255.255", False), ("198.18.0.1", False),
 ])
 def test_public_address_classification(address: str, public: bool) -> None:
-    assert fetch.is_public_address(ipaddress.ip_address(address)) is public
+    assert ssrf.is_public_address(ipaddress.ip_address(address)) is public
 
 
 # --- redirects ----------------------------------------------------------------------------------------------

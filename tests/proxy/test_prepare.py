@@ -72,7 +72,7 @@ def test_more_images_than_the_maximum_is_400() -> None:
 def test_hundreds_of_images_are_refused_before_any_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     def load(*args: object) -> bytes:
         raise AssertionError("an image was loaded")
-    monkeypatch.setattr("proxy.prepare.load_image_bytes", load)
+    monkeypatch.setattr("proxy.image.load_media_bytes", load)
     err = refused(request(*["http://example.com/x.png"] * 300))
     assert err.code == "too_many_images" and "300 images" in err.message
 
@@ -80,7 +80,7 @@ def test_hundreds_of_images_are_refused_before_any_is_loaded(monkeypatch: pytest
 def test_images_outside_user_messages_are_refused_before_any_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     def load(*args: object) -> bytes:
         raise AssertionError("an image was loaded")
-    monkeypatch.setattr("proxy.prepare.load_image_bytes", load)
+    monkeypatch.setattr("proxy.image.load_media_bytes", load)
     image = {"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}
     req = ChatCompletionRequest.model_validate({"model": "demo", "messages": [
         {"role": "user", "content": [image]}, {"role": "assistant", "content": [image]}]})

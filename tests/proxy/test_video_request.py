@@ -16,7 +16,7 @@ from epd_common.video import probe_video
 from epd_common.video_sampling import VideoConfig, sampled_fps
 from epd_contracts.hashing import mm_hash
 from epd_contracts.video import VideoPart, VideoSampling, part_hash, plan_chunks, video_hash
-from proxy.media import remote_kinds
+from proxy.kinds import remote_kinds
 from proxy.prepare import PreparedChat, prepare_chat
 from proxy.protocol import ChatCompletionRequest
 from proxy.video import VideoItem, fleet_video_config
@@ -71,7 +71,7 @@ def nothing_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     def load(*args: object) -> bytes:
         raise AssertionError("a URL was loaded")
     monkeypatch.setattr("proxy.video.load_media_bytes", load)
-    monkeypatch.setattr("proxy.prepare.load_image_bytes", load)
+    monkeypatch.setattr("proxy.image.load_media_bytes", load)
 
 
 # --- a good video ------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def test_images_and_videos_keep_their_prompt_order() -> None:
                         video=QWEN2)
     assert [p["type"] for p in chat.messages[0]["content"]] == ["image", "text", "video", "image", "video"]
     kinds = [(type(it).__name__, it.data) for it in chat.items]
-    assert kinds == [("MMItem", PNG), ("VideoItem", CLIP), ("MMItem", encode(make_image(40, 24))),
+    assert kinds == [("ImageItem", PNG), ("VideoItem", CLIP), ("ImageItem", encode(make_image(40, 24))),
                      ("VideoItem", OTHER_CLIP)]
     assert chat.items[0].mm_hash == mm_hash(PNG)  # an image's hash is unchanged by the videos around it
     videos = [it for it in chat.items if isinstance(it, VideoItem)]
