@@ -13,9 +13,10 @@ from epd_common.errors import APIError
 from epd_common.tracing import span
 from epd_contracts.generate import Event, Handoff
 from proxy.decoder_http import DecoderResponse
-from proxy.fleet import Fleet, ItemRefused, WorkerFailed
+from proxy.fleet import Fleet
 from proxy.media_kind import Placement
 from proxy.prepare import PreparedChat
+from proxy.upstream import ItemRefused, WorkerFailed
 from proxy.workers import Worker, WorkerDown, until_down
 from scheduler.scheduler import SchedulerOutput
 

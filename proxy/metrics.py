@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -11,8 +11,13 @@ from epd_common.metrics import LATENCY_BUCKETS, multiprocess_registry
 from proxy.affinity import ROUTES
 from proxy.workers import ROLES
 
-if TYPE_CHECKING:
-    from proxy.fleet import Fleet
+
+class FleetView(Protocol):
+    """What the gauges read of the fleet at scrape time (proxy/fleet.py's Fleet)."""
+
+    def healthy_count(self, role: str) -> int: ...
+
+    def items_outstanding(self) -> int: ...
 
 
 class ProxyMetrics:
@@ -73,7 +78,7 @@ class ProxyMetrics:
         self.prompt_tokens.inc(usage["prompt_tokens"])
         self.generation_tokens.inc(usage["completion_tokens"])
 
-    def watch(self, fleet: Fleet) -> None:
+    def watch(self, fleet: FleetView) -> None:
         """Gauges read from the fleet at scrape time."""
         self.fleet_gauges.fleet = fleet
 
@@ -91,13 +96,13 @@ class FleetGauges:
     none) and the encoder items outstanding. Not kept in files in multiprocess mode: the answering process's view."""
 
     def __init__(self) -> None:
-        self.fleet: Fleet | None = None
+        self.fleet: FleetView | None = None
 
     def collect(self) -> Iterator[Metric]:
         healthy = GaugeMetricFamily("epd_proxy_workers_healthy", "Workers taking work", labels=["role"])
         for role in ROLES:
-            healthy.add_metric([role], len(self.fleet.workers.healthy(role)) if self.fleet else 0)
+            healthy.add_metric([role], self.fleet.healthy_count(role) if self.fleet else 0)
         yield healthy
         yield GaugeMetricFamily("epd_proxy_encoder_items_outstanding", "Images sent to encoders and not finished (the "
                                 "proxy's encoder queue depth)",
-                                value=sum(self.fleet.scheduler.outstanding.values()) if self.fleet else 0)
+                                value=self.fleet.items_outstanding() if self.fleet else 0)

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from connector.tensors.producer import ECProducer
 from epd_common.errors import APIError
@@ -88,7 +88,7 @@ async def fleet_of(encoders: Encoders, n: int = 2) -> AsyncIterator[Fleet]:
         async def seen(_: dict[str, Any]) -> None:  # no real producer publishes events here
             return None
 
-        fleet._seen = seen  # type: ignore[method-assign]
+        fleet.calls._seen = seen  # type: ignore[method-assign]
         try:
             for i in range(n):
                 await fleet.register("encoder", f"http://127.0.0.1:{9100 + i}")
@@ -371,3 +371,24 @@ def test_video_chunks_go_one_per_call_and_fail_over_chunk_by_chunk() -> None:
     done = [h for url, h, _ in encoders.calls if url.endswith("9101")]
     assert sorted(x for h in done for x in h) == ["c0", "c1", "c2", "img1", "img2"]
 
+
+
+def test_the_fleet_gauges_read_healthy_workers_and_outstanding_items_at_scrape_time() -> None:
+    release = asyncio.Event()
+    encoders = Encoders(held_until(release))
+
+    async def main() -> tuple[str, str]:
+        async with fleet_of(encoders) as fleet:
+            text = generate_latest(fleet.metrics.registry).decode()
+            task = asyncio.create_task(fleet.encode(items("a", "b"), "rid"))
+            await encoders.wait_calls()
+            busy = generate_latest(fleet.metrics.registry).decode()
+            release.set()
+            await task
+            return text, busy
+
+    idle, busy = asyncio.run(main())
+    assert 'epd_proxy_workers_healthy{role="encoder"} 2.0' in idle
+    assert 'epd_proxy_workers_healthy{role="decoder"} 0.0' in idle
+    assert "epd_proxy_encoder_items_outstanding 0.0" in idle
+    assert "epd_proxy_encoder_items_outstanding 2.0" in busy

@@ -14,10 +14,10 @@ import pytest
 from epd_common.errors import APIError
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
-from proxy.fleet import WorkerFailed
 from proxy.generation import Generation
 from proxy.image import ImageItem
 from proxy.prepare import PreparedChat
+from proxy.upstream import WorkerFailed
 from proxy.workers import Worker, Workers
 from scheduler.scheduler import MMItem
 

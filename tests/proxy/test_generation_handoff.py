@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from proxy.fleet import WorkerFailed
+from proxy.upstream import WorkerFailed
 from tests.proxy.test_generation import CHAT, DONE, FakeFleet, FakeStream, delta, run
 
 HANDOFF = {"key": "k", "source": "tcp://p0:9", "num_tokens": 7, "choices": [{"first_token": 42}]}
