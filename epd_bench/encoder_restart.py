@@ -41,10 +41,10 @@ from typing import Any
 import httpx
 
 from epd_bench.backends import RequestInput, openai_chat
-from epd_bench.compare import ROOT
 from epd_bench.dataset import DatasetSpec, SampleRequest, noise_image
+from epd_bench.encoder_compare import metric_sum
+from epd_bench.report import ROOT
 from epd_bench.stacks import HOST, ProcSpec, Running, SystemSpec
-from epd_bench.video_compare import metric_sum
 from epd_common.server import ENV_REUSE_PORT
 from epd_launcher.group import free_port, reserve_port
 

@@ -48,11 +48,11 @@ import httpx
 import numpy as np
 
 from epd_bench.backends import RequestInput, RequestOutput, openai_chat
-from epd_bench.compare import ROOT, resolve_model, systems_summary
 from epd_bench.dataset import DatasetSpec, SampleRequest, noise_image, random_words
 from epd_bench.encoder_restart import delta, scrape
 from epd_bench.kv_transfer import layout_of, transfer
-from epd_bench.stacks import HOST, ProcSpec, Running, SystemSpec
+from epd_bench.report import ROOT
+from epd_bench.stacks import HOST, ProcSpec, Running, SystemSpec, resolve_model, systems_summary
 from epd_launcher.group import free_port
 
 TARGET = 0.5  # the short streams' ITL p99, E+P+D / E+PD, at most

@@ -1,4 +1,5 @@
-"""The systems the comparison runs side by side, as processes pinned to cores (taskset) on this machine.
+"""Starts and stops the systems a comparison runs side by side, each described as data: its processes' commands,
+the python (venv) each runs, their cores (taskset) and threads.
 
 Fairness rule ("split" pinning): every system gets the same cores in all. The aggregated decoder and
 `transformers serve` are one process each, so they get every core (OMP threads = cores). EPD gives its
@@ -19,14 +20,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import httpx
 
 from epd_launcher.group import free_port
 
 HOST = "127.0.0.1"
+PORT_TAKEN = ("Address already in use", "Errno 98")  # a port picked free was taken before the server bound it
 
 
 @dataclass(frozen=True)
@@ -174,3 +180,102 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def resolve_model(name: str) -> Path:
+    """The checkpoint dir of a preset or a path, via a child process so this one never imports torch."""
+    out = subprocess.run([sys.executable, "-c", "import sys; from epd_models.resolve import resolve_model; "
+                          "print(resolve_model(sys.argv[1]))", name], check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def log_tail(spec: SystemSpec, log_dir: Path, chars: int = 1500) -> str:
+    return "".join((log_dir / f"{spec.name}-{p.name}.log").read_text(errors="replace")[-chars:] for p in spec.procs)
+
+
+def start_retrying(factories: dict[str, Callable[[], SystemSpec]], log_dir: Path, timeout_s: float,
+                   tries: int = 3) -> tuple[dict[str, Running], dict[str, str]]:
+    """Start every system at once (start-ups overlap) and wait for each; one whose port was taken between the pick
+    and the bind is started again on fresh ports (up to `tries` times in all); one that fails otherwise is left out
+    with its log's tail. (running systems, why any was left out); the caller stops the running ones."""
+    running = {name: Running(make(), log_dir) for name, make in factories.items()}
+    up: dict[str, Running] = {}
+    skipped: dict[str, str] = {}
+    try:
+        for name, make in factories.items():
+            for attempt in range(1, tries + 1):
+                r = running.pop(name) if attempt == 1 else Running(make(), log_dir)
+                running[name] = r
+                try:
+                    r.wait_healthy(timeout_s)
+                    up[name] = running.pop(name)
+                    break
+                except (RuntimeError, TimeoutError) as exc:
+                    tail = log_tail(r.spec, log_dir)
+                    running.pop(name).stop()
+                    if attempt == tries or not any(s in tail for s in PORT_TAKEN):
+                        skipped[name] = f"{exc}: {tail.strip()[-800:]}"
+                        break
+                    print(f"{name}: a port was taken before it bound; starting again on fresh ports", flush=True)
+    except BaseException:  # Ctrl-C during start-up: no server outlives the comparison
+        for r in [*running.values(), *up.values()]:
+            r.stop()
+        raise
+    return up, skipped
+
+
+@contextmanager
+def started(factories: dict[str, Callable[[], SystemSpec]], log_dir: Path,
+            timeout_s: float = 600.0) -> Iterator[tuple[list[Running], dict[str, str]]]:
+    """start_retrying, then every system stopped when the block ends (also on Ctrl-C or SIGTERM)."""
+    up, skipped = start_retrying(factories, log_dir, timeout_s)
+    print(f"[{time.strftime('%H:%M:%S')}] up: {list(up)}; left out: {list(skipped)}", flush=True)
+    try:
+        yield list(up.values()), skipped
+    finally:
+        for r in up.values():
+            r.stop()
+
+
+def rebuilt(specs: list[SystemSpec], build: Callable[[], list[SystemSpec]]) -> dict[str, Callable[[], SystemSpec]]:
+    """Factories for `started`: the first try starts `specs`; a retry builds them again (fresh ports)."""
+    first = {s.name: s for s in specs}
+
+    def factory(name: str) -> Callable[[], SystemSpec]:
+        return lambda: first.pop(name, None) or next(s for s in build() if s.name == name)
+
+    return {name: factory(name) for name in list(first)}
+
+
+def systems_summary(specs: list[SystemSpec], skipped: dict[str, str]) -> dict[str, Any]:
+    """Each started system's processes as run (cores, threads, command line), for the summary and the docs."""
+    return {s.name: [{"name": p.name, "cpus": p.cpus, "threads": p.threads, "command": p.shell()} for p in s.procs]
+            for s in specs if s.name not in skipped}
+
+
+class RunStart(NamedTuple):
+    """A comparison's start: its clock, its run folder, the load before it, the checkpoint, whether to pin."""
+
+    started: float
+    run_dir: Path
+    load_before: tuple[float, ...]
+    model_dir: Path
+    pin: bool
+
+    @classmethod
+    def of(cls, args: Any, model_dir: Path | None = None) -> RunStart:
+        """From a comparison's --model (or the checkpoint it made), --out-dir and --pinning (split pins only where
+        taskset is found)."""
+        started, load_before = time.monotonic(), os.getloadavg()
+        run_dir = args.out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
+        return cls(started, run_dir, load_before, model_dir or resolve_model(args.model),
+                   getattr(args, "pinning", "split") != "none" and shutil.which("taskset") is not None)
+
+    def summary(self, model: str, specs: list[SystemSpec], skipped: dict[str, str], **more: Any) -> dict[str, Any]:
+        """The comparison's summary: when, which model, the machine, its load before and after, the pinning, each
+        started system's processes as run (cores, threads, command line), then `more`."""
+        systems = systems_summary(specs, skipped)
+        return {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": model, "model_dir": str(self.model_dir),
+                "cores": len(os.sched_getaffinity(0)), "load_before": self.load_before, "load_after": os.getloadavg(),
+                "pinning": "split" if self.pin else "none", "skipped": skipped, "systems": systems, **more,
+                "wall_s": round(time.monotonic() - self.started, 1)}

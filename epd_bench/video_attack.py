@@ -35,10 +35,10 @@ import av
 import httpx
 import numpy as np
 
+from epd_bench.encoder_compare import metric_sum
 from epd_bench.pipeline import image_url
 from epd_bench.revisions import ROOT, export_revision, shipped_path
 from epd_bench.stacks import Running, SystemSpec, epd
-from epd_bench.video_compare import metric_sum
 from epd_models.resolve import resolve_model
 
 GOP, FPS, WIDTH, HEIGHT = 250, 60, 1280, 720

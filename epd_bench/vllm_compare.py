@@ -24,32 +24,29 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from epd_bench import vllm_report
-from epd_bench.compare import finish, systems_summary
+from epd_bench import report
 from epd_bench.completions_load import Target, greedy_text, measure, token_prompts
+from epd_bench.report import DOCS, ROOT, finish, format_targets, write_section
 from epd_bench.revisions import export_revision, shipped_path
-from epd_bench.stacks import HOST, ProcSpec, Running, SystemSpec, epd
+from epd_bench.stacks import HOST, ProcSpec, RunStart, SystemSpec, epd, started
 from epd_launcher.group import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM = ROOT / "runs" / "vllm-venv" / "bin" / "python"
 EPD, VLLM = "epd", "vllm"
+NAME = "vllm-bench"  # the docs section's markers
 CONTEXT, MAX_SEQS = 2048, 16
 VLLM_ENV = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
             ("HF_HUB_OFFLINE", "1"))
-PORT_TAKEN = ("Address already in use", "Errno 98")  # a port picked free was taken before the server bound it
-START_TRIES = 3
 
 
 def epd_system(model_dir: Path, threads: int, pin: bool, tree: Path | None = None,
@@ -77,42 +74,6 @@ def vllm_system(python: Path, lm_dir: Path, threads: int, pin: bool) -> SystemSp
     return SystemSpec(VLLM, (proc,), "lm")
 
 
-def _log_tail(spec: SystemSpec, log_dir: Path) -> str:
-    return "".join((log_dir / f"{spec.name}-{p.name}.log").read_text(errors="replace")[-1500:] for p in spec.procs)
-
-
-def start_retrying(factories: dict[str, Callable[[], SystemSpec]], log_dir: Path, timeout_s: float,
-                   tries: int = START_TRIES) -> tuple[dict[str, Running], dict[str, str]]:
-    """Start every system at once (start-ups overlap) and wait for each; one whose port was taken between the pick
-    and the bind is started again on fresh ports (up to `tries` times in all); one that fails otherwise is left out
-    with its log's tail. (running systems, why any was left out); the caller stops the running ones."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    running = {name: Running(make(), log_dir) for name, make in factories.items()}
-    up: dict[str, Running] = {}
-    skipped: dict[str, str] = {}
-    try:
-        for name, make in factories.items():
-            for attempt in range(1, tries + 1):
-                r = running.pop(name) if attempt == 1 else Running(make(), log_dir)
-                running[name] = r
-                try:
-                    r.wait_healthy(timeout_s)
-                    up[name] = running.pop(name)
-                    break
-                except (RuntimeError, TimeoutError) as exc:
-                    tail = _log_tail(r.spec, log_dir)
-                    running.pop(name).stop()
-                    if attempt == tries or not any(s in tail for s in PORT_TAKEN):
-                        skipped[name] = f"{exc}: {tail.strip()[-800:]}"
-                        break
-                    print(f"{name}: a port was taken before it bound; starting again on fresh ports", flush=True)
-    except BaseException:  # Ctrl-C during start-up: no server outlives the comparison
-        for r in [*running.values(), *up.values()]:
-            r.stop()
-        raise
-    return up, skipped
-
-
 def vllm_installed(python: Path) -> bool:
     """Whether `python` exists and finds a `vllm` package (without importing it: that takes seconds)."""
     if not python.exists():
@@ -126,10 +87,6 @@ def export_lm(model: str, out: Path) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "epd_bench.lm_export", "--model", model, "--out", str(out)],
                           check=True, capture_output=True, text=True)
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-def targets_of(up: dict[str, Running]) -> dict[str, Target]:
-    return {name: Target(r.spec.url, r.spec.model) for name, r in up.items()}
 
 
 def warm_up(targets: dict[str, Target], allowed: list[int], args: argparse.Namespace) -> dict[str, Any]:
@@ -156,15 +113,85 @@ def run_rounds(targets: dict[str, Target], allowed: list[int], args: argparse.Na
     return results
 
 
+METRICS = ("output_tok_s", "mean_tpot_ms", "mean_ttft_ms")
+THROUGHPUT_LEVELS = ("4", "16")  # throughput is held to vLLM's at these levels; TPOT at every level
+
+
+def medians(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """level -> system -> metric -> the median over rounds (None when any round of that run had a failure or the
+    system has no rounds: a partial run is not a measurement)."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for level, systems in results.items():
+        out[level] = {}
+        for system, runs in systems.items():
+            whole = bool(runs) and all(r["failed"] == 0 and r[METRICS[0]] is not None for r in runs)
+            out[level][system] = {m: statistics.median(float(r[m]) for r in runs) if whole else None for m in METRICS}
+    return out
+
+
+def ratio(meds: dict[str, dict[str, dict[str, float | None]]], level: str, metric: str) -> float | None:
+    """EPD ÷ vLLM of one metric's medians at one level (None when either is missing)."""
+    return report.ratio(meds.get(level, {}).get(EPD, {}).get(metric), meds.get(level, {}).get(VLLM, {}).get(metric))
+
+
+def targets(s: dict[str, Any]) -> list[report.Target]:
+    """Output tokens/s, EPD ÷ vLLM, >= 1.0 at 4 and 16 in flight; mean TPOT, EPD ÷ vLLM, <= 1.0 at every level."""
+    meds = s["medians"]
+    out = [report.Target(f"vllm_throughput_{c}", f"{c} in flight: output tokens/s, EPD ÷ vLLM",
+                         ratio(meds, c, METRICS[0]), 1.0, ">=") for c in THROUGHPUT_LEVELS if c in meds]
+    return out + [report.Target(f"vllm_tpot_{c}", f"{c} in flight: mean TPOT, EPD ÷ vLLM", ratio(meds, c, METRICS[1]),
+                                1.0, "<=") for c in meds]
+
+
+def tables(s: dict[str, Any]) -> list[str]:
+    """The medians and EPD ÷ vLLM per level, then every run's output tokens/s (the spread behind each median)."""
+    meds, f = s["medians"], report.fmt
+    lines = ["### Medians", "", "| in flight | EPD tok/s | vLLM tok/s | EPD ÷ vLLM tok/s | EPD TPOT ms | vLLM TPOT ms "
+             "| EPD ÷ vLLM TPOT | EPD TTFT ms | vLLM TTFT ms | EPD ÷ vLLM TTFT |", "|---:|" + "---:|" * 9]
+    for level, systems in meds.items():
+        e, v = systems.get(EPD, {}), systems.get(VLLM, {})
+        lines.append(f"| {level} | " + " | ".join(f"{f(e.get(m))} | {f(v.get(m))} | {f(ratio(meds, level, m), 2)}"
+                                                  for m in METRICS) + " |")
+    lines += ["", "### Every round", "", "| in flight | system | output tok/s per round | failed requests |",
+              "|---:|---|---|---:|"]
+    for level, systems in s["results"].items():
+        lines += [f"| {level} | {system} | {', '.join(f(r['output_tok_s']) for r in runs)} | "
+                  f"{sum(r['failed'] for r in runs)} |" for system, runs in systems.items()]
+    return lines + [""]
+
+
+def render(s: dict[str, Any]) -> str:
+    lm, same = s["lm"], (s.get("greedy_check") or {}).get("same")
+    greedy = ("The greedy check needs both systems." if same is None else "Greedy check: one prompt's first 32 "
+              "tokens, as text, are " + ("the same from both servers." if same else "**different** between the "
+                                         "servers (see summary.json)."))
+    revision = f"; EPD's code from revision {s['epd_revision'][:12]} (`--epd-revision`)" if s.get("epd_revision") else ""
+    intro = (f"Model `{s['model']}` (`epd_builders/bench_model.py`): its language model, a Llama with hidden "
+             f"{lm['hidden_size']}, {lm['num_hidden_layers']} layers, {lm['num_attention_heads']} heads / "
+             f"{lm['num_key_value_heads']} K/V heads, MLP {lm['intermediate_size']}, vocabulary {lm['vocab_size']} "
+             f"({lm['lm_params'] / 1e6:.1f}M parameters, fp32), is exported as a LlamaForCausalLM for vLLM "
+             f"(`epd_bench/lm_export.py`: all {lm['tensors_identical']} tensors byte-identical, checked); EPD serves "
+             f"the LLaVA (proxy, decoder, one idle encoder{revision}). Both: context {s['context']}, at most "
+             f"{s['max_num_seqs']} sequences, {s['threads']} OMP threads{', pinned to the same cores' * s['pinned']}. "
+             f"Load: `/v1/completions`, prompts of {s['prompt_len']} random token ids (new every round and level, the "
+             f"same for both), {s['output_len']} new tokens, `ignore_eos`, greedy; max(2, in flight) requests per "
+             f"level; {s['rounds']} rounds alternate which system goes first. Medians over rounds; TPOT and TTFT are "
+             f"each run's means. {greedy}")
+    body = [*report.left_out({**s, "results": {}}), *report.target_rows(targets(s), 2), *tables(s),
+            *report.commands_block({**s, "commands": {}})]
+    return report.section(NAME, "Text decode against vLLM's CPU build, same LM weights",
+                          f"{s['command']}    # `make bench` runs it with $(BENCH_VLLM_ARGS); vLLM from runs/vllm-venv",
+                          s, intro, body)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    # SIGTERM (a `timeout`, a CI cancel) unwinds like Ctrl-C, so the `finally` below stops every server it started
+    # SIGTERM (a `timeout`, a CI cancel) unwinds like Ctrl-C, so every server started is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    started, load_before = time.monotonic(), os.getloadavg()
-    run_dir = args.out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
     lm = export_lm(args.model, args.out_dir / "lm")
     model_dir, allowed = Path(lm["source"]), list(lm["prompt_token_ids"])
-    pin = shutil.which("taskset") is not None and len(os.sched_getaffinity(0)) >= args.threads
+    run = RunStart.of(args, model_dir)
+    pin = run.pin and len(os.sched_getaffinity(0)) >= args.threads
     sha, tree = export_revision(args.epd_revision) if args.epd_revision else (None, None)
     more = tuple(args.epd_decoder_flags)
     factories: dict[str, Callable[[], SystemSpec]] = {EPD: lambda: epd_system(model_dir, args.threads, pin, tree, more)}
@@ -175,31 +202,21 @@ def main(argv: list[str] | None = None) -> None:
         not_installed[VLLM] = (f"not installed: {args.vllm_python} cannot import vllm (`make bench` installs "
                                "vllm-cpu into runs/vllm-venv; see runs/vllm-install.log)")
         print(f"vLLM {not_installed[VLLM]}; measuring EPD alone", flush=True)
-    up, skipped = start_retrying(factories, run_dir / "logs", args.start_timeout)
-    skipped.update(not_installed)
-    try:
-        startup_s = round(time.monotonic() - started, 1)
-        print(f"[{time.strftime('%H:%M:%S')}] up after {startup_s} s: {list(up)}; left out: {list(skipped)}",
-              flush=True)
-        targets = targets_of(up)
-        same = warm_up(targets, allowed, args) if targets else {}
-        results = run_rounds(targets, allowed, args) if targets else {}
-    finally:
-        for r in up.values():
-            r.stop()
-    summary = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "model": args.model, "lm": lm,
-               "cores": len(os.sched_getaffinity(0)), "threads": args.threads, "pinned": pin,
-               "load_before": load_before, "load_after": os.getloadavg(), "rounds": args.rounds,
-               "levels": list(args.levels), "prompt_len": args.prompt_len, "output_len": args.output_len,
-               "epd_revision": sha, "context": CONTEXT, "max_num_seqs": MAX_SEQS, "skipped": skipped, "startup_s": startup_s,
-               "systems": systems_summary([r.spec for r in up.values()], skipped), "greedy_check": same,
-               "results": results, "medians": vllm_report.medians(results),
-               "command": shlex.join(["python", "-m", "epd_bench.vllm_compare",
-                                      *(argv if argv is not None else sys.argv[1:])]),
-               "wall_s": round(time.monotonic() - started, 1)}
-    finish(summary, run_dir, vllm_report.targets(summary), vllm_report.targets_text(summary),
-           None if args.no_docs else lambda: vllm_report.write_docs(summary, args.docs),
-           f"{args.docs} (vllm-bench section)")
+    with started(factories, run.run_dir / "logs", args.start_timeout) as (up, skipped):
+        startup_s = round(time.monotonic() - run.started, 1)
+        peers = {r.spec.name: Target(r.spec.url, r.spec.model) for r in up}
+        same = warm_up(peers, allowed, args) if peers else {}
+        results = run_rounds(peers, allowed, args) if peers else {}
+    s = run.summary(args.model, [r.spec for r in up], skipped | not_installed, lm=lm, threads=args.threads,
+                    pinned=pin, rounds=args.rounds, levels=list(args.levels), prompt_len=args.prompt_len,
+                    output_len=args.output_len, epd_revision=sha, context=CONTEXT, max_num_seqs=MAX_SEQS,
+                    startup_s=startup_s, greedy_check=same, results=results, medians=medians(results),
+                    command=shlex.join(["python", "-m", "epd_bench.vllm_compare",
+                                        *(argv if argv is not None else sys.argv[1:])]))
+    found = targets(s)
+    finish(s, run.run_dir, found, format_targets(found, 44), None if args.no_docs else
+           lambda: write_section(args.docs, NAME, render(s), "video-bench"),
+           f"{args.docs} ({NAME})")
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -210,7 +227,7 @@ def _levels(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser("python -m epd_bench.vllm_compare", description=__doc__,
+    p = argparse.ArgumentParser("python -m epd_bench.vllm_compare", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench-peer", help="a LLaVA whose LM is a Llama: 'bench-peer' or a dir")
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM, help="the python of a venv with vllm-cpu")
@@ -226,7 +243,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="cores (and OMP threads) each system gets")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds each system may take to start")
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "vllm-compare")
-    p.add_argument("--docs", type=Path, default=ROOT / "docs" / "BENCHMARKS.md")
+    p.add_argument("--docs", type=Path, default=DOCS)
     p.add_argument("--no-docs", action="store_true", help="print the targets, leave the docs alone")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.threads < 1 or args.prompt_len < 1 or args.output_len < 2:

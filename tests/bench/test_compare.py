@@ -1,13 +1,14 @@
 """The comparison's pieces that need no servers: core pinning, commands, targets, the docs section."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from epd_bench import report
+from epd_bench import compare
 from epd_bench.compare import OVERHEAD, WORKLOADS, epd_bench_cmd, num_prompts
 from epd_bench.stacks import aggregated, core_layout, epd, transformers_serve
 
@@ -78,7 +79,8 @@ def _result(mean_ttft_ms: float, out_tps: float) -> dict[str, Any]:
 
 def summary(**overrides: Any) -> dict[str, Any]:
     s: dict[str, Any] = {
-        "date": "2026-11-30 15:00", "cores": 2, "load_before": (0.5, 0.4, 0.3), "wall_s": 420.0,
+        "date": "2026-11-30 15:00", "cores": 2, "load_before": (0.5, 0.4, 0.3), "load_after": (0.6, 0.4, 0.3),
+        "wall_s": 420.0, "rounds": 2, "pinning": "split",
         "results": {"repeat50": {"aggregated": _result(1000, 10), "epd-1enc": _result(500, 10),
                                  "epd-2enc": _result(700, 10)},
                     "images4": {"epd-1enc": _result(2000, 5), "epd-2enc": _result(1200, 5)},
@@ -87,17 +89,16 @@ def summary(**overrides: Any) -> dict[str, Any]:
         "overhead": {"system": "epd-1enc", "rounds": 2, "ttfts": {"proxy": [0.012, 0.013], "decoder": [0.010, 0.011]},
                      "median_ttft_ms": {"proxy": 12.5, "decoder": 10.5}, "mean_ttft_ms": {"proxy": 12.5, "decoder": 10.5},
                      "overhead_ms": 2.0, "paired_median_ms": 1.75, "commands": {"proxy": "epd-bench --base-url P", "decoder": "epd-bench D"}},
-        "overhead_title": "text only", "skipped": {"transformers-serve": "not installed: x"},
+        "skipped": {"transformers-serve": "not installed: x"},
         "systems": {"epd-1enc": [{"name": "decoder", "cpus": (0,), "threads": 1, "command": "taskset -c 0 dec"},
                                  {"name": "proxy", "cpus": None, "threads": None, "command": "proxy"}]},
-        "workloads": {w: {"title": w} for w in ("repeat50", "images4", "text")},
         "commands": {"repeat50": {"aggregated": "epd-bench --seed 1"}},
     }
     return s | overrides
 
 
 def test_targets_are_the_issue_ratios() -> None:
-    got = {t.name: t for t in report.targets(summary())}
+    got = {t.name: t for t in compare.targets(summary())}
     assert got["repeat50_ttft_epd-1enc_vs_aggregated"].value == pytest.approx(0.5)
     assert got["repeat50_ttft_epd-1enc_vs_aggregated"].met
     assert got["repeat50_ttft_epd-2enc_vs_aggregated"].verdict() == "**missed by 0.10**"
@@ -105,11 +106,12 @@ def test_targets_are_the_issue_ratios() -> None:
     assert got["text_throughput_epd-1enc_vs_aggregated"].value == pytest.approx(0.95)
     assert not got["text_throughput_epd-2enc_vs_aggregated"].met
     assert got["proxy_overhead_ms"].met  # 2.0 <= 2.0
-    missing = {t.name: t for t in report.targets(summary(overhead=None, results={"text": {}}))}
+    missing = {t.name: t for t in compare.targets(summary(overhead=None, results={"text": {}}))}
     assert missing["proxy_overhead_ms"].verdict() == "not measured" and not missing["proxy_overhead_ms"].met
-    assert "missed by 0.10" in report.targets_text(summary())
+    assert "missed by 0.10" in compare.format_targets(compare.targets(summary()))
 
 
+BEGIN, END = "<!-- epd-bench:begin -->", "<!-- epd-bench:end -->"
 DOC = "# Benchmarks\n\nIntro text.\n\n## Old section\n\nhand-written\n"
 
 
@@ -118,28 +120,27 @@ def test_docs_section_goes_after_the_intro_and_is_replaced_in_place(tmp_path: Pa
     docs, plots = tmp_path / "docs" / "BENCHMARKS.md", tmp_path / "docs" / "bench"
     docs.parent.mkdir()
     docs.write_text(DOC)
-    report.write_docs(summary(), docs, plots)
+    args = argparse.Namespace(docs=docs, plots_dir=plots)
+    docs.write_text(compare.render_docs(summary(), args))
     first = docs.read_text()
-    assert first.startswith("# Benchmarks\n\nIntro text.\n\n" + report.BEGIN)
-    assert first.endswith(report.END + "\n\n## Old section\n\nhand-written\n")
+    assert first.startswith("# Benchmarks\n\nIntro text.\n\n" + BEGIN)
+    assert first.endswith(END + "\n\n## Old section\n\nhand-written\n")
     assert "![repeat50_latency_cdf](bench/repeat50_latency_cdf.png)" in first
     assert "| **proxy − decoder** | | **2.00** |" in first and "per-prompt differences (proxy − decoder) is **1.75 ms**" in first and "**transformers-serve: left out**" in first
     assert "taskset -c 0 dec &" in first and "epd-bench --seed 1" in first
-    assert first.count("- **Repeated images:") == 1  # epd-2enc missed 0.6; one note, not one per target
-    assert "Where the proxy's time goes" not in first  # 2.0 ms met: no note
     assert "p99 inter-token latency: aggregated 1000 ms, epd-1enc 500 ms, epd-2enc 700 ms" in first
     for png in ("repeat50_latency_cdf", "repeat50_ttft_over_time", "images4_latency_cdf", "text_latency_cdf",
                 "overhead_ttft_cdf"):
         assert (plots / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
-    monkeypatch.setattr(report, "plots", lambda summary, plots_dir: {})  # drawn above; keeps the test fast
-    report.write_docs(summary(date="2026-12-01 09:00"), docs, plots)
+    monkeypatch.setattr(compare, "plots", lambda summary, plots_dir: {})  # drawn above; keeps the test fast
+    docs.write_text(compare.render_docs(summary(date="2026-12-01 09:00"), args))
     second = docs.read_text()
-    assert second.count(report.BEGIN) == 1 and "2026-12-01 09:00" in second and "2026-11-30 15:00" not in second
-    assert second.split(report.END)[1] == first.split(report.END)[1]  # the hand-written part is untouched
+    assert second.count(BEGIN) == 1 and "2026-12-01 09:00" in second and "2026-11-30 15:00" not in second
+    assert second.split(END)[1] == first.split(END)[1]  # the hand-written part is untouched
 
 
 def test_rounds_merge_into_one_result() -> None:
-    from epd_bench.results import merge_results
+    from epd_bench.loads import merge_results
 
     def part(ttfts: list[float], duration: float) -> dict[str, Any]:
         n = len(ttfts)

@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 
-from epd_bench import prefix_report
+from epd_bench import prefix_compare
 from epd_bench.prefix_compare import _median_ms, build_systems, model_info, parse_args
+from epd_bench.report import write_section
+
+BEGIN, END = "<!-- prefix-bench:begin -->", "<!-- prefix-bench:end -->"
 
 MODEL = Path("/models/bench-lm")
 
@@ -33,6 +36,7 @@ def _run(ttft2plus_ms: float | None, req_s: float) -> dict[str, Any]:
 def summary(**overrides: Any) -> dict[str, Any]:
     s: dict[str, Any] = {
         "date": "2026-12-01 09:00", "model": "bench-lm", "cores": 2, "load_before": (1.0, 0.5, 0.25), "wall_s": 360.0,
+        "load_after": (1.0, 0.5, 0.25),
         "rounds": 2, "skipped": {},
         "model_info": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
                        "intermediate_size": 1536, "lm_params": 24_566_272},
@@ -51,7 +55,7 @@ def summary(**overrides: Any) -> dict[str, Any]:
 
 
 def test_targets_are_on_off_ratios_per_mode() -> None:
-    got = {t.name: t for t in prefix_report.targets(summary())}
+    got = {t.name: t for t in prefix_compare.targets(summary())}
     assert got["epd_multi_turn_ttft_turn2plus"].value == pytest.approx(0.2) and got["epd_multi_turn_ttft_turn2plus"].met
     assert got["aggregated_multi_turn_ttft_turn2plus"].value == pytest.approx(0.4)
     assert got["aggregated_multi_turn_ttft_turn2plus"].verdict() == "**missed by 0.10**"
@@ -64,25 +68,25 @@ def test_targets_are_on_off_ratios_per_mode() -> None:
 def test_a_missing_or_failed_system_is_not_measured() -> None:
     s = summary(calibration={})
     s["results"]["multi-turn"]["epd-nocache"] = {"completed": 0, "failed": "?"}
-    got = {t.name: t for t in prefix_report.targets(s)}
+    got = {t.name: t for t in prefix_compare.targets(s)}
     assert got["epd_multi_turn_ttft_turn2plus"].value is None and got["epd_prefill_vs_overhead"].verdict() == "not measured"
     only_epd = summary(systems={"epd-cache": [], "epd-nocache": []})
-    assert {t.name.split("_")[0] for t in prefix_report.targets(only_epd)} == {"epd"}
+    assert {t.name.split("_")[0] for t in prefix_compare.targets(only_epd)} == {"epd"}
 
 
 def test_docs_section_is_replaced_between_its_markers(tmp_path: Path) -> None:
     docs = tmp_path / "BENCHMARKS.md"
     other = "<!-- epd-bench:begin -->\nthe other tool's\n<!-- epd-bench:end -->\n"
-    docs.write_text(f"# B\n\n{other}\n{prefix_report.BEGIN}\nplaceholder\n{prefix_report.END}\n\n## Hand-written\n")
-    prefix_report.write_docs(summary(), docs)
+    docs.write_text(f"# B\n\n{other}\n{BEGIN}\nplaceholder\n{END}\n\n## Hand-written\n")
+    write_section(docs, "prefix-bench", prefix_compare.render(summary()))
     text = docs.read_text()
-    assert other in text and text.endswith(f"{prefix_report.END}\n\n## Hand-written\n") and "placeholder" not in text
+    assert other in text and text.endswith(f"{END}\n\n## Hand-written\n") and "placeholder" not in text
     assert "| epd: mean TTFT of turns ≥ 2, cache on ÷ off | 0.200 | <= 0.3 | met |" in text
     assert "hidden 512, 8 layers, 8 query and 2 K/V heads, MLP 1536: 24.6M parameters" in text
     assert "| epd | 50.0 | 800.0 | 740 | 15.0 |" in text and "epd-bench --dataset multi-turn" in text
-    prefix_report.write_docs(summary(date="2026-12-02 10:00"), docs)
+    write_section(docs, "prefix-bench", prefix_compare.render(summary(date="2026-12-02 10:00")))
     again = docs.read_text()
-    assert again.count(prefix_report.BEGIN) == 1 and "2026-12-02 10:00" in again and "2026-12-01 09:00" not in again
+    assert again.count(BEGIN) == 1 and "2026-12-02 10:00" in again and "2026-12-01 09:00" not in again
 
 
 def test_premise_medians_leave_out_the_request_that_encoded_the_image() -> None:

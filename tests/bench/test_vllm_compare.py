@@ -13,12 +13,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForImageTextToText, AutoTokenizer, LlamaForCausalLM
 
-from epd_bench import vllm_report
+from epd_bench import vllm_compare as vllm_report
 from epd_bench.backends import RequestOutput
 from epd_bench.completions_load import summarize, token_prompts
 from epd_bench.lm_export import compare_tensors, export_lm
-from epd_bench.stacks import HOST, ProcSpec, SystemSpec
-from epd_bench.vllm_compare import epd_system, start_retrying, vllm_installed, vllm_system
+from epd_bench.report import write_section
+from epd_bench.stacks import HOST, ProcSpec, SystemSpec, start_retrying
+from epd_bench.vllm_compare import epd_system, vllm_installed, vllm_system
 from epd_builders.bench_model import BENCH_PEER_SPEC, BenchSpec, build_bench
 from epd_launcher.group import free_port
 
@@ -139,18 +140,18 @@ def test_without_vllm_the_section_has_epd_alone_and_says_why() -> None:
     results = {level: {"epd": runs["epd"]} for level, runs in RESULTS.items()}
     s = _summary(results, skipped={"vllm": "not installed: runs/vllm-venv/bin/python is missing"})
     assert all(t.value is None for t in vllm_report.targets(s))
-    text = vllm_report.render_section(s)
-    assert "**vllm left out**: not installed" in text and "| 4 | 42.0 | – | – |" in text
+    text = vllm_report.render(s)
+    assert "**vllm: left out** — not installed" in text and "| 4 | 42.0 | – | – |" in text
 
 
 def test_the_section_goes_after_the_video_section_and_is_replaced_in_place(tmp_path: Path) -> None:
     docs = tmp_path / "BENCHMARKS.md"
     docs.write_text("# B\n\n<!-- video-bench:begin -->\nv\n<!-- video-bench:end -->\n\n## Hand-written\n")
-    vllm_report.write_docs(_summary(RESULTS), docs)
+    write_section(docs, "vllm-bench", vllm_report.render(_summary(RESULTS)), "video-bench")
     first = docs.read_text()
-    assert first.index("<!-- video-bench:end -->") < first.index(vllm_report.BEGIN) < first.index("## Hand-written")
+    assert first.index("<!-- video-bench:end -->") < first.index("<!-- vllm-bench:begin -->") < first.index("## Hand-written")
     assert "| 4 | 42.0 | 90.0 | 0.47 | 88.0 | 40.0 | 2.20 |" in first
-    vllm_report.write_docs(_summary(RESULTS), docs)
+    write_section(docs, "vllm-bench", vllm_report.render(_summary(RESULTS)), "video-bench")
     assert docs.read_text() == first
 
 
