@@ -45,11 +45,11 @@ def test_a_server_without_usage_or_done_line_still_counts(fake_server: FakeServe
 
 def test_flags_reach_the_request(fake_server: FakeServer) -> None:
     bench(fake_server, "--num-prompts", "2", "--random-output-len", "3", "--images-per-request", "0",
-          "--model", "m", "--api-key", "k", "--ignore-eos", "--extra-body", '{"logit_bias": {"2": -100.0}}',
+          "--model", "fake-model", "--api-key", "k", "--ignore-eos", "--extra-body", '{"logit_bias": {"2": -100.0}}',
           "--temperature", "0.5", "--num-warmups", "1")
     assert len(fake_server.bodies) == 3  # one warm-up, then two measured
     body = fake_server.bodies[-1]
-    assert body["model"] == "m" and body["ignore_eos"] is True and body["logit_bias"] == {"2": -100.0}
+    assert body["model"] == "fake-model" and body["ignore_eos"] is True and body["logit_bias"] == {"2": -100.0}
     assert body["temperature"] == 0.5 and body["stream_options"] == {"include_usage": True}
     assert set(fake_server.auth) == {"Bearer k"}
 
@@ -131,3 +131,37 @@ def test_bad_flags_are_usage_errors(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         run(["--base-url", "http://127.0.0.1:9", *bad])
     assert exc.value.code == 2
+
+
+def test_a_model_the_server_does_not_list_is_refused_before_any_request(fake_server: FakeServer) -> None:
+    """The README's first line once named `--model bench` against `make run`'s `demo`: 0 of 50 succeeded."""
+    with pytest.raises(SystemExit) as exc:
+        bench(fake_server, "--num-prompts", "2", "--model", "bench")
+    assert "'bench' is not served" in str(exc.value.code) and "it serves: fake-model" in str(exc.value.code)
+    assert fake_server.bodies == []
+
+
+@pytest.mark.parametrize("fake_server", [FakeBehaviour(fail_every=2)], indirect=True)
+def test_failures_print_their_reason_on_the_terminal(fake_server: FakeServer,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    r = bench(fake_server, "--num-prompts", "4", "--random-output-len", "2", "--max-concurrency", "1")
+    err = capsys.readouterr().err
+    assert r["failed"] == 2 and "2 of 4 requests failed" in err and "2: HTTP 500:" in err and "boom" in err
+
+
+def test_results_go_under_runs_by_default(fake_server: FakeServer, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    bench(fake_server, "--num-prompts", "1", "--random-output-len", "1", "--save-result")
+    assert [p.parent for p in tmp_path.rglob("*.json")] == [tmp_path / "runs" / "epd-bench"]
+
+
+def test_plot_without_matplotlib_is_a_usage_error_naming_the_install(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        run(["--plot", "plots", "--num-prompts", "1"])
+    assert exc.value.code == 2 and "pip install -e '.[bench]'" in capsys.readouterr().err
