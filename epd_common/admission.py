@@ -5,10 +5,10 @@ complete request head are bounded per source address (`PendingConnections`), not
 uvicorn (0.55) answers past its limit_concurrency with a plain-text "Service Unavailable" from `service_unavailable`,
 a function each protocol module imports by name. Rather than patch that global (every server in the process) or
 override the private method that starts the app, uvicorn's own limit is left off and `Admit`, which the protocol puts
-in front of the app (epd_common.server._Deadlines), counts the requests it let in itself. uvicorn's rule also counted
-open connections, so sockets that sent nothing filled the limit and every request, /health included, got a 503
-(issue 44 item 5); here only requests whose head has arrived count, and the probes (/health, /ready) never wait on
-the limit. Nothing here breaks silently when uvicorn renames a private.
+in front of the app (epd_common.http_protocol.Deadlines), counts the requests it let in itself. uvicorn's rule
+also counted open connections, so sockets that sent nothing filled the limit and every request, /health included,
+got a 503; here only requests whose head has arrived count, and the probes (/health, /ready) never wait on the
+limit. Nothing here breaks silently when uvicorn renames a private.
 """
 from __future__ import annotations
 

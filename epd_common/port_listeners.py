@@ -2,8 +2,8 @@
 
 A server that binds its port with SO_REUSEPORT (beside the launcher's reservation: epd_common.server, EPD_REUSE_PORT)
 would, once it listens, join the listening group of any other process of the same user that listens there too, and
-the kernel would spread connections over both: two stacks on one --worker-base-port answered each other's clients
-(issue 44 item 3). An `ExclusiveListenSocket`'s server looks just before it listens and refuses to start instead.
+the kernel would spread connections over both: two stacks on one --worker-base-port answered each other's clients.
+An `ExclusiveListenSocket`'s server looks just before it listens and refuses to start instead.
 """
 from __future__ import annotations
 
