@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
 from decoder_service.config import DecoderConfig
-from decoder_service.server import create_app
 from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_worker, worker_parser
-from epd_common.tracing import add_tracing_flags
+from epd_common.startup import ConfigError, fail, run_main
+from epd_common.tracing import add_tracing_flags, require_sdk
 from epd_models.audio_jobs import add_audio_flags
 from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
@@ -17,11 +17,13 @@ from epd_models.video_config import add_video_flags
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+PROG = "epd-decoder"
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Every epd-decoder flag with its default (docs/FLAGS.md is generated from it)."""
     d = DecoderConfig()
-    p = worker_parser("epd-decoder", "EPD decoder worker (language model only)", d)
+    p = worker_parser(PROG, "EPD decoder worker (language model only)", d)
     add_device_flags(p, d)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="positions of one sequence, prompt included (0: the model's max_position_embeddings, lowered "
@@ -139,7 +141,14 @@ def security_gaps(cfg: DecoderConfig) -> list[Gap]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
+    run_main(PROG, _main, argv)
+
+
+def _main(argv: list[str]) -> None:
+    cfg = parse_args(argv)  # NOTE: before torch and transformers load: --help and usage errors answer at once
+    check_before_loading(cfg)
+    from decoder_service.server import create_app
+
     apps: list[FastAPI] = []
 
     def build(c: DecoderConfig) -> FastAPI:
@@ -152,8 +161,52 @@ def main(argv: list[str] | None = None) -> None:
         refused = apps[0].state.decoder.refused if apps else None
         if refused is None:
             raise
-        print(f"epd-decoder: error: {refused}", file=sys.stderr)  # what the budget cannot hold: a usage error
-        raise SystemExit(2) from None
+        fail(PROG, str(refused))  # what the budget cannot hold: a usage error
+
+
+def check_before_loading(cfg: DecoderConfig) -> None:
+    """ConfigError for what can be told before the weights load: the tracing extra, the model, the K/V
+    arithmetic."""
+    from epd_models.resolve import resolve_model
+
+    if cfg.otlp_traces_endpoint:
+        require_sdk()
+    try:
+        model_dir = resolve_model(cfg.model)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    check_kv_fits(model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+                  max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory)
+
+
+def check_kv_fits(model_dir: str | Path, *, dtype: str, device: str, block_size: int, max_model_len: int,
+                  kv_cache_memory: int) -> None:
+    """ConfigError, with the engine's own message (decoder_service.engine.memory_plan), when an explicit
+    --max-model-len cannot fit in an explicit --kv-cache-memory; read from the checkpoint's config, no weights
+    loaded. Either one left to its default (0) is settled only once the weights are loaded: nothing to check.
+    On CUDA the GPU's free memory is not known yet, so only the arithmetic is checked (the engine checks the rest)."""
+    if not (max_model_len and kv_cache_memory):
+        return
+    import torch  # NOTE: here: the launcher and --help never need it
+
+    from decoder_service.engine.kv_shape import KVShape
+    from decoder_service.engine.memory_plan import KVPlanError, cpu_total_bytes, plan_kv_cache
+    from epd_models.halves import _dtype
+    from epd_models.registry import load_config
+
+    try:
+        config = load_config(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model {model_dir}: cannot read its config: {exc}") from None
+    text = config.get_text_config()
+    where = torch.device("cuda" if device.startswith("cuda") else "cpu")
+    total = cpu_total_bytes() if where.type == "cpu" else kv_cache_memory
+    try:
+        plan_kv_cache(KVShape.of(text, _dtype(config, dtype)), block_size=block_size, requested_max_len=max_model_len,
+                      checkpoint_max_len=int(text.max_position_embeddings), kv_cache_memory=kv_cache_memory,
+                      device=where, gpu_memory_utilization=1.0, total_bytes=total, used_bytes=0)
+    except KVPlanError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 if __name__ == "__main__":

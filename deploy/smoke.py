@@ -261,7 +261,8 @@ def restarts(container: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser("deploy/smoke.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser("deploy/smoke.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--no-build", action="store_true", help="use the images already built")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "deploy-smoke.json")
     args = p.parse_args(argv)

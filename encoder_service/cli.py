@@ -2,24 +2,24 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
-from connector.tensors.disk_tier import DiskTierError, check_tier_folder
 from connector.tensors.ungathered import UNGATHERED_MAX_AGE_S
 from encoder_service.config import EncoderConfig
-from encoder_service.server import create_app
 from epd_common.cli import Gap, byte_size, key_gaps, refuse_open, run_worker, worker_parser
-from epd_common.tracing import add_tracing_flags
+from epd_common.startup import ConfigError, run_main
+from epd_common.tracing import add_tracing_flags, require_sdk
 from epd_models.audio_jobs import add_audio_flags
 from epd_models.device_flags import add_device_flags
 from epd_models.video_config import add_video_flags
+
+PROG = "epd-encoder"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every epd-encoder flag with its default (docs/FLAGS.md is generated from it)."""
     d = EncoderConfig()
-    p = worker_parser("epd-encoder", "EPD encoder worker (vision tower + projector only)", d)
+    p = worker_parser(PROG, "EPD encoder worker (vision tower + projector only)", d)
     add_device_flags(p, d)
     p.add_argument("--ec-bind", default=d.ec_bind, help="ZeroMQ endpoint for embeddings (tcp://HOST:PORT or ipc://)")
     p.add_argument("--ec-events-bind", default=d.ec_events_bind,
@@ -96,14 +96,34 @@ def security_gaps(cfg: EncoderConfig) -> list[Gap]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
-    if cfg.ec_disk_dir is not None:  # before the model loads: a folder another user could change stops the start
+    run_main(PROG, _main, argv)
+
+
+def _main(argv: list[str]) -> None:
+    cfg = parse_args(argv)  # NOTE: before torch and transformers load: --help and usage errors answer at once
+    check_before_loading(cfg)
+    from encoder_service.server import create_app
+
+    run_worker("encoder", cfg, create_app, security_gaps(cfg))
+
+
+def check_before_loading(cfg: EncoderConfig) -> None:
+    """ConfigError for what can be told before the model loads: the tracing extra, the model, a disk-tier folder
+    another user could change."""
+    from connector.tensors.disk_tier import DiskTierError, check_tier_folder
+    from epd_models.resolve import resolve_model
+
+    if cfg.otlp_traces_endpoint:
+        require_sdk()
+    try:
+        resolve_model(cfg.model)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.ec_disk_dir is not None:
         try:
             check_tier_folder(cfg.ec_disk_dir)
-        except DiskTierError as e:
-            print(f"epd-encoder: error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-    run_worker("encoder", cfg, create_app, security_gaps(cfg))
+        except DiskTierError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
-from connector.tensors.producer import MAX_PARKED_HASHES, MAX_REPLY_BYTES
-from connector.tensors.waiters import MAX_PARKED
+from connector.tensors.get_limits import MAX_REPLY_BYTES
+from connector.tensors.waiters import MAX_PARKED, MAX_PARKED_HASHES
 from epd_common.audio import AudioLimits as _AudioLimits
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings

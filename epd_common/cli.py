@@ -38,8 +38,9 @@ def package_version() -> str:
 
 
 def new_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser whose --help shows every default, with --version."""
-    p = argparse.ArgumentParser(prog, description=description, formatter_class=HelpFormatter)
+    """A parser whose --help shows every default, with --version; a flag is only ever its whole name (no
+    abbreviations: `--num-encoder 2` is an error, not --num-encoders)."""
+    p = argparse.ArgumentParser(prog, description=description, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     return p
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextvars
+import io
 import logging
+import sys
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -14,6 +16,10 @@ class _RequestIdFilter(logging.Filter):
 
 
 def setup_logging(role: str, level: str = "INFO") -> None:
+    """Every record on stderr, one line each naming the role and the request; stdout goes out a line at a time too
+    (a pipe, `make run | tee log`, would otherwise hold printed lines in its buffer)."""
+    if isinstance(sys.stdout, io.TextIOWrapper):  # the interpreter's own (a test's capture may be another)
+        sys.stdout.reconfigure(line_buffering=True)
     handler = logging.StreamHandler()
     handler.addFilter(_RequestIdFilter())
     handler.setFormatter(logging.Formatter(

@@ -24,6 +24,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from epd_common.startup import ConfigError
+
 logger = logging.getLogger("epd.tracing")
 
 TRACEPARENT = "traceparent"
@@ -65,20 +67,28 @@ def tracing_flags(settings: TraceSettings) -> list[str]:
             "--otlp-traces-sample-ratio", repr(settings.otlp_traces_sample_ratio)]
 
 
+def require_sdk() -> None:
+    """ConfigError naming the `tracing` extra when the OpenTelemetry SDK or its OTLP exporter cannot be imported (a
+    program checks this before it loads anything, when --otlp-traces-endpoint is given)."""
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporter, the `tracing` "
+                          f"extra: pip install 'disagg-epd[tracing]' ({exc})") from None
+
+
 def start_tracing(service: str, settings: TraceSettings) -> bool:
-    """Turn tracing on in this process when an endpoint is set; SystemExit naming the extra when it is missing."""
+    """Turn tracing on in this process when an endpoint is set; ConfigError naming the extra when it is missing."""
     if not settings.otlp_traces_endpoint or _state:
         return bool(_state)
-    try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-    except ImportError as exc:
-        raise SystemExit(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporter: "
-                         f"pip install 'disagg-epd[tracing]' ({exc})") from None
+    require_sdk()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     provider = TracerProvider(resource=Resource.create({"service.name": service}),
                               sampler=ParentBased(TraceIdRatioBased(settings.otlp_traces_sample_ratio)))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_traces_endpoint),

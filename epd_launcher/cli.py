@@ -3,28 +3,34 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import socket
 import sys
 from collections.abc import Callable
 
 from connector.control.curve_flags import pop_curve
 from connector.control.security import CurveConfig
 from epd_common.logs import setup_logging
-from epd_common.server import ENV_REUSE_PORT, HttpLimits, serve
+from epd_common.server import HttpLimits, serve
+from epd_common.startup import fail, run_main
+from epd_common.tracing import require_sdk
 from epd_launcher.disk_dir import refuse_unsafe_disk_dir
 from epd_launcher.flags import parse_args
 from epd_launcher.group import STOP_MARGIN_S, RestartPolicy, Secrets, WorkerGroup
+from epd_launcher.preflight import check_launch, check_port_free
 from epd_launcher.proxy_procs import serve_proxies
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.workers import check_worker_url, served_name
 
 logger = logging.getLogger("epd.proxy")
+PROG = "disagg-epd-proxy"
 
 
 def main(argv: list[str] | None = None) -> None:
+    run_main(PROG, _main, argv)
+
+
+def _main(argv: list[str]) -> None:
     parser, args = parse_args(argv)
     curve = pop_curve(parser, args)
     try:
@@ -33,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         policy = RestartPolicy(args.max_restarts, args.restart_window, args.restart_backoff, args.restart_backoff_max)
     except (ValueError, AssertionError) as exc:
         parser.error(str(exc) or "invalid --max-restarts / --restart-* values")
+    if args.otlp_traces_endpoint:  # the proxy and every worker it spawns would need it
+        require_sdk()
     setup_logging("proxy", args.log_level)
     if args.attach:
         attach(parser, args, encode_urls, decode_urls, curve, policy)
@@ -50,18 +58,19 @@ def attach(parser: argparse.ArgumentParser, args: argparse.Namespace, encode_url
                          "(only the decoders with --aggregated)")
     insecure = _require_credentials(parser, args, curve)
     cfg = _config(args, encode_urls, decode_urls, curve, args.served_model_name, insecure)  # None: workers' model
-    _check_port_free(cfg.host, cfg.port)
+    check_port_free(cfg.host, cfg.port)
     _serve(cfg, args.proxy_workers, policy)
 
 
 def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig | None) -> None:
-    """Spawn the workers with fresh keys, serve the proxy in front of them, stop them all on exit."""
-    from epd_launcher.spawn import spawn_workers  # NOTE: resolves the model (torch); attach mode never needs it
+    """Check what can be checked (preflight), spawn the workers with fresh keys, serve the proxy in front of them,
+    stop them all on exit."""
+    from epd_launcher.spawn import spawn_workers  # NOTE: torch; attach mode never needs it
 
     if curve is not None:
         logger.warning("launcher mode generates its own CURVE keys per start: the EPD_EC_CURVE_* keys are not used")
     refuse_unsafe_disk_dir(args)  # before any worker starts
-    _check_port_free(args.host, args.port)
+    model_dir = check_launch(args)
     keys = Secrets.generate(args.internal_key)
     args.internal_key = keys.internal_key
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turn it into SystemExit so the
@@ -69,7 +78,10 @@ def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig |
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     group = WorkerGroup(env={"EPD_INSECURE": ""}, policy=policy)  # workers get keys: they need no waiver
     try:
-        urls = spawn_workers(group, args, keys)
+        try:
+            urls = spawn_workers(group, args, keys, model_dir)
+        except RuntimeError as exc:  # a worker exited or never answered while loading: its own log says why
+            fail(PROG, f"{exc} (its log above says why)", code=1)
         encode_urls, decode_urls, args.prefill_urls = urls
         cfg = _config(args, encode_urls, decode_urls, keys.proxy_curve(),
                       args.served_model_name or served_name(args.model))
@@ -106,19 +118,6 @@ def _prefill_urls(values: list[str] | None) -> tuple[str, ...]:
 def _worker_urls(values: list[str] | None) -> tuple[str, ...]:
     """As _urls; ValueError for a URL that is not http(s)://HOST[:PORT] (no scheme, bad port, a path)."""
     return tuple(check_worker_url(u) for u in _urls(values))
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """Fail now, before any worker is spawned or waited for, if the proxy could not listen."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
-        if os.environ.get(ENV_REUSE_PORT) == "1":  # as epd_common.server.serve will bind it: beside a reservation
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise SystemExit(f"disagg-epd-proxy: error: cannot listen on {host}:{port}: {exc.strerror or exc} "
-                             "(another process uses the port? pick one with --port)") from None
 
 
 def _config(args: argparse.Namespace, encode_urls: tuple[str, ...], decode_urls: tuple[str, ...],

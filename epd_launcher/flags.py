@@ -9,72 +9,25 @@ from typing import Any
 from connector.control.curve_flags import add_curve_flags
 from epd_common.cli import add_http_flags, add_log_level, byte_size, cli_secret, env_flag, fraction, new_parser
 from epd_common.tracing import add_tracing_flags
-from epd_contracts.video import MAX_VIDEO_FRAMES
+from epd_launcher.flag_types import (
+    base_port,
+    non_negative,
+    positive,
+    positive_bytes,
+    positive_seconds,
+    prefill_url,
+    proxy_workers,
+)
+from epd_launcher.media_flags import add_audio_flags, add_image_flags, add_video_flags
 from proxy.config import ProxyConfig
-
-MAX_PROXY_WORKERS = 64  # more proxy processes than this on one host is a typo, not a plan
 
 ATTACH_FLAGS = ("--encode-servers-urls", "--decode-servers-urls", "--prefill-servers-urls", "--dynamic-registration",
                 "--insecure", "--ec-curve-key", "--ec-curve-server-key")
-NO_PREFILL = ("disable", "none", "")  # vLLM's spellings of "E + PD": no separate prefill stage
 _UNSET: Any = object()  # a mode flag's value until the command line sets it
 
 
 def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
-
-
-def prefill_url(value: str) -> str:
-    """--prefill-servers-urls: a prefill worker's URL, or vLLM's "no separate prefill stage" (disable, none, "")."""
-    return "disable" if value.strip().lower() in NO_PREFILL else value
-
-
-def positive_bytes(value: str) -> int:
-    """A bytes flag (epd_common.cli.byte_size) that must be at least 1."""
-    number = byte_size(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1 byte")
-    return number
-
-
-def non_negative(value: str) -> int:
-    """An int flag that may be 0 but not below."""
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
-    return number
-
-
-def positive(value: str) -> int:
-    """An int flag that must be >= 1."""
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
-    return number
-
-
-def positive_seconds(value: str) -> float:
-    """A float flag that must be > 0 (and finite)."""
-    number = float(value)
-    if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value}: must be a number > 0")
-    return number
-
-
-def proxy_workers(value: str) -> int:
-    """--proxy-workers: 1 .. MAX_PROXY_WORKERS."""
-    number = int(value)
-    if not 1 <= number <= MAX_PROXY_WORKERS:
-        raise argparse.ArgumentTypeError(f"{value}: must be in 1..{MAX_PROXY_WORKERS}")
-    return number
-
-
-def video_frames(value: str) -> int:
-    """--max-video-frames: 1 .. the contract's MAX_VIDEO_FRAMES."""
-    number = int(value)
-    if not 1 <= number <= MAX_VIDEO_FRAMES:
-        raise argparse.ArgumentTypeError(f"{value}: must be in 1..{MAX_VIDEO_FRAMES}")
-    return number
 
 
 # the decoders' engine flags: (flag, type, help); passed to each spawned decoder only when given (spawn.py)
@@ -169,8 +122,10 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port the API listens on")
     p.add_argument("--proxy-workers", type=proxy_workers, default=1,
                    help="proxy processes serving the port (SO_REUSEPORT: the kernel spreads connections over them), "
-                        "for a proxy that needs more than one core; each has its own worker health view, cache "
-                        "index and /metrics (a scrape reaches one process); refused with dynamic registration (/instances)")
+                        "for a proxy that needs more than one core; each has its own worker health view and cache "
+                        "index, and a scrape of /metrics on any of them answers the counters and histograms of all "
+                        "added up (the fleet gauges are the answering process's view); refused with dynamic "
+                        "registration (/instances)")
     add_log_level(p, "info")
     p.add_argument("--aggregated", action="store_true",
                    help="no encoders: decoders load the vision tower too and encode images sent inline "
@@ -197,9 +152,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
                    help="failed probes in a row that take a worker out (a failed call takes it out at once)")
     _affinity_flags(p.add_argument_group("prefix affinity (routing conversations to the decoder holding their "
                                           "prefix)"))
-    _media_flags(p.add_argument_group("images"))
-    _video_flags(p.add_argument_group("videos (video_url parts; URLs are loaded under the image flags' rules)"))
-    _audio_flags(p.add_argument_group("audio (input_audio and audio_url parts; URLs are loaded under the image "
+    add_image_flags(p.add_argument_group("images"))
+    add_video_flags(p.add_argument_group("videos (video_url parts; URLs are loaded under the image flags' rules)"))
+    add_audio_flags(p.add_argument_group("audio (input_audio and audio_url parts; URLs are loaded under the image "
                                       "flags' rules)"))
 
 
@@ -213,74 +168,6 @@ def _affinity_flags(g: argparse._ActionsContainer) -> None:
                         "only breaks ties of load)")
 
 
-def _media_flags(g: argparse._ActionsContainer) -> None:
-    g.add_argument("--max-images-per-request", type=int, default=16, help="more images get a 400")
-    g.add_argument("--max-image-bytes", type=int, default=20 << 20, help="bytes of one image file")
-    g.add_argument("--max-image-pixels", type=int, default=40_000_000, help="larger images get a 400")
-    g.add_argument("--allowed-local-media-path", default=None,
-                   help="serve file:// image URLs from under this directory (default: file URLs are refused)")
-    g.add_argument("--allowed-media-domains", nargs="+", default=[],
-                   help="hosts whose http(s) image URLs are fetched even when they resolve to loopback, private "
-                        "or link-local addresses (default: such addresses are refused before connecting)")
-    g.add_argument("--media-fetch-timeout", type=float, default=10.0,
-                   help="seconds to connect, and per read, when downloading an image URL")
-    g.add_argument("--media-fetch-deadline", type=float, default=30.0,
-                   help="seconds to load all of one request's images, waiting for a fetch slot included; past it "
-                        "the download is aborted and the request gets a 408 naming the image")
-    g.add_argument("--max-concurrent-fetches", type=int, default=16,
-                   help="http(s) image downloads at once over all requests; a request that gets no slot within "
-                        "its --media-fetch-deadline gets a 503")
-
-
-def _video_flags(g: argparse._ActionsContainer) -> None:
-    defaults = ProxyConfig.__dataclass_fields__
-    g.add_argument("--max-videos-per-request", type=non_negative, default=defaults["max_videos_per_request"].default,
-                   help="more videos get a 400 too_many_videos, counted before any is loaded")
-    g.add_argument("--max-video-bytes", type=positive, default=defaults["max_video_bytes"].default,
-                   help="bytes of one video file (default 64 MiB)")
-    g.add_argument("--max-video-duration", type=positive_seconds, default=defaults["max_video_duration"].default,
-                   help="seconds of one video")
-    g.add_argument("--max-video-frames", type=video_frames, default=defaults["max_video_frames"].default,
-                   help="frames sampled from one video: a sampling rate that would take more is clamped to it, a "
-                        "request's mm_processor_kwargs.num_frames above it gets a 400")
-    g.add_argument("--max-video-frame-pixels", type=positive, default=defaults["max_video_frame_pixels"].default,
-                   help="width x height of the video's own frames (before any resize)")
-    g.add_argument("--video-chunk-frames", type=positive, default=defaults["video_chunk_frames"].default,
-                   help="sampled frames per chunk, the part of a video one encoder encodes (rounded down to whole "
-                        "temporal patches): a longer video is spread over the encoders")
-    g.add_argument("--max-video-fanout-bytes", type=positive, default=defaults["max_video_fanout_bytes"].default,
-                   help="bytes one video may send to encoders over all its chunks (each chunk's call carries the "
-                        "whole file): a larger file is cut into fewer, longer chunks (default 256 MiB)")
-    g.add_argument("--max-video-decode-frames", type=positive, default=defaults["max_video_decode_frames"].default,
-                   help="frames the encoders may decode for one request's videos, each chunk counted from the "
-                        "keyframe before its first frame (planned before any encode); more: 400 video_too_large")
-
-
-def _audio_flags(g: argparse._ActionsContainer) -> None:
-    defaults = ProxyConfig.__dataclass_fields__
-    g.add_argument("--max-audios-per-request", type=non_negative, default=defaults["max_audios_per_request"].default,
-                   help="more audio parts get a 400 too_many_audios, counted before any is loaded")
-    g.add_argument("--max-audio-bytes", type=positive, default=defaults["max_audio_bytes"].default,
-                   help="bytes of one audio file, base64-decoded or downloaded; more: 400 audio_too_large "
-                        "(default 25 MiB)")
-    g.add_argument("--max-audio-seconds", type=positive_seconds, default=defaults["max_audio_seconds"].default,
-                   help="seconds of one audio clip; longer: 400 audio_too_large")
-    g.add_argument("--audio-chunk-seconds", type=positive_seconds, default=defaults["audio_chunk_seconds"].default,
-                   help="seconds of audio per chunk, the part of a clip one encoder encodes (whole windows of the "
-                        "family's encoder, for families whose windows are encoded apart): a longer clip is spread "
-                        "over the encoders")
-    g.add_argument("--max-audio-fanout-bytes", type=positive, default=defaults["max_audio_fanout_bytes"].default,
-                   help="bytes one clip may send to encoders over all its chunks (each chunk's call carries the "
-                        "whole file): a larger file is cut into fewer, longer chunks (default 64 MiB)")
-
-
-def _base_port(text: str) -> int:
-    port = int(text)
-    if not (port == 0 or 1024 <= port <= 65535 - 256):
-        raise argparse.ArgumentTypeError(f"must be 0 or a port from 1024 to {65535 - 256}, got {text}")
-    return port
-
-
 def _launcher_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--model", default="demo", help="'demo', a built-in bench model ('bench', 'bench-lm', "
                    "'bench-video'), a checkpoint directory, or a hub id")
@@ -290,7 +177,7 @@ def _launcher_flags(g: argparse._ActionsContainer) -> None:
                    help="prefill workers to spawn (E -> P -> D: each request prefills on one, then decodes on a "
                         "decoder, which runs --role decode); 0: the decoders prefill (E + PD)")
     g.add_argument("--worker-host", default="127.0.0.1", help="address the spawned workers bind")
-    g.add_argument("--worker-base-port", type=_base_port, default=0,
+    g.add_argument("--worker-base-port", type=base_port, default=0,
                    help="HTTP ports of the spawned workers, the same at every start: encoder i at this + i, then the "
                         "decoders, then the prefill workers (what Prometheus scrapes); 0: fresh ports")
     g.add_argument("--max-restarts", type=int, default=5,

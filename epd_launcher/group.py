@@ -41,7 +41,7 @@ def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     alone, never listening, then marked SO_REUSEPORT for the child.
 
     The bind itself is exclusive: SO_REUSEADDR only (a connection of an earlier run in TIME_WAIT is no conflict), so
-    it fails on a port where anything listens, SO_REUSEPORT or not (another EPD stack's worker: issue 44 item 3), or
+    it fails on a port where anything listens, SO_REUSEPORT or not (another EPD stack's worker), or
     that another socket holds bound (another launcher's reservation). Then SO_REUSEADDR is cleared and SO_REUSEPORT
     set: nobody else can bind the port meanwhile (bind(0) never hands it out; a stranger's bind without SO_REUSEPORT
     is EADDRINUSE, with SO_REUSEADDR too: the kernel checks the flags each socket has now), connections to it are
@@ -160,8 +160,9 @@ class WorkerGroup:
         port = hold.getsockname()[1]
         cmd = [sys.executable, "-m", WORKER_MODULES[role], "--model", model, "--host", host, "--port", str(port),
                *extra]
+        # PYTHONUNBUFFERED: a worker's lines reach the launcher's stdout as they are written, a pipe included
         full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
-                    **self.env, **(env or {}), ENV_REUSE_PORT: "1"}
+                    **self.env, **(env or {}), ENV_REUSE_PORT: "1", "PYTHONUNBUFFERED": "1"}
         worker = Worker(role=role, url=f"http://{host}:{port}", proc=_popen(cmd, full_env), cmd=cmd, env=full_env,
                         port_hold=hold)
         self.workers.append(worker)

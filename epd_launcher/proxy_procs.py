@@ -32,7 +32,7 @@ from epd_common.logs import setup_logging
 from epd_common.metrics import use_multiprocess
 from epd_common.port_listeners import refuse_if_listened
 from epd_common.server import HttpLimits, reuseport_socket, serve
-from epd_launcher.flags import MAX_PROXY_WORKERS
+from epd_launcher.flag_types import MAX_PROXY_WORKERS
 from epd_launcher.group import STOP_MARGIN_S, RestartPolicy
 from proxy.app import create_app
 from proxy.config import ProxyConfig

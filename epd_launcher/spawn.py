@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,13 +11,13 @@ import torch
 from epd_common.tracing import TraceSettings, tracing_flags
 from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, EC_DISK_DIR, ENCODER_FLAGS, _dest
 from epd_launcher.group import Secrets, WorkerGroup
-from epd_models.resolve import resolve_model
 
 
-def spawn_workers(group: WorkerGroup, args: argparse.Namespace,
-                  keys: Secrets) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(encoder URLs, decoder URLs, prefill worker URLs) of the spawned workers, once all are healthy."""
-    model = str(resolve_model(args.model))
+def spawn_workers(group: WorkerGroup, args: argparse.Namespace, keys: Secrets,
+                  model_dir: str | Path) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(encoder URLs, decoder URLs, prefill worker URLs) of the workers spawned on `model_dir` (preflight resolved
+    --model), once all are healthy."""
+    model = str(model_dir)
     num_encoders = 0 if args.aggregated else args.num_encoders
     num_prefills = 0 if args.aggregated else args.num_prefills
     threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders + num_prefills))

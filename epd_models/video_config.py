@@ -26,7 +26,6 @@ from typing import Any
 
 from epd_common.video import VideoLimits
 from epd_common.video_sampling import Sampler, VideoConfig
-from epd_models.video import VIDEO_FAMILIES, _json, _video_processor_dict, video_settings
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,10 @@ FAMILY_DEFAULTS = {
 def video_config(model_dir: str | Path, family: str) -> VideoConfig | None:
     """The checkpoint's video sampling settings; None when its family takes no video (not in VIDEO_FAMILIES).
     ValueError when its video processor config holds values a VideoConfig cannot (the worker does not start)."""
+    # NOTE: here, not at the top: epd_models.video loads torch and transformers, and the workers' --help reads this
+    # module's add_video_flags
+    from epd_models.video import VIDEO_FAMILIES, _video_processor_dict, video_settings
+
     if family not in VIDEO_FAMILIES:
         return None
     defaults = FAMILY_DEFAULTS.get(family)
@@ -100,6 +103,8 @@ def _image_processor(model_dir: Path, defaults: FamilyDefaults) -> SimpleNamespa
     """What `video_settings` reads of the image processor (its fallback when the checkpoint has no video processor
     config), from processor_config.json's "image_processor" without loading it; the family's video defaults
     where that says nothing. (A preprocessor_config.json is read by `video_settings` as the video processor's.)"""
+    from epd_models.video import _json
+
     nested = _json(model_dir / "processor_config.json") or {}
     found = nested.get("image_processor")
     image: dict[str, Any] = found if isinstance(found, dict) else {}

@@ -70,7 +70,7 @@ def audio_request(model: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     p.add_argument("--model", default="demo")
     p.add_argument("--video", action="store_true",

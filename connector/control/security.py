@@ -19,6 +19,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from epd_common.cli import env_secret
+from epd_common.startup import fail
 
 logger = logging.getLogger("epd.connector.security")
 
@@ -249,14 +250,14 @@ See docs/DEPLOY.md and docs/SECURITY.md."""
 
 def build_parser() -> argparse.ArgumentParser:
     """`epd-ec-keygen`'s flags: `generate DIR [--name NAME]` or `env DIR` (docs/FLAGS.md is generated from it)."""
-    parser = argparse.ArgumentParser(prog="epd-ec-keygen", description=_KEYGEN_HELP,
+    parser = argparse.ArgumentParser(prog="epd-ec-keygen", description=_KEYGEN_HELP, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="write a CURVE keypair NAME.key / NAME.key_secret into DIR "
+    gen = sub.add_parser("generate", allow_abbrev=False, help="write a CURVE keypair NAME.key / NAME.key_secret into DIR "
                                           "(for the --ec-curve-* file flags)")
     gen.add_argument("directory", type=Path)
     gen.add_argument("--name", default="ec", help="file name stem (default: ec)")
-    env = sub.add_parser("env", help="write a fleet's internal key, API key and CURVE keys into DIR (made 0700; an "
+    env = sub.add_parser("env", allow_abbrev=False, help="write a fleet's internal key, API key and CURVE keys into DIR (made 0700; an "
                                      "existing DIR open to other users is refused): "
                                      "one file per key for docker compose secrets (internal_key, api_key, "
                                      "encoders_secret_key, ...), and k8s-curve.env and k8s-keys.env "
@@ -272,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         paths = generate_keypair(args.directory, args.name) if args.command == "generate" else \
             write_key_files(args.directory)
-    except (FileExistsError, PermissionError) as e:
-        parser.exit(1, f"error: {e}\n")
+    except OSError as e:  # DIR exists, is not ours to write, or is open to other users: one line, exit 2
+        fail(parser.prog, str(e))
     print(*paths, sep="\n")
     return 0
 

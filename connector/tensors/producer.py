@@ -12,6 +12,7 @@ from connector.control.wire import MAX_TENSOR_BYTES
 from connector.tensors.cache import EmbeddingCache
 from connector.tensors.disk_tier import DiskTier
 from connector.tensors.frames import WireItem
+from connector.tensors.get_limits import MAX_ITEMS_PER_GET, MAX_REPLY_BYTES
 from connector.tensors.server import ProducerServer
 from connector.tensors.shm import SHM_MIN_BYTES, Segment, open_probe
 from connector.tensors.ungathered import UNGATHERED_MAX_AGE_S, Ungathered
@@ -21,8 +22,6 @@ from epd_contracts.embeddings import ImageFeatures
 
 logger = logging.getLogger("epd.connector")
 
-MAX_ITEMS_PER_GET = 256  # hashes one get or has may ask for; more get an error reply
-MAX_REPLY_BYTES = 256 << 20  # tensor bytes of one get reply (besides its first item); the rest are sent as `more`
 # a save that finds the cache full of pinned items waits this long for a pin to go: the serving thread pins an item
 # only while it builds a reply and hands it to ZeroMQ (no network wait), and dropping a fresh item costs a re-encode
 PIN_WAIT_S = 1.0

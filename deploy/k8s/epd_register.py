@@ -93,7 +93,8 @@ def run(args: argparse.Namespace, key: str | None, stop: threading.Event) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("epd-register", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser("epd-register", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("action", nargs="?", choices=["run", "deregister"], default="run")
     p.add_argument("--role", required=True, choices=["encoder", "decoder", "prefill"])
     p.add_argument("--url", required=True, help="this worker's base URL as the proxies reach it (the pod IP)")

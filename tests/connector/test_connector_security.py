@@ -308,8 +308,8 @@ def test_cli_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     before = (tmp_path / "node.key_secret").read_bytes()
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", str(tmp_path), "--name", "node"])
-    assert exit_info.value.code == 1
-    assert "refusing to overwrite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("epd-ec-keygen: error: ") and "refusing to overwrite" in err
     assert (tmp_path / "node.key_secret").read_bytes() == before
 
 
@@ -322,7 +322,7 @@ def test_cli_env_writes_a_fleets_keys_as_secret_files(tmp_path: Path, capsys: py
     (tmp_path / "s").chmod(0o755)  # an existing directory open to others is refused, never changed
     with pytest.raises(SystemExit) as refused:
         main(["env", str(tmp_path / "s")])
-    assert refused.value.code == 1 and "open to other users (mode 755)" in capsys.readouterr().err
+    assert refused.value.code == 2 and "open to other users (mode 755)" in capsys.readouterr().err
     assert stat.S_IMODE(os.stat(tmp_path / "s").st_mode) == 0o755 and not any((tmp_path / "s").iterdir())
     (tmp_path / "s").chmod(0o700)
     assert main(["env", str(tmp_path / "s")]) == 0
@@ -347,7 +347,7 @@ def test_cli_env_writes_a_fleets_keys_as_secret_files(tmp_path: Path, capsys: py
     before = paths["internal_key"].read_bytes()
     with pytest.raises(SystemExit) as exit_info:
         main(["env", str(tmp_path / "s")])
-    assert exit_info.value.code == 1 and paths["internal_key"].read_bytes() == before
+    assert exit_info.value.code == 2 and paths["internal_key"].read_bytes() == before
 
 
 def test_a_key_is_read_from_the_variable_or_the_file_its_FILE_variable_names(tmp_path: Path) -> None:

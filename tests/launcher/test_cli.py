@@ -36,9 +36,10 @@ def test_worker_urls_accept_spaces_and_commas() -> None:
     assert _urls(["http://a:1,http://b:2/", "http://c:3"]) == ("http://a:1", "http://b:2", "http://c:3")
 
 
-def test_attach_mode_needs_both_kinds_of_worker() -> None:
-    with pytest.raises(SystemExit, match="needs both"):
+def test_attach_mode_needs_both_kinds_of_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
         main(["--encode-servers-urls", "http://e:1"])
+    assert exc.value.code == 2 and capsys.readouterr().err.startswith("disagg-epd-proxy: error: attach mode needs both")
 
 
 def test_flags_map_to_the_proxy_config() -> None:
@@ -136,7 +137,8 @@ def test_attach_mode_with_both_credentials_needs_no_waiver(served: list[ProxyCon
 
 @pytest.mark.parametrize("mode", ["attach", "launcher"])
 def test_a_port_in_use_fails_before_any_worker_is_spawned_or_waited_for(
-        mode: str, served: list[ProxyConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+        mode: str, served: list[ProxyConfig], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     def no_launch(*args: object) -> None:
         raise AssertionError("workers were spawned")
 
@@ -147,7 +149,8 @@ def test_a_port_in_use_fails_before_any_worker_is_spawned_or_waited_for(
         port = str(busy.getsockname()[1])
         with pytest.raises(SystemExit) as exc:
             main([*([*ATTACH, "--insecure"] if mode == "attach" else []), "--port", port])
-    assert exc.value.code != 0 and f"cannot listen on 127.0.0.1:{port}" in str(exc.value.code) and not served
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"disagg-epd-proxy: error: cannot listen on 127.0.0.1:{port}" in err and not served
 
 
 def test_launcher_keys_go_to_each_role_through_the_environment() -> None:
@@ -241,11 +244,10 @@ def test_prefix_cache_bytes_goes_to_the_spawned_decoders_only_when_given(given: 
     from decoder_service.cli import parse_args as decoder_args
     from decoder_service.config import DecoderConfig
 
-    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
     monkeypatch.setenv("EPD_INSECURE", "1")
     _, args = parse_args(["--num-decoders", "2", *(["--prefix-cache-bytes", given] if given else [])])
     group = RecordingGroup()
-    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    spawn.spawn_workers(group, args, Secrets.generate(), args.model)  # type: ignore[arg-type]
     decoders = [extra for role, extra in group.spawned if role == "decoder"]
     encoders = [extra for role, extra in group.spawned if role == "encoder"]
     assert len(decoders) == 2 and all("--prefix-cache-bytes" not in extra for extra in encoders)
@@ -267,11 +269,10 @@ ENGINE_FIELDS = {"max_model_len": 8192, "max_num_seqs": 256, "block_size": 32, "
 
 def spawned_workers(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> list[tuple[str, list[str]]]:
     """(role, extra arguments) of each worker `disagg-epd-proxy argv` would spawn (nothing is started)."""
-    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
     monkeypatch.setenv("EPD_INSECURE", "1")
     _, args = parse_args(argv)
     group = RecordingGroup()
-    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    spawn.spawn_workers(group, args, Secrets.generate(), args.model)  # type: ignore[arg-type]
     return list(group.spawned)
 
 
@@ -361,12 +362,11 @@ def test_spawned_aggregated_decoders_get_the_proxys_video_limits(monkeypatch: py
     """An aggregated decoder samples and encodes each video itself: the proxy's limits go to it too."""
     from decoder_service.cli import parse_args as decoder_args
 
-    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
     monkeypatch.setenv("EPD_INSECURE", "1")
     _, args = parse_args(["--aggregated", "--num-decoders", "2", "--max-video-duration", "1200",
                           "--max-video-frames", "1000", "--max-video-frame-pixels", "12345"])
     group = RecordingGroup()
-    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    spawn.spawn_workers(group, args, Secrets.generate(), args.model)  # type: ignore[arg-type]
     decoders = [extra for role, extra in group.spawned if role == "decoder"]
     assert len(decoders) == 2 and not [role for role, _ in group.spawned if role == "encoder"]
     for extra in decoders:
@@ -374,19 +374,18 @@ def test_spawned_aggregated_decoders_get_the_proxys_video_limits(monkeypatch: py
         assert (cfg.max_video_duration, cfg.max_video_frames, cfg.max_video_frame_pixels) == (1200.0, 1000, 12345)
     _, args = parse_args(["--num-decoders", "1"])  # EPD mode: the decoders never see a video file
     group = RecordingGroup()
-    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    spawn.spawn_workers(group, args, Secrets.generate(), args.model)  # type: ignore[arg-type]
     assert not [a for role, extra in group.spawned if role == "decoder" for a in extra if a.startswith("--max-video")]
 
 
 @pytest.mark.parametrize("base", [0, 9100])
 def test_worker_base_port_numbers_encoders_then_decoders_then_prefill_workers(
         base: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(spawn, "resolve_model", lambda model: model)
     monkeypatch.setenv("EPD_INSECURE", "1")
     _, args = parse_args(["--model", "demo", "--num-encoders", "2", "--num-decoders", "1", "--num-prefills", "1",
                           "--worker-base-port", str(base)])
     group = RecordingGroup()
-    spawn.spawn_workers(group, args, Secrets.generate())  # type: ignore[arg-type]
+    spawn.spawn_workers(group, args, Secrets.generate(), args.model)  # type: ignore[arg-type]
     kinds = [("prefill" if "prefill" in extra else role) for role, extra in group.spawned]
     assert kinds == ["encoder", "encoder", "decoder", "prefill"]
     assert group.ports == ([base, base + 1, base + 2, base + 3] if base else [0, 0, 0, 0])

@@ -175,7 +175,7 @@ def test_a_second_stack_on_the_same_worker_port_stops_and_the_first_keeps_servin
          "--worker-base-port", str(_port(w)), "--log-level", "warning"],
         env={**os.environ, **REUSE_PORT_ENV}, capture_output=True, text=True, timeout=300)
     assert second.returncode != 0
-    assert f"cannot reserve port {_port(w)} on 127.0.0.1 for a encoder" in second.stderr, second.stderr
+    assert f"cannot reserve port {_port(w)} on 127.0.0.1 for an encoder" in second.stderr, second.stderr
     assert "Traceback" not in second.stderr
     assert {_served_by_fresh(w) for _ in range(20)} == {w.proc.pid}  # the first stack's worker, alone
 

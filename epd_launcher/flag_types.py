@@ -1,0 +1,73 @@
+"""Value checks of disagg-epd-proxy's flags (argparse types): each turns one flag's text into its value or a usage
+error naming the bound."""
+from __future__ import annotations
+
+import argparse
+
+from epd_common.cli import byte_size
+from epd_contracts.video import MAX_VIDEO_FRAMES
+
+MAX_PROXY_WORKERS = 64  # more proxy processes than this on one host is a typo, not a plan
+NO_PREFILL = ("disable", "none", "")  # vLLM's spellings of "E + PD": no separate prefill stage
+
+
+def prefill_url(value: str) -> str:
+    """--prefill-servers-urls: a prefill worker's URL, or vLLM's "no separate prefill stage" (disable, none, "")."""
+    return "disable" if value.strip().lower() in NO_PREFILL else value
+
+
+def positive_bytes(value: str) -> int:
+    """A bytes flag (epd_common.cli.byte_size) that must be at least 1."""
+    number = byte_size(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1 byte")
+    return number
+
+
+def non_negative(value: str) -> int:
+    """An int flag that may be 0 but not below."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
+    return number
+
+
+def positive(value: str) -> int:
+    """An int flag that must be >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return number
+
+
+def positive_seconds(value: str) -> float:
+    """A float flag that must be > 0 (and finite)."""
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value}: must be a number > 0")
+    return number
+
+
+def proxy_workers(value: str) -> int:
+    """--proxy-workers: 1 .. MAX_PROXY_WORKERS."""
+    number = int(value)
+    if not 1 <= number <= MAX_PROXY_WORKERS:
+        raise argparse.ArgumentTypeError(f"{value}: must be in 1..{MAX_PROXY_WORKERS}")
+    return number
+
+
+def video_frames(value: str) -> int:
+    """--max-video-frames: 1 .. the contract's MAX_VIDEO_FRAMES."""
+    number = int(value)
+    if not 1 <= number <= MAX_VIDEO_FRAMES:
+        raise argparse.ArgumentTypeError(f"{value}: must be in 1..{MAX_VIDEO_FRAMES}")
+    return number
+
+
+
+def base_port(text: str) -> int:
+    port = int(text)
+    if not (port == 0 or 1024 <= port <= 65535 - 256):
+        raise argparse.ArgumentTypeError(f"must be 0 or a port from 1024 to {65535 - 256}, got {text}")
+    return port
+
