@@ -17,7 +17,7 @@ from epd_common.errors import APIError, bad_request
 from epd_contracts.generate import Event, TokenLogprob, ToolCallDelta, Usage
 
 if TYPE_CHECKING:
-    from proxy.workers import Worker
+    from proxy.worker_state import Worker
 
 
 def check_n(n: int | None, decoders: Iterable[Worker]) -> None:

@@ -18,7 +18,8 @@ from epd_contracts.encode import EncodeItem, EncodeRequest, EncodeResponse
 from proxy.config import ProxyConfig
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import EncoderBusy, Failure, WorkerFailed, error_code, failover_error, retry_after, upstream_error
-from proxy.workers import WorkerDown, Workers, describe_failure, until_down
+from proxy.worker_state import WorkerDown, describe_failure, until_down
+from proxy.workers import Workers
 from scheduler.scheduler import MMItem, NoEncoderAvailable, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("epd.proxy")

@@ -19,7 +19,8 @@ from proxy.decoder_http import DecoderHTTP, DecoderResponse
 from proxy.encode_calls import EncodeCalls, encode_calls
 from proxy.metrics import ProxyMetrics
 from proxy.upstream import ItemRefused, WorkerFailed, upstream_error
-from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, describe_failure, until_down
+from proxy.worker_state import Worker, WorkerDown, describe_failure, until_down
+from proxy.workers import ModelMismatch, Workers
 from scheduler.scheduler import EncoderSlot, MMItem, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("epd.proxy")

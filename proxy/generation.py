@@ -12,12 +12,13 @@ import msgspec
 from epd_common.errors import APIError
 from epd_common.tracing import span
 from epd_contracts.generate import Event, Handoff
+from proxy.decoder_events import StreamEnded, decode_event, lost, next_event
 from proxy.decoder_http import DecoderResponse
 from proxy.fleet import Fleet
 from proxy.media_kind import Placement
 from proxy.prepare import PreparedChat
 from proxy.upstream import ItemRefused, WorkerFailed
-from proxy.workers import Worker, WorkerDown, until_down
+from proxy.worker_state import Worker, WorkerDown, until_down
 from scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger("epd.proxy")
@@ -186,10 +187,10 @@ class Generation:
             assert self.resp is not None and self.decoder is not None
             lines = self.resp.aiter_lines()
             try:
-                first = await until_down(_next_event(lines), self.decoder)
+                first = await until_down(next_event(lines), self.decoder)
             except (httpx.HTTPError, WorkerDown, StreamEnded) as exc:
                 if not await self._reopen(f"stream lost before the first token: {type(exc).__name__}"):
-                    yield _lost(exc)
+                    yield lost(exc)
                     return
                 continue
             if first.type in ("handoff", "declined"):
@@ -202,7 +203,7 @@ class Generation:
             try:
                 async for line in lines:
                     if line:
-                        event = _decode_event(line)
+                        event = decode_event(line)
                         if event.type == "handoff":
                             handed = event
                             break
@@ -210,7 +211,7 @@ class Generation:
                             event = Event(type="error", message="a decoder declined a hand-off after its first tokens")
                         yield self._seen(event)
             except httpx.HTTPError as exc:
-                yield self._seen(_lost(exc))
+                yield self._seen(lost(exc))
             if handed is None:
                 return
             if (error := await self._hand_over(handed)) is not None:
@@ -285,31 +286,3 @@ class Generation:
     async def close(self) -> None:
         await self.close_stream()
         self._release()
-
-
-class StreamEnded(Exception):
-    """The decoder's stream closed before its first event."""
-
-
-_EVENT = msgspec.json.Decoder(Event)
-
-
-def _decode_event(line: bytes) -> Event:
-    """A line that is not an event of the contract ends this stream with an error event, never with an exception
-    inside the client's response."""
-    try:
-        return _EVENT.decode(line)
-    except msgspec.MsgspecError as exc:
-        return Event(type="error", message=f"the decoder sent an unreadable event: {exc}")
-
-
-def _lost(exc: Exception) -> Event:
-    return Event(type="error", message=f"decoder connection lost: {type(exc).__name__}")
-
-
-async def _next_event(lines: AsyncIterator[bytes]) -> Event:
-    """The first non-empty line as an event."""
-    async for line in lines:
-        if line:
-            return _decode_event(line)
-    raise StreamEnded

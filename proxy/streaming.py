@@ -31,6 +31,46 @@ class Answer(Protocol):
     def response(self, choices: Choices) -> dict[str, Any]: ...
 
 
+class _Chunks:
+    """One stream's chunks as its events come: the choices so far, the token timings, the error it ends with."""
+
+    def __init__(self, answer: Answer, include_usage: bool, metrics: ProxyMetrics, start: float, n: int):
+        self.answer, self.include_usage, self.metrics, self.start, self.last = answer, include_usage, metrics, start, start
+        self.choices = Choices(n)
+        self.failure = APIError(502, "generation ended without finishing", code="stream_interrupted")
+        self.out = [sse(first) for first in answer.first_chunks(n)]
+
+    def take(self, ev: Event) -> bool:
+        """Add one event's chunks; True when the stream ends with it (every choice finished, or an error)."""
+        if ev.type == "error":
+            self.failure = event_error(ev, self.failure.message, "stream_interrupted")
+            return True
+        try:
+            self.choices.add(ev)
+        except APIError as exc:
+            self.failure = APIError(502, exc.message, code="stream_interrupted")
+            return True
+        if ev.type == "delta":
+            now = time.perf_counter()
+            (self.metrics.itl if self.last > self.start else self.metrics.ttft).observe(now - self.last)
+            self.last = now
+            if (chunk := self.answer.delta_chunk(ev)) is not None:
+                self.out.append(sse(chunk))
+            return False
+        self.out.append(sse(self.answer.finish_chunk(ev)))
+        if not self.choices.finished:
+            return False
+        self.metrics.answered(self.choices.usage())
+        if self.include_usage:
+            self.out.append(sse(self.answer.usage_chunk(self.choices.usage())))
+        return True
+
+    def flush(self) -> bytes:
+        data = b"".join(self.out)
+        self.out.clear()
+        return data
+
+
 async def sse_stream(gen: Generation, answer: Answer, include_usage: bool, metrics: ProxyMetrics,
                      start: float, n: int = 1) -> AsyncIterator[bytes]:
     """Every choice's chunks as they come (interleaved, each with its index), each choice's finish, then the
@@ -41,45 +81,18 @@ async def sse_stream(gen: Generation, answer: Answer, include_usage: bool, metri
     the last token, its finish, the usage and [DONE]; several choices' tokens) costs one pass through the ASGI
     middleware and one send instead of one per chunk."""
     request_id_var.set(gen.request_id)
-    last, choices = start, Choices(n)
-    failure = APIError(502, "generation ended without finishing", code="stream_interrupted")
-    out = [sse(first) for first in answer.first_chunks(n)]
+    chunks = _Chunks(answer, include_usage, metrics, start, n)
     try:
         async for batch in batches_apart(gen):
-            stop = False
-            for ev in batch:
-                if ev.type == "error":
-                    failure, stop = event_error(ev, failure.message, "stream_interrupted"), True
-                    break
-                try:
-                    choices.add(ev)
-                except APIError as exc:
-                    failure, stop = APIError(502, exc.message, code="stream_interrupted"), True
-                    break
-                if ev.type == "delta":
-                    now = time.perf_counter()
-                    (metrics.itl if last > start else metrics.ttft).observe(now - last)
-                    last = now
-                    if (chunk := answer.delta_chunk(ev)) is not None:
-                        out.append(sse(chunk))
-                    continue
-                out.append(sse(answer.finish_chunk(ev)))
-                if choices.finished:
-                    metrics.answered(choices.usage())
-                    if include_usage:
-                        out.append(sse(answer.usage_chunk(choices.usage())))
-                    stop = True
-                    break
-            if stop:
+            if any(chunks.take(ev) for ev in batch):  # the stream ends with this event; the rest are not read
                 break
-            if out:
-                yield b"".join(out)
-                out.clear()
-        if not choices.finished:  # never a silent truncation
-            logger.warning("stream failed: %s", failure.message)
-            out.append(sse(failure.body()))
-        out.append(sse("[DONE]"))
-        yield b"".join(out)
+            if chunks.out:
+                yield chunks.flush()
+        if not chunks.choices.finished:  # never a silent truncation
+            logger.warning("stream failed: %s", chunks.failure.message)
+            chunks.out.append(sse(chunks.failure.body()))
+        chunks.out.append(sse("[DONE]"))
+        yield chunks.flush()
         metrics.e2e.observe(time.perf_counter() - start)
     except BaseException:  # cut off (the client left): closed from a plain task, see batches_apart
         _detach(gen.close())

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from proxy.affinity import MAX_RECENT_KEYS, MAX_REPORTED_KEYS, Route
-from proxy.workers import Worker, Workers
+from proxy.worker_state import Worker
+from proxy.workers import Workers
 
 KEYS = ["k0", "k1", "k2", "k3"]  # one request's prefix keys (messages[:1] .. messages[:4])
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.prefix_keys import chat_prefix_keys
-from proxy.workers import Worker
+from proxy.worker_state import Worker
 from tests.proxy.fake_decoder import FakeDecoder
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}  # shared: every decoder holds its key

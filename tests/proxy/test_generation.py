@@ -18,7 +18,8 @@ from proxy.generation import Generation
 from proxy.image import ImageItem
 from proxy.prepare import PreparedChat
 from proxy.upstream import WorkerFailed
-from proxy.workers import Worker, Workers
+from proxy.worker_state import Worker
+from proxy.workers import Workers
 from scheduler.scheduler import MMItem
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4, "num_image_tokens": 0, "cached_tokens": 0}

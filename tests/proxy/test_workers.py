@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from epd_common.errors import APIError
-from proxy.workers import ModelMismatch, Worker, WorkerDown, Workers, until_down
+from proxy.worker_state import Worker, WorkerDown, until_down
+from proxy.workers import ModelMismatch, Workers
 from tests.waiting import HANG_S
 
 
