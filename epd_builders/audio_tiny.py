@@ -1,7 +1,6 @@
-"""Builders for tiny random audio-capable models (issue 35), saved in Hugging Face format with tokenizer, processor
-(feature extractor) and chat template, as epd_builders/tiny.py does for the image families.
-
-Kept out of tiny.py's BUILDERS until the adapters serve them (every family-parametrized test would pick them up).
+"""Builders for tiny random audio-capable models, saved in Hugging Face format with tokenizer, processor (feature
+extractor) and chat template, as epd_builders/tiny.py does for the image families. The adapters serve these
+families; they are kept out of tiny.py's BUILDERS, which the image-family tests run over.
 
     python -m epd_builders.audio_tiny --family qwen2_audio --out /tmp/tiny-qwen2-audio
 """

@@ -1,4 +1,4 @@
-"""Audio clips for the families that take audio (issue 35): what the encoder half is given and the adapter hooks.
+"""Audio clips for the families that take audio: what the encoder half is given and the adapter hooks.
 
 A clip reaches the vision half (which holds every tower of the encoder: vision and audio) as float32 mono samples
 at the family's rate (epd_common/audio_decode.py), with the windows of it this item is (epd_contracts.audio.

@@ -1,6 +1,6 @@
 """A prefill worker's hand-offs leave its store once their decode worker has them (`kv_release`), and otherwise at
-their TTL on the K/V server's timer, not at the next hand-off (issue 44 item 8: 187 MB of memfd were held 90 s after
-the last request with a 30 s TTL). No fixed sleep: the store's clock is injected, and each wait is for the event,
+their TTL on the K/V server's timer, not at the next hand-off (when they waited for it, 187 MB of memfd were held 90 s
+after the last request with a 30 s TTL). No fixed sleep: the store's clock is injected, and each wait is for the event,
 with a deadline."""
 
 from __future__ import annotations

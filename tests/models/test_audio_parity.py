@@ -1,4 +1,4 @@
-"""Audio through EPD's halves equals model.generate() token for token (issue 35 item 5), per audio family: one
+"""Audio through EPD's halves equals model.generate() token for token, per audio family: one
 clip, two clips, and a clip longer than the family's window (Qwen2-Audio: cut at its 30 s window, as its
 processor cuts it). The encoder half runs the clip through the connector; the decoder half splices the rows at
 the audio token. The reference is transformers' processor and model on the same samples."""

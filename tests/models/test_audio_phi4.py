@@ -1,4 +1,4 @@
-"""Phi-4-multimodal's audio through EPD's halves equals model.generate() token for token (issue 35): one clip, two
+"""Phi-4-multimodal's audio through EPD's halves equals model.generate() token for token: one clip, two
 clips, and a clip longer than its 40 s attention window, encoded whole and as chunks of whole windows (their rows
 concatenated are the whole clip's, bit for bit). The encoder half is embed_tokens_extend's audio part only, the LM
 half the base model without its towers; image input is refused (no image processor without torchvision)."""

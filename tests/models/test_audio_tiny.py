@@ -1,4 +1,4 @@
-"""The tiny audio checkpoints (issue 35): each family builds, loads through AutoProcessor and its model class, runs
+"""The tiny audio checkpoints: each family builds, loads through AutoProcessor and its model class, runs
 its processor on numpy waveforms (no torchaudio, librosa or torchvision), generates, writes as many audio tokens as
 `audio_tokens` predicts, and splits: its audio tower run apart from the LM and merged into the LM's embeddings gives
 the full forward's logits bit for bit (the split the EPD adapter will make)."""

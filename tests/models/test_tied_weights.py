@@ -1,4 +1,4 @@
-"""The language half ties lm_head to the input embeddings exactly when transformers does (issue #30 item 9).
+"""The language half ties lm_head to the input embeddings exactly when transformers does.
 
 transformers ties by the composite model's `_tied_weights_keys` when the TOP-LEVEL config says
 `tie_word_embeddings` (some families' configs forward a legacy text_config flag to the top first), so a checkpoint
