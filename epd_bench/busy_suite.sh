@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a command (default: the test suite, `make test`) while another EPD stack on this machine serves load, as
-# issue 30 asks: the suite must pass beside other programs' processes, ports and shared-memory segments.
+# as a shared machine demands: the suite must pass beside other programs' processes, ports and shared-memory segments.
 #   epd_bench/busy_suite.sh [COMMAND...]          e.g. epd_bench/busy_suite.sh .ci/run
 # The load: the launcher on the demo model (1 encoder, 1 decoder; its own ports) and epd-bench rounds against it
 # (image requests, Poisson arrivals at LOAD_RATE/s, up to LOAD_CONCURRENCY in flight), until the command ends.

@@ -1,7 +1,7 @@
 """The decoder engine measured in this process: tokens/s, inter-token latency, host cost per step, K/V memory.
 
 Run by epd_bench/decoder.py, in its own process or (`--base`) beside an older revision: it imports only what
-every revision since issue 18 has (the engine module by either of its paths, config fields by getattr), and
+every revision since the engine's first host-cost benchmark has (the engine module by either of its paths, config fields by getattr), and
 loads epd_bench/step_clock.py by its path, so `PYTHONPATH=<old tree> python -c "runpy.run_path(<this file>)"`
 measures the old engine with this file's code.
 """
@@ -40,7 +40,7 @@ HOST_ROWS = (16, 64)
 
 
 def engine_class() -> Any:
-    try:  # issue 31 moved the engine into a package
+    try:  # the engine once was one module, now a package
         return importlib.import_module("decoder_service.engine.llm_engine").Engine
     except ModuleNotFoundError:
         return importlib.import_module("decoder_service.engine").Engine
@@ -196,7 +196,7 @@ def run_small(parts: list[str], max_prefill_tokens: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--parts", default="speed,latency", help="comma-separated: speed, latency, memory")
     p.add_argument("--max-prefill-tokens", type=int, default=DecoderConfig().max_prefill_tokens)
     args = p.parse_args()

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from epd_bench.loads import Workload, epd_bench_cmd, run_one, run_rounds
+from epd_bench.loads import Workload, epd_bench_cmd, metric_sum, run_one, run_rounds
 from epd_bench.report import (
     DOCS,
     ROOT,
@@ -76,13 +76,6 @@ class Counters(NamedTuple):
     call_seconds: float  # epd_encoder_encode_seconds_sum: wall time of the /encode calls, waiting included
     calls: float  # epd_encoder_encode_seconds_count
     run_seconds: float | None  # RUN_SECONDS; None when the encoder does not expose it
-
-
-def metric_sum(text: str, name: str) -> float | None:
-    """The sum of every sample of `name` in Prometheus text format (None when it has none)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{")]
-    return sum(values) if values else None
 
 
 def counters(text: str) -> Counters:

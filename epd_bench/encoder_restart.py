@@ -33,7 +33,6 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ import httpx
 
 from epd_bench.backends import RequestInput, openai_chat
 from epd_bench.dataset import DatasetSpec, SampleRequest, noise_image
-from epd_bench.encoder_compare import metric_sum
+from epd_bench.loads import delta, scrape, wait_for
 from epd_bench.report import ROOT
 from epd_bench.stacks import HOST, ProcSpec, Running, SystemSpec
 from epd_common.server import ENV_REUSE_PORT
@@ -85,24 +84,6 @@ def drop_cached(folder: Path) -> int:
         finally:
             os.close(fd)
     return len(files)
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll `check` until it holds; TimeoutError naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout} s")
-        time.sleep(0.05)
-
-
-def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30.0).text
-    return {k: metric_sum(text, m) or 0.0 for k, m in names.items()}
-
-
-def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
 
 
 def rate_mb_s(nbytes: float, seconds: float) -> float | None:
@@ -299,7 +280,7 @@ def report(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser("python -m epd_bench.encoder_restart", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m epd_bench.encoder_restart", allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench", help="'bench' (built once, cached), 'demo' or a checkpoint dir")
     p.add_argument("--images", type=int, default=16, help="distinct images, each repeated once per pass")

@@ -1,4 +1,4 @@
-"""A victim's time to first token on one decoder engine while another client attacks it (issue 44, items 1 and 6).
+"""A victim's time to first token on one decoder engine while another client attacks it (fair admission of n > 1 and of many long requests).
 
     python -m epd_bench.fairness [--json] [--deadline 120]
 
@@ -100,7 +100,7 @@ async def _scenario(engine: Engine, spec: dict[str, Any], deadline: float) -> di
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--deadline", type=float, default=120.0, help="seconds a victim waits for its first token")
     p.add_argument("--only", choices=sorted(SCENARIOS), help="run one scenario")

@@ -1,11 +1,11 @@
-"""The grammar-compile attack (issue 30, item 1) on a loopback stack: an ordinary user's time to first token while
+"""The grammar-compile attack (costly schemas, each client leaving early) on a loopback stack: an ordinary user's time to first token while
 N constrained requests with costly schemas arrive, each dropped by its client after `--drop-after` seconds.
 
     python -m epd_bench.grammar_attack [--source DIR] [--attackers 6] [--keys 300] [--shape attack|bounded]
 
 It starts `disagg-epd-proxy --model demo` (launcher mode: one encoder, one decoder) from `--source` (a checkout;
 default this one, so the same script measures an older tree side by side), times the victim's image request alone,
-then again 0.5 s after the attackers, and prints one JSON line. `attack`: the issue's schema (`--keys`
+then again 0.5 s after the attackers, and prints one JSON line. `attack`: the hostile schema (`--keys`
 patternProperties keys `^<tag>{i}(a|b)*c$`, a fresh tag per request so no compile is cached); `bounded`: the
 costliest schema within the bounds of epd_contracts/schema_checks.py (4 objects x 16 overlapping-checked keys).
 """
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m epd_bench.grammar_attack", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m epd_bench.grammar_attack", description=__doc__.split("\n\n")[0])
     p.add_argument("--source", type=Path, default=ROOT, help="checkout whose stack is measured (default: this one)")
     p.add_argument("--attackers", type=int, default=6, help="costly requests sent at once")
     p.add_argument("--keys", type=int, default=300, help="attack shape: patternProperties keys per schema")

@@ -13,14 +13,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from epd_bench.backends import RequestOutput
 from epd_bench.metrics import calculate_metrics, tpot
 from epd_bench.stacks import Running, SystemSpec
 
 PERCENTILES = [50.0, 90.0, 99.0]
+Timed = tuple[float, RequestOutput]  # (perf_counter when a request was sent, its output)
 
 
 @dataclass(frozen=True)
@@ -137,3 +141,44 @@ def run_rounds(w: Workload, up: list[Running], rounds: int, run_dir: Path, num: 
             if after:
                 after(r.spec, state, result)
     return {name: merge_rounds(p) for name, p in parts.items()}, commands
+
+
+def metric_sum(text: str, name: str) -> float | None:
+    """The sum of every sample of `name` in Prometheus text format (None when it has none)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{")]
+    return sum(values) if values else None
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `check` until it holds; TimeoutError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout} s")
+        time.sleep(0.05)
+
+
+def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+    return {k: metric_sum(text, m) or 0.0 for k, m in names.items()}
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def in_window(shorts: list[Timed], longs: list[Timed]) -> dict[str, Any]:
+    """What the short streams did while long prompts were in flight (the first one's arrival to the last one's end):
+    each gap (s) between two content chunks that ended in it (index 0: a request's first-to-second), the TTFT of each
+    request whose first chunk came in it, and content chunks per second."""
+    start, end = min(s for s, _ in longs), max(s + o.latency for s, o in longs)
+    gaps: list[tuple[int, float]] = []
+    ttfts, chunks = [], 0
+    for sent, out in (x for x in shorts if x[1].success):
+        times = list(accumulate(out.itl, initial=sent + out.ttft))  # perf_counter of each content chunk
+        chunks += sum(start <= t <= end for t in times)
+        ttfts += [out.ttft] if start <= times[0] <= end else []
+        gaps += [(i, g) for i, (g, t) in enumerate(zip(out.itl, times[1:], strict=True)) if start <= t <= end]
+    return {"itl_s": [g for _, g in gaps], "itl_running_s": [g for i, g in gaps if i], "short_ttft_s": ttfts,
+            "short_chunks_per_s": chunks / (end - start) if end > start else 0.0}

@@ -29,7 +29,7 @@ class Sink(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
     ThreadingHTTPServer(("127.0.0.1", args.port), Sink).serve_forever()

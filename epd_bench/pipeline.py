@@ -75,7 +75,7 @@ def run(plain: str, pipelined: str, n: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo")
     p.add_argument("--n", type=int, default=40, help="requests per proxy")
     p.add_argument("--json", action="store_true", help="print only the JSON result")

@@ -3,27 +3,16 @@ long prompts arrive, what the K/V hand-off adds to a long request, and the trans
 
     python -m epd_bench.prefill_decode [--model bench-lm] [--rounds 4] [--handoff-min-tokens N] [--json]
 
-Two stacks on loopback (epd_bench/stacks.py processes, `--insecure`, the proxy in attach mode), started together and
-measured one after the other in rounds of alternating order: e+pd (an encoder, a decoder `--role both`, the proxy)
-and e+p+d (an encoder, a prefill worker `--role prefill`, a decoder `--role decode`, the proxy with
-`--prefill-servers-urls`: the prefill worker hands off the long prompts and, by its default --handoff-min-tokens,
-declines the short ones, which prefill on the decoder; 0 hands off every one). Pinned with taskset as `make bench` pins
-(OMP threads = cores): the decode-side decoder of either stack has the first half of the cores to itself, the
-prefill worker, encoder and proxy share the rest (2 cores: core 0, core 1); the client (this process) is not pinned.
-
-A round: `--streams` short streams decode without pause (a short text prompt, `--short-tokens` greedy tokens,
-ignore_eos; the next request sent when one ends) while `--long-prompts` long ones (`--long-words` of text and
-`--long-images` images, new every time: no prefix cache helps) arrive one at a time every `--interval-s`. Measured
-from the first long prompt's arrival to the last one's end:
-  - every gap between two content chunks of a short stream (p50, p99; E+P+D / E+PD, target <= 0.5), and the same
-    without each request's first gap (`running`: decode steps only; in e+p+d a request's first gap is its hand-off);
-  - the short requests' TTFT and content chunks per second (a prefill worker busy with a long prompt delays them);
-  - each long request's TTFT and first-to-second-token gap: in e+p+d the hand-off (K/V out of the pool, the proxy's
-    second hop, the fetch and check, the resume) sits in that gap; its median minus e+pd's is what it adds.
-The stacks expose no transfer time, so its rate is measured after they stop at the long prompts' K/V size (/health
-bytes_per_token x prompt tokens, whole blocks): KVClient.fetch from a KVServer + KVStore in a child process against
-a raw ZeroMQ reply of the same bytes (epd_bench/connector.py's), alternating, no CURVE (as the stacks).
-Progress goes to stderr; results to runs/bench-prefill-decode/<time>/ (summary.json; samples.json: every gap).
+Two loopback stacks (epd_bench/stacks.py), started together, measured in rounds of alternating order: e+pd (encoder,
+decoder `--role both`, proxy) and e+p+d (encoder, prefill worker, decoder `--role decode`, proxy with
+`--prefill-servers-urls`; short prompts are declined by --handoff-min-tokens and prefill on the decoder). The
+decode-side decoder has the first half of the cores; prefill worker, encoder and proxy share the rest. A round:
+`--streams` short streams decode without pause while `--long-prompts` long ones (new every time) arrive every
+`--interval-s`. From the first long arrival to the last one's end: every gap between a short stream's content chunks
+(p50, p99; E+P+D / E+PD, target <= 0.5; `running`: without each request's first gap), the short requests' TTFT and
+chunks/s, each long request's TTFT and first-to-second gap (in e+p+d the hand-off sits there). After the stacks
+stop, KVClient.fetch of the long prompts' K/V size against a raw ZeroMQ reply (epd_bench/kv_transfer.py). Results
+go to runs/bench-prefill-decode/<time>/ (summary.json; samples.json: every gap).
 """
 from __future__ import annotations
 
@@ -40,17 +29,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime
-from itertools import accumulate, count
+from itertools import count
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from epd_bench.backends import RequestInput, RequestOutput, openai_chat
+from epd_bench.backends import RequestInput, openai_chat
 from epd_bench.dataset import DatasetSpec, SampleRequest, noise_image, random_words
-from epd_bench.encoder_restart import delta, scrape
 from epd_bench.kv_transfer import layout_of, transfer
+from epd_bench.loads import Timed, delta, in_window, scrape
 from epd_bench.report import ROOT
 from epd_bench.stacks import HOST, ProcSpec, Running, SystemSpec, resolve_model, systems_summary
 from epd_launcher.group import free_port
@@ -125,7 +114,6 @@ def build_systems(model_dir: Path, pin: bool, handoff_min_tokens: int = -1) -> l
 
 
 # the workload
-Timed = tuple[float, RequestOutput]  # (perf_counter when sent, its output)
 
 
 async def _send(client: httpx.AsyncClient, url: str, sample: SampleRequest) -> Timed:
@@ -151,22 +139,6 @@ async def _round(url: str, w: Workload, round_: int) -> tuple[list[Timed], list[
         stop.set()
         await asyncio.gather(*streams)
     return shorts, longs
-
-
-def in_window(shorts: list[Timed], longs: list[Timed]) -> dict[str, Any]:
-    """What the short streams did while long prompts were in flight (the first one's arrival to the last one's end):
-    each gap (s) between two content chunks that ended in it (index 0: a request's first-to-second), the TTFT of each
-    request whose first chunk came in it, and content chunks per second."""
-    start, end = min(s for s, _ in longs), max(s + o.latency for s, o in longs)
-    gaps: list[tuple[int, float]] = []
-    ttfts, chunks = [], 0
-    for sent, out in (x for x in shorts if x[1].success):
-        times = list(accumulate(out.itl, initial=sent + out.ttft))  # perf_counter of each content chunk
-        chunks += sum(start <= t <= end for t in times)
-        ttfts += [out.ttft] if start <= times[0] <= end else []
-        gaps += [(i, g) for i, (g, t) in enumerate(zip(out.itl, times[1:], strict=True)) if start <= t <= end]
-    return {"itl_s": [g for _, g in gaps], "itl_running_s": [g for i, g in gaps if i], "short_ttft_s": ttfts,
-            "short_chunks_per_s": chunks / (end - start) if end > start else 0.0}
 
 
 def measure_round(run: Running, w: Workload, round_: int) -> dict[str, Any]:
@@ -304,7 +276,7 @@ def report(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser("python -m epd_bench.prefill_decode", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m epd_bench.prefill_decode", allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench-lm", help="'bench-lm' (built once, cached), 'demo' or a checkpoint dir")
     p.add_argument("--rounds", type=int, default=4, help="rounds per stack, alternating their order")

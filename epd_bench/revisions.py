@@ -133,7 +133,7 @@ def ratios(result: dict[str, Any], after: str, before: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the revision to compare this working tree with (a git rev)")
     p.add_argument("--n", type=int, default=30, help="rounds (each: one new and one cached image per stack)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")

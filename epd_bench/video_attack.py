@@ -1,10 +1,10 @@
-"""One hostile video request against everyone else (issue 30 item 2): a victim's image TTFT while it runs, base ÷ now.
+"""One hostile video request against everyone else (a long, near-still 720p clip): a victim's image TTFT while it runs, base ÷ now.
 
     python -m epd_bench.video_attack --base <rev> [--rounds 2] [--seconds 40] [--json]
 
 Two EPD stacks of `bench-video` (epd_bench/stacks.py `epd`: 1 encoder, 1 decoder with --max-model-len 2048, the
 proxy with --video-chunk-frames 4), one running `--base` (exported with `git archive`, epd_bench/revisions.py), one
-this working tree, started at once and attacked in turn. The attack clip is built here with PyAV as the issue's:
+this working tree, started at once and attacked in turn. The attack clip is built here with PyAV as a hostile client would:
 H.264 1280x720 at 60 fps, near-still (one small square moves), a keyframe every 250 frames; each round remuxes it
 with another container title, so its bytes (and its hash) are new and nothing is cached. Per round and stack:
 
@@ -153,7 +153,7 @@ def summary(results: dict[str, list[dict[str, Any]]], before: str, after: str) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the revision to compare this working tree with (a git rev)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=40.0, help="length of the attack clip")
