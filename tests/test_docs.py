@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ["README.md", "docs/ARCHITECTURE.md", "docs/SECURITY.md", "docs/DEPLOY.md", "docs/BENCHMARKS.md"]
+DOCS = ["README.md", "docs/ARCHITECTURE.md", "docs/SECURITY.md", "docs/DEPLOY.md", "docs/BENCHMARKS.md",
+        "docs/REFERENCE.md"]
 PACKAGES = ("proxy", "scheduler", "encoder_service", "decoder_service", "connector", "epd_contracts", "epd_common",
             "epd_models", "epd_builders", "epd_bench", "epd_launcher")
 TOP = (*PACKAGES, "docs", "deploy", "tests")
@@ -206,3 +215,201 @@ def test_the_checks_find_what_they_look_for() -> None:
     assert ("proxy/fleet.py", "Fleet.plan") in file_names("docs/ARCHITECTURE.md")
     assert "proxy/streaming.py" in repo_paths("docs/ARCHITECTURE.md")
     assert not defines("proxy/fleet.py", "Fleet.schedule")
+
+
+# --- the generated flag reference ---------------------------------------------------------------------------------
+
+def test_the_flag_reference_matches_the_parsers() -> None:
+    """docs/FLAGS.md is what `python -m epd_builders.flag_reference` makes from every program's parser now."""
+    done = subprocess.run([sys.executable, "-m", "epd_builders.flag_reference", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = (ROOT / "docs/FLAGS.md").read_text()
+    for program in ("disagg-epd-proxy", "epd-encoder", "epd-decoder", "epd-bench", "epd-ec-keygen"):
+        assert f"\n## {program}\n" in text, program
+    assert "| `--proxy-workers` |" in text and "| `--kv-cache-memory` |" in text and "`epd-ec-keygen env`" in text
+
+
+# --- links between the docs ---------------------------------------------------------------------------------------
+
+LINKED = [*DOCS, "docs/REFERENCE.md", "docs/FLAGS.md", "deploy/README.md"]
+_LINK = re.compile(r"\]\(([^)\s]*)\)")
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors for a markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("doc", LINKED)
+def test_every_link_between_the_docs_reaches_a_file_and_heading(doc: str) -> None:
+    broken = []
+    for target in _LINK.findall(_text(doc)):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (ROOT / doc).parent / path if path else ROOT / doc
+        if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
+            broken.append(target)
+    assert not broken, f"{doc} links to what does not exist: {broken}"
+
+
+# --- every README block runs --------------------------------------------------------------------------------------
+
+README_URL = "http://127.0.0.1:8000"
+_FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
+_HEADING = re.compile(r"^#{2,3} (.+)$", re.M)
+# README sections whose blocks run against one stack, each started as the section says
+STACKS = {"Ask it something": "demo", "Benchmarking": "demo", "Video inputs": "video", "Audio inputs": "audio",
+          "Prefill and decode apart (E → P → D)": "prefill"}
+# blocks not run here (keyed by their first line), and why
+NOT_RUN = {
+    "make run    #": "make run is the stack the demo blocks run against: the Makefile's own command line "
+                    "(make_run_args); make test is the suite itself",
+    "python3 -m venv runs/aiperf-venv": "installs aiperf and vLLM into venvs of their own (minutes, gigabytes); "
+                                        "tests/test_bench_recipe.py checks the requests their flags make and runs "
+                                        "the TOKENIZER line",
+    "make docker-host": "needs a Docker engine: tests/deploy/ checks these files against the parsers, and "
+                        "make deploy-smoke runs them (tests/deploy/test_smoke.py with EPD_DEPLOY_SMOKE=1)",
+}
+# what a block prints (regular expressions over its output), keyed by its first line
+EXPECT = {
+    ".venv/bin/python -m proxy.example --base-url http://127.0.0.1:8000/v1\n": [
+        r"What color is the shape\? -> 'red'", r"What shape is it\? -> 'circle'"],
+    "import base64, io": [r"^red CompletionUsage\("],
+    "from openai import OpenAI": [r'^\{"color": "red"\}$'],
+    ".venv/bin/epd-bench": [r"Successful requests:\s+40\b", r"Failed requests:\s+0\b"],
+    ".venv/bin/python -m proxy.example --base-url http://127.0.0.1:8000/v1 --video": [r"What happens in this video\? -> '.*'  \(usage: "],
+    ".venv/bin/python -m proxy.example --base-url http://127.0.0.1:8000/v1 --audio": [r"What do you hear\? -> '.*'  \(usage: "],
+    "import base64\n": [r"completion_tokens=16\b"],
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    section: str
+    lang: str
+    code: str
+
+    @property
+    def first(self) -> str:
+        return self.code.split("\n", 1)[0]
+
+
+def readme_blocks() -> list[Block]:
+    """Every fenced block of the README with a language (the picture has none), with the heading it is under."""
+    text = (ROOT / "README.md").read_text()
+    blocks = []
+    for m in _FENCE.finditer(text):
+        heads = _HEADING.findall(text[:m.start()])
+        blocks.append(Block(heads[-1] if heads else "", m.group(1), m.group(2)))
+    return blocks
+
+
+def make_run_args(args: str = "") -> list[str]:
+    """`make run ARGS=...`'s launcher command line, read from the Makefile with its defaults."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    defaults = dict(re.findall(r"^(\w+) \?= ?(.*)$", text, flags=re.M))
+    line = re.search(r"^run: .*\n\t(.+)$", text, flags=re.M)
+    assert line is not None
+    command = re.sub(r"\$\((\w+)\)", lambda m: args if m.group(1) == "ARGS" else defaults.get(m.group(1), m.group(0)),
+                     line.group(1))
+    argv = shlex.split(command)
+    assert argv[0] == "$(BIN)/disagg-epd-proxy", argv
+    return _without_port(argv[1:])
+
+
+def _without_port(argv: list[str]) -> list[str]:
+    """The stack gets a port of its own (tests/e2e/stack.py launched)."""
+    i = argv.index("--port")
+    return argv[:i] + argv[i + 2:]
+
+
+def _ours(code: str, url: str, tmp: Path) -> str:
+    """The block pointed at this test's stack and folders: its URL, /tmp/ and runs/."""
+    code = code.replace(README_URL, url).replace("/tmp/", f"{tmp}/")
+    return re.sub(r"(?<![\w/])runs/", f"{tmp}/runs/", code)
+
+
+def _run(block: Block, url: str, tmp: Path) -> str:
+    code = _ours(block.code, url, tmp)
+    argv = [sys.executable, "-c", code] if block.lang == "python" else ["bash", "-eo", "pipefail", "-c", code]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"README block under {block.section!r} failed:\n{block.code}\n{done.stderr[-3000:]}"
+    for expected in next((v for k, v in EXPECT.items() if block.code.startswith(k)), []):
+        assert re.search(expected, done.stdout, flags=re.M), f"{block.first!r} printed {done.stdout[-2000:]!r}"
+    return done.stdout
+
+
+def _server_line(line: str) -> list[str] | None:
+    """The launcher arguments of a line that starts a stack (`make run ...` or `disagg-epd-proxy ...`), else None."""
+    line = line.split("  #", 1)[0].strip()
+    if line.startswith("make run"):
+        found = re.search(r'ARGS="([^"]*)"', line)
+        return make_run_args(found.group(1) if found else "")
+    if line.startswith(".venv/bin/disagg-epd-proxy "):
+        return _without_port(shlex.split(line)[1:])
+    return None
+
+
+def _section_blocks(kind: str) -> list[Block]:
+    return [b for b in readme_blocks() if STACKS.get(b.section) == kind and not b.first.startswith(tuple(NOT_RUN))]
+
+
+@contextmanager
+def _readme_stack(kind: str, tmp: Path) -> Iterator[tuple[str, list[Block]]]:
+    """The stack a section's blocks run against: the section's own server line (its other lines run first, as
+    written), or make run's for the demo sections. Yields its URL and the blocks left to run."""
+    from tests.e2e.stack import launched
+
+    blocks, args = _section_blocks(kind), make_run_args()
+    for block in list(blocks):
+        lines = block.code.splitlines()
+        starts = [i for i, ln in enumerate(lines) if _server_line(ln) is not None]
+        if starts:
+            before = Block(block.section, block.lang, "\n".join(lines[:starts[0]]))
+            if before.code.strip():
+                _run(before, README_URL, tmp)
+            args = _server_line(_ours(lines[starts[0]], README_URL, tmp)) or args
+            assert starts[0] == len(lines) - 1, "a server line ends its block: the next block asks it something"
+            blocks.remove(block)
+    with launched(tmp, *args) as stack:
+        yield stack.base_url, blocks
+
+
+def test_every_readme_block_runs_here_or_says_why_not() -> None:
+    blocks = readme_blocks()
+    unplaced = [b.first for b in blocks if b.section not in STACKS and not b.first.startswith(tuple(NOT_RUN))]
+    assert not unplaced, f"README blocks no test runs: {unplaced}"
+    assert len(blocks) >= 10 and {"python", "bash"} <= {b.lang for b in blocks}
+    assert all(any(b.code.startswith(k) for b in blocks) for k in (*NOT_RUN, *EXPECT)), "a key names no block"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", ["demo", "video", "audio"])
+def test_the_readme_blocks_run_as_written(kind: str, tmp_path: Path) -> None:
+    """Each block of a section, in order, against the stack it names (URL, /tmp/ and runs/ pointed at this test's)."""
+    with _readme_stack(kind, tmp_path) as (url, blocks):
+        assert blocks
+        for block in blocks:
+            out = _run(block, url, tmp_path)
+            if block.first.startswith("IMG="):  # the streamed chunks add up to the answer, then [DONE]
+                chunks = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("data: {")]
+                assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+                    "circle" and out.rstrip().endswith("data: [DONE]"), out
+    if kind == "demo":
+        assert list((tmp_path / "runs" / "bench-demo").glob("*.json")), "epd-bench saved its result under runs/"
+
+
+@pytest.mark.e2e
+def test_the_readme_prefill_block_hands_prompts_off(tmp_path: Path) -> None:
+    """`make run ARGS="--num-prefills 1 ..."` starts a prefill worker, and the demo's prompts are handed off."""
+    from tests.e2e.stack import metric
+
+    with _readme_stack("prefill", tmp_path) as (url, blocks):
+        assert not blocks
+        ask = Block("", "bash", ".venv/bin/python -m proxy.example --base-url http://127.0.0.1:8000/v1")
+        _run(ask, url, tmp_path)
+        assert metric(httpx.get(f"{url}/metrics", timeout=10).text, "epd_proxy_handoffs_total") >= 2
