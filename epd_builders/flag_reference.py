@@ -19,7 +19,7 @@ PROGRAMS = (
     ("disagg-epd-proxy", "epd_launcher.flags", "build_parser"),
     ("epd-encoder", "encoder_service.cli", "build_parser"),
     ("epd-decoder", "decoder_service.cli", "build_parser"),
-    ("epd-bench", "epd_bench.serve", "build_parser"),
+    ("epd-bench", "epd_bench.bench_flags", "build_parser"),
     ("epd-ec-keygen", "connector.control.security", "build_parser"),
 )
 COMMAND = "python -m epd_builders.flag_reference --write"
