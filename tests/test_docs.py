@@ -230,6 +230,14 @@ def test_the_flag_reference_matches_the_parsers() -> None:
     assert "| `--proxy-workers` |" in text and "| `--kv-cache-memory` |" in text and "`epd-ec-keygen env`" in text
 
 
+def test_the_flag_reference_is_built_without_torch() -> None:
+    """Every program's parser builds before any heavy import: the reference (and each --help) loads no torch."""
+    code = ("import sys; from epd_builders.flag_reference import render; render(); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 # --- links between the docs ---------------------------------------------------------------------------------------
 
 LINKED = [*DOCS, "docs/REFERENCE.md", "docs/FLAGS.md", "deploy/README.md"]
