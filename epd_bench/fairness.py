@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry
 from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.kv_shape import KVShape
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.engine.sequence import Job
 from decoder_service.metrics import DecoderMetrics
+from decoder_service.shell import Engine
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
