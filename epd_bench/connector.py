@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import zmq
 
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.producer import ECProducer
+from epd_bench.micro import ROOT, check, interleaved, parser, status_kib, stop, summary
 from epd_contracts.embeddings import ImageFeatures
 
 DEFAULT_SIZES = "64K,1M,4.5M,64M"  # 4.5M = bf16 576x4096, one LLaVA-1.5 image
@@ -53,7 +54,6 @@ METHODS = {
 }
 TARGETS = {"ratio_vs_raw_zmq_min": 0.9, "ratio_shm_vs_memcpy_min": 0.5, "ratio_applies_to_payloads_min_bytes": 1 << 20,
            "rss_ratio_max": 1.5}
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_size(text: str) -> int:
@@ -116,39 +116,20 @@ def serve_raw(bind: str, sizes: list[int]) -> None:
 
 @contextmanager
 def child(args: list[str], timeout: float = 60.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start `python -m epd_bench.connector ARGS`, yield it with its first stdout line, and always stop it."""
+    """Start `python -m epd_bench.connector ARGS`, yield it with its first stdout line, and always stop it (its
+    stdin closed: the child's signal to end)."""
     proc = subprocess.Popen([sys.executable, "-m", "epd_bench.connector", *args], cwd=ROOT, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
     try:
-        assert proc.stdout is not None
-        if not select.select([proc.stdout], [], [], timeout)[0]:
-            raise TimeoutError(f"child {args} printed nothing in {timeout}s")
+        check(bool(select.select([proc.stdout], [], [], timeout)[0]), f"child {args} printed nothing in {timeout}s")
         line = proc.stdout.readline().strip()
-        if not line:
-            raise RuntimeError(f"child {args} exited with {proc.wait()}")
+        check(bool(line), f"child {args} exited with {proc.poll()}")
         yield proc, line
     finally:
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def check(ok: bool, message: str) -> None:
-    """Raise unless `ok` (an assert that survives python -O)."""
-    if not ok:
-        raise RuntimeError(message)
-
-
-def vm_hwm() -> int:
-    """Peak resident set size of this process in bytes (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+        proc.stdin.close()
+        stop(proc, grace=5)
+        proc.stdout.close()
 
 
 def rss_probe(address: str) -> None:
@@ -156,35 +137,11 @@ def rss_probe(address: str) -> None:
     consumer = ECConsumer(cache_bytes=0, shm=False)  # the socket path: received without a copy
     small, big = item_hash(WARMUP_BYTES), item_hash(RSS_BYTES)
     consumer.gather([small], {small: address}, timeout=30)
-    before = vm_hwm()
+    before = status_kib("VmHWM") * 1024
     out = consumer.gather([big], {big: address}, timeout=60)[big]
-    after = vm_hwm()
+    after = status_kib("VmHWM") * 1024
     print(json.dumps({"before": before, "after": after, "nbytes": out.nbytes}), flush=True)
     consumer.close()
-
-
-def timed(fns: dict[str, Callable[[], None]], iters: int, warmup: int) -> dict[str, list[float]]:
-    """Run the functions interleaved (order flipped every round) and return seconds per call."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(iters):
-        for name in names if i % 2 == 0 else reversed(names):
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def summary(seconds: list[float], nbytes: int) -> dict[str, Any]:
-    """p50/p99/mean in ms and p50-based throughput."""
-    arr = np.asarray(seconds)
-    p50 = float(np.median(arr))
-    p99 = float(np.percentile(arr, 99))
-    return {"iters": len(seconds), "p50_ms": round(p50 * 1e3, 4), "p99_ms": round(p99 * 1e3, 4),
-            "mean_ms": round(float(arr.mean()) * 1e3, 4), "throughput_gbps": round(nbytes / p50 / 1e9, 3)}
 
 
 def machine_info(load_start: float) -> dict[str, Any]:
@@ -225,8 +182,8 @@ def bench_size(nbytes: int, iters: int, conn_addr: str, raw_addr: str, tmp: str)
         check(len(dealer.recv_multipart(copy=False)[-1]) == nbytes, "raw_zmq: wrong size")
 
     try:
-        times = timed({"connector": gather, "raw_zmq": raw, "connector_shm": gather_shm}, iters,
-                      warmup=max(3, iters // 20))
+        times = interleaved({"connector": gather, "raw_zmq": raw, "connector_shm": gather_shm}, iters,
+                            warmup=max(3, iters // 20))
         stats, shm_stats = consumer.stats(), mapper.stats()
     finally:
         consumer.close()
@@ -243,19 +200,19 @@ def bench_size(nbytes: int, iters: int, conn_addr: str, raw_addr: str, tmp: str)
     def memcpy() -> None:
         np.copyto(dst, src_bytes)  # single-threaded memcpy; torch's threaded copy_ stalls on a busy 2-core box
 
-    times.update(timed({"memcpy": memcpy}, iters, warmup=3))
+    times.update(interleaved({"memcpy": memcpy}, iters, warmup=3))
     path = os.path.join(tmp, f"{nbytes}.safetensors")
 
     def file_round_trip() -> None:
         safetensors.torch.save_file({"embeds": src}, path)
         check(safetensors.torch.load_file(path)["embeds"].nbytes == nbytes, "safetensors: wrong size")
 
-    times.update(timed({"safetensors_file": file_round_trip}, max(10, iters // 4), warmup=2))
+    times.update(interleaved({"safetensors_file": file_round_trip}, max(10, iters // 4), warmup=2))
     result: dict[str, Any] = {"bytes": nbytes, **{name: summary(ts, nbytes) for name, ts in times.items()}}
     result["connector"]["remote_fetches"] = stats["remote_fetches"]  # == gathers: none served from a local cache
-    result["ratio_vs_raw_zmq"] = round(float(np.median(times["raw_zmq"]) / np.median(times["connector"])), 3)
-    result["ratio_shm_vs_memcpy"] = round(float(np.median(times["memcpy"]) / np.median(times["connector_shm"])), 3)
-    result["ratio_shm_vs_raw_zmq"] = round(float(np.median(times["raw_zmq"]) / np.median(times["connector_shm"])), 3)
+    for name, (base, ours) in {"ratio_vs_raw_zmq": ("raw_zmq", "connector"), "ratio_shm_vs_memcpy": (
+            "memcpy", "connector_shm"), "ratio_shm_vs_raw_zmq": ("raw_zmq", "connector_shm")}.items():
+        result[name] = round(float(np.median(times[base]) / np.median(times[ours])), 3)
     return result
 
 
@@ -303,29 +260,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     """A readable table of a report."""
     lines = [f"transport={report['transport']}  ({report['throughput_basis']})", "",
-             "| payload | method | p50 ms | p99 ms | GB/s | vs raw_zmq | vs memcpy |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| payload | method | p50 ms | p99 ms | GB/s | vs raw_zmq | vs memcpy |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, res in report["payloads"].items():
+        ratios = {"connector": (res["ratio_vs_raw_zmq"], None),
+                  "connector_shm": (res["ratio_shm_vs_raw_zmq"], res["ratio_shm_vs_memcpy"])}
         for method in ("connector", "connector_shm", "raw_zmq", "memcpy", "safetensors_file"):
             s = res[method]
-            ratio = f"{res['ratio_vs_raw_zmq']:.3f}" if method == "connector" else ""
-            ratio = f"{res['ratio_shm_vs_raw_zmq']:.3f}" if method == "connector_shm" else ratio
-            vs_copy = f"{res['ratio_shm_vs_memcpy']:.3f}" if method == "connector_shm" else ""
-            cells = [name, method, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['throughput_gbps']:.2f}", ratio,
-                     vs_copy]
+            cells = [name, method, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['throughput_gbps']:.2f}",
+                     *("" if r is None else f"{r:.3f}" for r in ratios.get(method, (None, None)))]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"consumer peak RSS increase for 64MiB: {report['consumer_peak_rss_increase_bytes']} B "
-              f"(x{report['consumer_peak_rss_increase_ratio']})", f"meets targets: {report['meets_targets']}"]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", f"consumer peak RSS increase for 64MiB: {report['consumer_peak_rss_increase_bytes']} "
+                      f"B (x{report['consumer_peak_rss_increase_ratio']})", f"meets targets: {report['meets_targets']}"])
 
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point (benchmark, or one of the child roles)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("connector", __doc__, "print one JSON object instead of a table")
     p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated payload sizes, e.g. 64K,1M")
     p.add_argument("--iters", type=int, default=0, help="timed iterations per payload (default: scaled by size)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--serve", choices=("connector", "raw"), help=argparse.SUPPRESS)
     p.add_argument("--bind", help=argparse.SUPPRESS)
     p.add_argument("--rss-probe", metavar="ADDRESS", help=argparse.SUPPRESS)

@@ -26,7 +26,6 @@ order; each value is the median of its runs, and the ratios are this tree ÷ the
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from decoder_service.config import DecoderConfig
+from epd_bench.micro import emit, parser
 from epd_bench.revisions import ROOT, export_revision
 
 WORKER = Path(__file__).with_name("decoder_worker.py")
@@ -83,16 +83,15 @@ def compare(base: str, repeats: int, extra: list[str], new: Path = ROOT) -> dict
             "runs": runs}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = parser("decoder", __doc__, "print one JSON object")
     p.add_argument("--max-prefill-tokens", type=int, default=DecoderConfig().max_prefill_tokens)
     p.add_argument("--base", help="a git revision to run beside this tree (the speed parts), e.g. 7888cf9")
     p.add_argument("--repeats", type=int, default=3, help="with --base: runs of each tree, alternating")
     p.add_argument("--no-memory", action="store_true", help="skip the K/V memory run (a few minutes)")
     p.add_argument("--tree", type=Path, default=ROOT, help="with --base: the code to run as the new side (default: "
                    "this working tree; e.g. an exported revision)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     extra = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     result: dict[str, Any] = {"model": "small llava (LM hidden 256, 4 layers)", "max_num_seqs": 64,
                               "max_prefill_tokens": args.max_prefill_tokens}
@@ -105,7 +104,7 @@ def main() -> None:
     if not args.no_memory:
         result["memory"] = run_worker(ROOT, "memory", extra)["memory"]
     result["targets"] = TARGETS
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    emit(result, True, indent=None if args.json else 2)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""How many sequences a 1 GiB K/V budget runs at once: the paged engine against today's preallocated slots.
+"""How many sequences a 1 GiB K/V budget runs at once: the paged engine against the preallocated slots it replaced.
 
 On `bench-lm` (epd_builders/bench_model.py: 8-layer Llama, hidden 512, 2 K/V heads of 64, float32: 8 KiB of K/V
 per token) with `kv_cache_memory=1 GiB`, `max_model_len=8192`, `max_num_seqs=256`: `REQUESTS` text prompts of 200
 to 1,500 tokens (uniform, seeded) are submitted at once, `MAX_TOKENS` greedy new tokens each (EOS ignored), far
 more than the pool holds, with `max_prefill_tokens=2048` (below); the engine's `scheduler.peak_running` is the most
-sequences it ran at once, read when the first request completes or the pool runs dry, where the run stops. Today's
+sequences it ran at once, read when the first request completes or the pool runs dry, where the run stops. The slot
 engine gave each of `max_num_seqs` slots `max_model_len` positions up front, so the same bytes held
 floor(1 GiB / (8192 x bytes per token)) sequences (`decoder_service/engine/kv_shape.py` `KVShape`).
 """
@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry
 from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.kv_shape import KVShape
-from decoder_service.engine.llm_engine import Engine
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
+from decoder_service.shell import Engine
 from epd_builders.bench_model import BENCH_LM_SPEC, ensure_bench_model
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf

@@ -7,21 +7,17 @@ free port, runs, and stops it. Images are drawn with the held-out seed of `epd_b
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import io
-import json
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
 
+from epd_bench.micro import HOST, emit, parser, served
 from epd_builders.shapes import draw_shape
 from epd_builders.tokenizer import COLORS, QUESTIONS, SHAPES
 from epd_launcher.group import free_port
@@ -30,23 +26,11 @@ from epd_models.demo import EVAL_SEED
 
 @contextmanager
 def launched_demo(num_encoders: int = 2) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "epd_launcher.cli", "--model", "demo", "--num-encoders", str(num_encoders),
-           "--num-decoders", "1", "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    """`disagg-epd-proxy --model demo` on a free port until the block ends; its URL."""
+    url = f"http://{HOST}:{(port := free_port())}"
+    with served(["-m", "epd_launcher.cli", "--model", "demo", "--num-encoders", str(num_encoders), "--num-decoders",
+                 "1", "--port", str(port), "--log-level", "warning"], f"{url}/health", timeout=300):
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
 
 
 def ask(client: httpx.Client, url: str, image_png: bytes, question: str) -> tuple[str, float]:
@@ -79,18 +63,17 @@ def run(url: str, n: int) -> dict[str, object]:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = parser("demo_accuracy", __doc__, "print only the JSON result")
     p.add_argument("--base-url", help="a running server (default: launch one)")
     p.add_argument("--n", type=int, default=200)
-    p.add_argument("--json", action="store_true", help="print only the JSON result")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.base_url:
         result = run(args.base_url.rstrip("/").removesuffix("/v1"), args.n)
     else:
         with launched_demo() as url:
             result = run(url, args.n)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    emit(result, True, indent=None if args.json else 2)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ own statistics.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import time
 from typing import Any
@@ -24,6 +22,7 @@ from PIL import Image
 
 from decoder_service.aggregated import InlineCache
 from encoder_service.encode_scheduler import BatchStats, EncodeScheduler
+from epd_bench.micro import emit, parser
 from epd_models.encode import CachingEncoder, ImageJob
 from epd_models.halves import VisionHalf
 from epd_models.resolve import resolve_model
@@ -65,23 +64,22 @@ def run(model: str, concurrency: int, rounds: int, size: int, device: str = "cpu
             "rounds_images_per_s": {s: [round(x["images_per_s"], 2) for x in v] for s, v in runs.items()}}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = parser("encoder_batching", __doc__)
     p.add_argument("--model", default="bench")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda if available)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    out = run(args.model, args.concurrency, args.rounds, args.image_size, args.device)
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return
-    print(f"{out['model']}: {args.concurrency} concurrent single-image requests, {out['threads']} threads")
-    for system, rate in out["images_per_s"].items():
-        print(f"  {system:9s} {rate:7.2f} images/s  rounds {out['rounds_images_per_s'][system]}")
-    print(f"  batched / unbatched: {out['batched_vs_unbatched']:.2f} (batch sizes {out['batch_sizes']})")
+    args = p.parse_args(argv)
+    emit(run(args.model, args.concurrency, args.rounds, args.image_size, args.device), args.json, text, indent=1)
+
+
+def text(out: dict[str, Any]) -> str:
+    rates = [f"  {system:9s} {rate:7.2f} images/s  rounds {out['rounds_images_per_s'][system]}"
+             for system, rate in out["images_per_s"].items()]
+    return "\n".join([f"{out['model']}: {out['concurrency']} concurrent single-image requests, {out['threads']} threads",
+                      *rates, f"  batched / unbatched: {out['batched_vs_unbatched']:.2f} (batch sizes {out['batch_sizes']})"])
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ are float32 (4 B), real ones bfloat16 (2 B).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -44,6 +42,7 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from epd_bench.micro import emit, parser
 from epd_builders.families.common import Built
 from epd_builders.tiny import BUILDERS, FAMILIES, TinySpec
 from epd_models import processors
@@ -276,13 +275,11 @@ def _product(r: FamilyBytes) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m epd_bench.family_bytes", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="one JSON list instead of the markdown table")
+    p = parser("family_bytes", __doc__, "one JSON list instead of the markdown table")
     p.add_argument("--family", choices=FAMILIES, action="append", help="only these families (repeatable)")
     args = p.parse_args(argv)
     rows = all_family_bytes(tuple(args.family) if args.family else FAMILIES)
-    print(json.dumps([r.as_json() for r in rows], indent=1) if args.json else markdown(rows))
+    emit([r.as_json() for r in rows], args.json, lambda _: markdown(rows), indent=1)
 
 
 if __name__ == "__main__":

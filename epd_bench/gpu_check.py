@@ -4,49 +4,19 @@
 
     make gpu-check  =  --device cuda --out runs/gpu-check --write-benchmarks docs/BENCHMARKS.md
 
-Steps, each under its own timeout inside the whole run's deadline (--budget, default 540 s: under 10 minutes on
-one H200 with the estimates below); a failed step is recorded and the next one still runs:
-  env          python, torch, CUDA and the versions of the packages that matter; the GPU (nvidia-smi)
-  tests        tests/models/test_parity.py, test_device.py, test_deepstack.py and test_prefix_parity.py through
-               pytest with --device (the families' split path against model.generate())
-  then for LLaVA-1.5-7B and Qwen2.5-VL-3B, one after the other:
-  <family>/build
-               a random checkpoint of the real shapes, drawn on the device (epd_builders/full_size.py; cached, so
-               a second run reuses it)
-  <family>/engine
-               the paged engine on that checkpoint (epd_bench/gpu_check_engine.py): its K/V plan at 0.9 utilization
-               (sequences of 1,024 / 4,096 tokens held at once), decode CUDA graphs captured and replayed, TPOT at
-               batch 1 over the HBM bound (weight bytes / the device's bandwidth), output tokens/s at 64 in flight
-  <family>/epd-1enc, <family>/aggregated
-               one system at a time on the one GPU (epd_bench/stacks.py: 1 encoder + 1 decoder + proxy, then the
-               aggregated decoder + proxy), the `make bench` workloads scaled for a GPU against it (WORKLOADS),
-               GPU memory per process sampled from nvidia-smi meanwhile, then stopped
-  bench-model, structured, n-prefill
-               if at least EXTRA_MIN_S of the budget is left (else recorded as skipped): the OpenAI-feature
-               benchmarks on the device on the small `bench` model (epd_bench/structured.py, epd_bench/n_prefill.py)
---size small is the CPU dry run (tests/bench/test_gpu_check.py): the same steps with both families at tiny shapes
-(real vocabularies and image geometry), workloads of a few requests, a short test selection, a tiny LLaVA for the
-feature benchmarks. That work is fixed, so every step runs to its end whatever the machine's load: its --budget
-(default 1800 s) only stops a run that hangs, and no step has a limit of its own or is skipped for time.
+Steps, each under its own limit inside the run's --budget (540 s); a failed step is recorded and the next still runs:
+env (versions, nvidia-smi); tests (TESTS: the families' split path against model.generate() on --device); then per
+family of FAMILIES (LLaVA-1.5-7B, Qwen2.5-VL-3B): build (a random checkpoint of the real shapes drawn on the device,
+epd_builders/full_size.py, cached), engine (the paged engine on it: K/V plan at 0.9 utilization, decode CUDA graphs,
+TPOT at batch 1 against the HBM bound, tokens/s at 64 rows; epd_bench/gpu_check_engine.py), epd-1enc and aggregated
+(one system at a time on the GPU under WORKLOADS, `make bench`'s scaled for a GPU, with GPU memory per process
+sampled); then, with EXTRA_MIN_S of the budget left, the feature benchmarks (FEATURES) on the `bench` model.
+--size small is the CPU dry run (tests/bench/test_gpu_check.py): tiny shapes with real vocabularies, a few requests,
+a short test selection. Its work is fixed, so its --budget (1800 s) only stops a hang: no step is limited or skipped.
 
-Estimated wall time on one H200 (16 host cores; not yet measured at these sizes); [the CPU dry run, measured on
-2 cores: 75 s in all; 207 s (145 CPU s) beside other load (load average 3-5); over 500 s at load average 4-15]:
-  env 5 s [3 s]; tests 45-75 s (test_parity.py and test_device.py take 47 s on the 2 cores here) [7 s, 2 tests]
-  LLaVA-1.5-7B build 15-40 s: 7.06B bf16 parameters drawn on the GPU in about a second, then 13.2 GiB of
-    safetensors copied to the host and written at 0.5-2 GB/s (safetensors writes 0.5 GB/s on this VM's disk);
-    Qwen2.5-VL-3B 10-20 s (7.0 GiB); a cached build 5 s (python start-up, the file headers) [5 s each]
-  engine 30-60 s per family, not yet measured (the LM loaded again, a profiling forward, 11 graph captures for
-    buckets up to 64 rows, 2 x 34 decode steps) [10-25 s each]; the feature benchmarks are the first to be skipped
-    when the budget runs short
-  start-up of one system 20-30 s for LLaVA (the decoder reads 12.6 GiB of LM weights from the page cache and copies
-    them to the GPU, the encoder 0.6 GiB, each process about 10 s of python, torch and CUDA start-up; before the
-    language half was built on meta a 7B LM's random init alone took over a minute of one core), 15-20 s for Qwen
-    [5-9 s]
-  the three workloads 35-45 s per system (repeat50's 96 arrivals take 12 s; each epd-bench run starts in 2-3 s)
-    [about 3 s]; so about 60-75 s per LLaVA system and 50-65 s per Qwen system [7-12 s]
-  about 330-420 s up to the feature benchmarks, which take 40-80 s of what is left (skipped under EXTRA_MIN_S)
-  [18 s]: 400-500 s in all, inside the 540 s budget and the 10 minutes asked for (`make gpu-check`'s `install`
-  prerequisite not counted).
+Estimated on one H200 (16 host cores): env 5 s, tests 45-75 s, per family a build of 15-40 s (a cached one 5 s),
+the engine 30-60 s, each system 50-75 s to start and load; the feature benchmarks 40-80 s: 400-500 s in all, inside
+the 540 s budget. The CPU dry run took 75 s on 2 idle cores, over 500 s at load average 4-15.
 Writes DIR/gpu_check.json, DIR/gpu_check.md (tables ready to paste, each with the command that made it) and
 DIR/logs.tar.gz (every log and epd-bench result: a GPU lease returns at most 8 files); --write-benchmarks also
 replaces the marked gpu-check section of that Markdown file with the same report.
@@ -58,20 +28,18 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import sys
-import tarfile
 import time
-import xml.etree.ElementTree as ET
 from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from epd_bench.compare import Workload, epd_bench_cmd
-from epd_bench.gpu_check_report import BEGIN, END, render_md, write_section
-from epd_bench.gpu_check_run import GpuSampler, Run, nvidia_smi, run_logged
+from epd_bench.gpu_check_report import finish, has_section
+from epd_bench.gpu_check_run import GpuSampler, Run, junit_counts, nvidia_smi, run_logged
+from epd_bench.loads import Workload, epd_bench_cmd
+from epd_bench.micro import parser
 from epd_bench.stacks import Running, SystemSpec, aggregated, epd
 
 TESTS = ("tests/models/test_parity.py", "tests/models/test_device.py", "tests/models/test_deepstack.py",
@@ -81,10 +49,8 @@ SMALL_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or paged_cac
 PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "fastapi", "starlette", "uvicorn", "pydantic",
            "pydantic_core", "msgspec", "pyzmq", "regex", "typing_extensions")
 FAMILIES = ("llava-1.5-7b", "qwen2.5-vl-3b")  # epd_builders/full_size.py presets, built and served in this order
-# NOTE: KV slots are preallocated: 32 x 4096 positions is 64 GiB for LLaVA-7B (32 layers x 32 K/V heads x 128 x 2 x
-# bf16 = 512 KiB a token) and 4.5 GiB for Qwen2.5-VL-3B (2 K/V heads); with LLaVA's 12.6 GiB of LM weights that fits
-# one H200 beside its encoder, one system at a time. Qwen's own 128000 positions would not (144 GiB). 512 prompt
-# tokens a step: an image prompt (576 + 32 tokens for LLaVA) prefills in 2 steps, not the CPU default's 19.
+# 32 x 4096 positions of K/V: 64 GiB for LLaVA-7B (512 KiB a token), 4.5 GiB for Qwen2.5-VL-3B, beside LLaVA's 12.6 GiB
+# of LM weights and its encoder on one H200; 512 prompt tokens a step prefill an image prompt in 2 steps, not 19.
 DECODER_FLAGS = ("--max-model-len", "4096", "--max-num-seqs", "32", "--max-prefill-tokens", "512")
 
 
@@ -118,28 +84,23 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
 LIMITS = {"tests": 150.0, "build": 180.0, "engine": 150.0, "start": 180.0, "bench": 150.0, "feature": 240.0}  # seconds, one step
 EXTRA_MIN_S = 60.0  # the feature benchmarks start only with this much of the budget left (--size full)
 BUDGET_S = {"full": 540.0, "small": 1800.0}  # --budget's default per --size (small: a hang guard only, Run.guard_only)
-# (step, the benchmark's arguments, small arguments); the model directory is appended for TAKES_MODEL
-FEATURES = (
-    # no large-vocabulary estimate on the device: it models a CPU mask at 32k, and trains a tokenizer first
-    ("structured", ("-m", "epd_bench.structured", "--json", "--large-vocab", "0"),
-     ("-m", "epd_bench.structured", "--json", "--streams", "2", "--max-tokens", "4", "--rounds", "1",
-      "--large-vocab", "0")),
-    ("n-prefill", ("-m", "epd_bench.n_prefill", "--json", "--model"),
-     ("-m", "epd_bench.n_prefill", "--json", "--image-tokens", "8", "--words", "4", "--repeats", "1", "--model")),
-    ("encoder-batching", ("-m", "epd_bench.encoder_batching", "--json", "--device", "auto", "--model"),
-     ("-m", "epd_bench.encoder_batching", "--json", "--device", "auto", "--rounds", "2", "--concurrency", "4",
-      "--model")),
+# (step, module, its arguments, more for the small run); the bench model's directory goes to --model when TAKES_MODEL
+FEATURES = (  # structured: no large-vocabulary estimate (it models a CPU mask at 32k, and trains a tokenizer first)
+    ("structured", "structured", ("--large-vocab", "0"), ("--streams", "2", "--max-tokens", "4", "--rounds", "1")),
+    ("n-prefill", "n_prefill", (), ("--image-tokens", "8", "--words", "4", "--repeats", "1")),
+    ("encoder-batching", "encoder_batching", ("--device", "auto"), ("--rounds", "2", "--concurrency", "4")),
 )
-TAKES_MODEL = ("n-prefill", "encoder-batching")  # their arguments end with --model: the bench model's directory
+TAKES_MODEL = ("n-prefill", "encoder-batching")
+
+
+def _last_json(text: str) -> Any:
+    return json.loads(text.strip().splitlines()[-1])
 
 
 def check_env(run: Run) -> None:
     with run.step("env") as rec:
         rec["packages"] = {name: _version(name) for name in PACKAGES}
-        cmd = [sys.executable, "-c", ENV_SCRIPT]
-        if run_logged(cmd, run.work / "env.log", run.timeout(120)) != 0:
-            raise RuntimeError("the environment probe failed (work/env.log)")
-        rec.update(json.loads((run.work / "env.log").read_text().strip().splitlines()[-1]))
+        rec.update(_last_json(run.python(rec, "env.log", ["-c", ENV_SCRIPT], 120)))
         rec["gpus"] = [", ".join(row) for row in nvidia_smi("--query-gpu=name,driver_version,memory.total")]
 
 
@@ -168,31 +129,12 @@ def run_tests(run: Run) -> None:
         rec["ok"] = rec["exit_code"] == 0 and rec["failed"] == rec["errors"] == 0 and rec["passed"] > 0
 
 
-def junit_counts(xml: Path) -> dict[str, Any]:
-    """passed / failed / errors / skipped, and each failing test with the first line of its message."""
-    cases = ET.parse(xml).getroot().iter("testcase")
-    counts: dict[str, Any] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
-    for case in cases:
-        bad = next((child for child in case if child.tag in ("failure", "error")), None)
-        if bad is None:
-            counts["skipped" if case.find("skipped") is not None else "passed"] += 1
-            continue
-        counts["failed" if bad.tag == "failure" else "errors"] += 1
-        first = (bad.get("message") or "").strip().splitlines()[:1]
-        counts["failures"].append(f"{case.get('classname')}::{case.get('name')}: {' '.join(first)[:300]}")
-    return counts
-
-
 def build_family(run: Run, family: str) -> Path | None:
     """The family's random checkpoint (epd_builders/full_size.py) at --size, drawn on --device."""
     with run.step(f"{family}/build", f"build-{family}.log") as rec:
         args = ["-m", "epd_builders.full_size", "--preset", family, "--size", run.args.size, "--device",
                 run.args.device, "--json"]
-        rec["command"] = shlex.join(["python", *args])
-        log = run.work / f"build-{family}.log"
-        if (code := run_logged([sys.executable, *args], log, run.timeout(LIMITS["build"]))) != 0:
-            raise RuntimeError(f"the build exited {code} (work/{log.name})")
-        rec.update(json.loads(log.read_text().strip().splitlines()[-1]))
+        rec.update(_last_json(run.python(rec, f"build-{family}.log", args, LIMITS["build"])))
         return Path(rec["path"])
     return None
 
@@ -202,11 +144,7 @@ def run_engine(run: Run, family: str, model_dir: Path) -> None:
     with run.step(f"{family}/engine", f"engine-{family}.log") as rec:
         args = ["-m", "epd_bench.gpu_check_engine", "--model", str(model_dir), "--device", run.args.device, "--json",
                 *(("--steps", "4") if run.args.size == "small" else ())]
-        rec["command"] = shlex.join(["python", *args])
-        log = run.work / f"engine-{family}.log"
-        if (code := run_logged([sys.executable, *args], log, run.timeout(LIMITS["engine"]))) != 0:
-            raise RuntimeError(f"the engine run exited {code} (work/{log.name})")
-        rec["result"] = json.loads(log.read_text().strip().splitlines()[-1])
+        rec["result"] = _last_json(run.python(rec, f"engine-{family}.log", args, LIMITS["engine"]))
         if run.args.device.startswith("cuda") and not rec["result"]["graph_replays"]:
             raise RuntimeError("no decode step replayed a CUDA graph")
 
@@ -258,10 +196,7 @@ def build_bench_model(run: Run) -> Path | None:
         tiny = ["-c", "import sys; from epd_builders.tiny import TinySpec, build_tiny; "
                 "print(build_tiny(TinySpec(family='llava'), sys.argv[1]))", str(run.scratch / "tiny-llava")]
         args = tiny if run.args.size == "small" else ["-m", "epd_builders.bench_model"]
-        log = run.work / "bench-model.log"
-        if run_logged([sys.executable, *args], log, run.timeout(LIMITS["build"])) != 0:
-            raise RuntimeError(f"model build failed (work/{log.name})")
-        rec["model_dir"] = log.read_text().strip().splitlines()[-1]
+        rec["model_dir"] = run.python(rec, "bench-model.log", args, LIMITS["build"]).strip().splitlines()[-1]
         return Path(rec["model_dir"])
     return None
 
@@ -269,17 +204,14 @@ def build_bench_model(run: Run) -> Path | None:
 def run_features(run: Run, model_dir: Path) -> None:
     """Each feature benchmark in a process of its own on the device (`--device auto` there, as the workers)."""
     env = {**os.environ, **dict(device_env(run.args.device))}
-    for name, full, small in FEATURES:
+    for name, module, flags, small in FEATURES:
         if run.short_of(EXTRA_MIN_S):
             run.skip(name, f"{run.left():.0f} s of the budget left, fewer than {EXTRA_MIN_S:.0f}")
             continue
         with run.step(name, f"{name}.log") as rec:
-            args = [*(small if run.args.size == "small" else full), *([str(model_dir)] if name in TAKES_MODEL else [])]
-            rec["command"] = shlex.join(["python", *args])
-            log = run.work / f"{name}.log"
-            if (code := run_logged([sys.executable, *args], log, run.timeout(LIMITS["feature"]), env)) != 0:
-                raise RuntimeError(f"{name} exited {code} (work/{log.name})")
-            text = log.read_text()
+            args = ["-m", f"epd_bench.{module}", "--json", *flags, *(small if run.args.size == "small" else ()),
+                    *(("--model", str(model_dir)) if name in TAKES_MODEL else ())]
+            text = run.python(rec, f"{name}.log", args, LIMITS["feature"], env)
             rec["result"] = json.loads(text[text.index("\n{") + 1:])  # the JSON after the command line
 
 
@@ -329,24 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(0 if all(s["ok"] for s in run.record["steps"].values()) else 1)
 
 
-def finish(run: Run) -> None:
-    """gpu_check.json, gpu_check.md, logs.tar.gz; and the marked section of --write-benchmarks."""
-    out = run.args.out
-    (out / "gpu_check.json").write_text(json.dumps(run.record, indent=1))
-    (out / "gpu_check.md").write_text(render_md(run.record))
-    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-        tar.add(run.work, arcname="work")
-    shutil.rmtree(run.work, ignore_errors=True)
-    shutil.rmtree(run.scratch, ignore_errors=True)
-    print(f"wrote {out}/gpu_check.json, gpu_check.md, logs.tar.gz in {run.record['wall_s']} s", flush=True)
-    if run.args.write_benchmarks is not None:
-        write_section(run.args.write_benchmarks, run.record)
-        print(f"replaced the gpu-check section of {run.args.write_benchmarks}", flush=True)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser("python -m epd_bench.gpu_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("gpu_check", __doc__, json_help=None)
     p.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json, gpu_check.md, logs.tar.gz")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
     p.add_argument("--size", choices=("full", "small"), default="full",
@@ -363,17 +279,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         p.error(f"--device: expected cuda, cuda:N or cpu, got {args.device!r}")
-    if args.write_benchmarks is not None and not _has_section(args.write_benchmarks):
-        p.error(f"--write-benchmarks: {str(args.write_benchmarks)!r} has no {BEGIN} ... {END} section")
+    if args.write_benchmarks is not None and not has_section(args.write_benchmarks):
+        p.error(f"--write-benchmarks: {str(args.write_benchmarks)!r} has no gpu-check:begin ... end section")
     if args.budget is None:
         args.budget = BUDGET_S[args.size]
     args.argv = sys.argv[1:] if argv is None else argv
     return args
-
-
-def _has_section(docs: Path) -> bool:
-    text = docs.read_text() if docs.is_file() else ""
-    return BEGIN in text and END in text
 
 
 if __name__ == "__main__":

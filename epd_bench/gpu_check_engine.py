@@ -13,8 +13,6 @@ On CPU (the dry run) the same numbers without graphs or a bound.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections.abc import Hashable
 from typing import Any
@@ -27,6 +25,7 @@ from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
 from decoder_service.engine.memory_plan import module_bytes, plan_engine
 from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.prompt import Prompt
+from epd_bench.micro import emit, parser, sync
 from epd_models.halves import LanguageHalf
 
 # HBM bandwidth by device name (vendor data sheets: H200 SXM 4.8 TB/s, H100 SXM 3.35 TB/s); others need --hbm-gbps
@@ -64,21 +63,16 @@ def timed_decode(runner: ModelRunner, lm: LanguageHalf, rows: int, steps: int) -
     feed: dict[Hashable, int] = {k: int(torch.argmax(v)) for k, v in runner.prefill(1 << 30).items()}
     for step in range(steps + 2):
         if step == 2:
-            _sync(lm.device)
+            sync(lm.device)
             started = time.perf_counter()
         runner.grow(feed)
         logits = runner.decode(feed)
         feed = dict(zip(logits, torch.stack(list(logits.values())).argmax(-1).tolist(), strict=True))
-    _sync(lm.device)
+    sync(lm.device)
     elapsed = time.perf_counter() - started
     for key in list(runner.rows):
         runner.remove(key)
     return elapsed / steps
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(model: str, device: str, steps: int, hbm_gbps: float | None) -> dict[str, Any]:
@@ -105,18 +99,16 @@ def measure(model: str, device: str, steps: int, hbm_gbps: float | None) -> dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser("python -m epd_bench.gpu_check_engine", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("gpu_check_engine", __doc__, "print the result as one JSON line")
     p.add_argument("--model", required=True, help="a checkpoint directory")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per number (default: %(default)s)")
     p.add_argument("--hbm-gbps", type=float, default=None,
                    help="the device's HBM bandwidth in GB/s, for devices not in HBM_BYTES_PER_S")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = p.parse_args(argv)
     with torch.inference_mode():
         result = measure(args.model, args.device, args.steps, args.hbm_gbps)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=1), flush=True)
+    emit(result, True, indent=None if args.json else 1)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,16 @@
 tables, each with the command that made its numbers."""
 from __future__ import annotations
 
+import json
+import shutil
+import tarfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epd_bench import report
+
+if TYPE_CHECKING:
+    from epd_bench.gpu_check_run import Run
 
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 GIB = 1 << 30
@@ -29,6 +35,27 @@ def render_md(record: dict[str, Any], h: str = "#") -> str:
 def render_section(record: dict[str, Any]) -> str:
     """The marked section of docs/BENCHMARKS.md (a level-2 heading, level-3 subsections)."""
     return f"{BEGIN}\n{render_md(record, '##')}{END}"
+
+
+def finish(run: Run) -> None:
+    """gpu_check.json, gpu_check.md, logs.tar.gz (the work folder, then removed); and the marked section of
+    --write-benchmarks."""
+    out = run.args.out
+    (out / "gpu_check.json").write_text(json.dumps(run.record, indent=1))
+    (out / "gpu_check.md").write_text(render_md(run.record))
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(run.work, arcname="work")
+    shutil.rmtree(run.work, ignore_errors=True)
+    shutil.rmtree(run.scratch, ignore_errors=True)
+    print(f"wrote {out}/gpu_check.json, gpu_check.md, logs.tar.gz in {run.record['wall_s']} s", flush=True)
+    if run.args.write_benchmarks is not None:
+        write_section(run.args.write_benchmarks, run.record)
+        print(f"replaced the gpu-check section of {run.args.write_benchmarks}", flush=True)
+
+
+def has_section(docs: Path) -> bool:
+    text = docs.read_text() if docs.is_file() else ""
+    return BEGIN in text and END in text
 
 
 def write_section(docs: Path, record: dict[str, Any]) -> None:
@@ -141,8 +168,8 @@ def _memory_lines(systems: dict[str, Any]) -> list[str]:
 
 
 def _feature_lines(steps: dict[str, Any], h: str) -> list[str]:
-    """Constrained / free decoding at 16 streams, the prefill saved by n = 4 (issue 14's benchmark rows), and an
-    encoder's images per second batched across requests ÷ unbatched (issue 33's)."""
+    """Constrained / free decoding at 16 streams, the prefill saved by n = 4, and an encoder's images per second
+    batched across requests ÷ unbatched."""
     lines: list[str] = []
     if (st := steps.get("structured", {}).get("result")) is not None:
         lines += ["", f"{h} Structured outputs: constrained / free decoding", "", "```bash",

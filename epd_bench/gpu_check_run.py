@@ -1,4 +1,5 @@
-"""The machinery of `make gpu-check`: the run's deadline and record, logged subprocesses, nvidia-smi sampling."""
+"""How `make gpu-check` runs its steps: the run's deadline and record, logged subprocesses, pytest's junit report,
+nvidia-smi sampling."""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +9,11 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -76,6 +79,15 @@ class Run:
             for log in [p for g in logs for p in sorted(self.work.glob(g))] if not rec.get("ok") else []:
                 if tail := log.read_text(errors="replace")[-2000:].strip():
                     print(f"--- tail of {log.relative_to(self.work)}\n{tail}", flush=True)
+
+    def python(self, rec: dict[str, Any], log: str, args: list[str], limit: float,
+               env: dict[str, str] | None = None) -> str:
+        """`python ARGS` logged to work/LOG within the step's timeout (`limit`, see timeout), its command recorded in
+        rec; the log's text. RuntimeError when it exits non-zero."""
+        rec["command"] = shlex.join(["python", *args])
+        if (code := run_logged([sys.executable, *args], self.work / log, self.timeout(limit), env)) != 0:
+            raise RuntimeError(f"python {shlex.join(args[:2])} exited {code} (work/{log})")
+        return (self.work / log).read_text()
 
     def skip(self, name: str, reason: str) -> None:
         """A step left out (it does not fail the run): recorded with its reason."""
@@ -147,3 +159,17 @@ class GpuSampler(threading.Thread):
     def stop(self) -> None:
         self.done.set()
         self.join(timeout=15)
+
+
+def junit_counts(xml: Path) -> dict[str, Any]:
+    """passed / failed / errors / skipped, and each failing test with the first line of its message."""
+    counts: dict[str, Any] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        bad = next((child for child in case if child.tag in ("failure", "error")), None)
+        if bad is None:
+            counts["skipped" if case.find("skipped") is not None else "passed"] += 1
+            continue
+        counts["failed" if bad.tag == "failure" else "errors"] += 1
+        first = (bad.get("message") or "").strip().splitlines()[:1]
+        counts["failures"].append(f"{case.get('classname')}::{case.get('name')}: {' '.join(first)[:300]}")
+    return counts

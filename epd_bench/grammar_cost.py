@@ -13,7 +13,6 @@ xgrammar is not a dependency (`pip install xgrammar --no-deps apache-tvm-ffi` to
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sysconfig
@@ -28,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from decoder_service.grammar import apply_bitmask, fill_bitmask, json_options
+from epd_bench.micro import emit, parser
 from epd_builders.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 NESTED_SCHEMA: dict[str, Any] = {
@@ -221,13 +221,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--large-vocab", type=int, default=32768, help="0: only our 512-token vocabulary")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    rows = run(args.large_vocab, args.repeats)
-    print(json.dumps(rows, indent=2) if args.json else table(rows))
+    p = parser("grammar_cost", __doc__)
+    p.add_argument("--large-vocab", type=int, default=32768, help="0: only our 512-token vocabulary")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    emit(run(args.large_vocab, args.repeats), args.json, table, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,13 @@ from connector.tensors.kv_server import KVServer
 from connector.tensors.kv_store import KVStore
 from decoder_service.engine.kv_blocks import kv_layout
 from decoder_service.engine.kv_shape import KVShape
-from epd_bench.connector import check, child, summary, timed
+from epd_bench.connector import child
+from epd_bench.micro import check, interleaved, summary
 from epd_bench.stacks import HOST
 from epd_contracts.kv import KVChoice, KVLayout
 
 KV_KEY = "bench-handoff"
+
 
 def layout_of(model_dir: Path, health: dict[str, Any]) -> KVLayout:
     """The decode worker's K/V layout: its model's shape in the dtype whose bytes per token its /health reports."""
@@ -65,8 +67,7 @@ def transfer(layout: KVLayout, num_tokens: int) -> dict[str, Any]:
     try:
         check(ours.poll(120), "the KV server child did not start")
         address = ours.recv()
-        with child(["--serve", "raw", "--bind", f"tcp://{HOST}:0", "--sizes", str(nbytes)]) as (raw_proc, raw_address):
-            closing.append(raw_proc.stdout)  # NOTE: child() leaves the pipe open (a ResourceWarning)
+        with child(["--serve", "raw", "--bind", f"tcp://{HOST}:0", "--sizes", str(nbytes)]) as (_, raw_address):
             dealer.connect(raw_address)
 
             def fetch() -> None:
@@ -76,7 +77,7 @@ def transfer(layout: KVLayout, num_tokens: int) -> dict[str, Any]:
                 dealer.send_multipart([str(nbytes).encode()])
                 check(len(dealer.recv_multipart(copy=False)[-1]) == nbytes, "raw_zmq: size")
 
-            times = timed({"kv_fetch": fetch, "raw_zmq": raw}, iters, warmup=max(3, iters // 20))
+            times = interleaved({"kv_fetch": fetch, "raw_zmq": raw}, iters, warmup=max(3, iters // 20))
     finally:
         for each in closing:
             each.close()

@@ -12,7 +12,6 @@ are the same (a mismatch raises). Reused as is when the directory already holds 
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
@@ -20,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from epd_bench.micro import emit, parser
 
 PREFIX = "language_model."
 WEIGHTS = "model.safetensors"
@@ -86,6 +86,7 @@ def compare_tensors(src: Path, dst: Path) -> int:
 
 def export_lm(src: Path, dst: Path) -> dict[str, Any]:
     """Write (or reuse) the LM export of the LLaVA checkpoint src into dst; its summary (STAMP's content)."""
+    from safetensors.torch import save_file
     digest = file_digest(src / WEIGHTS)
     stamp = dst / STAMP
     if stamp.exists() and (done := json.loads(stamp.read_text())).get("source_sha256") == digest \
@@ -115,14 +116,13 @@ def export_lm(src: Path, dst: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser("python -m epd_bench.lm_export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("lm_export", __doc__, json_help=None)
     p.add_argument("--model", default="bench-peer", help="a LLaVA checkpoint dir or a bench preset name")
     p.add_argument("--out", type=Path, required=True, help="the export's directory (replaced unless current)")
     args = p.parse_args(argv)
     from epd_models.resolve import resolve_model
 
-    print(json.dumps(export_lm(resolve_model(args.model), args.out)))
+    emit(export_lm(resolve_model(args.model), args.out), True)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ does) against prefilling the L tokens again.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import time
 from typing import Any
@@ -24,11 +22,12 @@ from prometheus_client import CollectorRegistry
 
 from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.llm_engine import Engine
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.sequence import Job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt, build_prompt
+from decoder_service.shell import Engine
+from epd_bench.micro import emit, parser, sync
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.sampling import SamplingParams
 from epd_models.chat import chat_template, render
@@ -45,11 +44,6 @@ def image_prompt(lm: LanguageHalf, image_tokens: int, words: int) -> Prompt:
     hidden = int(lm.config.get_text_config().hidden_size)
     features = ImageFeatures(embeds=torch.randn(image_tokens, hidden, generator=torch.Generator().manual_seed(0)))
     return build_prompt(lm, ids, [features])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 async def _first_tokens(engine: Engine, specs: list[tuple[Prompt, SamplingParams]]) -> tuple[float, int]:
@@ -87,15 +81,15 @@ def _fields(params: SamplingParams) -> dict[str, Any]:
 
 def copy_vs_recompute(lm: LanguageHalf, prompt: Prompt, repeats: int) -> dict[str, float]:
     """Milliseconds to give a second row the prompt's K/V: share its blocks (copying the last), or prefill it again."""
-    runner = BatchRunner(lm, max_slots=2, max_len=prompt.num_tokens + 8, chunk=prompt.num_tokens)
+    runner = ModelRunner(lm, max_slots=2, max_len=prompt.num_tokens + 8, chunk=prompt.num_tokens)
     device = runner.cache.device
     prefill, copy = [], []
     for _ in range(repeats):
         runner.add("a", prompt)
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         runner.prefill(prompt.num_tokens)
-        _sync(device)
+        sync(device)
         prefill.append(time.perf_counter() - start)
         start = time.perf_counter()
         blocks = runner.rows["a"].blocks  # a fork: references to the full blocks, a copy of the last one
@@ -103,7 +97,7 @@ def copy_vs_recompute(lm: LanguageHalf, prompt: Prompt, repeats: int) -> dict[st
         spare = runner.blocks.allocate(1)
         runner.cache.copy_block(blocks[-1], spare[0])
         runner.blocks.release(blocks[:-1] + spare)
-        _sync(device)
+        sync(device)
         copy.append(time.perf_counter() - start)
         runner.remove("a")
     return {"prompt_tokens": prompt.num_tokens, "prefill_ms": round(statistics.median(prefill) * 1e3, 3),
@@ -129,24 +123,22 @@ def run(model: str = "bench", device: str = "auto", image_tokens: int = 196, wor
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--model", default="bench", help="model name or directory (epd_models.resolve)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--image-tokens", type=int, default=196, help="tokens of the prompt's one image")
-    parser.add_argument("--words", type=int, default=60, help="words of the prompt's text")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    out = run(args.model, args.device, args.image_tokens, args.words, args.repeats)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return
-    print(f"{out['model']} on {out['device']}, prompt {out['prompt_tokens']} tokens")
-    for name, row in out["n_prefill"].items():
-        print(f"  {name:20s} prefilled {row['prompt_tokens_prefilled']:5d} tokens, "
-              f"all 4 first tokens after {row['first_token_of_all_4_ms']:8.2f} ms")
+    p = parser("n_prefill", __doc__)
+    p.add_argument("--model", default="bench", help="model name or directory (epd_models.resolve)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--image-tokens", type=int, default=196, help="tokens of the prompt's one image")
+    p.add_argument("--words", type=int, default=60, help="words of the prompt's text")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    emit(run(args.model, args.device, args.image_tokens, args.words, args.repeats), args.json, text, indent=2)
+
+
+def text(out: dict[str, Any]) -> str:
+    rows = [f"  {name:20s} prefilled {row['prompt_tokens_prefilled']:5d} tokens, all 4 first tokens after "
+            f"{row['first_token_of_all_4_ms']:8.2f} ms" for name, row in out["n_prefill"].items()]
     kv = out["kv_to_a_second_slot"]
-    print(f"  K/V to a second slot: copy {kv['copy_ms']} ms vs prefill again {kv['prefill_ms']} ms")
+    return "\n".join([f"{out['model']} on {out['device']}, prompt {out['prompt_tokens']} tokens", *rows,
+                      f"  K/V to a second slot: copy {kv['copy_ms']} ms vs prefill again {kv['prefill_ms']} ms"])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 One layer's decode attention for R rows of P positions each (bench-lm's shape: 8 query heads, 4 K/V heads, head
 size 64, float32), blocks of 16 scattered at random over a pool:
-- `slots_sdpa_ms`: SDPA over contiguous per-row K/V (the slot cache this engine had before issue 31): the floor;
+- `slots_sdpa_ms`: SDPA over contiguous per-row K/V (the slot cache this engine had before its paged pool): the floor;
 - `gather_fresh_ms` / `gather_kept_ms`: the rows' blocks gathered with `index_select` into a new tensor, or into a
   kept workspace (what `PagedCache.gather` does);
 - `paged_head_major_ms`: gather into the workspace + SDPA over the (rows, heads, positions, dim) view of a
@@ -15,30 +15,25 @@ Medians of `repeats` calls after one warm-up.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
+from epd_bench.micro import emit, median_s, parser
+
+if TYPE_CHECKING:
+    import torch
 
 HEADS, KV_HEADS, DIM, BLOCK = 8, 4, 64, 16
 
 
 def _ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
+    return round(median_s(fn, repeats) * 1e3, 3)
 
 
 def measure(rows: int, positions: int, repeats: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
     width = positions // BLOCK
     num_blocks = rows * width + 1
     table = (torch.randperm(num_blocks - 1)[: rows * width] + 1).view(rows, width)
@@ -70,21 +65,19 @@ def measure(rows: int, positions: int, repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser("epd_bench.paged_attention", description=__doc__.split("\n\n")[0])
+    ap = parser("paged_attention", __doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--positions", type=int, default=992, help="per row, a multiple of 16")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    assert args.positions % BLOCK == 0, "positions: a multiple of the block size"
+    if args.positions % BLOCK:
+        ap.error(f"--positions: a multiple of the block size, {BLOCK}")
+    import torch
+
     torch.manual_seed(0)
     with torch.inference_mode():
         out = [measure(r, args.positions, args.repeats) for r in args.rows]
-    if args.json:
-        print(json.dumps(out))
-        return
-    for row in out:
-        print(" ".join(f"{k}={v}" for k, v in row.items()))
+    emit(out, args.json, lambda rows: "\n".join(" ".join(f"{k}={v}" for k, v in row.items()) for row in rows))
 
 
 if __name__ == "__main__":

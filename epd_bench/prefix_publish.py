@@ -1,4 +1,4 @@
-"""Prefix cache micro-benchmark (issue 16): how a decoder tells the proxy which prefixes it holds.
+"""Prefix cache micro-benchmark: what it costs a decoder to tell the proxy which prefixes it holds, two ways.
 
     python -m epd_bench.prefix_publish [--json] [--keys 256 1024 4096] [--churn 10 100] [--interval 2.0]
 
@@ -22,36 +22,21 @@ delivery (well under a millisecond on loopback), and a lost event shows at the n
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import random
 import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import msgspec
 import uvicorn
-import zmq
 from fastapi import FastAPI
 
-from connector.control.cache_index import ProducerView
-from connector.control.wire import MAX_REPLY_HEADER_BYTES, decode_message, encode_message
-from epd_contracts.ec import HEARTBEAT_S, CacheEvent, SnapshotReply
-
-ZMTP_FRAME_OVERHEAD = 2  # bytes a ZMTP 3 short frame (< 256 bytes) adds: flags and size
-BATCH_S = 0.1  # the batched variant's flush interval
-PRODUCER = "tcp://10.0.0.7:5601"  # a typical advertised address (it is part of every event)
-EPOCH = "9f3c1e2a7b6d4c5e"  # a producer epoch (secrets.token_hex(8), as connector/tensors/producer.py)
-
-
-def make_keys(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [f"{rng.getrandbits(128):032x}" for _ in range(n)]
+from epd_bench.micro import emit, median_s, parser
+from epd_bench.prefix_events import cpu_us, events, make_keys
 
 
 def health_body(keys: list[str]) -> dict[str, object]:
@@ -62,19 +47,6 @@ def health_body(keys: list[str]) -> dict[str, object]:
             "loaded": {"modules": ["language_model", "lm_head", "multi_modal_projector"], "num_parameters": 6_760_000_000},
             "prefix_cache": {"enabled": True, "block_size": 16, "bytes": 512 << 20, "capacity_bytes": 1 << 30,
                              "blocks": 2048, "keys": keys}}  # only the keys vary with K
-
-
-def median_s(fn: Callable[[], object], budget_s: float = 0.2, min_reps: int = 5, max_reps: int = 2000) -> float:
-    """Median seconds of fn() after one warm-up call: at least min_reps runs, more while within budget_s."""
-    fn()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < min_reps or (spent < budget_s and len(times) < max_reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-    return statistics.median(times)
 
 
 class _Decoder:
@@ -145,11 +117,11 @@ def _summary_row(k: int, interval: float, budget_s: float, probes: tuple[Probe, 
     keys = make_keys(k)
     body = health_body(keys)
     raw = json.dumps(body, separators=(",", ":")).encode()
-    parts = {"json_dumps_us": median_s(lambda: json.dumps(body, separators=(",", ":")).encode(), budget_s),
-             "msgspec_encode_us": median_s(lambda: msgspec.json.encode(body), budget_s),
-             "json_loads_us": median_s(lambda: json.loads(raw), budget_s),
-             "msgspec_decode_us": median_s(lambda: msgspec.json.decode(raw), budget_s),
-             "set_rebuild_us": median_s(lambda: set(keys), budget_s)}
+    parts = {"json_dumps_us": median_s(lambda: json.dumps(body, separators=(",", ":")).encode(), budget_s=budget_s),
+             "msgspec_encode_us": median_s(lambda: msgspec.json.encode(body), budget_s=budget_s),
+             "json_loads_us": median_s(lambda: json.loads(raw), budget_s=budget_s),
+             "msgspec_decode_us": median_s(lambda: msgspec.json.decode(raw), budget_s=budget_s),
+             "set_rebuild_us": median_s(lambda: set(keys), budget_s=budget_s)}
     with_keys, without = probes
     marginal_cpu = max(with_keys["cpu_s"] - without["cpu_s"], 0.0)
     key_bytes = with_keys["bytes"] - without["bytes"]
@@ -171,143 +143,6 @@ def summary(key_counts: list[int], interval: float, budget_s: float, probe_budge
             "rows": [_summary_row(k, interval, budget_s, probes[k]) for k in key_counts],
             "staleness_s": {"mean": interval / 2, "max": interval,
                             "note": "a change shows at the next probe (plus its round trip)"}}
-
-
-def _event(seq: int, kind: str, hashes: list[str]) -> CacheEvent:
-    return CacheEvent(producer=PRODUCER, epoch=EPOCH, seq=seq, kind=kind,  # type: ignore[arg-type]
-                      hashes=hashes)
-
-
-def _frame_bytes(frames: Sequence[bytes | memoryview]) -> int:
-    return sum(len(f) + ZMTP_FRAME_OVERHEAD for f in frames)
-
-
-def _in_process(batch: int, budget_s: float) -> dict[str, float]:
-    """Per event carrying `batch` keys (0: a heartbeat): encode, decode + apply on a synced ProducerView, bytes."""
-    keys = make_keys(batch, seed=1)
-    kind = "stored" if batch else "heartbeat"
-    view = ProducerView(PRODUCER, "")
-    view.apply_snapshot(SnapshotReply(req_id=0, epoch=EPOCH, seq=0, hashes=[]))
-    seq = 1 if batch else 0  # a heartbeat repeats the last seq
-    raw = [bytes(f) for f in encode_message(_event(seq, kind, keys))]
-
-    def decode_apply() -> None:
-        view.seq = 0  # each round applies the same event again, in order
-        event, _ = decode_message(raw)
-        assert isinstance(event, CacheEvent) and view.apply_event(event)
-
-    return {"encode_us": median_s(lambda: encode_message(_event(seq, kind, keys)), budget_s) * 1e6,
-            "decode_apply_us": median_s(decode_apply, budget_s) * 1e6, "bytes": float(_frame_bytes(raw))}
-
-
-def _zmq_pair(n: int, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
-    """One-key events through a real PUB/SUB pair on loopback TCP, end to end (encode, send, ZeroMQ's I/O threads,
-    receive, decode, apply): `burst` sends n then receives them; `paced` sends one and waits for it before the
-    next, as sparse events go (each wakes every thread on the way). Wall and process CPU per event."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
-    try:
-        for sock in (pub, sub):
-            sock.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, 100_000)  # as the encoders' PUB and the index's SUB do
-        sub.setsockopt(zmq.RCVHWM, 100_000)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        pub.bind("tcp://127.0.0.1:*")
-        sub.connect(pub.getsockopt_string(zmq.LAST_ENDPOINT))
-        deadline = time.monotonic() + timeout_s
-        while not sub.poll(10, zmq.POLLIN):  # a SUB drops what is published before it joins: wait for a beat
-            assert time.monotonic() < deadline, "subscriber did not join"
-            pub.send_multipart(encode_message(_event(0, "heartbeat", [])), copy=False)
-        while sub.poll(0, zmq.POLLIN):
-            sub.recv_multipart()
-        keys = make_keys(2 * n, seed=2)
-        view = ProducerView(PRODUCER, "")
-        view.apply_snapshot(SnapshotReply(req_id=0, epoch=EPOCH, seq=0, hashes=[]))
-
-        def receive(upto: int) -> None:
-            while view.seq < upto:
-                assert sub.poll(int(timeout_s * 1000), zmq.POLLIN), f"only {view.seq} of {upto} events arrived"
-                event, _ = decode_message(sub.recv_multipart(copy=False))
-                assert isinstance(event, CacheEvent) and view.apply_event(event), "events out of order"
-
-        def send(seq: int) -> None:
-            pub.send_multipart(encode_message(_event(seq, "stored", [keys[seq - 1]])), copy=False)
-
-        out = {}
-        for mode in ("burst", "paced"):
-            first = view.seq + 1
-            wall, cpu = time.perf_counter(), time.process_time()
-            for seq in range(first, first + n):
-                send(seq)
-                if mode == "paced":
-                    receive(seq)
-            receive(first + n - 1)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            out[mode] = {"events": n, "wall_us_per_event": round(wall / n * 1e6, 2),
-                         "cpu_us_per_event": round(cpu / n * 1e6, 2)}
-        assert len(view.held) == 2 * n
-        return out
-    finally:
-        pub.close()
-        sub.close()
-        ctx.term()
-
-
-def _snapshot(k: int, budget_s: float) -> dict[str, float]:
-    """A subscriber's resync: a SnapshotReply of K keys, encoded, decoded and made the view's set."""
-    keys = make_keys(k)
-    raw = [bytes(f) for f in encode_message(SnapshotReply(req_id=0, epoch=EPOCH, seq=7, hashes=keys))]
-
-    def decode_apply() -> None:
-        snap, _ = decode_message(raw, max_header_bytes=MAX_REPLY_HEADER_BYTES)
-        assert isinstance(snap, SnapshotReply)
-        ProducerView(PRODUCER, "").apply_snapshot(snap)
-
-    return {"keys": k, "bytes": _frame_bytes(raw),
-            "encode_us": round(median_s(lambda: encode_message(SnapshotReply(req_id=0, epoch=EPOCH, seq=7, hashes=keys)),
-                                        budget_s) * 1e6, 1),
-            "decode_apply_us": round(median_s(decode_apply, budget_s) * 1e6, 1)}
-
-
-def events(key_counts: list[int], churns: list[float], zmq_events: int, budget_s: float) -> dict[str, Any]:
-    """Option E per churn R: bytes and CPU per second, one key per event or batched, plus the snapshot per K.
-
-    CPU per event = its in-process encode + decode + apply, plus the transport's CPU per event (paced ZeroMQ CPU
-    less the in-process part of a one-key event; 0 when --zmq-events 0)."""
-    beat, one = _in_process(0, budget_s), _in_process(1, budget_s)
-    pair = _zmq_pair(zmq_events) if zmq_events else None
-    transport_us = max(pair["paced"]["cpu_us_per_event"] - _cpu_us(one), 0.0) if pair else 0.0
-    beats_per_s = 1 / HEARTBEAT_S
-    beat_cost_us, beat_bytes = beats_per_s * (_cpu_us(beat) + transport_us), beats_per_s * beat["bytes"]
-    rows = []
-    for r in churns:
-        batch = max(1, round(r * BATCH_S))
-        batched, flushes = _in_process(batch, budget_s), min(r, 1 / BATCH_S)
-        rows.append({
-            "churn_per_s": r,
-            "per_key": {"events_per_s": r + beats_per_s, "bytes_per_s": round(r * one["bytes"] + beat_bytes, 1),
-                        "cpu_us_per_s": round(r * (_cpu_us(one) + transport_us) + beat_cost_us, 1)},
-            "batched": {"keys_per_event": batch, "events_per_s": flushes + beats_per_s,
-                        "bytes_per_s": round(flushes * batched["bytes"] + beat_bytes, 1),
-                        "cpu_us_per_s": round(flushes * (_cpu_us(batched) + transport_us) + beat_cost_us, 1)},
-        })
-    return {"heartbeat_s": HEARTBEAT_S, "batch_s": BATCH_S,
-            "per_event": {"heartbeat": _rounded(beat), "one_key": _rounded(one)},
-            "zmq_tcp_loopback": pair, "transport_cpu_us_per_event": round(transport_us, 2),
-            "rows": rows,
-            "snapshot": [_snapshot(k, budget_s) for k in key_counts],
-            "staleness_s": {"per_key": round(pair["paced"]["wall_us_per_event"] / 1e6, 6) if pair else None,
-                            "batched": BATCH_S, "lost_event_noticed_within": HEARTBEAT_S,
-                            "note": "per key: one event's delivery (paced wall); a gap or restart shows at the next "
-                                    "event or heartbeat and costs a snapshot"}}
-
-
-def _cpu_us(d: dict[str, float]) -> float:
-    return d["encode_us"] + d["decode_apply_us"]
-
-
-def _rounded(d: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 2) for k, v in d.items()}
 
 
 def conclusion(s: dict[str, Any], e: dict[str, Any]) -> str:
@@ -332,7 +167,7 @@ def conclusion(s: dict[str, Any], e: dict[str, Any]) -> str:
             f"not anything changed) and is up to {s['interval_s']:g} s stale ({s['interval_s'] / 2:g} s on "
             f"average); E costs in proportion to R (one ZeroMQ event per stored/evicted key, "
             f"{e['per_event']['one_key']['bytes']:.0f} B and about "
-            f"{_cpu_us(e['per_event']['one_key']) + e['transport_cpu_us_per_event']:.3g} us of CPU each, plus "
+            f"{cpu_us(e['per_event']['one_key']) + e['transport_cpu_us_per_event']:.3g} us of CPU each, plus "
             f"heartbeats) and is stale only by delivery ({stale if stale is not None else 'not measured'} s), but "
             f"needs a PUB socket and a snapshot endpoint on the decoder and a subscriber per proxy, and a snapshot "
             f"(K keys) at every start, gap or restart. S's encode is mostly the route's JSON: msgspec would cut "
@@ -348,14 +183,13 @@ def run(key_counts: list[int], churns: list[float], interval: float, zmq_events:
         probe_budget_s: float = 1.0) -> dict[str, Any]:
     start = time.perf_counter()
     s = summary(key_counts, interval, budget_s, probe_budget_s)
-    e = events(key_counts, churns, zmq_events, budget_s)
+    e = events(key_counts, churns, zmq_events, budget_s=budget_s)
     return {"summary_S": s, "events_E": e, "conclusion": conclusion(s, e),
             "seconds": round(time.perf_counter() - start, 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser("epd_bench.prefix_publish", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap = parser("prefix_publish", __doc__)
     ap.add_argument("--keys", nargs="+", type=int, default=[256, 1024, 4096], help="keys a decoder holds (K)")
     ap.add_argument("--churn", nargs="+", type=float, default=[10.0, 100.0], help="keys stored + evicted per s (R)")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between health probes (proxy default)")
@@ -367,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             or args.probe_budget < 0):
         ap.error("--keys >= 0, --churn > 0, --interval > 0, --zmq-events, --budget and --probe-budget >= 0")
     out = run(args.keys, args.churn, args.interval, args.zmq_events, args.budget, args.probe_budget)
-    print(json.dumps(out, indent=2) if args.json else out["conclusion"])
+    emit(out, args.json, lambda r: str(r["conclusion"]), indent=2)
 
 
 if __name__ == "__main__":

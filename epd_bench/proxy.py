@@ -1,6 +1,5 @@
-"""`python -m epd_bench.proxy --json`: what the proxy adds, in front of a fake decoder that answers instantly
-(epd_bench.proxy_fake_decoder), beside a pass-through proxy with no logic (epd_bench.proxy_passthrough, the
-practical limit) and, with `--baseline-rev`, the proxy at another revision (its files by `git archive`), in one run.
+"""`python -m epd_bench.proxy --json`: what the proxy adds, in front of a fake decoder that answers instantly, beside
+a pass-through proxy with no logic (the practical limit; both servers: epd_bench/proxy_servers.py) and, with `--baseline-rev`, the proxy at another revision (its files by `git archive`), in one run.
 
 Requests: streamed text-only chat completions with a small realistic body (an image would add encoder work that is
 not the proxy's). Latency: sequential requests, the targets interleaved request by request, time to the first
@@ -19,15 +18,16 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import httpx
 
+from epd_bench.micro import HOST, emit, parser, served, tree_cpu_seconds
 from epd_bench.revisions import export_revision, shipped_path
 from epd_launcher.group import free_port
 
@@ -47,47 +47,6 @@ class Target:
     path: str
     body: bytes
     proc: subprocess.Popen[bytes] | None = None  # the process whose CPU time counts (None: the fake decoder's)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of `pid` and its children (the proxy's spawned processes with --proxy-workers N)."""
-    kids = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-    return cpu_seconds(pid) + sum(_alive_cpu_seconds(k) for k in kids)
-
-
-def _alive_cpu_seconds(pid: int) -> float:
-    try:
-        return cpu_seconds(pid)
-    except FileNotFoundError:  # exited since it was listed
-        return 0.0
-
-
-def spawn(args: list[str], cwd: str | None = None, pythonpath: str | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "EPD_INTERNAL_KEY": INTERNAL_KEY}  # the fake decoder takes any key
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited ({proc.returncode})")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
 
 
 def wait_procs(url: str, num_procs: int, timeout: float = 60.0) -> None:
@@ -169,53 +128,40 @@ async def throughput(targets: list[Target], clients: int, seconds: float, rounds
     return out
 
 
-def baseline_tree(rev: str) -> str:
-    """A read-only copy of `rev`'s files (`git archive`, epd_bench/revisions.py; the repository is not touched)."""
-    return str(export_revision(rev)[1])
-
-
 def run(args: argparse.Namespace) -> dict[str, object]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        port = free_port()
-        decoder = spawn(["-m", "epd_bench.proxy_fake_decoder", "--port", str(port)])
-        procs.append(decoder)
-        decoder_url = f"http://127.0.0.1:{port}"
-        wait_ready(decoder_url, decoder)
+    with ExitStack() as stack:
+        env = {"EPD_INTERNAL_KEY": INTERNAL_KEY}  # the fake decoder takes any key
+
+        def start(args: list[str], port: int, cwd: str | None = None,
+                  pythonpath: str | None = None) -> tuple[str, subprocess.Popen[bytes]]:
+            url = f"http://{HOST}:{port}"  # the pass-through answers /health 404: any answer but an error is ready
+            return url, stack.enter_context(served(args, f"{url}/health", ready=lambda s: s < 500, env=env, cwd=cwd,
+                                                   pythonpath=pythonpath))
+
+        decoder_url, _ = start(["-m", "epd_bench.proxy_servers", "fake-decoder", "--port", str(port := free_port())],
+                               port)
         chat = json.dumps(CHAT).encode()
         targets = [Target("direct", decoder_url, "/generate", json.dumps(GENERATE).encode())]
 
-        def start(name: str, argv: Callable[[int], list[str]], cwd: str | None = None,
-                  pythonpath: str | None = None) -> None:
-            p = free_port()
-            proc = spawn(argv(p), cwd, pythonpath)
-            procs.append(proc)
-            url = f"http://127.0.0.1:{p}"
-            wait_ready(url, proc)
+        def target(name: str, argv: Callable[[int], list[str]], cwd: str | None = None,
+                   pythonpath: str | None = None) -> None:
+            url, proc = start(argv(port := free_port()), port, cwd, pythonpath)
             targets.append(Target(name, url, "/v1/chat/completions", chat, proc))
 
-        start("passthrough", lambda p: ["-m", "epd_bench.proxy_passthrough", "--decoder-url", decoder_url,
-                                        "--port", str(p)])
-        start("proxy", lambda p: proxy_args(decoder_url, p))
-        start("epd_2proc", lambda p: proxy_args(decoder_url, p, 2))
+        target("passthrough", lambda p: ["-m", "epd_bench.proxy_servers", "passthrough", "--decoder-url",
+                                         decoder_url, "--port", str(p)])
+        target("proxy", lambda p: proxy_args(decoder_url, p))
+        target("epd_2proc", lambda p: proxy_args(decoder_url, p, 2))
         wait_procs(targets[-1].url, 2)
-        if args.baseline_rev:
-            tree = baseline_tree(args.baseline_rev)
-            start("baseline", lambda p: proxy_args(decoder_url, p), cwd=tree, pythonpath=shipped_path(Path(tree)))
+        if args.baseline_rev:  # a read-only copy of the revision's files (git archive; the repository is untouched)
+            tree = export_revision(args.baseline_rev)[1]
+            target("baseline", lambda p: proxy_args(decoder_url, p), cwd=str(tree), pythonpath=shipped_path(tree))
         if args.tracing:  # the proxy exporting to a sink (epd_bench.otlp_sink), at ratio 0.01 and 1.0
-            sink_port = free_port()
-            procs.append(sink := spawn(["-m", "epd_bench.otlp_sink", "--port", str(sink_port)]))
-            wait_ready(f"http://127.0.0.1:{sink_port}", sink)
+            sink_url, _ = start(["-m", "epd_bench.otlp_sink", "--port", str(port := free_port())], port)
             for ratio in TRACE_RATIOS:
-                start(f"traced_{ratio:g}", partial(traced_args, decoder_url, f"http://127.0.0.1:{sink_port}/v1/traces",
-                                                   ratio))
+                target(f"traced_{ratio:g}", partial(traced_args, decoder_url, f"{sink_url}/v1/traces", ratio))
         p50 = asyncio.run(latency(targets, args.requests))
         tput = asyncio.run(throughput(targets[1:], args.clients, args.seconds, args.rounds))
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
     result: dict[str, object] = {
         "requests": "streamed text-only chat completions", "ttft_ms_p50": p50,
         "overhead_ms_p50": p50["proxy"] - p50["direct"],
@@ -238,19 +184,17 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--baseline-rev", help="also measure the proxy at this git revision (its files by git archive)")
-    parser.add_argument("--requests", type=int, default=300, help="sequential requests per target for latency")
-    parser.add_argument("--clients", type=int, default=32, help="concurrent clients for throughput")
-    parser.add_argument("--seconds", type=float, default=3.0, help="seconds of load per target and round")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds over the targets for throughput")
-    parser.add_argument("--tracing", action="store_true",
-                        help="also the proxy exporting traces (ratio 0.01 and 1.0) to a sink; with --baseline-rev at a "
-                             "revision before tracing, `ratio_rps_per_core_vs_baseline` is tracing off against absent")
-    args = parser.parse_args(argv)
-    result = run(args)
-    print(json.dumps(result, indent=None if args.json else 2))
+    p = parser("proxy", __doc__)
+    p.add_argument("--baseline-rev", help="also measure the proxy at this git revision (its files by git archive)")
+    p.add_argument("--requests", type=int, default=300, help="sequential requests per target for latency")
+    p.add_argument("--clients", type=int, default=32, help="concurrent clients for throughput")
+    p.add_argument("--seconds", type=float, default=3.0, help="seconds of load per target and round")
+    p.add_argument("--rounds", type=int, default=2, help="rounds over the targets for throughput")
+    p.add_argument("--tracing", action="store_true",
+                   help="also the proxy exporting traces (ratio 0.01 and 1.0) to a sink; with --baseline-rev at a "
+                        "revision before tracing, `ratio_rps_per_core_vs_baseline` is tracing off against absent")
+    args = p.parse_args(argv)
+    emit(run(args), True, indent=None if args.json else 2)
 
 
 if __name__ == "__main__":

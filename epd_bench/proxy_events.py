@@ -7,13 +7,12 @@ Rounds alternate the two, so machine noise hits both; the result is microseconds
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import AsyncIterator
 
+from epd_bench.micro import emit, parser
 from epd_contracts.generate import Event
 from proxy.streaming import batches_apart
 
@@ -51,15 +50,13 @@ async def measure(n: int, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser("epd_bench.proxy_events", description=__doc__)
-    ap.add_argument("--events", type=int, default=20000)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    result = asyncio.run(measure(args.events, args.rounds))
-    print(json.dumps(result) if args.json else
-          f"plain async for: {result['plain_us_per_event']} us/event; proxy hand-over: "
-          f"{result['proxy_us_per_event']} us/event ({result['ratio']}x)")
+    p = parser("proxy_events", __doc__)
+    p.add_argument("--events", type=int, default=20000)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    emit(asyncio.run(measure(args.events, args.rounds)), args.json, lambda r: (
+        f"plain async for: {r['plain_us_per_event']} us/event; proxy hand-over: {r['proxy_us_per_event']} us/event "
+        f"({r['ratio']}x)"))
 
 
 if __name__ == "__main__":

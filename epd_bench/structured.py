@@ -15,19 +15,18 @@ would have with every constrained row paying that cost instead of the small one.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from decoder_service.engine.work import Work
 from decoder_service.grammar import CompiledGuide, GuideCompiler
-from decoder_service.request import Work
 from epd_bench.decoder_worker import SMALL, Bench, small_config
 from epd_bench.grammar_cost import NESTED_SCHEMA, large_tokenizer, measure
+from epd_bench.micro import emit, parser
 from epd_builders.tiny import TinySpec, build_tiny
 from epd_contracts.sampling import SamplingParams
 from epd_models.guide_spec import GuideSpec, canonical
@@ -94,15 +93,14 @@ def run(spec: TinySpec, streams: int, max_tokens: int, rounds: int, large_vocab:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("structured", __doc__, "print one JSON object")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--large-vocab", type=int, default=32768, help="0: skip the large-vocabulary estimate")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    report = run(SMALL, args.streams, args.max_tokens, args.rounds, args.large_vocab)
-    print(json.dumps(report, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
+    emit(run(SMALL, args.streams, args.max_tokens, args.rounds, args.large_vocab), args.json,
+         lambda report: "\n".join(f"{k}: {v}" for k, v in report.items()), indent=2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
-"""The issue 16 micro-benchmark still standing: publishing held prefixes by /health summary vs events
-(epd_bench.prefix_publish); tiny sizes, through its main(argv). (Copy vs share of a cached prefix, epd_bench.prefix_share,
-went with the slot cache: the paged pool shares blocks.)"""
+"""The prefix-cache micro-benchmark: publishing held prefixes by /health summary vs events (epd_bench.prefix_publish
+and prefix_events); tiny sizes, through its main(argv)."""
 from __future__ import annotations
 
 import json

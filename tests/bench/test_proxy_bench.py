@@ -1,4 +1,5 @@
-"""epd_bench.proxy end to end on a tiny load: every target answers, and the report has the issue's fields."""
+"""epd_bench.proxy end to end on a tiny load: every target answers, and the report has its overhead, per-core
+throughput, pass-through ratio and two-process scaling."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ import time
 
 import pytest
 
-from epd_bench.proxy import cpu_seconds, main, tree_cpu_seconds
+from epd_bench.micro import cpu_seconds, tree_cpu_seconds
+from epd_bench.proxy import main
 
 
 def test_cpu_seconds_reads_this_process() -> None:
@@ -30,7 +32,7 @@ def test_tree_cpu_seconds_adds_the_children() -> None:
             child.kill()
 
 
-def test_a_tiny_run_reports_the_issues_fields(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_tiny_run_reports_overhead_throughput_and_scaling(capsys: pytest.CaptureFixture[str]) -> None:
     main(["--json", "--requests", "3", "--clients", "2", "--seconds", "0.3", "--rounds", "1"])
     result = json.loads(capsys.readouterr().out)
     assert set(result["ttft_ms_p50"]) == {"direct", "passthrough", "proxy", "epd_2proc"}

@@ -1,4 +1,4 @@
-"""epd_bench.proxy_fake_decoder: its answers follow the decoder's contract (so the real proxy streams a chat
+"""epd_bench.proxy_servers: the fake decoder's answers follow the decoder's contract (so the real proxy streams a chat
 completion through it), and it keeps connections alive (so the bench's proxy-to-decoder hop is not reconnecting)."""
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from epd_bench.proxy_fake_decoder import TOKENS, FakeDecoder
-from epd_bench.proxy_passthrough import make_app
+from epd_bench.proxy_servers import TOKENS, FakeDecoder, make_app
 from epd_contracts.generate import Event
 from proxy.app import create_app
 from proxy.config import ProxyConfig
