@@ -28,19 +28,17 @@ import time
 from collections.abc import Callable, Hashable
 from typing import cast
 
-import torch
-
 from decoder_service.engine import cpu_linear
 from decoder_service.engine.eos import eos_token_ids
 from decoder_service.engine.interfaces import EngineSettings, HandoffSink, SequenceMetrics
 from decoder_service.engine.logprobs import TokenTable
 from decoder_service.engine.memory_plan import plan_engine
 from decoder_service.engine.model_runner import ModelRunner
+from decoder_service.engine.outbox import hold_events, release_events
 from decoder_service.engine.outputs import RunnerOutput, SchedulerOutput
-from decoder_service.engine.readback import read_back, read_back_rows
-from decoder_service.engine.sampling import choose_rows
+from decoder_service.engine.postprocess import hand_off, postprocess
 from decoder_service.engine.scheduler import Scheduler
-from decoder_service.engine.sequence import Job, Sequence, hold_events, release_events
+from decoder_service.engine.sequence import Job, Sequence
 from decoder_service.engine.work import Prompt, Work
 from epd_common.errors import APIError
 from epd_common.logs import request_id_var
@@ -63,7 +61,6 @@ class LLMEngine:
         tokens. `trace_chunks`: whether to note each prompt chunk's time on its job (for the service's traces)."""
         self.lm, self.cfg, self.metrics = lm, cfg, metrics
         self.handoff_out, self.trace_chunks = handoff_out, trace_chunks
-        self._handing_off: dict[Job, None] = {}  # prefill-only jobs whose first tokens came this step
         self.eos_ids = eos_token_ids(lm)
         self.plan = plan_engine(cfg, lm)  # K/V blocks and max_model_len from the memory budget
         if self.plan.warning:
@@ -180,40 +177,17 @@ class LLMEngine:
             release_events()
 
     def postprocess(self, out: RunnerOutput) -> None:
-        """End the rows whose forward failed; every other row samples its token, then streams it or finishes (its
-        events held until the next forward: `step`).
-
-        Plain greedy rows choose in one batched argmax, every other row by its own sampler in its own try
-        (sampling.choose_rows); every row's token comes back in one transfer, logprobs in one more."""
+        """Each row's token sampled, streamed or finished (engine/postprocess.py), its events held until the next
+        forward (`step`); then the prefill-only jobs whose first tokens came are handed off."""
         hold_events()
         try:
-            self._postprocess(out)
+            first = postprocess(out, self.scheduler, self.vocab_size)
+            if first:
+                assert self.handoff_out is not None, "a hand-off job on an engine with no hand-off sink"
+                hand_off(first, self.scheduler, self.runner, self.handoff_out)
         except BaseException:
             release_events()
             raise
-
-    def _postprocess(self, out: RunnerOutput) -> None:
-        for key, (stage, exc) in out.failed.items():
-            assert isinstance(key, int), "engine keys are ints"
-            self.scheduler.fail(key, exc, stage)
-        running = self.scheduler.running
-        keys = cast(list[int], list(out.logits))  # the engine's row keys are ints (Scheduler)
-        picked, batch = choose_rows([(key, seq.sampler) for key in keys if (seq := running.get(key)) is not None],
-                                    out.logits)
-        chosen: dict[int, torch.Tensor] = {}
-        for key, choice in picked.items():
-            if isinstance(choice, Exception):
-                self.scheduler.fail(key, choice, "sampling")
-            else:
-                chosen[key] = choice
-        tokens = read_back(chosen, self.vocab_size, batch)
-        packed = {k: p for k in chosen if (seq := running.get(k)) is not None and (p := seq.sampler.packed) is not None}
-        logprobs = read_back_rows(packed)  # rows that asked for logprobs: one more transfer for all of them
-        for key in keys:  # in the runner's order, as each row chose (events held: step())
-            if (token := tokens.get(key)) is not None:
-                self._accept(key, token, logprobs.get(key))
-        if self._handing_off:
-            self._hand_off()
 
     def _prefilling(self) -> dict[Hashable, int]:
         """Before the forward: each row still prefilling -> its length."""
@@ -227,45 +201,6 @@ class LLMEngine:
             row, seq = rows.get(key), running.get(cast(int, key))
             if row is not None and seq is not None and row.length > length:
                 seq.job.prefill_chunks.append((now, row.length - length))
-
-    def _hand_off(self) -> None:
-        """Prefill-only jobs whose choices all have their first token: their K/V to the hand-off sink (which sends
-        the `handoff` event), their rows freed."""
-        assert self.handoff_out is not None
-        jobs, self._handing_off = list(self._handing_off), {}
-        running = self.scheduler.running
-        for job in jobs:
-            keys = [k for k in self.scheduler.keys.get(job, []) if k in running]
-            if not keys:  # every choice ended at its first token: their `done`s end the stream
-                continue
-            request_id_var.set(job.request_id)
-            try:  # the blocks are copied out now; the `handoff` event follows once they are kept
-                self.handoff_out.hand_off(job, [running[k] for k in keys], self.runner.rows[keys[0]].blocks,
-                                          self.runner.cache)
-            except Exception as exc:
-                self.scheduler.fail(keys[0], exc, "handoff")
-                continue
-            for key in keys:
-                self.scheduler.finish(key, "handoff")
-
-    def _accept(self, key: int, token: int | Exception, logprobs: list[float] | None = None) -> None:
-        """The row's chosen token becomes its text and events; it finishes on a stop, or fails (with its siblings)."""
-        seq = self.scheduler.running.get(key)
-        if seq is None:  # a sibling choice failed this step: the whole job ended
-            return
-        request_id_var.set(seq.job.request_id)
-        try:
-            if isinstance(token, Exception):
-                raise token
-            seq.pending = None
-            reason = seq.on_token(token, logprobs)
-        except Exception as exc:
-            self.scheduler.fail(key, exc, "output")
-            return
-        if seq.job.work.handoff_key is not None and seq.num_generated == 1:
-            self._handing_off[seq.job] = None  # its first token: handed off after this step's postprocess
-        if reason is not None:
-            self.scheduler.finish(key, reason)
 
     def _die(self, exc: BaseException) -> None:
         """An engine fault (not one request's): say so everywhere, end every request with an error."""

@@ -9,17 +9,13 @@ prefill budget. The engine postprocesses the logits and tells the scheduler whic
 
 The n choices of a job are independent sequences, admitted as rows free up (vLLM's engine does so): a wave of
 choices is one row that prefills the prompt (from the prefix cache where its blocks are held) and forks for the
-others (`ModelRunner` forks them). A job holds at most `share` rows at once (--max-seqs-per-request; a prefill
-worker's hand-off job, which holds its rows for one token, takes its n rows together); a job at its share never
-holds back the jobs queued behind it. The job is one unit: a choice that fails ends every
-choice with one error event, and a cancelled job frees all its blocks.
+others (`ModelRunner` forks them); a job continued from a prefill worker's hand-off takes a row per continuing
+choice (continuation.py). The job is one unit: a choice that fails ends every choice with one error event, and a
+cancelled job frees all its blocks.
 
-Fairness across clients (a client is a request's cache_salt: "" is one client) is decoder_service/engine/fairness.py:
-which preempted sequence or waiting job takes the next free row (the client holding the fewest rows), how many rows
-a job may hold, and whose sequence is preempted, for growth (the client holding the most blocks) and for a request
-that does not fit the pool (`_room`: only clients holding at least two rows more than its own). This module does
-the mechanics: admit, preempt, resume, finish. `ModelRunner` splits a step's prefill budget between the prompts it
-prefills.
+Who takes the next free row, how many rows a job may hold (--max-seqs-per-request) and whose sequence is preempted
+is the fair-share policy across clients (decoder_service/engine/fairness.py); this module does the mechanics: admit,
+preempt, resume, finish.
 
 Preemption is by recompute (vLLM's default): the preempted sequence keeps its sampler, detokenizer and pending
 token, gives its blocks back (naming its full ones in the prefix cache first) and waits, first of its client's;
@@ -30,12 +26,12 @@ from __future__ import annotations
 
 import collections
 import itertools
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
+from decoder_service.engine.continuation import continue_choices
 from decoder_service.engine.fairness import choices_left, next_pick, preempt_choice, room_victims, share_of
 from decoder_service.engine.outputs import SchedulerOutput
 from epd_common.logs import request_id_var
@@ -44,7 +40,6 @@ if TYPE_CHECKING:
     from decoder_service.engine.model_runner import ModelRunner
     from decoder_service.engine.sequence import Job, Sequence
 
-logger = logging.getLogger("epd.decoder")
 WATERMARK = 0.01  # of the pool's blocks kept free at admission, so new rows can grow before anyone is preempted
 
 
@@ -267,43 +262,15 @@ class Scheduler:
         self.keys.setdefault(job, []).extend(keys)
 
     def _admit_resumed(self, job: Job, k: int) -> None:
-        """A job a prefill worker began (E -> P -> D), its next k continuing choices: each replays its first token
-        and takes a row over the received K/V blocks (or, when they could not be had, a row that prefills the
-        prompt here with its logits dropped, as a preempted row's), decoding on from its first token."""
-        resume = job.work.resume
-        assert resume is not None
-        keys: list[int] = []
-        choices = resume.handoff.choices
+        """A job a prefill worker began (E -> P -> D): its next k continuing choices take rows (continuation.py)."""
         try:
-            while len(keys) < k and job.next_choice < len(choices):
-                i, choice = job.next_choice, choices[job.next_choice]
-                job.next_choice += 1
-                if choice.first_token is None:  # it ended at its first token on the prefill worker
-                    continue
-                seq = self.new_sequence(job, i)
-                if (reason := seq.replay(choice.first_token, choice.generator_state, choice.logprobs)) is not None:
-                    seq.finish(reason)  # not expected (the prefill worker ran the same rules): end it here
-                    continue
-                key = next(self._keys)
-                self._add_resumed(key, job)
-                self.running[key] = seq
-                keys.append(key)
-                self.keys.setdefault(job, []).append(key)
+            continue_choices(job, k, self.new_sequence, self.runner, lambda: next(self._keys), self._took)
         except Exception as exc:
             self._fail_job(job, exc, "admission")
 
-    def _add_resumed(self, key: int, job: Job) -> None:
-        """A continuing choice's row: over the received blocks (after the held prefix), else prefilled here."""
-        resume, work = job.work.resume, job.work
-        assert resume is not None
-        if resume.kv is not None:
-            try:
-                self.runner.add_prefilled(key, job.prompt, resume.kv, chain=work.chain, route_keys=work.route_keys,
-                                          first_block=resume.first_block)
-                return
-            except ValueError as exc:  # the held prefix was evicted since the fetch: prefill here after all
-                logger.warning("request %s: %s; prefilling here", job.request_id, exc)
-        self.runner.add(key, job.prompt, chain=work.chain, route_keys=work.route_keys, fed=())
+    def _took(self, job: Job, key: int, seq: Sequence) -> None:
+        self.running[key] = seq
+        self.keys.setdefault(job, []).append(key)
 
     def _fail_job(self, job: Job, exc: Exception, stage: str) -> None:
         self._unpreempt(lambda seq: seq.job is job)

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoTokenizer
 
 from decoder_service.engine.detokenizer import window_decoder
+from decoder_service.engine.outbox import held_events, outbox
 from decoder_service.engine.outputs import RowLogits
 from decoder_service.engine.readback import read_back
 from decoder_service.engine.sampling import Sampler, choose_rows
-from decoder_service.engine.sequence import held_events, outbox
 from epd_contracts.generate import Event
 from epd_contracts.sampling import SamplingParams
 from tests.decoder_service.engine_run import greedy, make_engine, run, text_prompt

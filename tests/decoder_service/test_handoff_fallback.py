@@ -1,4 +1,4 @@
-"""Issue 44 item 9: a continued request whose K/V could not be had (its prefill worker died) prefills on the decode
+"""A continued request whose K/V could not be had (its prefill worker died) prefills on the decode
 worker at a fresh prompt's budget."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.decoder_service.test_handoff import CASES, MemoryStore, Stream, hando
 
 def test_a_prompt_whose_blocks_were_lost_prefills_at_a_fresh_prompts_budget(tiny_model_dirs: dict[str, Path],
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 44 item 9: the prefill worker died, so its prompt is prefilled on the decode worker beside a decoding
+    """The prefill worker died, so its prompt is prefilled on the decode worker beside a decoding
     stream: at the budget the prompt had there (--max-num-batched-tokens, nothing decodes on a prefill worker), not
     --max-prefill-tokens a step; and it continues exactly as it would have."""
     lm = LanguageHalf(tiny_model_dirs["llava"])
