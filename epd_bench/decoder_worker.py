@@ -40,10 +40,13 @@ HOST_ROWS = (16, 64)
 
 
 def engine_class() -> Any:
-    try:  # the engine once was one module, now a package
-        return importlib.import_module("decoder_service.engine.llm_engine").Engine
-    except ModuleNotFoundError:
-        return importlib.import_module("decoder_service.engine").Engine
+    """The service's engine (the shell over LLMEngine); before the engine became a layer, the engine package's."""
+    for module in ("decoder_service.shell", "decoder_service.engine.llm_engine", "decoder_service.engine"):
+        try:
+            return importlib.import_module(module).Engine
+        except (ModuleNotFoundError, AttributeError):
+            continue
+    raise ImportError("no decoder engine class found")
 
 
 def step_clock_class() -> Any:

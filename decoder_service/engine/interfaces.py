@@ -2,12 +2,10 @@
 compiled grammar, a hand-off sink) as protocols the shell's objects satisfy, and the error that is a request's own."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
-
-    from decoder_service.engine.sequence import Job, Sequence
 
 
 class EngineSettings(Protocol):
@@ -79,13 +77,6 @@ class CompiledGrammar(Protocol):
     """A request's compiled grammar (decoder_service/grammar.py CompiledGuide): a matcher for each choice."""
 
     def matcher(self) -> GuideMatcher: ...
-
-
-class HandoffSink(Protocol):
-    """A prefill worker's hand-off (decoder_service/handoff.py HandoffOut): the prompt's blocks (`pool_blocks`) copied
-    out of `cache` now, kept for a decode worker, and the job's `handoff` event sent with each choice's first token."""
-
-    def hand_off(self, job: Job, seqs: list[Sequence], pool_blocks: list[int], cache: Any) -> None: ...
 
 
 class RequestFault(ValueError):

@@ -30,13 +30,13 @@ from typing import cast
 
 from decoder_service.engine import cpu_linear
 from decoder_service.engine.eos import eos_token_ids
-from decoder_service.engine.interfaces import EngineSettings, HandoffSink, SequenceMetrics
+from decoder_service.engine.interfaces import EngineSettings, SequenceMetrics
 from decoder_service.engine.logprobs import TokenTable
 from decoder_service.engine.memory_plan import plan_engine
 from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.outbox import hold_events, release_events
 from decoder_service.engine.outputs import RunnerOutput, SchedulerOutput
-from decoder_service.engine.postprocess import hand_off, postprocess
+from decoder_service.engine.postprocess import HandoffSink, hand_off, postprocess
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import Job, Sequence
 from decoder_service.engine.work import Prompt, Work

@@ -2,18 +2,24 @@
 text and events; rows that finish, fail or are handed off leave the scheduler. Engine thread only."""
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 
-from decoder_service.engine.interfaces import HandoffSink
 from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.outputs import RunnerOutput
 from decoder_service.engine.readback import read_back, read_back_rows
 from decoder_service.engine.sampling import choose_rows
 from decoder_service.engine.scheduler import Scheduler
-from decoder_service.engine.sequence import Job
+from decoder_service.engine.sequence import Job, Sequence
 from epd_common.logs import request_id_var
+
+
+class HandoffSink(Protocol):
+    """A prefill worker's hand-off (decoder_service/handoff.py HandoffOut): the prompt's blocks (`pool_blocks`) copied
+    out of `cache` now, kept for a decode worker, and the job's `handoff` event sent with each choice's first token."""
+
+    def hand_off(self, job: Job, seqs: list[Sequence], pool_blocks: list[int], cache: Any) -> None: ...
 
 
 def postprocess(out: RunnerOutput, scheduler: Scheduler, vocab_size: int) -> list[Job]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from epd_bench.proxy_fake_decoder import FakeDecoder
+from epd_bench.proxy_servers import FakeDecoder
 from tests.ports import REUSE_PORT_ENV, PortHolds
 
 

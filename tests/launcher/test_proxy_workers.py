@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.control.security import CurveConfig
-from epd_bench.proxy_fake_decoder import FakeDecoder
+from epd_bench.proxy_servers import FakeDecoder
 from epd_launcher.flags import parse_args
 from proxy.config import ProxyConfig
 from tests.ports import REUSE_PORT_ENV, PortHolds
