@@ -26,7 +26,7 @@ import logging
 from collections.abc import Mapping
 
 from connector.tensors.cache import EmbeddingCache
-from epd_common.audio import AudioLimits
+from epd_common.audio_limits import AudioLimits
 from epd_common.errors import APIError, bad_request
 from epd_common.video import VideoLimits
 from epd_contracts.audio import AudioPart
@@ -36,8 +36,9 @@ from epd_contracts.generate import ImageRef
 from epd_contracts.hashing import mm_hash
 from epd_contracts.video import VideoPart, part_hash
 from epd_models.audio_jobs import UndecodableAudio
-from epd_models.encode import CachingEncoder, Check, EmbeddingsRefused, Encoded, UndecodableImage, UndecodableVideo
+from epd_models.encode import CachingEncoder, Check, EmbeddingsRefused, Encoded, UndecodableImage
 from epd_models.halves import VisionHalf
+from epd_models.video_jobs import UndecodableVideo
 
 logger = logging.getLogger("epd.decoder")
 

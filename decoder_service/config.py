@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
-from epd_common.audio import AudioLimits as _AudioLimits
+from epd_common.audio_limits import AudioLimits as _AudioLimits
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits

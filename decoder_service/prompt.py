@@ -6,8 +6,8 @@ import torch
 
 from decoder_service.engine.work import Prompt
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.base import splice_media
 from epd_models.halves import LanguageHalf
+from epd_models.splice import splice_media
 
 
 def build_prompt(lm: LanguageHalf, ids: list[int], images: list[ImageFeatures]) -> Prompt:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from connector.control.security import CurveConfig
 from connector.tensors.get_limits import MAX_REPLY_BYTES
 from connector.tensors.waiters import MAX_PARKED, MAX_PARKED_HASHES
-from epd_common.audio import AudioLimits as _AudioLimits
+from epd_common.audio_limits import AudioLimits as _AudioLimits
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits

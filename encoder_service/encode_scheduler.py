@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epd_common.logs import request_id_var
-from epd_models.encode import Encoded, Job, VideoJob
+from epd_models.encode import Encoded, Job
+from epd_models.video_jobs import VideoJob
 
 logger = logging.getLogger("epd.encoder")
 Runner = Callable[[Sequence[Job]], dict[str, Encoded]]  # one vision forward: a batch of images or of video parts

@@ -34,11 +34,11 @@ from epd_contracts.hashing import mm_hash
 from epd_contracts.validation import ContractError, decode_json
 from epd_contracts.video import part_hash
 from epd_models.audio_jobs import UndecodableAudio, audio_limits
-from epd_models.encode import UndecodableVideo
 from epd_models.halves import VisionHalf, loaded_summary
 from epd_models.identity import encoder_fingerprint, model_identity
 from epd_models.resolve import resolve_model
 from epd_models.video_config import video_limits
+from epd_models.video_jobs import UndecodableVideo
 
 logger = logging.getLogger("epd.encoder")
 router = APIRouter()

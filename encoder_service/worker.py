@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from connector.tensors.producer import ECProducer
-from epd_common.audio import AudioLimits
+from epd_common.audio_limits import AudioLimits
 from epd_common.video import VideoLimits
 from epd_contracts.audio import AudioPart
 from epd_contracts.encode import EncodedItem

@@ -20,10 +20,10 @@ from transformers.utils import logging as hf_logging
 from epd_builders.shapes import IMAGE_SIZE, Example, draw_shape, examples
 from epd_builders.tiny import TinySpec, build_tiny
 from epd_builders.tokenizer import COLORS, QUESTIONS, SHAPES
-from epd_models.base import expand_placeholders
 from epd_models.chat import chat_template, render
 from epd_models.demo import DEMO_DIR, EVAL_SEED
 from epd_models.halves import LanguageHalf, VisionHalf
+from epd_models.splice import expand_placeholders
 
 DEMO_SPEC = TinySpec(
     family="llava", text_hidden=128, text_layers=2, heads=4, kv_heads=2,

@@ -24,7 +24,7 @@ decodes at most a few packets, within its 5 MB probe size):
    as the sum passes ``max_seconds`` or the pass passes ``max_decode_s``: an hour of silence in a few KB, whose
    header says nothing (or lies), is refused after reading ``max_seconds`` of packets. A corrupt packet, a packet
    with no duration (other than PCM, counted by its size) or no packet at all is refused;
-7b. the same pass estimates what decoding the packets read so far will cost (``decode_cost_s``: per packet and per
+7b. the same pass estimates what decoding the packets read so far will cost (``decode_cost_s`` in audio_limits.py: per packet and per
    sample of each channel, from measurement) and refuses the clip as soon as it passes ``decode_budget_s``, the
    encoders' decode budget: a 4 MB FLAC of 16-sample frames at 384 kHz (250,000 packets) is refused here, not after
    an encoder has spent its 30 s on it;
@@ -40,11 +40,20 @@ a few tens of ms more than a player shows).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import av
 
+from epd_common.audio_limits import (
+    AudioError,
+    AudioLimits,
+    AudioTooLargeError,
+    NoAudioStreamError,
+    check_decode_cost,
+    check_duration,
+    check_format,
+)
 from epd_common.media_open import AV_ERRORS, check_size, open_media
 
 # FFmpeg demuxer name -> the name AudioInfo.container gives
@@ -58,58 +67,6 @@ CODECS: dict[str, frozenset[str]] = {"wav": _PCM, "mp3": frozenset({"mp3"}), "fl
                                      "matroska": frozenset({"opus"})}
 _CODEC_NAMES = {av.Codec(name, "r").id: name for names in CODECS.values() for name in names}  # by id: "mp3float"
 DECLARED_FORMATS = {"wav": "wav", "mp3": "mp3"}  # OpenAI input_audio.format -> the container it must be
-
-
-DECODE_BUDGET_S = 30.0  # an encoder's wall clock for one clip's decode (AudioLimits.max_decode_s)
-# One decode's cost, estimated from the probe's packets (decode_cost_s). Measured with decode_audio on this project's
-# 2 shared cores under a load average of 12 (docs/SECURITY.md, "Audio input"): each packet's frame goes through the
-# decoder, the resampler and numpy, about 80 us of wall clock a packet (35 us of CPU), whatever its size; resampling
-# costs about 60 ns a sample of each channel (30 ns of CPU). The estimate takes about twice the loaded wall clock,
-# so a clip it passes decodes within the budget on a busy encoder, and any ordinary clip passes with room to spare.
-DECODE_S_PER_PACKET = 150e-6
-DECODE_S_PER_SAMPLE = 100e-9
-
-
-def decode_cost_s(packets: int, seconds: float, sample_rate: int, channels: int) -> float:
-    """Estimated wall clock of decode_audio on `packets` packets holding `seconds` of audio at `sample_rate` Hz over
-    `channels` channels: packet count dominates for tiny frames (a FLAC of 16-sample frames), samples for long clips
-    at high rates."""
-    return packets * DECODE_S_PER_PACKET + seconds * sample_rate * channels * DECODE_S_PER_SAMPLE
-
-
-class AudioError(ValueError):
-    """The bytes are not audio we accept; the message says why (and is safe to show a client)."""
-
-
-class NoAudioStreamError(AudioError):
-    """The container holds no audio stream (a silent video's, for a video's sound track)."""
-
-
-class AudioTooLargeError(AudioError):
-    """A size, duration or count limit is passed: refused from the headers and packets, or while decoding."""
-
-
-@dataclass(frozen=True)
-class AudioLimits:
-    """Server-side bounds on one audio clip."""
-
-    max_bytes: int = 25 << 20  # --max-audio-bytes (OpenAI's audio upload cap is 25 MB)
-    max_seconds: float = 600.0  # --max-audio-seconds
-    max_channels: int = 8
-    min_sample_rate: int = 1000
-    max_sample_rate: int = 384_000
-    max_streams: int = 4  # all streams of the container (cover art included)
-    max_decode_s: float = DECODE_BUDGET_S  # wall clock of the probe's demux pass, or of one decode
-    # what one decode on an encoder may cost (its max_decode_s): a clip whose decode the probe estimates past it is
-    # refused before it is sent (the proxy probes with a shorter max_decode_s of its own, and this default)
-    decode_budget_s: float = DECODE_BUDGET_S
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if not getattr(self, f.name) > 0:
-                raise ValueError(f"AudioLimits.{f.name} must be > 0, got {getattr(self, f.name)!r}")
-        if self.min_sample_rate > self.max_sample_rate:
-            raise ValueError("AudioLimits.min_sample_rate must be <= max_sample_rate")
 
 
 @dataclass(frozen=True)
@@ -166,22 +123,6 @@ def audio_stream(container: Any, limits: AudioLimits) -> Any:
 
 def codec_name(stream: Any) -> str:
     return _CODEC_NAMES[stream.codec_context.codec.id]
-
-
-def check_format(sample_rate: int, channels: int, limits: AudioLimits) -> None:
-    """Refuse a sample rate or channel count outside the limits (declared by a header or given by a decoder)."""
-    if not limits.min_sample_rate <= sample_rate <= limits.max_sample_rate:
-        raise AudioError(f"audio sample rate is {sample_rate} Hz; it must be "
-                         f"{limits.min_sample_rate}..{limits.max_sample_rate} Hz")
-    if channels < 1:
-        raise AudioError(f"audio has {channels} channels")
-    if channels > limits.max_channels:
-        raise AudioTooLargeError(f"audio has {channels} channels; the limit is {limits.max_channels}")
-
-
-def check_duration(duration_s: float, limits: AudioLimits, what: str = "lasts") -> None:
-    if not duration_s <= limits.max_seconds:  # also refuses NaN
-        raise AudioTooLargeError(f"audio {what} {duration_s:.1f} s; the limit is {limits.max_seconds:g} s")
 
 
 def declared_duration(container: Any, stream: Any, data: bytes) -> tuple[float | None, bool]:
@@ -264,19 +205,6 @@ def count_seconds(container: Any, stream: Any, limits: AudioLimits) -> float:
     if ticks == 0:
         raise AudioError("the audio stream holds no audio")
     return ticks * time_base
-
-
-def check_decode_cost(packets: int, seconds: float, sample_rate: int, channels: int, limits: AudioLimits) -> None:
-    """Refuse a clip whose decode (estimated by decode_cost_s from what the probe has read so far) passes the
-    encoders' budget."""
-    cost = decode_cost_s(packets, seconds, sample_rate, channels)
-    if cost > limits.decode_budget_s:
-        frame = seconds * sample_rate / packets
-        raise AudioTooLargeError(
-            f"audio would take more than {limits.decode_budget_s:g} s to decode, the limit of one clip's decode: "
-            f"{packets} packets of {frame:.0f} samples at {sample_rate} Hz x {channels} channel(s) so far (estimated "
-            f"{DECODE_S_PER_PACKET * 1e6:g} us a packet, {DECODE_S_PER_SAMPLE * 1e9:g} ns a sample): send it in "
-            "longer frames, at a lower sample rate or shorter")
 
 
 def _pcm_bytes_per_sample(stream: Any) -> int:

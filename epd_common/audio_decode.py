@@ -23,18 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import av
 
-from epd_common.audio import (
-    AudioError,
-    AudioLimits,
-    AudioTooLargeError,
-    audio_stream,
-    check_counted,
-    check_duration,
-    check_format,
-    declared_duration,
-    open_audio,
-    probe_audio,
-)
+from epd_common.audio import audio_stream, check_counted, declared_duration, open_audio, probe_audio
+from epd_common.audio_limits import AudioError, AudioLimits, AudioTooLargeError, check_duration, check_format
 from epd_common.media_open import AV_ERRORS
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError
+from epd_common.audio_limits import AudioError, AudioLimits, AudioTooLargeError
 from epd_contracts.audio import AudioConfig, AudioPart
 from epd_models.audio import AudioClip
 

@@ -7,12 +7,10 @@ If anything fails, the store is told which items will not come (`mark_failed`), 
 for them (a pipelined gather) hears it now, not at its timeout.
 
 Videos (items with a VideoPart: a whole video, or a chunk of its sampled frames; epd_contracts/video.py) take the
-same path one at a time: outside the lock, where images are decoded, the bytes are probed under `video_limits`,
-the frame indices are recomputed from the part's frame count with this checkpoint's own VideoConfig
-(epd_models/video_config.py) and checked against the part's plan (its total and fps: else `video_plan_mismatch`),
-and only the part's frames are decoded; under the lock parts batched together are one `VisionHalf.encode_videos`
-(one forward where the family joins clips). A video that
-cannot be used raises UndecodableVideo naming its item and the 400 code it gets.
+same path: outside the lock, where images are decoded, the part's frames are checked against this checkpoint's
+sampling and decoded (epd_models/video_jobs.py); under the lock parts batched together are one
+`VisionHalf.encode_videos` (one forward where the family joins clips). A video that cannot be used raises
+UndecodableVideo naming its item and the 400 code it gets.
 
 Audio clips (items with an AudioPart: a whole clip, or a chunk of its encoder windows; epd_contracts/audio.py) the
 same way: decoded to the family's rate outside the lock (epd_models/audio_jobs.py), one `VisionHalf.encode_audios`
@@ -31,11 +29,10 @@ from typing import Protocol
 
 from PIL import Image
 
-from epd_common.audio import AudioLimits
+from epd_common.audio_limits import AudioLimits
 from epd_common.images import ImageError, load_image
-from epd_common.video import VideoError, VideoInfo, VideoLimits, VideoTooLargeError, probe_video
-from epd_common.video_decode import decode_frames
-from epd_common.video_sampling import VideoConfig, frame_indices, sampled_fps
+from epd_common.video import VideoLimits
+from epd_common.video_sampling import VideoConfig
 from epd_contracts.audio import AudioPart
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.video import VideoPart
@@ -44,6 +41,7 @@ from epd_models.audio_jobs import AudioJob, UndecodableAudio, audio_job
 from epd_models.halves import VisionHalf
 from epd_models.video import VideoError as VideoInputsError
 from epd_models.video_config import video_config
+from epd_models.video_jobs import UndecodableVideo, VideoJob, video_job
 
 logger = logging.getLogger("epd.encoder")
 Check = Callable[[ImageFeatures], "str | None"]  # a reason to refuse an embedding, or None
@@ -69,24 +67,6 @@ class UndecodableImage(ImageError):
         self.mm_hash = mm_hash
 
 
-class UndecodableVideo(VideoError):
-    """An item's bytes are not a video this encoder can use as asked; `code` is the 400's error code
-    (invalid_video, video_too_large, video_plan_mismatch, video_not_supported), `mm_hash` names the item."""
-
-    def __init__(self, mm_hash: str, message: str, code: str = "invalid_video"):
-        super().__init__(message)
-        self.mm_hash, self.code = mm_hash, code
-
-
-@dataclass(frozen=True)
-class VideoFrames:
-    """A video item's decoded frames, ready for the vision half."""
-
-    part: VideoPart
-    frames: list[Image.Image]
-    times: list[float]  # each frame's time in the source video, in seconds
-
-
 class EmbeddingsRefused(Exception):
     """The check refused encoded items (mm_hash -> why); none of their batch was stored."""
 
@@ -107,18 +87,6 @@ class ImageJob:
     @property
     def group(self) -> tuple[str, bool]:
         return self.detail, self.multi_image
-
-
-@dataclass(frozen=True)
-class VideoJob:
-    """A video item (a whole video or a chunk) with its frames decoded; video items can share a forward."""
-
-    mm_hash: str
-    clip: VideoFrames
-
-    @property
-    def group(self) -> tuple[str, bool]:
-        return "video", False
 
 
 Job = ImageJob | VideoJob | AudioJob
@@ -190,7 +158,8 @@ class CachingEncoder:
         try:
             jobs: list[Job] = [ImageJob(h, self._load(h, data), details.get(h, "auto"), h in multi_image)
                                for h, data in todo.items() if h not in videos and h not in audios]
-            jobs += [VideoJob(h, self._frames(h, data, videos[h])) for h, data in todo.items() if h in videos]
+            jobs += [video_job(h, data, videos[h], self.video_config, self.vision.adapter.name, self.video_limits)
+                     for h, data in todo.items() if h in videos]
             jobs += [audio_job(h, data, audios[h], self.vision.audio_config, self.vision.adapter.name,
                                self.audio_limits) for h, data in todo.items() if h in audios]
         except BaseException:
@@ -228,26 +197,6 @@ class CachingEncoder:
             return load_image(data, self.max_image_pixels)
         except ImageError as exc:
             raise UndecodableImage(mm_hash, exc) from exc
-
-    def _frames(self, mm_hash: str, data: bytes, part: VideoPart) -> VideoFrames:
-        """Probe the video, check the part's plan against this checkpoint's sampling, decode the part's frames."""
-        config = self.video_config
-        if config is None:
-            raise UndecodableVideo(mm_hash, f"video input is not supported for {self.vision.adapter.name} "
-                                            "checkpoints", "video_not_supported")
-        limits = self.video_limits
-        try:
-            if part.total > limits.max_frames:
-                raise VideoTooLargeError(f"{part.total} sampled frames; the limit is {limits.max_frames}")
-            info = probe_video(data, limits)
-            wanted = part_indices(config, info, part, mm_hash)
-            frames = decode_frames(data, wanted, limits, index=info.index)
-        except UndecodableVideo:
-            raise
-        except VideoError as exc:
-            code = "video_too_large" if isinstance(exc, VideoTooLargeError) else "invalid_video"
-            raise UndecodableVideo(mm_hash, str(exc), code) from exc
-        return VideoFrames(part, frames, [i / info.fps for i in wanted])
 
     def _encode_videos(self, jobs: list[VideoJob]) -> dict[str, Encoded]:
         """Encode, check and store video parts batched together (under the lock)."""
@@ -294,28 +243,3 @@ class CachingEncoder:
         self.num_encoded += len(outs)
         logger.info("encoded %d %s(s)", len(outs), kind)
         return {h: Encoded(out, cached=False) for h, out in outs.items()}
-
-
-def part_indices(config: VideoConfig, info: VideoInfo, part: VideoPart, mm_hash: str = "") -> list[int]:
-    """The source frame indices of `part`, by this checkpoint's sampling rule for the video `info` describes;
-    UndecodableVideo (video_plan_mismatch) when the part's plan is not what that rule gives: another
-    number of sampled frames or another sampled fps (the proxy sampled with other settings, or another video),
-    or a chunk that does not start and end on whole temporal patches (only the video's last chunk may end
-    short)."""
-    sampling = part.sampling
-    try:
-        indices = frame_indices(config, info, sampling.num_frames)
-    except VideoError as exc:
-        raise UndecodableVideo(mm_hash, f"the video's plan does not fit it: {exc}", "video_plan_mismatch") from exc
-    if len(indices) != part.total:
-        raise UndecodableVideo(mm_hash, f"sampling {sampling.num_frames} frames of this video gives {len(indices)} "
-                                        f"frames here, not the plan's {part.total}", "video_plan_mismatch")
-    here = sampled_fps(info, len(indices))
-    if abs(here - sampling.fps) > 1e-6 * sampling.fps:
-        raise UndecodableVideo(mm_hash, f"the sampled frames are at {here:.6g} fps here, not the plan's "
-                                        f"{sampling.fps:.6g}", "video_plan_mismatch")
-    t = config.temporal_patch
-    if part.first % t or (part.count % t and not part.last):
-        raise UndecodableVideo(mm_hash, f"frames [{part.first}, {part.first + part.count}) are not whole temporal "
-                                        f"patches of {t} frames", "video_plan_mismatch")
-    return indices[part.first : part.first + part.count]

@@ -12,10 +12,11 @@ from transformers.utils import logging as hf_logging
 from epd_contracts.audio import AudioConfig
 from epd_contracts.embeddings import ImageFeatures
 from epd_models.audio import AudioClip, no_audio
-from epd_models.base import FamilyAdapter, merge_image_embeds
+from epd_models.base import FamilyAdapter
 from epd_models.meta import meta_parameters
 from epd_models.processors import load_processor, register_processors
 from epd_models.registry import adapter_for, load_config
+from epd_models.splice import merge_image_embeds
 from epd_models.video import DEFAULT_MAX_BYTES, VIDEO_FAMILIES, VideoClip, VideoSettings, video_settings
 from epd_models.weights import load_filtered, tie_loaded, tied_pairs
 

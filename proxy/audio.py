@@ -137,7 +137,8 @@ def decode_base64(text: str, param: str, max_bytes: int) -> bytes:
 
 def probe(data: bytes, param: str, fmt: str | None, cfg: ProxyConfig) -> AudioInfo:
     """probe_audio under the flags' limits: 400 audio_too_large (a limit passed) or invalid_audio."""
-    from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError, probe_audio
+    from epd_common.audio import probe_audio
+    from epd_common.audio_limits import AudioError, AudioLimits, AudioTooLargeError
 
     try:
         return probe_audio(data, AudioLimits(max_bytes=cfg.max_audio_bytes, max_seconds=cfg.max_audio_seconds,
@@ -153,7 +154,7 @@ def load_tracks(videos: list[tuple[str, bytes]], cfg: ProxyConfig, config: Audio
     probed as an audio file under --max-audio-bytes and --max-audio-seconds (its first audio stream; the video
     streams are not read) and planned like a clip of its own; 400 video_has_no_audio for a video without one (the
     model would place a track that is not there: transformers mixes up such a prompt's positions)."""
-    from epd_common.audio import NoAudioStreamError
+    from epd_common.audio_limits import NoAudioStreamError
 
     planned: dict[bytes, AudioItem] = {}
     for param, data in videos:

@@ -7,7 +7,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError
+from epd_common.audio_limits import AudioError, AudioLimits, AudioTooLargeError
 from tests.audio_clips import hour_of_silence_flac, make_audio, tiny_frames_flac, wav_header
 from tests.factories import make_image, make_video
 

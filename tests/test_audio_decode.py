@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import epd_common.audio_decode
-from epd_common.audio import AudioError, AudioLimits, AudioTooLargeError, probe_audio
+from epd_common.audio import probe_audio
 from epd_common.audio_decode import decode_audio
+from epd_common.audio_limits import AudioError, AudioLimits, AudioTooLargeError
 from tests.audio_clips import FORMATS, format_change_mp3, hour_of_silence_flac, make_audio, wav_header
 from tests.audio_hostile import HOSTILE, hostile_case
 from tests.test_audio_probe import peak_growth

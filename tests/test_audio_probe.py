@@ -10,14 +10,14 @@ import pytest
 
 import epd_common.audio
 import epd_common.media_open
-from epd_common.audio import (
+from epd_common.audio import probe_audio
+from epd_common.audio_limits import (
     DECODE_BUDGET_S,
     DECODE_S_PER_PACKET,
     AudioError,
     AudioLimits,
     AudioTooLargeError,
     decode_cost_s,
-    probe_audio,
 )
 from tests.audio_clips import FORMATS, make_audio, tiny_frames_flac, wav_header
 from tests.audio_hostile import HOSTILE, hostile_case

@@ -15,7 +15,8 @@ from PIL import Image
 
 from encoder_service.encode_scheduler import BatchStats, Busy, EncodeScheduler
 from epd_contracts.embeddings import ImageFeatures
-from epd_models.encode import Encoded, ImageJob, Job, VideoJob
+from epd_models.encode import Encoded, ImageJob, Job
+from epd_models.video_jobs import VideoJob
 from tests.waiting import until  # the scheduler's state, polled under a hang guard
 
 IMAGE = Image.new("RGB", (8, 8))

@@ -21,7 +21,7 @@ from epd_common.video import VideoLimits, probe_video
 from epd_common.video_sampling import VideoConfig, frame_indices
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.video import VideoPart, VideoSampling, part_hash
-from epd_models import encode as encode_module
+from epd_models import video_jobs
 from epd_models.halves import VisionHalf
 from epd_models.video import VideoClip
 from epd_models.video_config import video_config, video_limits
@@ -242,13 +242,13 @@ def test_a_held_chunk_is_not_decoded_or_encoded_again(one: tuple[TestClient, Enc
     c, w = one
     plan = planned(w.vision)
     decoded: list[list[int]] = []
-    real = encode_module.decode_frames
+    real = video_jobs.decode_frames
 
     def counted(data: bytes, indices: list[int], *args: Any, **kwargs: Any) -> Any:
         decoded.append(list(indices))
         return real(data, indices, *args, **kwargs)
 
-    monkeypatch.setattr(encode_module, "decode_frames", counted)
+    monkeypatch.setattr(video_jobs, "decode_frames", counted)
     first, second = plan.chunks[:2]
     assert not c.post("/encode", json={"items": [plan.item(first)]}).json()["items"][0]["cached"]
     resp = c.post("/encode", json={"items": [plan.item(first), plan.item(second)]})

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from epd_common.audio import DECODE_BUDGET_S
+from epd_common.audio_limits import DECODE_BUDGET_S
 from epd_contracts.audio import AudioConfig
 from tests.audio_clips import make_audio, tiny_frames_flac
 from tests.openai_schema import assert_valid

@@ -14,10 +14,10 @@ from decoder_service.engine.model_runner import BatchRunner
 from decoder_service.engine.step_plan import causal_mask
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
-from epd_models.base import splice_spans
 from epd_models.chat import ImageEdges, chat_template, image_edges, render
 from epd_models.gemma3 import Gemma3Adapter, ImageBlocks, layer_masks
 from epd_models.halves import LanguageHalf, VisionHalf
+from epd_models.splice import splice_spans
 from tests.decoder_service.test_batch import batched
 from tests.factories import make_image
 from tests.models.test_parity import _reference
