@@ -88,7 +88,7 @@ def window_seconds(family: str) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m epd_builders.audio_tiny", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m epd_builders.audio_tiny", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=AUDIO_FAMILIES, required=True)
     p.add_argument("--out", required=True, help="directory to write the checkpoint to")

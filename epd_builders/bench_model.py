@@ -263,7 +263,7 @@ def ensure_built(target: Path, build: Callable[[Path], object]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m epd_builders.bench_model", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m epd_builders.bench_model", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="bench")
     p.add_argument("--out", type=Path, default=None, help="build here instead of the cache directory")

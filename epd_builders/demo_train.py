@@ -123,13 +123,13 @@ def evaluate(model_dir: Path, n: int = 200, seed: int = EVAL_SEED) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m epd_builders.demo_train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m epd_builders.demo_train", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_train = sub.add_parser("train", help="train the demo model")
+    p_train = sub.add_parser("train", help="train the demo model", allow_abbrev=False)
     p_train.add_argument("--out", type=Path, default=DEMO_DIR)
     p_train.add_argument("--steps", type=int, default=DEMO_STEPS)
     p_train.add_argument("--seed", type=int, default=0)
-    p_eval = sub.add_parser("eval", help="accuracy on held-out images through the split path")
+    p_eval = sub.add_parser("eval", help="accuracy on held-out images through the split path", allow_abbrev=False)
     p_eval.add_argument("--model", type=Path, default=DEMO_DIR)
     p_eval.add_argument("--n", type=int, default=200)
     args = parser.parse_args(argv)

@@ -231,7 +231,7 @@ def describe(model_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m epd_builders.full_size", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m epd_builders.full_size", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--size", choices=SIZES, default="full", help="small: the same family at tiny shapes")

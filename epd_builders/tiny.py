@@ -70,7 +70,7 @@ def _set_generation_ids(model: Any, tok: Any) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m epd_builders.tiny", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m epd_builders.tiny", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=FAMILIES, required=True)
     p.add_argument("--out", required=True, help="directory to write the checkpoint to")

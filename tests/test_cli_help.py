@@ -90,8 +90,8 @@ def test_no_product_parser_takes_an_abbreviation() -> None:
     assert _parsers_without_allow_abbrev_false([ROOT / p for p in PRODUCT]) == []
 
 
-def test_no_benchmark_parser_takes_an_abbreviation() -> None:
-    assert _parsers_without_allow_abbrev_false([ROOT / "epd_bench"]) == []
+def test_no_benchmark_or_builder_parser_takes_an_abbreviation() -> None:
+    assert _parsers_without_allow_abbrev_false([ROOT / "epd_bench", ROOT / "epd_builders"]) == []
 
 
 def test_the_check_sees_a_parser_that_takes_abbreviations(tmp_path: Path) -> None:
