@@ -92,7 +92,7 @@ HOSTILE: dict[str, Hostile] = {
     "channels-64": Hostile(lambda: wav_header(16_000, channels=64, data_bytes=64 * 2 * 100), AudioTooLargeError,
                            "64 channels; the limit is 8"),
     # cheap to send, dear to decode: 4 MB of 16-sample FLAC frames at 384 kHz (245,000 packets, 10 s) passed every
-    # check above and then held an encoder for its whole 30 s decode budget (issue 44); its estimated decode cost is
+    # check above and then held an encoder for its whole 30 s decode budget before this check; its estimated decode cost is
     # refused while the probe counts its packets
     "tiny-frames-flac": Hostile(lambda: tiny_frames_flac(245_000), AudioTooLargeError,
                                 "more than 30 s to decode, the limit of one clip's decode: 19[0-9]{4} packets of 16 "

@@ -1,5 +1,5 @@
 """Ports for the tests' servers that no other program on the machine can take between the pick and the bind
-(issue #30 item 10: a port picked free, then closed, was taken before the server bound it: [Errno 98]).
+(once seen: a port picked free, then closed, was taken before the server bound it: [Errno 98]).
 
 - A server in this process (uvicorn in a thread): bind its socket first, on a fresh port, and serve on that socket
   (`serve_in_thread`): the port is never free between the pick and the bind.

@@ -1,5 +1,5 @@
 """tests/ports.py: a test server's port is never free from the pick on, so no other program on a busy machine can
-take it before the server binds it (issue #30 items 10 and 11: a port picked free, then closed, was taken: Errno 98).
+take it before the server binds it (once seen: a port picked free, then closed, was taken: Errno 98).
 Before, tests picked with epd_launcher.group.free_port (bind, read, close): the port was free again at once."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Long audio across encoders (issue 35 item 4), end to end: Qwen2.5-Omni's thinker encodes 2 s windows apart, so
+"""Long audio across encoders, end to end: Qwen2.5-Omni's thinker encodes 2 s windows apart, so
 `disagg-epd-proxy --audio-chunk-seconds 2` cuts a 9 s clip into chunks of one window each that both encoders encode
 at once; the decoder gathers them in order and answers as the aggregated mode (one process that encodes the whole
 clip), a clip beside an image and a video keeps its place, and a video's sound track (mm_processor_kwargs.

@@ -1,4 +1,4 @@
-"""Audio end to end through real processes (issue 35): `disagg-epd-proxy` with two encoders and one decoder on a tiny
+"""Audio end to end through real processes: `disagg-epd-proxy` with two encoders and one decoder on a tiny
 audio checkpoint, answers equal to the aggregated mode (one process that decodes and encodes the clip itself), for
 OpenAI's input_audio and vLLM's audio_url parts, two clips in one prompt, a repeated clip served from the
 encoders' caches, and a broken clip refused with the stack serving on.

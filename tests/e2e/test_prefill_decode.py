@@ -46,7 +46,7 @@ def test_a_request_prefills_on_the_prefill_worker_and_decodes_on_the_decoder(sta
 
 
 def test_a_repeated_prompt_reports_what_was_reused_as_one_worker_would(stacks: tuple[Stack, Stack]) -> None:
-    """Issue 44 item 13: split, the same prompt with the same salt reported cached_tokens 0 every time."""
+    """Split, the same prompt with the same salt reported cached_tokens 0 every time."""
     def cached(stack: Stack, salt: str) -> int:
         text = "Tell me about the colours of the rainbow, one by one, and what each one means to you. " * 4
         body = {"model": "demo", "messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0,

@@ -1,4 +1,4 @@
-"""Issue 44 item 6: admission and preemption are fair across clients (a client: its cache_salt).
+"""Admission and preemption are fair across clients (a client: its cache_salt).
 
 24 long requests of one client on a pool that holds a few of them preempt each other; a short request of another
 client coming meanwhile is admitted before the attacker's requests still waiting (not queued behind every earlier

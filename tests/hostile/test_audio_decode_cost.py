@@ -1,4 +1,4 @@
-"""A clip cheap to send and dear to decode (issue 44 item 11): 4 MB of 16-sample FLAC frames at 384 kHz passed the
+"""A clip cheap to send and dear to decode: 4 MB of 16-sample FLAC frames at 384 kHz passed the
 proxy's probe and then held an encoder for its whole 30 s decode budget before a 400. The probe estimates the decode's
 cost from the packets it counts (epd_common/audio.py decode_cost_s) and refuses it: a 400 audio_too_large naming the
 limit, nothing sent to an encoder or a decoder. The proxy app in process (EPD mode) in front of fake workers of an

@@ -1,4 +1,4 @@
-"""What the proxy serves without a key, and how it reads keys (issue 30, item 8): the OpenAPI document needs the API
+"""What the proxy serves without a key, and how it reads keys: the OpenAPI document needs the API
 key when one is set (the browser pages, which cannot send it, are off); the Bearer scheme is case-insensitive
 (RFC 7235) for the API key and the internal key alike; HEAD /health and /ready answer like GET, without a body."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Grammar compiles cannot starve the decoder (issue 30, item 1), on a decoder served in process.
+"""Grammar compiles cannot starve the decoder, on a decoder served in process.
 
 The attack: many constrained requests whose schemas take long to compile, each dropped by its client. Before,
 compiles ran on the threads that prepare every request, so an ordinary request's preparation queued behind them

@@ -1,4 +1,4 @@
-"""Schemas that compile but cannot finish (issue 30, item 7), and the compile-cost attack, through a real stack.
+"""Schemas that compile but cannot finish, and the compile-cost attack, through a real stack.
 
 Before, a `$ref` that requires itself, or a property named like a special token with a `const` of special tokens,
 streamed a few tokens and then failed with 502 `generation_failed`. What can be seen before decoding is refused

@@ -1,4 +1,4 @@
-"""Sockets that send nothing (issue 44 item 5): with --limit-concurrency 8, eight idle TCP connections made every
+"""Sockets that send nothing: with --limit-concurrency 8, eight idle TCP connections made every
 request and /health a 503 until the header deadline closed them, and the attacker reconnected. Now the limit counts
 requests whose head has arrived, the probes are never refused for load, and one address's connections that have
 sent no complete head are bounded (--max-pending-connections-per-ip, by default the limit): past it its oldest is

@@ -1,4 +1,4 @@
-"""Media a model does not take (issue 44 item 4): an image (or a video) sent to an audio-only model is a 400 with an
+"""Media a model does not take: an image (or a video) sent to an audio-only model is a 400 with an
 OpenAI error body before anything is fetched, probed or encoded, as audio to an image model is; the workers say
 what the model takes in /health `model_identity` ("image": false for Qwen2-Audio and Phi-4-multimodal)."""
 from __future__ import annotations

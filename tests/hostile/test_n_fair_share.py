@@ -1,4 +1,4 @@
-"""Issue 44 item 1: one request with n = --max-num-seqs does not shut everyone else out of a decoder.
+"""One request with n = --max-num-seqs does not shut everyone else out of a decoder.
 
 Its n choices are sequences admitted as rows free up, at most --max-seqs-per-request (half the rows by default) at
 once; a victim coming while it runs gets a row at once, with exactly the answer it gets alone, while the attacker

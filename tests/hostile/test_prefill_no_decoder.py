@@ -1,4 +1,4 @@
-"""E -> P -> D with its only decode worker gone (issue 44 item 7): a prefill worker holds the whole model, so every
+"""E -> P -> D with its only decode worker gone: a prefill worker holds the whole model, so every
 request still gets its whole answer. Before, each was a 200 with one token and then `stream_interrupted`: the proxy
 opened the stream on the prefill worker without knowing a decode worker could continue it.
 

@@ -1,6 +1,5 @@
 """A lone UTF-16 surrogate ("\\ud800" in JSON) in any text field is a 400 naming the field, never a 500; and every
-answer of the completions endpoints, a 500 from an unexpected exception included, is counted by status (issue 30,
-item 6). The proxy app in process, in front of a fake decoder (tests/proxy/fake_decoder.py)."""
+answer of the completions endpoints, a 500 from an unexpected exception included, is counted by status. The proxy app in process, in front of a fake decoder (tests/proxy/fake_decoder.py)."""
 from __future__ import annotations
 
 import json

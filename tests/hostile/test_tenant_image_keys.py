@@ -1,4 +1,4 @@
-"""A client never names what an image is cached under (issue 30, item 12): vLLM's `uuid` (on the part or in
+"""A client never names what an image is cached under: vLLM's `uuid` (on the part or in
 image_url) and an `mm_hash`, like any key image_url does not define, are a 400 `unsupported_parameter` naming the
 key before any image is loaded or any worker is called; the proxy hashes the bytes. The proxy app in process, in
 front of a fake decoder."""

@@ -1,4 +1,4 @@
-"""One tenant learns nothing of another's requests from what the stack reports (issue 30, items 3 and 4).
+"""One tenant learns nothing of another's requests from what the stack reports.
 
 - `cached_tokens`: an image another salt (or no salt) sent is encoded once for everyone, but its tokens count as
   cached only for a salt that sent it before (decoder_service/image_hits.py).

@@ -1,5 +1,5 @@
 """The launcher's worker ports cannot be taken by another program between the pick and the worker's bind, nor
-while a worker is down between restarts (issue #30 item 10: "encoder ... exited with code 3 during startup" after
+while a worker is down between restarts (once seen as "encoder ... exited with code 3 during startup" after
 [Errno 98], a port chosen free taken before the worker bound it).
 
 The workers here are tests/launcher/fake_worker.py (no model): each waits for the test's signal, then binds its port
@@ -151,7 +151,7 @@ def _reuseport_listener() -> socket.socket:
 
 
 def test_a_port_an_epd_worker_listens_on_cannot_be_reserved(group: WorkerGroup, tmp_path: Path) -> None:
-    """Issue 44 item 3: the reservation was SO_REUSEPORT, so a second stack's workers joined the first's on a shared
+    """The reservation once was SO_REUSEPORT, so a second stack's workers joined the first's on a shared
     --worker-base-port; now a listener with SO_REUSEPORT stops the start like any other program."""
     with _reuseport_listener() as stranger:
         port = stranger.getsockname()[1]

@@ -1,4 +1,4 @@
-"""--proxy-workers N drains all its processes at once (issue 44 item 10): process 0 signals the others as its own
+"""--proxy-workers N drains all its processes at once: process 0 signals the others as its own
 drain begins, not after it, so a shutdown takes one --shutdown-timeout (not N) and no process keeps taking new
 requests while another drains. Checked by the order of events, not by the clock."""
 from __future__ import annotations

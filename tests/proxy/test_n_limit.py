@@ -1,4 +1,4 @@
-"""Issue 44 item 1: n above every decoder's --max-num-seqs is a 400 naming it, before any media is fetched."""
+"""N above every decoder's --max-num-seqs is a 400 naming it, before any media is fetched."""
 from __future__ import annotations
 
 from types import SimpleNamespace
