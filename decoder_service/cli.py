@@ -63,7 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-bytes", type=int, default=d.prefix_cache_bytes,
                    help="bytes of prompt-prefix K/V blocks no running sequence uses, kept for reuse by later "
                         "requests (LRU, inside the K/V pool; 0 turns prefix caching off)")
-    g = p.add_argument_group("prefill and decode apart (E -> P -> D)")
+    _add_handoff_flags(p.add_argument_group("prefill and decode apart (E -> P -> D)"), d)
+    _add_consumer_limits(p.add_argument_group("connector limits (ZeroMQ consumer)"), d)
+    add_curve_flags(p.add_argument_group(GROUP), allowed_clients=False)
+    add_tracing_flags(p)
+    return p
+
+
+def _add_handoff_flags(g: argparse._ActionsContainer, d: DecoderConfig) -> None:
+    """--role and what a prefill worker's hand-off of K/V to a decode worker needs."""
     g.add_argument("--role", choices=("both", "prefill", "decode"), default=d.role,
                    help="both: prefill and decode every request here; prefill: also prefill requests the proxy hands "
                         "off (their first token streamed, their K/V kept for a decode worker); decode: also continue "
@@ -80,16 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill: hand off only prompts with at least this many tokens not in this worker's prefix "
                         "cache; a shorter one is declined and prefills on the decode worker (0: hand off every "
                         "prompt)")
-    g = p.add_argument_group("connector limits (ZeroMQ consumer)")
+
+
+def _add_consumer_limits(g: argparse._ActionsContainer, d: DecoderConfig) -> None:
+    """The bounds on what this decoder takes from the encoders (the connector's consumer side)."""
     g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
                    help="tensor bytes of one reply from an encoder; a larger reply is refused before it is decoded")
     g.add_argument("--ec-max-message-bytes", type=int, default=d.ec_max_message_bytes,
                    help="bytes of one tensor frame; an encoder sending a larger one is disconnected")
     g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
                    help="hashes asked of one encoder per get (keep at most the encoders' --ec-max-items-per-get)")
-    add_curve_flags(p.add_argument_group(GROUP), allowed_clients=False)
-    add_tracing_flags(p)
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> DecoderConfig:

@@ -43,7 +43,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of files the disk tier keeps, least recently used evicted first, e.g. 16GiB")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
                    help="images per vision forward of one call's in-process encode (execute_mm_encoder)")
-    g = p.add_argument_group("encode scheduler (batches across requests; admission)")
+    _add_scheduler_flags(p.add_argument_group("encode scheduler (batches across requests; admission)"), d)
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="width x height above this is refused before decoding")
+    p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request,
+                   help="items one /encode may carry; more get a 400 too_many_items")
+    p.add_argument("--max-encode-bytes", type=int, default=d.max_encode_bytes,
+                   help="decoded image and video bytes one /encode may carry; more get a 413 request_too_large")
+    add_video_flags(p.add_argument_group("video limits"), d)
+    add_audio_flags(p.add_argument_group("audio limits"), d)
+    _add_producer_limits(p.add_argument_group("connector limits (ZeroMQ producer)"), d)
+    add_curve_flags(p.add_argument_group(GROUP), allowed_clients=True)
+    add_tracing_flags(p)
+    return p
+
+
+def _add_producer_limits(g: argparse._ActionsContainer, d: EncoderConfig) -> None:
+    """The bounds on what decoders may ask of this encoder (the connector's producer side)."""
+    g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
+                   help="hashes one get or has may ask for; more get an error reply")
+    g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
+                   help="tensor bytes of one get reply beyond its first item; the rest are sent on the next get")
+    g.add_argument("--ec-max-parked-gets", type=int, default=d.ec_max_parked_gets,
+                   help="gets held for items still encoding; more are answered at once with what is held")
+    g.add_argument("--ec-max-parked-hashes", type=int, default=d.ec_max_parked_hashes,
+                   help="hashes all held gets may name together (bounds their memory)")
+
+
+def _add_scheduler_flags(g: argparse._ActionsContainer, d: EncoderConfig) -> None:
+    """How the encode scheduler batches items across calls, and what it admits."""
     g.add_argument("--max-encode-batch-items", type=int, default=d.max_encode_batch_items,
                    help="items per vision forward, from any calls")
     g.add_argument("--max-encode-batch-tokens", type=int, default=d.max_encode_batch_tokens,
@@ -56,26 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of stored embeddings no decoder has fetched yet (each counted for at most "
                         f"{UNGATHERED_MAX_AGE_S:.0f} s); past it a call with items to encode gets 503 encoder_busy "
                         "(default: half of --ec-cache-bytes)")
-    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
-                   help="width x height above this is refused before decoding")
-    p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request,
-                   help="items one /encode may carry; more get a 400 too_many_items")
-    p.add_argument("--max-encode-bytes", type=int, default=d.max_encode_bytes,
-                   help="decoded image and video bytes one /encode may carry; more get a 413 request_too_large")
-    add_video_flags(p.add_argument_group("video limits"), d)
-    add_audio_flags(p.add_argument_group("audio limits"), d)
-    g = p.add_argument_group("connector limits (ZeroMQ producer)")
-    g.add_argument("--ec-max-items-per-get", type=int, default=d.ec_max_items_per_get,
-                   help="hashes one get or has may ask for; more get an error reply")
-    g.add_argument("--ec-max-reply-bytes", type=int, default=d.ec_max_reply_bytes,
-                   help="tensor bytes of one get reply beyond its first item; the rest are sent on the next get")
-    g.add_argument("--ec-max-parked-gets", type=int, default=d.ec_max_parked_gets,
-                   help="gets held for items still encoding; more are answered at once with what is held")
-    g.add_argument("--ec-max-parked-hashes", type=int, default=d.ec_max_parked_hashes,
-                   help="hashes all held gets may name together (bounds their memory)")
-    add_curve_flags(p.add_argument_group(GROUP), allowed_clients=True)
-    add_tracing_flags(p)
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> EncoderConfig:
