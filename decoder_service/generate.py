@@ -1,4 +1,4 @@
-"""One sequence, prefilled and decoded on the engine's own path (a one-slot BatchRunner); yields token ids."""
+"""One sequence, prefilled and decoded on the engine's own path (a one-slot ModelRunner); yields token ids."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from decoder_service.engine.eos import eos_token_ids  # noqa: F401 - the reference loop's callers take it from here too
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.prompt import Prompt
 from epd_models.halves import LanguageHalf
 
@@ -19,7 +19,7 @@ def generate(
     """Yield up to max_tokens ids; stops after an EOS id. The caller may stop iterating at any time.
 
     `chunk`: prefill in chunks of at most this many tokens (default: the whole prompt at once)."""
-    runner = BatchRunner(lm, max_slots=1, max_len=prompt.num_tokens + max_tokens + 1,
+    runner = ModelRunner(lm, max_slots=1, max_len=prompt.num_tokens + max_tokens + 1,
                          chunk=chunk or prompt.num_tokens)
     runner.add(0, prompt)
     done: dict[object, torch.Tensor] = {}

@@ -187,7 +187,3 @@ class ModelRunner(RowTable):
             if s.row.prefilled:
                 out[s.row.key] = logits[j]
                 self._prompt_done(s.row)
-
-
-
-BatchRunner = ModelRunner  # the name the tests and benchmarks grew up with

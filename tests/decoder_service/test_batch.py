@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.prefix_hash import prompt_chain
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
@@ -45,7 +45,7 @@ def single(lm: LanguageHalf, prompt: Prompt) -> list[int]:
 
 def batched(lm: LanguageHalf, all_prompts: list[Prompt], max_slots: int, chunk: int, budget: int) -> list[list[int]]:
     """Admit prompts as slots free up, prefill within a token budget per step, decode the rest together."""
-    runner = BatchRunner(lm, max_slots=max_slots, max_len=1024, chunk=chunk)
+    runner = ModelRunner(lm, max_slots=max_slots, max_len=1024, chunk=chunk)
     waiting = list(enumerate(all_prompts))
     out: dict[Hashable, list[int]] = {i: [] for i in range(len(all_prompts))}
     next_token: dict[Hashable, int] = {}
@@ -82,13 +82,13 @@ def test_the_pool_is_its_blocks_and_a_row_holds_only_the_blocks_its_positions_ne
     text = lm.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     per_position = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4  # K and V, float32
-    runner = BatchRunner(lm, max_slots=3, max_len=100, prefix_block=16, num_blocks=40)
+    runner = ModelRunner(lm, max_slots=3, max_len=100, prefix_block=16, num_blocks=40)
     assert runner.cache.nbytes == 40 * 16 * per_position
     runner.add("a", short)
     assert len(runner.rows["a"].blocks) == -(-short.num_tokens // 16) == runner.blocks.num_usable - runner.num_free_blocks
 
 
-def poison_pool(runner: BatchRunner) -> None:
+def poison_pool(runner: ModelRunner) -> None:
     """Earlier owners left non-finite K/V in every block but the null one."""
     for layer in runner.cache.paged_layers:
         for pool in (layer.keys, layer.values):
@@ -99,7 +99,7 @@ def poison_pool(runner: BatchRunner) -> None:
 def test_forks_share_the_prompts_full_blocks_copy_its_last_and_decode_like_its_own_prefill(
         tiny_model_dirs: dict[str, Path]) -> None:
     lm, (short, _, _, long, _) = prompts(tiny_model_dirs["llava"])
-    runner = BatchRunner(lm, max_slots=5, max_len=1024, chunk=16)
+    runner = ModelRunner(lm, max_slots=5, max_len=1024, chunk=16)
     poison_pool(runner)
     runner.add("a", long)
     runner.add("b", short)
@@ -125,7 +125,7 @@ def test_forks_share_the_prompts_full_blocks_copy_its_last_and_decode_like_its_o
 
 def test_a_fork_behind_a_row_still_prefilling(tiny_model_dirs: dict[str, Path]) -> None:
     lm, (short, _, _, long, _) = prompts(tiny_model_dirs["llava"])
-    runner = BatchRunner(lm, max_slots=4, max_len=1024, chunk=8)
+    runner = ModelRunner(lm, max_slots=4, max_len=1024, chunk=8)
     runner.add("c", short, forks=["c1"])
     runner.add("b", long)
     done: dict[Hashable, torch.Tensor] = {}
@@ -148,7 +148,7 @@ def test_prefix_reuse_is_zero_copy_the_second_rows_table_names_the_first_rows_bl
     lm, (_, _, _, long, _) = prompts(tiny_model_dirs["llava"])
     chain = prompt_chain(long.input_ids.view(-1).tolist(), 16)
     assert chain is not None
-    runner = BatchRunner(lm, max_slots=2, max_len=1024, chunk=64, prefix_bytes=1 << 30, prefix_block=16)
+    runner = ModelRunner(lm, max_slots=2, max_len=1024, chunk=64, prefix_bytes=1 << 30, prefix_block=16)
     runner.add("a", long, chain=chain)
     done = runner.prefill(budget=long.num_tokens)
     reused = runner.add("b", long, chain=chain)

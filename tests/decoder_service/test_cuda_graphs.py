@@ -11,7 +11,7 @@ import torch
 
 from decoder_service.engine.cuda_attention import row_lengths
 from decoder_service.engine.cuda_graphs import PAD_SLOT, DecodeGraphs, StaticInputs, bucket_for, buckets, packed_forward
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.test_batch import prompts
 
@@ -44,7 +44,7 @@ def test_padding_rows_write_the_null_slot_and_read_one_position_of_the_null_bloc
     assert meta.block_table.data_ptr() == static.table.data_ptr() and meta.block_table.shape == (4, 5)
 
 
-def _decode_feed(runner: BatchRunner, n: int, lm: LanguageHalf, all_prompts: list) -> dict[Hashable, int]:
+def _decode_feed(runner: ModelRunner, n: int, lm: LanguageHalf, all_prompts: list) -> dict[Hashable, int]:
     for i, prompt in enumerate(all_prompts[:n]):
         runner.add(i, prompt)
     feed = {k: int(torch.argmax(v)) for k, v in runner.prefill(4096).items()}
@@ -56,7 +56,7 @@ def _decode_feed(runner: BatchRunner, n: int, lm: LanguageHalf, all_prompts: lis
 def test_a_decode_step_padded_to_its_bucket_gives_the_real_rows_the_eager_logits(
         tiny_model_dirs: dict[str, Path], family: str) -> None:
     lm, all_prompts = prompts(tiny_model_dirs[family])
-    runner = BatchRunner(lm, max_slots=8, max_len=1024, chunk=1024)
+    runner = ModelRunner(lm, max_slots=8, max_len=1024, chunk=1024)
     feed = _decode_feed(runner, 3, lm, all_prompts)
     runner.inputs.split_decode = False  # a CUDA step's plan: its decode rows in one group
     segments = runner._decode_segments(feed)  # in the plan's row order
@@ -76,7 +76,7 @@ def test_a_decode_step_padded_to_its_bucket_gives_the_real_rows_the_eager_logits
 
 
 def _greedy(lm: LanguageHalf, all_prompts: list, graphs: bool, block: int) -> tuple[list[list[int]], int]:
-    runner = BatchRunner(lm, max_slots=4, max_len=1024, chunk=512, prefix_block=block)
+    runner = ModelRunner(lm, max_slots=4, max_len=1024, chunk=512, prefix_block=block)
     captured = None
     if graphs:
         captured = DecodeGraphs(lm, runner.cache, 4, 1024, packed_forward(lm, runner.cache, runner.inputs.dummy_mask))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.step_inputs import DECODE_SPLIT_BLOCKS
 from decoder_service.prompt import Prompt, build_prompt
 from epd_models.chat import chat_template, render
@@ -27,7 +27,7 @@ def prompt(lm: LanguageHalf, words: int) -> Prompt:
 def decode(lm: LanguageHalf, split: bool, steps: int) -> tuple[list[dict[int, int]], list[dict[int, torch.Tensor]],
                                                                 list[list[int]]]:
     """Greedy tokens and logits of `steps` decode steps, and the decode groups' widths in blocks of the first."""
-    runner = BatchRunner(lm, max_slots=len(WORDS), max_len=2048, chunk=4096)
+    runner = ModelRunner(lm, max_slots=len(WORDS), max_len=2048, chunk=4096)
     runner.inputs.split_decode = split
     for key, words in enumerate(WORDS):
         runner.add(key, prompt(lm, words))
@@ -63,7 +63,7 @@ def test_a_long_decode_row_attends_alone_and_every_row_gets_the_one_group_steps_
 
 def test_rows_of_like_lengths_share_one_group(tiny_model_dirs: dict[str, Path]) -> None:
     lm = LanguageHalf(tiny_model_dirs["llava"])
-    runner = BatchRunner(lm, max_slots=3, max_len=2048, chunk=4096)
+    runner = ModelRunner(lm, max_slots=3, max_len=2048, chunk=4096)
     for key, words in enumerate((3, 6, 9)):
         runner.add(key, prompt(lm, words))
     feed = {k: int(torch.argmax(v)) for k, v in runner.prefill(1 << 16).items()}

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from decoder_service.embedding_check import EmbeddingCheck
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_contracts.embeddings import ImageFeatures
@@ -55,7 +55,7 @@ def greedy(lm: LanguageHalf, prompt: Prompt, chunk: int | None = None) -> list[i
 
 @torch.inference_mode()
 def prefill_logits(lm: LanguageHalf, prompt: Prompt, chunk: int) -> torch.Tensor:
-    runner = BatchRunner(lm, max_slots=1, max_len=prompt.num_tokens + 1, chunk=chunk)
+    runner = ModelRunner(lm, max_slots=1, max_len=prompt.num_tokens + 1, chunk=chunk)
     runner.add(0, prompt)
     done: dict[object, torch.Tensor] = {}
     while not done:

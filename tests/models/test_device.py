@@ -23,7 +23,7 @@ from decoder_service.cli import parse_args as decoder_args
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.kv_cache import PagedCache
 from decoder_service.engine.kv_shape import KVShape
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.sampling import Sampler
 from decoder_service.engine.step_plan import StepPlan
 from decoder_service.prompt import build_prompt
@@ -141,7 +141,7 @@ def test_dtype_auto_is_the_checkpoints_and_a_flag_overrides_it(tiny_model_dirs: 
     assert LanguageHalf(d).dtype == torch.bfloat16  # as before this flag: the checkpoint's dtype, on any device
     lm = LanguageHalf(tiny_model_dirs["llava"], dtype="bfloat16")
     assert {p.dtype for p in lm.module.parameters()} == {torch.bfloat16}
-    assert BatchRunner(lm, max_slots=1, max_len=8).cache.paged_layers[0].keys.dtype == torch.bfloat16
+    assert ModelRunner(lm, max_slots=1, max_len=8).cache.paged_layers[0].keys.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported dtype"):
         LanguageHalf(tiny_model_dirs["llava"], dtype="int8")
 
@@ -187,7 +187,7 @@ def test_batched_prefill_and_decode_run_on_the_lms_device(tiny_model_dirs: dict[
     lm.module.to(accel)
     lm.device = accel  # what the constructor's `device` sets; everything below derives from it
     with OneDevice() as mode:
-        runner = BatchRunner(lm, max_slots=2, max_len=512, chunk=16)
+        runner = ModelRunner(lm, max_slots=2, max_len=512, chunk=16)
         runner.add("a", prompt)
         runner.add("b", prompt)
         assert {r.embeds.device for r in runner.rows.values()} == {r.positions.device for r in runner.rows.values()} == {accel}

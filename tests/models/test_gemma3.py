@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoProcessor
 from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.step_plan import causal_mask
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
@@ -171,7 +171,7 @@ def test_a_different_image_changes_the_logits(vision: VisionHalf, lm: LanguageHa
 
 @torch.inference_mode()
 def prefill_logits(lm: LanguageHalf, prompt: Prompt) -> torch.Tensor:
-    runner = BatchRunner(lm, max_slots=1, max_len=prompt.num_tokens + 1)
+    runner = ModelRunner(lm, max_slots=1, max_len=prompt.num_tokens + 1)
     runner.add(0, prompt)
     return runner.prefill(prompt.num_tokens)[0]
 

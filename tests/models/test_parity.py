@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from decoder_service.embedding_check import EmbeddingCheck
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
 from epd_builders.tiny import FAMILIES
@@ -73,7 +73,7 @@ def test_split_path_matches_generate(tiny_model_dirs: dict[str, Path], family: s
 def _batched(lm: LanguageHalf, prompts: list[Prompt], num_new: int, chunk: int, budget: int) -> list[list[int]]:
     """The engine's schedule on the slot cache: each step decodes every prefilled row, then prefills within `budget`
     in chunks of at most `chunk` tokens (so chunks cut through images and rows join mid-way)."""
-    runner = BatchRunner(lm, max_slots=len(prompts), max_len=max(p.num_tokens for p in prompts) + num_new + 1,
+    runner = ModelRunner(lm, max_slots=len(prompts), max_len=max(p.num_tokens for p in prompts) + num_new + 1,
                          chunk=chunk)
     for key, prompt in enumerate(prompts):
         runner.add(key, prompt)

@@ -1,6 +1,6 @@
 """With the prefix cache on, every output equals the output with it off, token for token, for every family.
 
-Each case runs on one BatchRunner with a prefix cache, request after request as the engine runs them (a prompt's
+Each case runs on one ModelRunner with a prefix cache, request after request as the engine runs them (a prompt's
 blocks are kept when its prefill completes, a finished sequence gives its generated ones), and is compared with
 the same prompt generated alone without any cache. Each also checks how many tokens were reused, so a cache that
 never hits fails too.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder_service.engine.model_runner import BatchRunner
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.generate import generate
 from decoder_service.prompt import Prompt, build_prompt
@@ -59,7 +59,7 @@ class Chat:
         return list(generate(self.lm, prompt, argmax, NUM_NEW, eos_ids=set()))
 
 
-def run(runner: BatchRunner, prompt: Prompt, chain: PrefixChain, key: int = 0,
+def run(runner: ModelRunner, prompt: Prompt, chain: PrefixChain, key: int = 0,
         generated: list[int] | None = None) -> tuple[list[int], int]:
     """One request as the engine runs it (prefill in chunks of the runner's size, decode, donate, free): its tokens
     and the prompt tokens it took from the cache."""
@@ -75,8 +75,8 @@ def run(runner: BatchRunner, prompt: Prompt, chain: PrefixChain, key: int = 0,
     return tokens, reused
 
 
-def new_runner(lm: LanguageHalf, capacity: int = 1 << 30, chunk: int = 64) -> BatchRunner:
-    return BatchRunner(lm, max_slots=2, max_len=768, chunk=chunk, prefix_bytes=capacity, prefix_block=BLOCK)
+def new_runner(lm: LanguageHalf, capacity: int = 1 << 30, chunk: int = 64) -> ModelRunner:
+    return ModelRunner(lm, max_slots=2, max_len=768, chunk=chunk, prefix_bytes=capacity, prefix_block=BLOCK)
 
 
 def user(text: str, num_images: int = 0) -> dict:
