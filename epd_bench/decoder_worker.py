@@ -44,7 +44,7 @@ def engine_class() -> Any:
     for module in ("decoder_service.shell", "decoder_service.engine.llm_engine", "decoder_service.engine"):
         try:
             return importlib.import_module(module).Engine
-        except (ModuleNotFoundError, AttributeError):
+        except (ImportError, AttributeError):  # an older tree lacks it (or finds this tree's, which needs newer names)
             continue
     raise ImportError("no decoder engine class found")
 
