@@ -35,9 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from decoder_service.config import DecoderConfig
-from epd_bench.micro import emit, parser
-from epd_bench.revisions import ROOT, export_revision
+from epd_bench.micro import ROOT, emit, parser
 
 WORKER = Path(__file__).with_name("decoder_worker.py")
 TARGETS = {"speedup_16_vs_1_min": 4, "itl_p99_ratio_during_image_prefill_max": 3,
@@ -68,6 +66,8 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare(base: str, repeats: int, extra: list[str], new: Path = ROOT) -> dict[str, Any]:
+    from epd_bench.revisions import export_revision  # it imports the tiny-model builders: not for --help
+
     sha, tree = export_revision(base)
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "new": []}
     for r in range(repeats):
@@ -85,13 +85,17 @@ def compare(base: str, repeats: int, extra: list[str], new: Path = ROOT) -> dict
 
 def main(argv: list[str] | None = None) -> None:
     p = parser("decoder", __doc__, "print one JSON object")
-    p.add_argument("--max-prefill-tokens", type=int, default=DecoderConfig().max_prefill_tokens)
+    p.add_argument("--max-prefill-tokens", type=int, help="default: the decoder's own default")
     p.add_argument("--base", help="a git revision to run beside this tree (the speed parts), e.g. 7888cf9")
     p.add_argument("--repeats", type=int, default=3, help="with --base: runs of each tree, alternating")
     p.add_argument("--no-memory", action="store_true", help="skip the K/V memory run (a few minutes)")
     p.add_argument("--tree", type=Path, default=ROOT, help="with --base: the code to run as the new side (default: "
                    "this working tree; e.g. an exported revision)")
     args = p.parse_args(argv)
+    if args.max_prefill_tokens is None:
+        from decoder_service.config import DecoderConfig  # after parsing: --help answers without torch
+
+        args.max_prefill_tokens = DecoderConfig().max_prefill_tokens
     extra = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     result: dict[str, Any] = {"model": "small llava (LM hidden 256, 4 layers)", "max_num_seqs": 64,
                               "max_prefill_tokens": args.max_prefill_tokens}
