@@ -18,8 +18,6 @@ from contextlib import contextmanager
 import httpx
 
 from epd_bench.micro import HOST, emit, parser, served
-from epd_builders.shapes import draw_shape
-from epd_builders.tokenizer import COLORS, QUESTIONS, SHAPES
 from epd_launcher.group import free_port
 from epd_models.demo import EVAL_SEED
 
@@ -44,6 +42,9 @@ def ask(client: httpx.Client, url: str, image_png: bytes, question: str) -> tupl
 
 
 def run(url: str, n: int) -> dict[str, object]:
+    from epd_builders.shapes import draw_shape  # imports transformers: not for --help
+    from epd_builders.tokenizer import COLORS, QUESTIONS, SHAPES
+
     rng, hits = random.Random(EVAL_SEED), {"color": 0, "shape": 0}
     latency: dict[str, list[float]] = {"color": [], "shape": []}
     with httpx.Client(timeout=120) as client:

@@ -28,7 +28,6 @@ from pathlib import Path
 import httpx
 
 from epd_bench.micro import HOST, emit, parser, served, tree_cpu_seconds
-from epd_bench.revisions import export_revision, shipped_path
 from epd_launcher.group import free_port
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."},
@@ -154,6 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         target("epd_2proc", lambda p: proxy_args(decoder_url, p, 2))
         wait_procs(targets[-1].url, 2)
         if args.baseline_rev:  # a read-only copy of the revision's files (git archive; the repository is untouched)
+            from epd_bench.revisions import export_revision, shipped_path  # heavy: not for --help
+
             tree = export_revision(args.baseline_rev)[1]
             target("baseline", lambda p: proxy_args(decoder_url, p), cwd=str(tree), pythonpath=shipped_path(tree))
         if args.tracing:  # the proxy exporting to a sink (epd_bench.otlp_sink), at ratio 0.01 and 1.0
