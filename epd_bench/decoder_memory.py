@@ -17,14 +17,12 @@ import time
 from typing import Any
 
 import torch
-from prometheus_client import CollectorRegistry
 
-from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.kv_shape import KVShape
-from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt
 from decoder_service.shell import Engine
+from epd_bench.micro import decoder_engine
 from epd_builders.bench_model import BENCH_LM_SPEC, ensure_bench_model
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
@@ -83,15 +81,14 @@ def run_memory() -> dict[str, Any]:
     shape = KVShape.of(lm.config.get_text_config(), next(lm.module.parameters()).dtype)
     cfg = DecoderConfig(kv_cache_memory=KV_BUDGET, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                         max_prefill_tokens=PREFILL_TOKENS)
-    consumer = ECConsumer(cache_bytes=0)
-    engine = Engine(lm, consumer, cfg, DecoderMetrics(CollectorRegistry(), consumer.stats))
+    engine = decoder_engine(lm, cfg, cache_bytes=0)
     batch = prompts(lm, REQUESTS)
     start = time.perf_counter()
     try:
         tokens = asyncio.run(drive(engine, batch))
     finally:
         engine.close()
-        consumer.close()
+        engine.consumer.close()
     slots = KV_BUDGET // (MAX_MODEL_LEN * shape.bytes_per_token)
     peak = engine.scheduler.peak_running
     return {"model": "bench-lm", "kv_cache_memory": KV_BUDGET, "max_model_len": MAX_MODEL_LEN,

@@ -14,20 +14,16 @@ import argparse
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry
+from epd_bench.micro import decoder_engine
 
-from connector.tensors.consumer import ECConsumer
-from decoder_service.config import DecoderConfig
-from decoder_service.engine.kv_shape import KVShape
-from decoder_service.engine.sequence import Job
-from decoder_service.metrics import DecoderMetrics
-from decoder_service.shell import Engine
-from epd_contracts.generate import GenerateRequest
-from epd_contracts.sampling import SamplingParams
-from epd_models.halves import LanguageHalf
-from epd_models.resolve import resolve_model
+if TYPE_CHECKING:
+    from decoder_service.engine.sequence import Job
+    from decoder_service.shell import Engine
+    from epd_contracts.generate import GenerateRequest
+    from epd_contracts.sampling import SamplingParams
+    from epd_models.halves import LanguageHalf
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     # one request takes every row for long
@@ -39,17 +35,21 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 def _request(words: int, params: SamplingParams, salt: str) -> GenerateRequest:
+    from epd_contracts.generate import GenerateRequest
+
     text = " ".join(["tell me a long story about the sea"] * words)
     return GenerateRequest(messages=[{"role": "user", "content": text}], sampling=params, cache_salt=salt)
 
 
 def _engine(lm: LanguageHalf, cfg: dict[str, Any], pool_sequences: int = 0) -> Engine:
-    consumer = ECConsumer()
+    from decoder_service.config import DecoderConfig
+    from decoder_service.engine.kv_shape import KVShape
+
     base = {"max_model_len": 512, "max_prefill_tokens": 32, **cfg}
     if pool_sequences:  # blocks for about this many sequences of max_model_len (a small pool)
         shape = KVShape.of(lm.config.get_text_config(), next(lm.module.parameters()).dtype)
         base["kv_cache_memory"] = pool_sequences * base["max_model_len"] * shape.bytes_per_token
-    return Engine(lm, consumer, DecoderConfig(**base), DecoderMetrics(CollectorRegistry(), consumer.stats))
+    return decoder_engine(lm, DecoderConfig(**base))
 
 
 async def _first_token(job: Job, deadline: float) -> float | None:
@@ -66,6 +66,8 @@ async def _first_token(job: Job, deadline: float) -> float | None:
 
 
 async def _victim(engine: Engine, deadline: float) -> float | None:
+    from epd_contracts.sampling import SamplingParams
+
     work = await asyncio.to_thread(engine.prepare, _request(2, SamplingParams(max_tokens=4, temperature=0,
                                                                                ignore_eos=True), "victim"))
     job = engine.submit(work)
@@ -81,6 +83,8 @@ def _underway(engine: Engine, spec: dict[str, Any]) -> bool:
 
 
 async def _scenario(engine: Engine, spec: dict[str, Any], deadline: float) -> dict[str, Any]:
+    from epd_contracts.sampling import SamplingParams
+
     alone = await _victim(engine, deadline)
     params = SamplingParams(n=spec["n"], max_tokens=spec["max_tokens"], temperature=1.0, seed=1, ignore_eos=True)
     works = [await asyncio.to_thread(engine.prepare, _request(spec["words"], params, "attacker"))
@@ -105,6 +109,9 @@ def main() -> None:
     p.add_argument("--deadline", type=float, default=120.0, help="seconds a victim waits for its first token")
     p.add_argument("--only", choices=sorted(SCENARIOS), help="run one scenario")
     args = p.parse_args()
+    from epd_models.halves import LanguageHalf
+    from epd_models.resolve import resolve_model
+
     lm = LanguageHalf(resolve_model("demo"))
     out: dict[str, Any] = {}
     for name, spec in SCENARIOS.items():

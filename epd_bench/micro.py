@@ -153,3 +153,15 @@ def status_kib(field: str, pid: int | str = "self") -> int:
     """A kB field of /proc/PID/status (VmRSS, VmHWM)."""
     line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith(field + ":"))
     return int(line.split()[1])
+
+
+def decoder_engine(lm: Any, cfg: Any, **consumer_kw: Any) -> Any:
+    """A decoder Engine in this process on its own tensor consumer (engine.consumer) and metrics registry."""
+    from prometheus_client import CollectorRegistry  # heavy imports here, so each benchmark's --help stays light
+
+    from connector.tensors.consumer import ECConsumer
+    from decoder_service.metrics import DecoderMetrics
+    from decoder_service.shell import Engine
+
+    consumer = ECConsumer(**consumer_kw)
+    return Engine(lm, consumer, cfg, DecoderMetrics(CollectorRegistry(), consumer.stats))

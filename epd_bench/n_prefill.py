@@ -18,16 +18,13 @@ import time
 from typing import Any
 
 import torch
-from prometheus_client import CollectorRegistry
 
-from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.sequence import Job
-from decoder_service.metrics import DecoderMetrics
 from decoder_service.prompt import Prompt, build_prompt
 from decoder_service.shell import Engine
-from epd_bench.micro import emit, parser, sync
+from epd_bench.micro import decoder_engine, emit, parser, sync
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.sampling import SamplingParams
 from epd_models.chat import chat_template, render
@@ -108,9 +105,8 @@ def run(model: str = "bench", device: str = "auto", image_tokens: int = 196, wor
         repeats: int = 5) -> dict[str, Any]:
     lm = LanguageHalf(resolve_model(model), device=device)
     prompt = image_prompt(lm, image_tokens, words)
-    consumer = ECConsumer(cache_bytes=0)
     cfg = DecoderConfig(max_num_seqs=8, max_prefill_tokens=512, max_model_len=prompt.num_tokens + 64)
-    engine = Engine(lm, consumer, cfg, DecoderMetrics(CollectorRegistry(), consumer.stats))
+    engine = decoder_engine(lm, cfg, cache_bytes=0)
     try:
         compare(engine, prompt, 1)  # warm-up
         out = {"model": model, "device": str(lm.device), "prompt_tokens": prompt.num_tokens,
@@ -118,7 +114,7 @@ def run(model: str = "bench", device: str = "auto", image_tokens: int = 196, wor
                "kv_to_a_second_slot": copy_vs_recompute(lm, prompt, repeats)}
     finally:
         engine.close()
-        consumer.close()
+        engine.consumer.close()
     return out
 
 
