@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from decoder_service.config import DecoderConfig
-from decoder_service.engine.cuda_attention import paged_supported
-from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
-from decoder_service.engine.memory_plan import module_bytes, plan_engine
-from decoder_service.engine.model_runner import ModelRunner
-from decoder_service.prompt import Prompt
 from epd_bench.micro import emit, parser, sync
-from epd_models.halves import LanguageHalf
+
+if TYPE_CHECKING:  # the run imports them (torch and the engine), after --help has answered
+    import torch
+
+    from decoder_service.config import DecoderConfig
+    from decoder_service.engine.model_runner import ModelRunner
+    from epd_models.halves import LanguageHalf
 
 # HBM bandwidth by device name (vendor data sheets: H200 SXM 4.8 TB/s, H100 SXM 3.35 TB/s); others need --hbm-gbps
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
@@ -41,10 +39,15 @@ def bandwidth(device_name: str, override_gbps: float | None) -> float | None:
 
 
 def block_size(device: torch.device) -> int:
+    from decoder_service.engine.cuda_attention import paged_supported
+
     return 16 if device.type != "cuda" or paged_supported(16, str(device)) else 256
 
 
 def runner_for(lm: LanguageHalf, cfg: DecoderConfig, num_blocks: int, max_len: int) -> tuple[ModelRunner, Any]:
+    from decoder_service.engine.cuda_graphs import DecodeGraphs, packed_forward
+    from decoder_service.engine.model_runner import ModelRunner
+
     runner = ModelRunner(lm, ROWS, max_len, chunk=1 << 30, prefix_block=cfg.block_size, num_blocks=num_blocks)
     graphs = DecodeGraphs(lm, runner.cache, ROWS, max_len, packed_forward(lm, runner.cache, runner.inputs.dummy_mask),
                           enforce_eager=cfg.enforce_eager)
@@ -55,6 +58,10 @@ def runner_for(lm: LanguageHalf, cfg: DecoderConfig, num_blocks: int, max_len: i
 
 def timed_decode(runner: ModelRunner, lm: LanguageHalf, rows: int, steps: int) -> float:
     """Seconds per decode step of `rows` rows (after prefilling their prompts and two warm-up steps)."""
+    import torch
+
+    from decoder_service.prompt import Prompt
+
     vocab = lm.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(rows)
     for i in range(rows):
@@ -76,6 +83,12 @@ def timed_decode(runner: ModelRunner, lm: LanguageHalf, rows: int, steps: int) -
 
 
 def measure(model: str, device: str, steps: int, hbm_gbps: float | None) -> dict[str, Any]:
+    import torch
+
+    from decoder_service.config import DecoderConfig
+    from decoder_service.engine.memory_plan import module_bytes, plan_engine
+    from epd_models.halves import LanguageHalf
+
     lm = LanguageHalf(model, device=device)
     cfg = DecoderConfig(model=model, block_size=block_size(lm.device), max_num_seqs=ROWS)
     plan = plan_engine(cfg, lm)
@@ -106,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hbm-gbps", type=float, default=None,
                    help="the device's HBM bandwidth in GB/s, for devices not in HBM_BYTES_PER_S")
     args = p.parse_args(argv)
+    import torch
+
     with torch.inference_mode():
         result = measure(args.model, args.device, args.steps, args.hbm_gbps)
     emit(result, True, indent=None if args.json else 1)
