@@ -14,26 +14,29 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-from PIL import Image
-
-from decoder_service.aggregated import InlineCache
-from encoder_service.encode_scheduler import BatchStats, EncodeScheduler
 from epd_bench.micro import emit, parser
-from epd_models.encode import CachingEncoder, ImageJob
-from epd_models.halves import VisionHalf
-from epd_models.resolve import resolve_model
+
+if TYPE_CHECKING:  # the run imports them (torch and the encoder), after --help has answered
+    from PIL import Image
+
+    from epd_models.halves import VisionHalf
 
 
 def images(n: int, seed: int, size: int) -> list[Image.Image]:
+    import numpy as np
+    from PIL import Image
+
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
 
 
 async def round_of(vision: VisionHalf, batch_items: int, concurrency: int, seed: int, size: int) -> dict[str, Any]:
+    from decoder_service.aggregated import InlineCache
+    from encoder_service.encode_scheduler import BatchStats, EncodeScheduler
+    from epd_models.encode import CachingEncoder, ImageJob
+
     encoder = CachingEncoder(vision, InlineCache(1 << 34))
     stats: list[BatchStats] = []
     sched = EncodeScheduler(encoder.run, max_batch_items=batch_items, max_batch_tokens=1 << 30,
@@ -48,6 +51,11 @@ async def round_of(vision: VisionHalf, batch_items: int, concurrency: int, seed:
 
 
 def run(model: str, concurrency: int, rounds: int, size: int, device: str = "cpu") -> dict[str, Any]:
+    import torch
+
+    from epd_models.halves import VisionHalf
+    from epd_models.resolve import resolve_model
+
     vision = VisionHalf(resolve_model(model), device=device)
     asyncio.run(round_of(vision, 1, 2, 10**9, size))  # warm-up: first-call allocations, the processor's caches
     runs: dict[str, list[dict[str, Any]]] = {"batched": [], "unbatched": []}
