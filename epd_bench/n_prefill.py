@@ -15,26 +15,27 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from decoder_service.config import DecoderConfig
-from decoder_service.engine.model_runner import ModelRunner
-from decoder_service.engine.sequence import Job
-from decoder_service.prompt import Prompt, build_prompt
-from decoder_service.shell import Engine
 from epd_bench.micro import decoder_engine, emit, parser, sync
-from epd_contracts.embeddings import ImageFeatures
-from epd_contracts.sampling import SamplingParams
-from epd_models.chat import chat_template, render
-from epd_models.halves import LanguageHalf
-from epd_models.resolve import resolve_model
+
+if TYPE_CHECKING:  # the run imports them (torch and the engine), after --help has answered
+    from decoder_service.engine.sequence import Job
+    from decoder_service.prompt import Prompt
+    from decoder_service.shell import Engine
+    from epd_contracts.sampling import SamplingParams
+    from epd_models.halves import LanguageHalf
 
 N = 4
 
 
 def image_prompt(lm: LanguageHalf, image_tokens: int, words: int) -> Prompt:
+    import torch
+
+    from decoder_service.prompt import build_prompt
+    from epd_contracts.embeddings import ImageFeatures
+    from epd_models.chat import chat_template, render
+
     text = " ".join(["what color is the shape in the picture"] * max(1, words // 8))
     ids = render(lm.tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
                  chat_template(lm.tokenizer, lm.model_dir))
@@ -60,6 +61,8 @@ async def _first_tokens(engine: Engine, specs: list[tuple[Prompt, SamplingParams
 
 
 def compare(engine: Engine, prompt: Prompt, repeats: int) -> dict[str, Any]:
+    from epd_contracts.sampling import SamplingParams
+
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, ignore_eos=True)
     shared = [(prompt, SamplingParams(**{**_fields(params), "n": N}))]
     separate = [(prompt, SamplingParams(**{**_fields(params), "seed": params.choice_seed(i)})) for i in range(N)]
@@ -78,6 +81,8 @@ def _fields(params: SamplingParams) -> dict[str, Any]:
 
 def copy_vs_recompute(lm: LanguageHalf, prompt: Prompt, repeats: int) -> dict[str, float]:
     """Milliseconds to give a second row the prompt's K/V: share its blocks (copying the last), or prefill it again."""
+    from decoder_service.engine.model_runner import ModelRunner
+
     runner = ModelRunner(lm, max_slots=2, max_len=prompt.num_tokens + 8, chunk=prompt.num_tokens)
     device = runner.cache.device
     prefill, copy = [], []
@@ -103,6 +108,10 @@ def copy_vs_recompute(lm: LanguageHalf, prompt: Prompt, repeats: int) -> dict[st
 
 def run(model: str = "bench", device: str = "auto", image_tokens: int = 196, words: int = 60,
         repeats: int = 5) -> dict[str, Any]:
+    from decoder_service.config import DecoderConfig
+    from epd_models.halves import LanguageHalf
+    from epd_models.resolve import resolve_model
+
     lm = LanguageHalf(resolve_model(model), device=device)
     prompt = image_prompt(lm, image_tokens, words)
     cfg = DecoderConfig(max_num_seqs=8, max_prefill_tokens=512, max_model_len=prompt.num_tokens + 64)
