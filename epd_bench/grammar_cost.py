@@ -20,15 +20,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
-
-from decoder_service.grammar import apply_bitmask, fill_bitmask, json_options
 from epd_bench.micro import emit, parser
-from epd_builders.tokenizer import SPECIAL_TOKENS, train_tokenizer
+
+if TYPE_CHECKING:  # the run imports them (torch, tokenizers, the grammar), after --help has answered
+    import torch
+    from transformers import PreTrainedTokenizerFast
 
 NESTED_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -64,6 +62,11 @@ class Matcher(Protocol):
 
 def large_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE of `vocab_size` trained on about 12 MB of the standard library (once; kept in the temp dir)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from epd_builders.tokenizer import SPECIAL_TOKENS
+
     path = Path(tempfile.gettempdir()) / f"epd-grammar-cost-bpe-{vocab_size}.json"
     if not path.exists():
         tok = Tokenizer(models.BPE(unk_token=None))
@@ -113,6 +116,8 @@ def llguidance_factory(tok: PreTrainedTokenizerFast, vocab: int, eos: int) -> Ca
     import llguidance
     import llguidance.hf
 
+    from decoder_service.grammar import fill_bitmask, json_options
+
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=eos)
 
     class LMatcher:
@@ -137,6 +142,10 @@ LIBRARIES = {"xgrammar": xgrammar_factory, "llguidance": llguidance_factory}
 
 
 def measure(lib: str, tok: Any, case: str, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from decoder_service.grammar import apply_bitmask
+
     vocab, eos = len(tok), int(tok.eos_token_id)
     compile_ = LIBRARIES[lib](tok, vocab, eos)
     schema, doc = CASES[case]
@@ -174,6 +183,9 @@ def _valid_samples(new_matcher: Callable[[], Matcher], tok: PreTrainedTokenizerF
                    vocab: int, eos: int, count: int) -> str:
     """Documents sampled from random logits under the mask: how many of those that ended parse and validate."""
     import jsonschema
+    import torch
+
+    from decoder_service.grammar import apply_bitmask
 
     generator, num_valid, num_ended = torch.Generator().manual_seed(0), 0, 0
     bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
@@ -206,6 +218,10 @@ def installed() -> tuple[str, ...]:
 
 
 def run(large_vocab: int, repeats: int, libraries: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    import torch
+
+    from epd_builders.tokenizer import train_tokenizer
+
     libraries = installed() if libraries is None else libraries
     torch.set_num_threads(1)
     toks = [train_tokenizer("<image>", "<image>")] + ([large_tokenizer(large_vocab)] if large_vocab else [])
