@@ -1,7 +1,7 @@
 """How many embedding rows (prompt tokens) a sampled video makes, without torch: the proxy's count before any /encode.
 
-The rules, each restating the transformers 5.24 code it mirrors (tests/encoder_service/test_video_tokens.py checks them against
-that code and against what the tiny models' encoders return):
+The rules, each restating the transformers 5.24 code it mirrors (tests/encoder_service/test_video_tokens.py checks
+them against that code and against what the tiny models' encoders return):
 
 - Qwen2-VL / Qwen2.5-VL ("qwen2" sampler): every frame resized by `smart_resize` (image_processing_pil_qwen2_vl.py)
   to a multiple of patch_size * merge_size within [min_pixels, the request's max_pixels] per frame; rows:
