@@ -53,10 +53,10 @@ class StepClock:
         e.scheduler.schedule = self._timed("schedule", e.scheduler.schedule)
         runner.run = self._timed("runner", runner.run)
         e.postprocess = self._timed("postprocess", e.postprocess)
-        engine_module = sys.modules[type(e).__module__]
-        for name, fn in list(vars(engine_module).items()):  # the read-back functions as the engine calls them
-            if callable(fn) and getattr(fn, "__module__", "").endswith("readback"):
-                setattr(engine_module, name, self._timed("read_back", fn))
+        for engine_module in _step_modules(e):  # the read-back functions as the engine's step calls them
+            for name, fn in list(vars(engine_module).items()):
+                if callable(fn) and getattr(fn, "__module__", "").endswith("readback"):
+                    setattr(engine_module, name, self._timed("read_back", fn))
         module = e.lm.module
         for part in (module.language_model, module.lm_head):
             part.register_forward_pre_hook(self._forward_pre, with_kwargs=True)
@@ -70,7 +70,11 @@ class StepClock:
         self._undo = []
         if not on:
             return
-        self._patch(self.engine, "_accept", "accept", instance=True)
+        if hasattr(self.engine, "_accept"):  # an engine whose rows are accepted by a method of its own
+            self._patch(self.engine, "_accept", "accept", instance=True)
+        else:  # today's: engine/postprocess.py's `accept`, called by name in that module
+            post = sys.modules[type(self.engine).__module__.rsplit(".", 1)[0] + ".engine.postprocess"]
+            self._patch(post, "accept", "accept")
         for mod in list(sys.modules.values()):
             name = getattr(mod, "__name__", "")
             if name.endswith(".detokenizer") and hasattr(mod, "IncrementalDetokenizer"):
@@ -162,3 +166,11 @@ class StepClock:
         return {"steps": len(steps), "host_us_per_row": per_row(host),
                 "step_us_per_row": per_row([sum(t.values()) for t in steps]),
                 "phases_us_per_row": {p: per_row([t.get(p, 0.0) for t in steps]) for p in phases}}
+
+
+def _step_modules(engine: Any) -> list[Any]:
+    """The modules whose functions an engine's step calls by name: those of its classes (the service's Engine and,
+    today, the LLMEngine under it) and, where it has one, the engine's postprocess module."""
+    names = {cls.__module__ for cls in type(engine).__mro__ if cls.__module__ != "builtins"}
+    names |= {name for name in sys.modules if name.endswith("engine.postprocess")}
+    return [sys.modules[name] for name in sorted(names)]
