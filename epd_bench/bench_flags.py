@@ -48,7 +48,22 @@ def build_parser(doc: str | None = None) -> argparse.ArgumentParser:
     t.add_argument("--model", default=None, help="the `model` to send (default: the first of GET /v1/models)")
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (env OPENAI_API_KEY)")
     t.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for a response or a chunk")
-    d = p.add_argument_group("dataset")
+    _add_dataset_flags(p.add_argument_group("dataset"))
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (Poisson); inf: all at once")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="at most this many requests (multi-turn: conversations) in flight; "
+                           "--request-rate sets when conversations start")
+    load.add_argument("--num-warmups", type=int, default=0,
+                      help="requests (multi-turn: one-turn conversations) sent one by one first, not measured")
+    load.add_argument("--disable-tqdm", action="store_true")
+    _add_result_flags(p.add_argument_group("results"))
+    return p
+
+
+def _add_dataset_flags(d: argparse._ActionsContainer) -> None:
+    """What each request carries: its text, images, videos and audio clips, and how often media repeat."""
     d.add_argument("--dataset", choices=DATASETS, default="random",
                    help="random: independent prompts; multi-turn: conversations resending their history; "
                         "shared-prefix: random, every request with the same system message")
@@ -84,16 +99,10 @@ def build_parser(doc: str | None = None) -> argparse.ArgumentParser:
                    "answer has --random-output-len tokens")
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
-    load = p.add_argument_group("load")
-    load.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (Poisson); inf: all at once")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
-    load.add_argument("--max-concurrency", type=int, default=None,
-                      help="at most this many requests (multi-turn: conversations) in flight; "
-                           "--request-rate sets when conversations start")
-    load.add_argument("--num-warmups", type=int, default=0,
-                      help="requests (multi-turn: one-turn conversations) sent one by one first, not measured")
-    load.add_argument("--disable-tqdm", action="store_true")
-    r = p.add_argument_group("results")
+
+
+def _add_result_flags(r: argparse._ActionsContainer) -> None:
+    """What the run reports and where it saves it."""
     r.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS (a request counts when it meets all given)")
     r.add_argument("--percentile-metrics", type=_csv(str), default=list(LATENCY_METRICS),
@@ -107,7 +116,6 @@ def build_parser(doc: str | None = None) -> argparse.ArgumentParser:
     r.add_argument("--label", default=None, help="names this run in file names and plots")
     r.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write latency_cdf.png and "
                    "ttft_over_time.png here")
-    return p
 
 
 def _dataset_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
