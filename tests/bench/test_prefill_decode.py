@@ -60,7 +60,8 @@ def test_e_p_d_hands_the_long_prompt_off_to_the_decode_worker_and_e_pd_none(
     apart, together = s["systems"]["e+p+d"], s["systems"]["e+pd"]
     for x in (apart, together):
         assert x["failed"] == 0 and x["errors"] == [] and x["requests"] >= 3  # the long one and a short one a stream
-        assert x["long_prompt_tokens"] > 100 and x["long_ttft_ms"] > 0 and x["long_first_to_second_ms"] > 0
+        # the first-to-second gap is 0 when both tokens arrive in one read of the stream (seen on a busy machine)
+        assert x["long_prompt_tokens"] > 100 and x["long_ttft_ms"] > 0 and x["long_first_to_second_ms"] >= 0
         assert x["itl_ms"]["n"] >= x["itl_running_ms"]["n"]
     # the long e+p+d request prefilled on the prefill worker and resumed from its K/V; the short ones, under
     # --handoff-min-tokens, declined there and prefilled on the decoder
