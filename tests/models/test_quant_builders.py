@@ -1,0 +1,240 @@
+"""epd_builders.quantize against the published formats, checked with code written here from the formats'
+descriptions (unpacking, grids, packing orders), with compressed-tensors, and with transformers' own loaders.
+
+Error bounds (round-to-nearest, so half a quantization step):
+- FP8 e4m3 (3 mantissa bits): a normal value rounds within 2^-4 of itself; below 2^-6 (subnormals, step 2^-9) within
+  2^-10; in weight units, |w' - w| <= 2^-4 |w| + 2^-10 s, s being the block's / channel's scale (amax / 448).
+- int4 (AWQ, GPTQ, compressed-tensors W4A16): |w' - w| <= s / 2 inside the grid, and each format's grid covers its
+  group (GPTQ/CT: symmetric around amax, AWQ: [min, max] with a rounded zero point). AWQ and GPTQ store s in float16,
+  which moves the grid's edge by up to 15 * 2^-11 steps, so a clamped extreme may be off by up to
+  (1/2 + 15 * 2^-11) s: measured 0.5047 s on the tiny qwen2_5_vl.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from epd_builders.quantize import FORMATS, build_quantized, main
+from epd_builders.tiny import TinySpec, build_tiny
+
+GROUP = 32
+FAMILIES = ("qwen2_5_vl", "llava")
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+VISION = ("visual.", "vision_tower.", "multi_modal_projector.")
+
+
+class Built(dict[tuple[str, str], tuple[Path, Path]]):
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root, self.src = root, dict[str, Path]()
+
+    def source(self, family: str) -> Path:
+        if family not in self.src:
+            self.src[family] = build_tiny(TinySpec(family=family, text_hidden=128, lm_scale=3.0), self.root / family)
+        return self.src[family]
+
+    def __missing__(self, key: tuple[str, str]) -> tuple[Path, Path]:
+        family, fmt = key
+        out, twin = self.root / f"{family}-{fmt}", self.root / f"{family}-{fmt}-twin"
+        build_quantized(self.source(family), fmt, out, twin, group_size=GROUP)
+        self[key] = (out, twin)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return Built(tmp_path_factory.mktemp("quant_builders"))
+
+
+def _targets(sd: dict[str, torch.Tensor]) -> set[str]:
+    """The LM decoder-layer projections, by this test's own reading of the key names."""
+    return {k.removesuffix(".weight") for k, t in sd.items() if t.dim() == 2 and ".layers." in k
+            and not k.startswith(VISION) and k.removesuffix(".weight").rsplit(".", 1)[-1] in PROJ}
+
+
+def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unpack int32 words into eight 4-bit values each, nibble j (bits 4j..4j+3) at index 8c+j along dim."""
+    u = packed.to(torch.int64) & 0xFFFFFFFF
+    parts = [(u >> (4 * j)) & 0xF for j in range(8)]
+    return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _fp8(sd: dict[str, torch.Tensor], m: str, w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize with a per-element scale map; return (dequant, bound)."""
+    assert sd[f"{m}.weight"].dtype == torch.float8_e4m3fn
+    return sd[f"{m}.weight"].float() * scale, 2**-4 * w.abs() + 2**-10 * scale
+
+
+def _dequant(fmt: str, sd: dict[str, torch.Tensor], m: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize module m of a quantized state dict from the format's description; return it and the bound."""
+    out, inn = w.shape
+    if fmt == "fp8":
+        s = sd[f"{m}.weight_scale_inv"]
+        assert s.dtype == torch.float32 and list(s.shape) == [-(-out // GROUP), -(-inn // GROUP)]
+        blocks = w.reshape(out // GROUP, GROUP, inn // GROUP, GROUP).abs().amax(dim=(1, 3))
+        torch.testing.assert_close(s, blocks / 448, rtol=1e-6, atol=0)
+        return _fp8(sd, m, w, s.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1))
+    if fmt == "ct-fp8":
+        s = sd[f"{m}.weight_scale"]
+        assert list(s.shape) == [out, 1]
+        return _fp8(sd, m, w, s.float().expand(out, inn))
+    if fmt == "ct-w4a16":
+        assert sd[f"{m}.weight_shape"].tolist() == [out, inn] and list(sd[f"{m}.weight_packed"].shape) == [out, inn // 8]
+        q = _nibbles(sd[f"{m}.weight_packed"], 1).float() - 8  # stored offset by 2^(bits-1)
+        s = sd[f"{m}.weight_scale"].float().repeat_interleave(GROUP, 1)
+        return q * s, s / 2
+    scales = sd[f"{m}.scales"]
+    assert scales.dtype == torch.float16 and list(scales.shape) == [inn // GROUP, out]
+    s = scales.float().repeat_interleave(GROUP, 0)  # [inn, out]
+    if fmt == "awq":
+        order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # inverse of the GEMM order [0, 2, 4, 6, 1, 3, 5, 7]
+        unorder = lambda x: x.reshape(x.shape[0], -1, 8)[:, :, order].flatten(1)  # noqa: E731
+        q = unorder(_nibbles(sd[f"{m}.qweight"], 1))
+        z = unorder(_nibbles(sd[f"{m}.qzeros"], 1)).repeat_interleave(GROUP, 0)
+    else:
+        assert torch.equal(sd[f"{m}.g_idx"], (torch.arange(inn) // GROUP).to(torch.int32))
+        q = _nibbles(sd[f"{m}.qweight"], 0)
+        z = _nibbles(sd[f"{m}.qzeros"], 1)[sd[f"{m}.g_idx"].long()] + 1  # v1 stores zero - 1
+        assert (z == 8).all()  # symmetric
+    return ((q - z).float() * s).t(), s.t() * (0.5 + 15 * 2**-11)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tensors_and_twin(built: Built, family: str, fmt: str) -> None:
+    """out = src with the LM projections replaced by the format's tensors (everything else byte-identical); the
+    twin = src with those weights dequantized from exactly the stored tensors, within the format's step."""
+    out, twin = built[family, fmt]
+    src = load_file(built.source(family) / "model.safetensors")
+    q, tw = load_file(out / "model.safetensors"), load_file(twin / "model.safetensors")
+    targets = _targets(src)
+    assert len(targets) == 14 and set(src) == set(tw)
+    for key, t in src.items():
+        module, leaf = key.rsplit(".", 1)
+        if module in targets and (leaf == "weight" or fmt in ("awq", "gptq")):
+            continue
+        assert tw[key].dtype == t.dtype and torch.equal(tw[key], t), key
+        assert q[key].dtype == t.dtype and torch.equal(q[key], t), key
+    for m in sorted(targets):
+        w = src[f"{m}.weight"].float()
+        deq, bound = _dequant(fmt, q, m, w)
+        assert tw[f"{m}.weight"].dtype == src[f"{m}.weight"].dtype
+        assert torch.equal(tw[f"{m}.weight"].float(), deq), m
+        assert ((deq - w).abs() <= bound * (1 + 1e-5) + 1e-7).all(), m
+        assert not torch.equal(deq, w)
+        if f"{m}.bias" in src and fmt in ("awq", "gptq"):
+            assert q[f"{m}.bias"].dtype == torch.float16 and torch.equal(q[f"{m}.bias"].float(), tw[f"{m}.bias"])
+    assert "quantization_config" not in json.loads((twin / "config.json").read_text())
+    assert {f.name for f in built.source(family).iterdir()} == {f.name for f in out.iterdir()}
+
+
+def test_awq_packing_order() -> None:
+    """AWQ GEMM's interleave, on a known pattern: nibble i of word c holds output column 8c + [0,2,4,6,1,3,5,7][i]."""
+    from epd_builders.quant_formats import AWQ_ORDER, pack_cols
+
+    q = torch.arange(16).reshape(1, 16)
+    words = pack_cols(q, AWQ_ORDER)
+    assert [(int(words[0, 0]) >> (4 * i)) & 0xF for i in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert [(int(words[0, 1]) & 0xFFFFFFFF) >> (4 * i) & 0xF for i in range(8)] == [8, 10, 12, 14, 9, 11, 13, 15]
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8", "ct-w4a16"])
+def test_ct_config_validates(built: Built, fmt: str) -> None:
+    """compressed-tensors parses the config block and reads the published scheme from it."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = json.loads((built["qwen2_5_vl", fmt][0] / "config.json").read_text())["quantization_config"]
+    cfg = QuantizationConfig.model_validate(qc)
+    scheme = cfg.config_groups["group_0"]
+    assert qc["quant_method"] == "compressed-tensors" and cfg.quantization_status == "compressed"
+    assert scheme.targets == ["Linear"] and scheme.weights.symmetric and not scheme.weights.dynamic
+    if fmt == "ct-fp8":
+        assert cfg.format == "float-quantized" and scheme.weights.type == "float" and scheme.weights.num_bits == 8
+        assert scheme.weights.strategy == "channel"
+        assert scheme.input_activations.strategy == "token" and scheme.input_activations.dynamic
+    else:
+        assert cfg.format == "pack-quantized" and scheme.weights.type == "int" and scheme.weights.num_bits == 4
+        assert scheme.weights.strategy == "group" and scheme.weights.group_size == GROUP
+        assert scheme.input_activations is None
+
+
+def _load(path: Path, forward: bool = False, **kw: object) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights as transformers loads them (forward: run one step first, which is when the
+    compressed-tensors route decompresses)."""
+    from transformers import AutoModelForImageTextToText
+
+    model: Any
+    info: dict[str, Any]
+    model, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True, **kw)  # type: ignore[misc]
+    assert not any(info.values()), info
+    if forward:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+    return model.state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # it is how one asks to dequantize
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt", ["fp8", "ct-fp8", "ct-w4a16"])
+def test_transformers_loads_like_twin(built: Built, family: str, fmt: str) -> None:
+    """transformers' own loaders (dequantizing on CPU) give exactly the twin's weights."""
+    from transformers import CompressedTensorsConfig, FineGrainedFP8Config
+
+    out, twin = built[family, fmt]
+    cfg = FineGrainedFP8Config(dequantize=True) if fmt == "fp8" else CompressedTensorsConfig(dequantize=True)
+    got, want = _load(out, quantization_config=cfg), _load(twin)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8", "ct-w4a16"])
+def test_compressed_tensors_route_honours_ignore(built: Built, fmt: str) -> None:
+    """Loaded compressed (compressed-tensors applies config_groups/ignore to transformers' module names, which
+    differ from the checkpoint's), the vision tower and lm_head stay dense and the first forward's decompression
+    gives the twin's weights."""
+    out, twin = built["qwen2_5_vl", fmt]
+    got, want = _load(out, forward=True), _load(twin)
+    assert not any(k.startswith(("model.visual.", "lm_head.")) and "scale" in k for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_cli(built: Built, tmp_path: Path) -> None:
+    """The CLI writes the same files as the function; abbreviations are refused."""
+    main(["--src", str(built.source("llava")), "--format", "gptq", "--out", str(tmp_path / "o"),
+          "--twin", str(tmp_path / "t"), "--group-size", str(GROUP)])
+    ref = load_file(built["llava", "gptq"][0] / "model.safetensors")
+    got = load_file(tmp_path / "o" / "model.safetensors")
+    assert set(ref) == set(got) and all(torch.equal(ref[k], got[k]) for k in ref)
+    with pytest.raises(SystemExit):
+        main(["--src", "x", "--form", "gptq", "--out", "o", "--twin", "t"])
+
+
+def test_fp8_partial_tiles_and_transformers_quantizer() -> None:
+    """Edge tiles may be partial (grid ceil(out/B) x ceil(inn/B), each tile's own amax/448); on whole tiles the
+    result is what transformers' own Fp8Quantize makes (its scale is 1/(448/amax), so allow one float32 ulp)."""
+    from types import SimpleNamespace
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    from epd_builders.quant_formats import fp8_block
+
+    w = torch.randn(100, 200, generator=torch.Generator().manual_seed(0))
+    res = fp8_block(w, 64)
+    s = res.tensors["weight_scale_inv"]
+    assert list(s.shape) == [2, 4] and res.tensors["weight"].shape == w.shape
+    assert torch.equal(s[1, 3], w[64:, 192:].abs().amax() / 448)
+    full = s.repeat_interleave(64, 0).repeat_interleave(64, 1)[:100, :200]
+    assert torch.equal(res.dequant, res.tensors["weight"].float() * full)
+    assert ((res.dequant - w).abs() <= (2**-4 * w.abs() + 2**-10 * full) * (1 + 1e-5)).all()
+    whole = w[:64, :192].contiguous()
+    ref = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(64, 64))))
+    theirs = ref.convert({"x.weight": whole})  # type: ignore[arg-type]
+    ours = fp8_block(whole, 64)
+    torch.testing.assert_close(ours.tensors["weight_scale_inv"], theirs["x.weight_scale_inv"], rtol=2**-23, atol=0)
+    torch.testing.assert_close(ours.dequant, theirs["x.weight"].float() * full[:64, :192], rtol=2**-4, atol=0)
