@@ -21,7 +21,7 @@ hf_logging.disable_progress_bar()
 BUILDERS = {
     "llava": "llava", "qwen2_vl": "qwen", "qwen2_5_vl": "qwen", "qwen3_vl": "qwen3_vl", "llava_next": "llava_next",
     "gemma3": "gemma3", "internvl": "internvl", "mistral3": "mistral3", "idefics3": "idefics3",
-    "llava_onevision": "llava_onevision",
+    "llava_onevision": "llava_onevision", "qwen3_vl_moe": "qwen3_vl_moe",
 }
 FAMILIES = tuple(BUILDERS)
 

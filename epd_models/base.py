@@ -128,6 +128,7 @@ class FamilyAdapter(AudioHooks):
         for name, _ in list(base.named_parameters(recurse=False)):
             if name not in self.spec.vision_children:
                 delattr(base, name)
+        convert_layouts_on_load(base, cfg.model_type)
         return base
 
     def encode(self, vision: nn.Module, processor: Any, cfg: PretrainedConfig, images: list[Image.Image],
@@ -185,7 +186,9 @@ class FamilyAdapter(AudioHooks):
 
         tc = cfg.get_text_config()
         with params_on_meta():
-            return LanguageModules(AutoModel.from_config(tc), tc.hidden_size, tc.vocab_size)
+            lm = LanguageModules(AutoModel.from_config(tc), tc.hidden_size, tc.vocab_size)
+        convert_layouts_on_load(lm, cfg.model_type)
+        return lm
 
     def image_token_id(self, cfg: PretrainedConfig) -> int:
         found = getattr(cfg, "image_token_id", None)
@@ -231,6 +234,38 @@ class FamilyAdapter(AudioHooks):
                        states: list[Any]) -> Any:
         """The text model's attention_mask from the slot cache's causal one (rows, 1, new, kv); rows' `states`."""
         return mask
+
+
+def convert_layouts_on_load(module: nn.Module, model_type: str) -> None:
+    """Have `module.load_state_dict` take tensors a checkpoint stores in another layout than the module's, as
+    transformers' `from_pretrained` does. Its conversion mapping for `model_type` (transformers/conversion_mapping.py)
+    is read, and only the layout fixes decided by shape are applied: a pattern onto itself by one
+    `Transpose(check_dims=True)`, today Qwen3-VL-MoE's fused experts (the hub stores gate_up_proj (E, H, 2I) and
+    down_proj (E, I, H), the module holds (E, 2I, H) and (E, H, I); `save_pretrained` writes the module's). As
+    transformers: a tensor of the parameter's shape stays as it is (square experts are never transposed); one whose
+    transpose has that shape is transposed; any other is left for load_state_dict to refuse. Renames are
+    `normalize_key`'s, per-expert tensors are not fused here. A hook on the module: the loader (weights.py) needs none."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    swaps = [(c.compiled_sources, c.operations[0]) for c in get_checkpoint_conversion_mapping(model_type) or []
+             if isinstance(c, WeightConverter) and c.source_patterns == c.target_patterns and len(c.operations) == 1
+             and isinstance(c.operations[0], Transpose) and c.operations[0].check_dims]
+    if not swaps:
+        return
+    shapes = {name: p.shape for name, p in module.named_parameters()}
+
+    def convert(mod: nn.Module, state: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+        for key, tensor in list(state.items()):
+            want = shapes.get(key.removeprefix(prefix))
+            for pattern, op in swaps:
+                if want is None or tensor.shape == want or not pattern.search(key) or tensor.dim() != len(want):
+                    continue
+                swapped = tensor.transpose(op.dim0, op.dim1)
+                if swapped.shape == want:
+                    state[key] = swapped.contiguous()
+
+    module.register_load_state_dict_pre_hook(convert)
 
 
 def _to(t: Any, weight: torch.Tensor) -> Any:

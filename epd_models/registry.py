@@ -41,6 +41,8 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
     MRopeAdapter(_qwen("qwen2_vl")),
     MRopeAdapter(_qwen("qwen2_5_vl")),
     Qwen3VLAdapter(_qwen("qwen3_vl", batches_exactly=False)),
+    # Qwen3-VL with mixture-of-experts LM layers: the same adapter (the module runs its experts itself)
+    Qwen3VLAdapter(_qwen("qwen3_vl_moe", batches_exactly=False)),
     # any-resolution tiles; unpadding and the row newlines happen inside get_image_features (image_newline)
     FamilyAdapter(FamilySpec(name="llava_next", model_types=("llava_next",),
                              vision_children=(*CLIP_STYLE, "image_newline"),

@@ -53,7 +53,8 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 if TYPE_CHECKING:
     from PIL import Image
 
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "qwen2_5_omni")
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision", "qwen2_5_omni")
+QWEN3_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # Qwen3VLVideoProcessor's rules (Qwen3-VL-MoE's processor is Qwen3-VL's)
 VIDEO_DEFAULT_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}  # Qwen2VLVideoProcessor.size
 QWEN3_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}  # Qwen3VLVideoProcessor.size
 QWEN3_MAX_VIDEO_TOKENS = 768  # Qwen3VLVideoProcessor.max_video_tokens (its per-frame cap, when turned on)
@@ -147,27 +148,27 @@ def video_settings(model_dir: str | Path, image_processor: Any, family: str = "q
     if family == "qwen2_5_omni":  # Qwen2_5OmniProcessor passes its videos_kwargs size (the default) on every call
         found = {k: v for k, v in (found or {}).items() if k not in ("size", "min_pixels", "max_pixels")}
     if found is None:
-        if family == "qwen3_vl":
+        if family in QWEN3_FAMILIES:
             found = {"size": QWEN3_VIDEO_SIZE}
         else:
             size = dict(image_processor.size)
             return VideoSettings(int(size["shortest_edge"]), int(size["longest_edge"]),
                                  int(image_processor.patch_size), int(image_processor.temporal_patch_size),
                                  int(image_processor.merge_size))
-    size = dict(found.get("size") or (QWEN3_VIDEO_SIZE if family == "qwen3_vl" else VIDEO_DEFAULT_SIZE))
+    size = dict(found.get("size") or (QWEN3_VIDEO_SIZE if family in QWEN3_FAMILIES else VIDEO_DEFAULT_SIZE))
     least, most = size.get("shortest_edge", size.get("min_pixels")), size.get("longest_edge", size.get("max_pixels"))
-    if family != "qwen3_vl":  # Qwen2VLVideoProcessor.__init__: top-level min_pixels / max_pixels override size
+    if family not in QWEN3_FAMILIES:  # Qwen2VLVideoProcessor.__init__: top-level min_pixels / max_pixels override size
         least, most = found.get("min_pixels", least), found.get("max_pixels", most)
     patch = _positive(found.get("patch_size", image_processor.patch_size), "patch_size")
     merge = _positive(found.get("merge_size", image_processor.merge_size), "merge_size")
     cap = None
-    if family == "qwen3_vl" and found.get("cap_pixels_per_frame"):  # Qwen3VLVideoProcessor.resize
+    if family in QWEN3_FAMILIES and found.get("cap_pixels_per_frame"):  # Qwen3VLVideoProcessor.resize
         cap = _positive(found.get("max_video_tokens", QWEN3_MAX_VIDEO_TOKENS), "max_video_tokens") * (patch * merge)**2
     settings = VideoSettings(
         min_pixels=_positive(least, "min_pixels"), max_pixels=_positive(most, "max_pixels"), patch_size=patch,
         temporal_patch_size=_positive(found.get("temporal_patch_size", image_processor.temporal_patch_size),
                                       "temporal_patch_size"),
-        merge_size=merge, overrides=_overrides(found), pixels_per_video=family == "qwen3_vl", frame_cap=cap)
+        merge_size=merge, overrides=_overrides(found), pixels_per_video=family in QWEN3_FAMILIES, frame_cap=cap)
     if settings.min_pixels > settings.max_pixels:
         raise ValueError(f"video processor config of {model_dir}: min_pixels {least} > max_pixels {most}")
     return settings

@@ -47,13 +47,15 @@ class FamilyDefaults:
 _QWEN2 = FamilyDefaults("Qwen2VLVideoProcessor", "qwen2", {"shortest_edge": 128 * 28 * 28,
                                                            "longest_edge": 28 * 28 * 768},
                         temporal_patch_size=2, patch_size=14, merge_size=2)
+_QWEN3 = FamilyDefaults("Qwen3VLVideoProcessor", "qwen3", {"shortest_edge": 128 * 32 * 32,
+                                                           "longest_edge": 32 * 32 * 768},
+                        temporal_patch_size=2, patch_size=16, merge_size=2, fps=2)
 FAMILY_DEFAULTS = {
     "qwen2_vl": _QWEN2,
     "qwen2_5_vl": _QWEN2,  # Qwen2.5-VL's processor uses Qwen2VLVideoProcessor
     "qwen2_5_omni": _QWEN2,  # so does Qwen2.5-Omni's, and it passes this size on every call
-    "qwen3_vl": FamilyDefaults("Qwen3VLVideoProcessor", "qwen3", {"shortest_edge": 128 * 32 * 32,
-                                                                 "longest_edge": 32 * 32 * 768},
-                               temporal_patch_size=2, patch_size=16, merge_size=2, fps=2),
+    "qwen3_vl": _QWEN3,
+    "qwen3_vl_moe": _QWEN3,  # Qwen3-VL-MoE's processor uses Qwen3VLVideoProcessor
     "llava_onevision": FamilyDefaults("LlavaOnevisionVideoProcessor", "uniform", {"height": 384, "width": 384}),
 }
 

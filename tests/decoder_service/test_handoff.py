@@ -155,7 +155,7 @@ def test_a_handed_off_request_continues_token_for_token(tiny_model_dirs: dict[st
         engine.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3"])
 def test_a_request_whose_blocks_never_arrive_is_prefilled_by_the_decode_engine(
         tiny_model_dirs: dict[str, Path], family: str) -> None:
     lm = LanguageHalf(tiny_model_dirs[family])

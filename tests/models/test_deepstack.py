@@ -1,5 +1,6 @@
-"""Qwen3-VL's DeepStack on the split path: chunked prefill injects each chunk's rows, the features matter, and
-the M-RoPE positions are the family's own (test_parity.py covers the split path == model.generate()).
+"""Qwen3-VL's (and Qwen3-VL-MoE's) DeepStack on the split path: chunked prefill injects each chunk's rows, the
+features matter, and the M-RoPE positions are the family's own (test_parity.py covers the split path ==
+model.generate()).
 
 Runs on --device (default cpu), like test_parity.py."""
 from __future__ import annotations
@@ -22,11 +23,12 @@ from tests.factories import make_image
 
 NUM_NEW = 12
 SIZES = [(224, 224), (168, 112)]  # 9 and 6 image tokens
+FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # every test runs on each: Qwen3-VL-MoE is Qwen3-VL with MoE LM layers
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
-    return tiny_model_dirs["qwen3_vl"]
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_dir(request: pytest.FixtureRequest, tiny_model_dirs: dict[str, Path]) -> Path:
+    return tiny_model_dirs[request.param]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Video through EPD's halves (epd_models/video.py) equals model.generate() token for token, for every family that
-takes video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision), and the video inputs are right on frames where the
-answer is known by construction.
+takes video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA-OneVision), and the video inputs are right on frames
+where the answer is known by construction.
 
 transformers' video processors need torchvision (not installable here), so the reference model is given OUR
 pixel_values_videos / video_grid_thw (/ second_per_grid_ts), and the prompt as transformers' own processor code
@@ -33,8 +33,9 @@ from epd_models.video import VideoClip, VideoError, VideoSettings, video_inputs,
 from epd_models.video_onevision import frame_pixels
 from tests.factories import make_image, through_connector
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision")
-QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision")
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN3 = ("qwen3_vl", "qwen3_vl_moe")  # DeepStack, and time stamps in a video's span
 NUM_NEW = 16
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"  # what Qwen's chat templates write for a video part
@@ -98,7 +99,7 @@ def reference_video(h: Halves, frames: list[Image.Image]) -> tuple[dict[str, Any
     kwargs: dict[str, Any] = {"pixel_values_videos": video.pixel_values_videos, "video_grid_thw": grid}
     if h.family == "qwen2_5_vl":
         kwargs["second_per_grid_ts"] = torch.tensor([video.second_per_grid_t])  # float32, as the processor's
-    if h.family != "qwen3_vl":
+    if h.family not in QWEN3:
         merge = h.model.config.vision_config.spatial_merge_size
         return kwargs, "<|video_pad|>" * (int(np.prod(video.video_grid_thw)) // merge**2)
     proc = vision.processor  # Qwen3VLProcessor.replace_video_token itself, on a stand-in for its video processor
@@ -155,7 +156,7 @@ def test_split_video_path_matches_generate(halves: dict[str, Halves], family: st
             rows = h.model.model.get_video_features(kwargs["pixel_values_videos"])
     assert torch.equal(feat.embeds, rows.pooler_output[0])
     assert feat.second_per_grid_t == pytest.approx((2 if family in QWEN else 1) / FPS)  # carried on the wire
-    if family == "qwen3_vl":
+    if family in QWEN3:
         assert feat.deepstack is not None
         assert torch.equal(feat.deepstack, torch.stack([d[0] for d in rows.deepstack_features]))
     if family not in QWEN:
@@ -179,15 +180,16 @@ def test_qwen_video_temporal_positions(halves: dict[str, Halves]) -> None:
         positions, _ = h.lm.position_ids(prompt.input_ids, [feat])
         start = prompt.input_ids[0].tolist().index(h.lm.video_token_id)
         assert positions[0, 0, start : start + feat.num_tokens].unique().tolist() == [start + k for k in steps]
-    h = halves["qwen3_vl"]
-    feat = encode_video(h, frames5())
-    prompt = build_prompt(h.lm, token_ids(h.lm, chat(video_text("qwen3_vl"))), [feat])
-    positions, _ = h.lm.position_ids(prompt.input_ids, [feat])
-    ids = prompt.input_ids[0]
-    starts = [i for i in range(len(ids)) if ids[i] == h.lm.video_token_id and ids[i - 1] != h.lm.video_token_id]
-    assert len(starts) == 3  # one group per temporal patch, each at its own text position on every axis
-    for s in starts:
-        assert positions[0, 0, s : s + feat.num_tokens // 3].unique().tolist() == [int(positions[1, 0, s])]
+    for family in QWEN3:
+        h = halves[family]
+        feat = encode_video(h, frames5())
+        prompt = build_prompt(h.lm, token_ids(h.lm, chat(video_text(family))), [feat])
+        positions, _ = h.lm.position_ids(prompt.input_ids, [feat])
+        ids = prompt.input_ids[0]
+        starts = [i for i in range(len(ids)) if ids[i] == h.lm.video_token_id and ids[i - 1] != h.lm.video_token_id]
+        assert len(starts) == 3  # one group per temporal patch, each at its own text position on every axis
+        for s in starts:
+            assert positions[0, 0, s : s + feat.num_tokens // 3].unique().tolist() == [int(positions[1, 0, s])]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
