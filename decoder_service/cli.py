@@ -11,7 +11,7 @@ from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_
 from epd_common.startup import ConfigError, fail, run_main
 from epd_common.tracing import add_tracing_flags, require_sdk
 from epd_models.audio_jobs import add_audio_flags
-from epd_models.device_flags import add_device_flags
+from epd_models.device_flags import add_device_flags, add_quant_flags
 from epd_models.video_config import add_video_flags
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = DecoderConfig()
     p = worker_parser(PROG, "EPD decoder worker (language model only)", d)
     add_device_flags(p, d)
+    add_quant_flags(p, d)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="positions of one sequence, prompt included (0: the model's max_position_embeddings, lowered "
                         "with a warning to what the K/V pool holds; a larger value than the pool holds exits 2)")
@@ -183,8 +184,21 @@ def check_before_loading(cfg: DecoderConfig) -> None:
         model_dir = resolve_model(cfg.model)
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
+    check_quantized(model_dir, cfg.quantization)
     check_kv_fits(model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
                   max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory)
+
+
+def check_quantized(model_dir: str | Path, quantization: str | None) -> None:
+    """ConfigError naming the config key or tensor of a quantized checkpoint EPD will not load, or a --quantization
+    that disagrees with it (epd_models/quant/load.py: headers and scales only, no weight read)."""
+    from epd_models.quant.load import check_checkpoint
+    from epd_models.quant.scheme import QuantError
+
+    try:
+        check_checkpoint(model_dir, quantization)
+    except (QuantError, ValueError) as exc:
+        raise ConfigError(f"model {model_dir}: {exc}") from None
 
 
 def check_kv_fits(model_dir: str | Path, *, dtype: str, device: str, block_size: int, max_model_len: int,

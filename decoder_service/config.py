@@ -17,6 +17,8 @@ class DecoderConfig(HttpLimits, TraceSettings):
     model: str = "demo"
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
+    quantization: str | None = None  # None: the checkpoint's quantization_config (epd_models/quant)
+    quantized_weights: str = "auto"  # auto: kept quantized on CUDA, dequantized once at load on the CPU
     host: str = "127.0.0.1"
     port: int = 8200
     max_model_len: int = 0  # 0: the model's max_position_embeddings

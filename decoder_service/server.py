@@ -168,6 +168,8 @@ async def health(request: Request) -> dict[str, object]:
         loaded = {"modules": sorted([*loaded["modules"], *vision["modules"]]),  # type: ignore[misc]
                   "num_parameters": loaded["num_parameters"] + vision["num_parameters"],  # type: ignore[operator]
                   "num_encoded": engine.inline.num_encoded}
+    if (quant := engine.lm.quant.summary()) is not None:
+        loaded["quantization"] = quant
     cfg = state.cfg
     return {"status": "ok", "role": "decoder", "model": cfg.model, "model_identity": state.identity,
             "aggregated": cfg.aggregated, "max_model_len": engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
@@ -182,7 +184,10 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
     """Load the LM (unless given) and, aggregated, the vision half on its device; start the engine."""
     cfg = state.cfg
     half = lm if lm is not None else await asyncio.to_thread(
-        LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device)
+        LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device, cfg.quantized_weights)
+    if (quant := half.quant.summary()) is not None:
+        logger.info("quantized checkpoint: %s, %d linears %s", quant["format"], quant["quantized_linears"],
+                 quant["weights"])
     plan_for(cfg, half)  # what the K/V budget cannot hold is refused before anything else starts (KVPlanError)
     check = state.embedding_check = EmbeddingCheck(half)
     state.identity.update(model_identity(half.model_dir, cfg.model))

@@ -123,10 +123,15 @@ def check_before_loading(cfg: EncoderConfig) -> None:
 
     if cfg.otlp_traces_endpoint:
         require_sdk()
+    from epd_models.quant.load import check_checkpoint
+    from epd_models.quant.scheme import QuantError
+
     try:
-        resolve_model(cfg.model)
+        check_checkpoint(resolve_model(cfg.model))  # a quantized tower is dequantized at load: its tensors must be sound
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
+    except QuantError as exc:
+        raise ConfigError(f"model {cfg.model}: {exc}") from None
     if cfg.ec_disk_dir is not None:
         try:
             check_tier_folder(cfg.ec_disk_dir)

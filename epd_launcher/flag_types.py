@@ -3,6 +3,7 @@ error naming the bound."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from epd_common.cli import byte_size
 from epd_contracts.video import MAX_VIDEO_FRAMES
@@ -30,6 +31,15 @@ def non_negative(value: str) -> int:
     if number < 0:
         raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
     return number
+
+
+def choice(values: tuple[str, ...]) -> Callable[[str], str]:
+    """A flag with a fixed set of values (a type, so the launcher's table of passed-on flags can hold it)."""
+    def check(value: str) -> str:
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected one of {', '.join(values)}")
+        return value
+    return check
 
 
 def positive(value: str) -> int:

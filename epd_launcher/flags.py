@@ -11,6 +11,7 @@ from epd_common.cli import add_http_flags, add_log_level, byte_size, cli_secret,
 from epd_common.tracing import add_tracing_flags
 from epd_launcher.flag_types import (
     base_port,
+    choice,
     non_negative,
     positive,
     positive_bytes,
@@ -19,6 +20,13 @@ from epd_launcher.flag_types import (
     proxy_workers,
 )
 from epd_launcher.media_flags import add_audio_flags, add_image_flags, add_video_flags
+from epd_models.device_flags import (
+    DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
+    QUANTIZED_WEIGHTS_CHOICES,
+    QUANTIZED_WEIGHTS_HELP,
+)
 from proxy.config import ProxyConfig
 
 ATTACH_FLAGS = ("--encode-servers-urls", "--decode-servers-urls", "--prefill-servers-urls", "--dynamic-registration",
@@ -50,6 +58,13 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--grammar-compile-timeout", positive_seconds, "seconds one grammar compile may run on a decoder"),
     ("--handoff-min-tokens", non_negative,
      "with --num-prefills: prompts with fewer tokens to prefill are not handed off (the decoders prefill them)"),
+    ("--quantization", choice(QUANTIZATION_CHOICES), QUANTIZATION_HELP),
+    ("--quantized-weights", choice(QUANTIZED_WEIGHTS_CHOICES), QUANTIZED_WEIGHTS_HELP),
+)
+# passed to every spawned encoder and decoder only when given (spawn.py)
+WORKER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("--dtype", choice(DTYPE_CHOICES), "weights' dtype of every worker (a quantized checkpoint's unquantized parts "
+                                       "and what its weights dequantize to); auto: the checkpoint's"),
 )
 # the encoders' scheduler flags, passed to each spawned encoder only when given (spawn.py)
 ENCODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
@@ -69,7 +84,7 @@ LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--num-prefills
                   "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max",
                   *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES),
-                  *(spec[0] for spec in ENCODER_FLAGS), EC_DISK_DIR)
+                  *(spec[0] for spec in ENCODER_FLAGS), *(spec[0] for spec in WORKER_FLAGS), EC_DISK_DIR)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -192,6 +207,8 @@ def _decoder_flags(g: argparse._ActionsContainer) -> None:
     """The decoder's engine flags, for every spawned decoder (as `vllm serve` takes engine arguments)."""
     for flag, kind, text in DECODER_FLAGS:
         g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the decoder's own)")
+    for flag, kind, text in WORKER_FLAGS:
+        g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the workers' own)")
     for flag, text in DECODER_SWITCHES:
         g.add_argument(flag, action="store_true", default=None, help=f"{text} (default: off)")
 

@@ -16,6 +16,7 @@ from epd_launcher.group import reserve_port
 def check_launch(args: argparse.Namespace) -> Path:
     """Launcher mode, before any worker is spawned: the model's directory (ConfigError when it cannot be had)."""
     model_dir = resolve(args.model)
+    check_quant(args, model_dir)
     check_kv(args, model_dir)
     check_port_free(args.host, args.port)
     check_worker_ports(args)
@@ -35,6 +36,13 @@ def resolve(model: str) -> Path:
     return model_dir
 
 
+def check_quant(args: argparse.Namespace, model_dir: Path) -> None:
+    """A quantized checkpoint EPD will not load, or a --quantization that disagrees with it (the decoder's check)."""
+    from decoder_service.cli import check_quantized
+
+    check_quantized(model_dir, args.quantization)
+
+
 def check_kv(args: argparse.Namespace, model_dir: Path) -> None:
     """An explicit --max-model-len that an explicit --kv-cache-memory cannot hold, with the decoder's own numbers
     (decoder_service.cli.check_kv_fits, from the checkpoint's config: no weights are loaded)."""
@@ -46,7 +54,7 @@ def check_kv(args: argparse.Namespace, model_dir: Path) -> None:
     from decoder_service.config import DecoderConfig
 
     try:
-        check_kv_fits(model_dir, dtype=DecoderConfig.dtype, device="cuda" if torch.cuda.device_count() else "cpu",
+        check_kv_fits(model_dir, dtype=args.dtype or DecoderConfig.dtype, device="cuda" if torch.cuda.device_count() else "cpu",
                       block_size=args.block_size or DecoderConfig.block_size, max_model_len=args.max_model_len,
                       kv_cache_memory=args.kv_cache_memory)
     except ConfigError as exc:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from epd_common.tracing import TraceSettings, tracing_flags
-from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, EC_DISK_DIR, ENCODER_FLAGS, _dest
+from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, EC_DISK_DIR, ENCODER_FLAGS, WORKER_FLAGS, _dest
 from epd_launcher.group import Secrets, WorkerGroup
 
 
@@ -22,7 +22,7 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace, keys: Secrets,
     num_prefills = 0 if args.aggregated else args.num_prefills
     threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders + num_prefills))
     wh = args.worker_host
-    common = ["--log-level", args.log_level, *_http_flags(args),
+    common = ["--log-level", args.log_level, *_http_flags(args), *_given(args, WORKER_FLAGS),
               *tracing_flags(TraceSettings(otlp_traces_endpoint=args.otlp_traces_endpoint,
                                            otlp_traces_sample_ratio=args.otlp_traces_sample_ratio))]
     devices = _devices(num_encoders + args.num_decoders + num_prefills)

@@ -5,6 +5,13 @@ import argparse
 from typing import Any
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --quantization values for the formats EPD reads (epd_models/quant/scheme.py; *_marlin: the same format)
+QUANTIZATION_CHOICES = ("fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin")
+QUANTIZED_WEIGHTS_CHOICES = ("auto", "keep", "dequantize")
+QUANTIZATION_HELP = ("the checkpoint's quantization format, as vLLM's flag (default: read from its config.json "
+                     "quantization_config; a value that disagrees with the checkpoint exits 2)")
+QUANTIZED_WEIGHTS_HELP = ("what a quantized checkpoint's linears become: auto (kept quantized on CUDA, dequantized "
+                          "once at load into --dtype on the CPU, where that is faster and exact), keep, dequantize")
 
 
 def device_arg(value: str) -> str:
@@ -21,4 +28,13 @@ def add_device_flags(p: argparse._ActionsContainer, defaults: Any) -> None:
     p.add_argument("--device", type=device_arg, default=defaults.device,
                    help="where the model runs: auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=defaults.dtype,
-                   help="weights' dtype; auto: the checkpoint's own (config.json dtype), float32 if it names none")
+                   help="weights' dtype (of what a quantized checkpoint leaves unquantized, and what its weights "
+                        "dequantize to); auto: the checkpoint's own (config.json dtype), float32 if it names none")
+
+
+def add_quant_flags(p: argparse._ActionsContainer, defaults: Any) -> None:
+    """The decoder's (and the launcher's, passed on) flags for quantized checkpoints."""
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=defaults.quantization,
+                   help=QUANTIZATION_HELP)
+    p.add_argument("--quantized-weights", choices=QUANTIZED_WEIGHTS_CHOICES, default=defaults.quantized_weights,
+                   help=QUANTIZED_WEIGHTS_HELP)

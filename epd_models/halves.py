@@ -1,7 +1,7 @@
 """The two halves of a VLM, each loaded from the same checkpoint without the other's weights."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,8 @@ from epd_models.audio import AudioClip, no_audio
 from epd_models.base import FamilyAdapter
 from epd_models.meta import meta_parameters
 from epd_models.processors import load_processor, register_processors
+from epd_models.quant.apply import QuantLoad
+from epd_models.quant.scheme import read_scheme
 from epd_models.registry import adapter_for, load_config
 from epd_models.splice import merge_image_embeds
 from epd_models.video import DEFAULT_MAX_BYTES, VIDEO_FAMILIES, VideoClip, VideoSettings, video_settings
@@ -81,7 +83,9 @@ class VisionHalf:
         self.device = resolve_device(device)
         self.dtype = _dtype(self.config, dtype)
         self.module = self.adapter.build_vision(self.config).eval()
-        load_half(self.module, self.model_dir, self.adapter, vision=True, assign=True)
+        # a quantized tower (where a checkpoint has one) is dequantized: the encoder is compute-bound, not memory-bound
+        self.quant = QuantLoad(read_scheme(self.model_dir), self.dtype, self.device, mode="dequantize")
+        load_half(self.module, self.model_dir, self.adapter, vision=True, assign=True, transform=self.quant(self.module))
         missing = meta_parameters(self.module)
         if missing:
             raise ValueError(f"checkpoint {self.model_dir} lacks vision weights: {missing[:5]}")
@@ -182,10 +186,13 @@ class VisionHalf:
 
 
 class LanguageHalf:
-    """The LM (embeddings, decoder layers, lm_head) only; vision tensors are never read from disk."""
+    """The LM (embeddings, decoder layers, lm_head) only; vision tensors are never read from disk.
+
+    `quantized`: what a quantized checkpoint's linears become (epd_models/quant/apply.py): "auto" (kept quantized on
+    CUDA, dequantized once into `dtype` elsewhere), "keep" or "dequantize"."""
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype | str | None = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", quantized: str = "auto"):
         self.model_dir = Path(model_dir)
         self.config = load_config(self.model_dir)
         self.adapter = adapter_for(self.config)
@@ -194,7 +201,9 @@ class LanguageHalf:
         # NOTE: parameters on meta until loaded (as the vision half's): a random init of a 7B LM costs over a
         # minute of one CPU core (bf16 normal_ is single-threaded), and every value would be overwritten
         self.module = self.adapter.build_language(self.config).eval()
-        load_half(self.module, self.model_dir, self.adapter, vision=False, assign=True)
+        self.quant = QuantLoad(read_scheme(self.model_dir), self.dtype, self.device, mode=quantized)
+        load_half(self.module, self.model_dir, self.adapter, vision=False, assign=True,
+                  transform=self.quant(self.module))
         # transformers' rule, not the text config's flag: composite checkpoints may say one thing at each level
         tie_loaded(self.module, tied_pairs(self.config, self.module.language_model, self.adapter.normalize_key))
         missing = meta_parameters(self.module)
@@ -261,12 +270,13 @@ def loaded_summary(module: torch.nn.Module) -> dict[str, object]:
 
 
 def load_half(module: torch.nn.Module, model_dir: Path, adapter: FamilyAdapter, vision: bool,
-              assign: bool = False) -> list[str]:
+              assign: bool = False, transform: Callable[[dict[str, torch.Tensor]], None] | None = None) -> list[str]:
     """Load one half's tensors; returns the module keys the checkpoint did not supply."""
     prefixes, skip = adapter.vision_prefixes, adapter.spec.skip_prefixes
     return load_filtered(
         module, model_dir, rename=adapter.normalize_key,
         keep=lambda name: name.startswith(prefixes) == vision and not (skip and name.startswith(skip)), assign=assign,
+        transform=transform,
     )
 
 

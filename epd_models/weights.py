@@ -27,11 +27,12 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 def load_filtered(
     module: nn.Module, model_dir: Path, rename: Callable[[str], str], keep: Callable[[str], bool],
-    assign: bool = False,
+    assign: bool = False, transform: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> list[str]:
     """Load the kept (renamed) checkpoint tensors into module; others are never read from disk.
 
-    `assign`: the tensors replace the module's (a module built with its parameters on meta)."""
+    `assign`: the tensors replace the module's (a module built with its parameters on meta). `transform`: edits
+    the renamed tensors (and may swap modules) before they load: quantized linears (epd_models/quant)."""
     wanted: dict[Path, dict[str, str]] = {}  # file -> {disk key: module key}
     for key, path in checkpoint_files(model_dir).items():
         name = rename(key)
@@ -42,6 +43,8 @@ def load_filtered(
         with safe_open(str(path), framework="pt") as f:  # memory-mapped: skipped keys cost nothing
             for key, name in keys.items():
                 state[name] = f.get_tensor(key)
+    if transform is not None:
+        transform(state)
     missing, unexpected = module.load_state_dict(state, strict=False, assign=assign)
     if unexpected:
         raise ValueError(f"checkpoint keys with no place in the {type(module).__name__}: {unexpected[:5]}")

@@ -9,6 +9,7 @@ import pytest
 from epd_builders.tiny import FAMILIES, TinySpec, build_tiny
 from epd_models.processors import register_processors
 from tests.ports import PortHolds
+from tests.quant_models import QuantModels
 
 register_processors()
 
@@ -40,6 +41,12 @@ class TinyModels(dict[str, Path]):
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return TinyModels(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def quant_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> QuantModels:
+    """(family, format) -> (quantized checkpoint, its dequantized twin), built on first use."""
+    return QuantModels(tmp_path_factory.mktemp("quant"))
 
 
 @pytest.fixture

@@ -1,0 +1,69 @@
+"""One half's quantized linears at load time: dequantized once into the compute dtype (the CPU default: exact
+against the dequantized twin), or kept quantized and run through quantized kernels (linear.py; the CUDA default).
+Experts published one tensor per expert are dequantized and fused into the model's expert parameters either way
+(no fused FP8 expert kernel is in torch 2.13: the bytes they hold are counted as such)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from epd_models.experts import PER_EXPERT, fuse_experts
+from epd_models.quant.forms import Form
+from epd_models.quant.linear import quant_linear
+from epd_models.quant.load import dequantize_into, take_quantized
+from epd_models.quant.scheme import QuantError, QuantScheme
+
+MODES = ("auto", "dequantize", "keep")
+
+
+@dataclass
+class QuantLoad:
+    """The transform `load_filtered` calls for one half, and what it did (for the log and /health)."""
+
+    scheme: QuantScheme | None
+    dtype: torch.dtype
+    device: torch.device
+    mode: str = "auto"  # auto: keep on CUDA, dequantize elsewhere
+    kept: int = 0
+    dequantized: int = 0
+    kernels: set[str] = field(default_factory=set)
+
+    @property
+    def keeps(self) -> bool:
+        return self.mode == "keep" or (self.mode == "auto" and self.device.type == "cuda")
+
+    def __call__(self, module: nn.Module) -> Any:
+        def transform(state: dict[str, torch.Tensor]) -> None:
+            forms = take_quantized(state, self.scheme)
+            params = {name: p.shape for name, p in module.named_parameters()}
+            kept = {p: f for p, f in forms.items() if self.keeps and not PER_EXPERT.fullmatch(f"{p}.weight")}
+            for prefix, form in kept.items():
+                self._swap(module, prefix, form, state.pop(f"{prefix}.bias", None))
+            rest = {p: f for p, f in forms.items() if p not in kept}
+            dequantize_into(state, rest, self.dtype, params.get)
+            fuse_experts(state, params)
+            self.kept, self.dequantized = len(kept), len(rest)
+        return transform
+
+    def _swap(self, module: nn.Module, prefix: str, form: Form, bias: torch.Tensor | None) -> None:
+        parent, _, name = prefix.rpartition(".")
+        old = module.get_submodule(prefix)
+        if not isinstance(old, nn.Linear) or tuple(old.weight.shape) != tuple(form.shape):
+            raise QuantError(f"tensor {prefix}: quantized weight {list(form.shape)} has no linear of that shape "
+                             f"in the model ({type(old).__name__})")
+        new = quant_linear(form, None if bias is None else bias.to(self.dtype), self.device)
+        self.kernels.add(getattr(new, "kernel", type(new).__name__))
+        setattr(module.get_submodule(parent) if parent else module, name, new)
+
+    def summary(self) -> dict[str, Any] | None:
+        """What /health reports as model_identity["quantization"] (None: an unquantized checkpoint)."""
+        if self.scheme is None:
+            return None
+        how = "kept quantized" if self.kept and not self.dequantized else (
+            f"dequantized to {str(self.dtype).removeprefix('torch.')} at load" if not self.kept else "mixed")
+        return {"method": self.scheme.method, "format": self.scheme.label, "weights": how,
+                "quantized_linears": self.kept + self.dequantized, "kept": self.kept,
+                "dequantized": self.dequantized}

@@ -1,0 +1,115 @@
+"""A quantized checkpoint, served, gives exactly the tokens and logprobs of its dequantized twin (on the CPU the
+linears are dequantized once at load into the compute dtype, epd_models/quant/apply.py): greedy and seeded, with an
+image, and with a video where the family takes one. The twin is written by the builder's own dequantization
+(epd_builders/quantize.py, the compressed-tensors library's for its formats), not the loader's.
+
+Bit-exact needs the same memory alignment: the twin's weights as loaded are memory-mapped from its safetensors file
+(64-byte alignment offset 40 here), the dequantized weights are fresh allocations (offset 0), and oneDNN/MKL's
+float32 GEMM takes another path for another alignment (measured: the twin against itself with its weights copied
+to fresh memory differs in the last bit of a logprob, 1e-6, same tokens). So both are compared with every weight in
+fresh memory (bit for bit), and against the twin as loaded (the same tokens, logprobs within 1e-5)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoder_service.prompt import Prompt, build_prompt
+from decoder_service.shell import Engine
+from epd_builders.quantize import FORMATS
+from epd_contracts.embeddings import ImageFeatures
+from epd_contracts.sampling import SamplingParams
+from epd_models.chat import chat_template, render
+from epd_models.halves import LanguageHalf, VisionHalf
+from tests.decoder_service.engine_run import Result, greedy, make_engine, run
+from tests.factories import make_image, through_connector
+from tests.quant_models import QuantModels
+
+CASES = [("qwen2_5_vl", fmt) for fmt in FORMATS] + [("qwen3_vl", "fp8"), ("llava", "awq")]
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+def _features(twin: Path, family: str) -> list[list[ImageFeatures]]:
+    """Per prompt: no item, one image, and (video families) one video, as they reach a decoder."""
+    vision = VisionHalf(twin)
+    items: list[list[ImageFeatures]] = [[], through_connector(vision.encode([make_image(224, 224, "red")]))]
+    if family in VIDEO_FAMILIES:
+        frames = [make_image(64, 64, colour) for colour in ("red", "green", "blue", "white")]
+        items.append(through_connector([vision.encode_video(frames, fps=2.0)]))
+    return items
+
+
+def _prompt(engine: Engine, feats: list[ImageFeatures]) -> Prompt:
+    parts = [{"type": "video" if f.is_video else "image"} for f in feats]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "describe the picture"}]}]
+    ids = render(engine.lm.tokenizer, messages, chat_template(engine.lm.tokenizer, engine.lm.model_dir))
+    return build_prompt(engine.lm, ids, feats)
+
+
+def _answers(engine: Engine, items: list[list[ImageFeatures]]) -> list[Result]:
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=3)
+    # one at a time: a step's batch shape follows when each job arrives, and a batch of other shape may round the
+    # last bit of a logprob differently (tests/e2e compare batched answers within 1e-4); alone, each is bit-exact
+    return [run(engine, [(_prompt(engine, feats), params)])[0] for feats in items
+            for params in (greedy(logprobs=2), seeded)]
+
+
+def _seen(results: list[Result]) -> list[tuple[str, list]]:
+    """Each answer's text and its tokens' logprob entries (how they are grouped into deltas follows timing)."""
+    return [(r.text, [lp for e in r.events if e.type == "delta" for lp in e.logprobs or []]) for r in results]
+
+
+@pytest.mark.parametrize(("family", "fmt"), CASES)
+def test_quantized_serves_exactly_as_its_dequantized_twin(quant_model_dirs: QuantModels, family: str,
+                                                           fmt: str) -> None:
+    quant, twin = quant_model_dirs[family, fmt]
+    items = _features(twin, family)
+    lm = LanguageHalf(quant)
+    summary = lm.quant.summary()
+    assert summary is not None and summary["dequantized"] > 0 and summary["kept"] == 0
+    # fresh: the quantized checkpoint's unquantized tensors (lm_head, embeddings) are memory-mapped too
+    got = _seen(_answers(make_engine(quant, _fresh(lm), max_model_len=1024), items))
+    assert got == _seen(_answers(make_engine(twin, _fresh(LanguageHalf(twin)), max_model_len=1024), items))
+    mapped = _seen(_answers(make_engine(twin, max_model_len=1024), items))
+    assert [text for text, _ in got] == [text for text, _ in mapped]
+    assert [lp.logprob for _, lps in got for lp in lps] == pytest.approx(
+        [lp.logprob for _, lps in mapped for lp in lps], abs=1e-5)
+    assert len({text for text, _ in got}) > 2, "degenerate answers: the comparison would prove little"
+
+
+def _fresh(lm: LanguageHalf) -> LanguageHalf:
+    """The half with its weights copied out of the memory-mapped file into fresh (aligned) memory."""
+    with torch.no_grad():
+        for p in lm.module.parameters():
+            p.data = p.data.clone()
+    return lm
+
+
+def test_quantized_linears_hold_their_format_bytes(quant_model_dirs: QuantModels) -> None:
+    """Kept quantized (the CUDA default, run here through the CPU kernels), an int4 LM's linears hold about a
+    quarter of their float32 bytes... of the dequantized twin's; the memory plan counts what is held."""
+    from decoder_service.engine.memory_plan import module_bytes
+
+    quant, twin = quant_model_dirs["qwen2_5_vl", "awq"]
+    kept, dense = LanguageHalf(quant, quantized="keep"), LanguageHalf(twin)
+    assert kept.quant.summary()["kept"] == 14  # type: ignore[index]
+    layers = lambda half: module_bytes(half.module.language_model.layers)  # noqa: E731
+    assert layers(kept) < layers(dense) / 4
+    assert module_bytes(kept.module) < module_bytes(dense.module)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kept_quantized_linears_agree_with_dequantized(quant_model_dirs: QuantModels, fmt: str) -> None:
+    """The kernels the CUDA path runs (FP8 scaled matmul with per-token activation scales; tinygemm int4), here on
+    the CPU: each linear's output within the activations' quantization error of the dequantized weight's.
+    Bound: FP8 e4m3 activations carry a relative error of 2^-4 per element, int4's tinygemm takes bf16 activations
+    (2^-8); a dot product of such errors stays below 6 % (FP8) and 2 % (bf16) of the output's scale."""
+    quant, _ = quant_model_dirs["qwen2_5_vl", fmt]
+    kept, dense = LanguageHalf(quant, quantized="keep"), LanguageHalf(quant, quantized="dequantize")
+    bound = 0.06 if fmt in ("fp8", "ct-fp8") else 0.02
+    for name in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"):
+        a, b = (half.module.language_model.layers[0].get_submodule(name) for half in (kept, dense))
+        inp = torch.randn(5, b.in_features, generator=torch.Generator().manual_seed(1))
+        got, want = a(inp), b(inp)
+        assert (got - want).abs().max() <= bound * want.abs().max(), (name, type(a).__name__)
