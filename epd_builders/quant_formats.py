@@ -43,6 +43,30 @@ def fp8_block(w: torch.Tensor, block: int) -> Quantized:
     return Quantized({"weight": q, "weight_scale_inv": scale_inv}, deq.contiguous())
 
 
+def fp8_experts(fused: torch.Tensor, down: bool, dims: tuple[int, int],
+                block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """FP8 MoE releases store one tensor per expert: `{e}.{gate,up,down}_proj.weight` (+ `weight_scale_inv`),
+    each [out, in] like an nn.Linear. The fused tensor may come in either orientation (transformers' own loader
+    takes both, transposing only when the shape differs from its parameter's): transformers' [E, 2*inter, hidden]
+    / [E, hidden, inter] (what it saves), or the original releases' transpose; gate rows come before up rows.
+    Returns the per-expert tensors and the dequantized fused tensor (float32, the input's orientation)."""
+    hidden, inter = dims
+    linear_shape = (hidden, inter) if down else (2 * inter, hidden)
+    transposed = tuple(fused.shape[1:]) != linear_shape
+    rt = fused.transpose(1, 2) if transposed else fused
+    if tuple(rt.shape[1:]) != linear_shape:
+        raise ValueError(f"fused experts {list(fused.shape)} fit neither orientation of {linear_shape}")
+    parts = {"down_proj": slice(None)} if down else {"gate_proj": slice(0, inter), "up_proj": slice(inter, None)}
+    deq = torch.empty(rt.shape, dtype=torch.float32)
+    out: dict[str, torch.Tensor] = {}
+    for e in range(rt.shape[0]):
+        for name, rows in parts.items():
+            res = fp8_block(rt[e][rows], block)
+            out.update({f"{e}.{name}.{local}": t.contiguous() for local, t in res.tensors.items()})
+            deq[e][rows] = res.dequant
+    return out, (deq.transpose(1, 2) if transposed else deq).contiguous()
+
+
 def _to_int32(x: torch.Tensor) -> torch.Tensor:
     """Reinterpret non-negative int64 values < 2**32 as the int32 with the same bits (packed words use bit 31)."""
     return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)

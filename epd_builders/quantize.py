@@ -42,9 +42,10 @@ def build_quantized(src: Path, fmt: str, out: Path, twin: Path, group_size: int 
         _copy_tree(src, d)
     scheme = qf.ct_scheme(fmt, group) if fmt.startswith("ct-") else None
     experts = _moe_experts(shapes, prefix) if fmt == "fp8" else set()
+    dims = _moe_dims(src) if experts else (0, 0)
     renamed: dict[str, list[str]] = {}
     for shard in sorted(src.glob("*.safetensors")):
-        renamed.update(_convert_shard(shard, fmt, group, scheme, targets, experts, out, twin))
+        renamed.update(_convert_shard(shard, fmt, group, scheme, targets, experts, out, twin, dims))
     skipped = skip_list(shapes, prefix, targets | experts)
     _fix_index(out, renamed)
     _write_config(out, fmt, group, scheme, skipped, ct_ignore(skipped, shapes, prefix))
@@ -124,7 +125,7 @@ def _copy_tree(src: Path, dst: Path) -> None:
 
 
 def _convert_shard(shard: Path, fmt: str, group: int, scheme: object, targets: set[str], experts: set[str],
-                   out: Path, twin: Path) -> dict[str, list[str]]:
+                   out: Path, twin: Path, moe_dims: tuple[int, int] = (0, 0)) -> dict[str, list[str]]:
     """Rewrite one shard into out (quantized) and twin (dequantized); return {replaced key: its new keys}."""
     with safe_open(shard, "pt") as f:
         meta = f.metadata()
@@ -142,7 +143,7 @@ def _convert_shard(shard: Path, fmt: str, group: int, scheme: object, targets: s
         renamed[key] = list(new)
         q_twin[key] = res.dequant.to(tensors[key].dtype)
     for key in sorted(experts & tensors.keys()):
-        renamed[key] = _split_experts(key, tensors, group, q_out, q_twin)
+        renamed[key] = _split_experts(key, tensors, group, moe_dims, q_out, q_twin)
     save_file(q_out, out / shard.name, metadata=meta)
     save_file(q_twin, twin / shard.name, metadata=meta)
     return renamed
@@ -158,28 +159,22 @@ def _quantize(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, group: int, 
     return qf.ct_compress(w, fmt, scheme)
 
 
-def _split_experts(key: str, tensors: dict[str, torch.Tensor], block: int, q_out: dict[str, torch.Tensor],
-                   q_twin: dict[str, torch.Tensor]) -> list[str]:
-    """FP8 MoE releases store one tensor per expert: `experts.{e}.{gate,up,down}_proj.weight` (+ scale_inv).
-    The fused tensors are on disk transposed relative to nn.Linear: gate_up_proj [E, hidden, 2*inter] (gate
-    columns first), down_proj [E, inter, hidden]; the twin keeps the fused layout with dequantized values."""
-    fused = tensors[key]
+def _split_experts(key: str, tensors: dict[str, torch.Tensor], block: int, dims: tuple[int, int],
+                   q_out: dict[str, torch.Tensor], q_twin: dict[str, torch.Tensor]) -> list[str]:
+    """Replace a fused expert tensor by one FP8 tensor per expert in out, by its dequantized values in the twin."""
     base = key.rsplit(".", 1)[0]
-    parts = {"gate_proj": slice(0, fused.shape[2] // 2), "up_proj": slice(fused.shape[2] // 2, None)}
-    if key.endswith("down_proj"):
-        parts = {"down_proj": slice(None)}
-    deq = torch.empty_like(fused, dtype=torch.float32)
-    new = []
-    for e in range(fused.shape[0]):
-        for name, cols in parts.items():
-            res = qf.fp8_block(fused[e][:, cols].t(), block)
-            for local, t in res.tensors.items():
-                q_out[f"{base}.{e}.{name}.{local}"] = t.contiguous()
-                new.append(f"{base}.{e}.{name}.{local}")
-            deq[e][:, cols] = res.dequant.t()
+    per_expert, deq = qf.fp8_experts(tensors[key], key.endswith("down_proj"), dims, block)
     del q_out[key]
-    q_twin[key] = deq.to(fused.dtype)
-    return new
+    q_out.update({f"{base}.{name}": t for name, t in per_expert.items()})
+    q_twin[key] = deq.to(tensors[key].dtype)
+    return [f"{base}.{name}" for name in per_expert]
+
+
+def _moe_dims(src: Path) -> tuple[int, int]:
+    """(hidden, expert intermediate) of the text model, which fix the fused experts' orientation."""
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return int(text["hidden_size"]), int(text["moe_intermediate_size"])
 
 
 def _fix_index(out: Path, renamed: dict[str, list[str]]) -> None:

@@ -12,6 +12,7 @@ Error bounds (round-to-nearest, so half a quantization step):
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from epd_builders.quantize import FORMATS, build_quantized, main
+from epd_builders.tiny import FAMILIES as TINY_FAMILIES
 from epd_builders.tiny import TinySpec, build_tiny
 
 GROUP = 32
@@ -238,3 +240,50 @@ def test_fp8_partial_tiles_and_transformers_quantizer() -> None:
     ours = fp8_block(whole, 64)
     torch.testing.assert_close(ours.tensors["weight_scale_inv"], theirs["x.weight_scale_inv"], rtol=2**-23, atol=0)
     torch.testing.assert_close(ours.dequant, theirs["x.weight"].float() * full[:64, :192], rtol=2**-4, atol=0)
+
+
+def _transposed_copy(src: Path, dst: Path) -> Path:
+    """src with its fused expert tensors in the original releases' orientation ([E, hidden, 2*inter] ...)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(src / "model.safetensors")
+    save_file({k: t.transpose(1, 2).contiguous() if ".experts." in k else t for k, t in sd.items()},
+              dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.skipif("qwen3_vl_moe" not in TINY_FAMILIES, reason="no tiny qwen3_vl_moe builder")
+def test_fp8_moe_experts_one_tensor_each(built: Built, tmp_path: Path) -> None:
+    """FP8 MoE: each expert's gate/up/down as its own [out, in] FP8 tensor + scale grid, from either orientation of
+    the fused tensors; the router and everything else untouched; the twin keeps the fused tensors, dequantized."""
+    src_dir = built.source("qwen3_vl_moe")
+    text = json.loads((src_dir / "config.json").read_text())["text_config"]
+    hidden, inter = text["hidden_size"], text["moe_intermediate_size"]
+    runs = {}
+    for name, d in (("as saved", src_dir), ("transposed", _transposed_copy(src_dir, tmp_path / "t"))):
+        build_quantized(d, "fp8", tmp_path / f"{name}-q", tmp_path / f"{name}-tw", group_size=GROUP)
+        runs[name] = load_file(tmp_path / f"{name}-q" / "model.safetensors")
+    assert set(runs["as saved"]) == set(runs["transposed"])
+    assert all(torch.equal(runs["as saved"][k].float(), runs["transposed"][k].float()) for k in runs["as saved"])
+    src, q = load_file(src_dir / "model.safetensors"), runs["as saved"]
+    tw = load_file(tmp_path / "as saved-tw" / "model.safetensors")
+    assert set(tw) == set(src)
+    fused = [k for k in src if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert fused and not any(k in q for k in fused)
+    for key in fused:
+        base, down = key.rsplit(".", 1)[0], key.endswith("down_proj")
+        assert list(src[key].shape[1:]) == ([hidden, inter] if down else [2 * inter, hidden])  # as saved: [out, in]
+        for e in range(src[key].shape[0]):
+            rows = {"down_proj": src[key][e]} if down else {"gate_proj": src[key][e][:inter],
+                                                           "up_proj": src[key][e][inter:]}
+            got = []
+            for name, w in rows.items():
+                deq, bound = _dequant("fp8", q, f"{base}.{e}.{name}", w.float())
+                assert ((deq - w).abs() <= bound * (1 + 1e-5) + 1e-7).all()
+                got.append(deq)
+            assert torch.equal(tw[key][e], torch.cat(got))
+    routers = [k for k in src if k.endswith("mlp.gate.weight")]
+    assert routers and all(torch.equal(q[k], src[k]) and torch.equal(tw[k], src[k]) for k in routers)
+    qc = json.loads((tmp_path / "as saved-q" / "config.json").read_text())["quantization_config"]
+    assert {k.removesuffix(".weight") for k in routers} <= set(qc["modules_to_not_convert"])
