@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from epd_models.experts import PER_EXPERT, fuse_experts
-from epd_models.quant.forms import Form
+from epd_models.quant.experts import PROJECTIONS, Fp8Experts
+from epd_models.quant.forms import Form, Fp8Weight
 from epd_models.quant.linear import quant_linear
 from epd_models.quant.load import dequantize_into, take_quantized
 from epd_models.quant.scheme import QuantError, QuantScheme
@@ -39,24 +40,53 @@ class QuantLoad:
         def transform(state: dict[str, torch.Tensor]) -> None:
             forms = take_quantized(state, self.scheme)
             params = {name: p.shape for name, p in module.named_parameters()}
-            kept = {p: f for p, f in forms.items() if self.keeps and not PER_EXPERT.fullmatch(f"{p}.weight")}
-            for prefix, form in kept.items():
-                self._swap(module, prefix, form, state.pop(f"{prefix}.bias", None))
+            kept = self._keep_experts(module, forms) if self.keeps else set()
+            for prefix, form in forms.items():
+                if self.keeps and prefix not in kept and not PER_EXPERT.fullmatch(f"{prefix}.weight") and \
+                        self._swap(module, prefix, form, state.get(f"{prefix}.bias")):
+                    state.pop(f"{prefix}.bias", None)
+                    kept.add(prefix)
             rest = {p: f for p, f in forms.items() if p not in kept}
             dequantize_into(state, rest, self.dtype, params.get)
             fuse_experts(state, params)
             self.kept, self.dequantized = len(kept), len(rest)
         return transform
 
-    def _swap(self, module: nn.Module, prefix: str, form: Form, bias: torch.Tensor | None) -> None:
+    def _keep_experts(self, module: nn.Module, forms: dict[str, Form]) -> set[str]:
+        """FP8 experts published one tensor per expert -> one Fp8Experts module per layer; the prefixes it took."""
+        layers: dict[str, dict[int, dict[str, Fp8Weight]]] = {}
+        for prefix, form in forms.items():
+            m = PER_EXPERT.fullmatch(f"{prefix}.weight")
+            if m and isinstance(form, Fp8Weight):
+                layers.setdefault(m["base"], {}).setdefault(int(m["e"]), {})[m["proj"]] = form
+        taken: set[str] = set()
+        for base, experts in layers.items():
+            ordered = [experts.get(e, {}) for e in range(len(experts))]
+            if any(set(e) != set(PROJECTIONS) for e in ordered):
+                continue  # incomplete: fuse_experts names what is missing
+            parent, _, name = base.rpartition(".")
+            act_fn = getattr(module.get_submodule(base), "act_fn")  # transformers' expert modules carry it
+            new = Fp8Experts(ordered, act_fn, self.device)
+            setattr(module.get_submodule(parent), name, new)
+            taken |= {f"{base}.{e}.{p}" for e in range(len(ordered)) for p in PROJECTIONS}
+            self.kernels.add("fp8_experts")
+        return taken
+
+    def _swap(self, module: nn.Module, prefix: str, form: Form, bias: torch.Tensor | None) -> bool:
+        """Replace the linear at `prefix` by its quantized kernel module; False where the kernel cannot take this
+        weight (GPTQ act-order groups, a shape tinygemm refuses): that linear is dequantized instead."""
         parent, _, name = prefix.rpartition(".")
         old = module.get_submodule(prefix)
         if not isinstance(old, nn.Linear) or tuple(old.weight.shape) != tuple(form.shape):
             raise QuantError(f"tensor {prefix}: quantized weight {list(form.shape)} has no linear of that shape "
                              f"in the model ({type(old).__name__})")
-        new = quant_linear(form, None if bias is None else bias.to(self.dtype), self.device)
+        try:
+            new = quant_linear(form, None if bias is None else bias.to(self.dtype), self.device)
+        except (ValueError, RuntimeError):
+            return False
         self.kernels.add(getattr(new, "kernel", type(new).__name__))
         setattr(module.get_submodule(parent) if parent else module, name, new)
+        return True
 
     def summary(self) -> dict[str, Any] | None:
         """What /health reports as model_identity["quantization"] (None: an unquantized checkpoint)."""

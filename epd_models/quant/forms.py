@@ -28,7 +28,7 @@ class Fp8Weight:
 
     @property
     def held_bytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        return fp8_bytes(self.q.shape[0], self.q.shape[1], self.block)
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,23 @@ class Int4Weight:
 
     @property
     def held_bytes(self) -> int:
-        """As published (two values per byte), with a 16-bit scale and zero per group: what the kernels hold."""
-        return self.q.numel() // 2 + self.scale.numel() * 2 * 2
+        return int4_bytes(self.q.shape[0], self.q.shape[1], self.group_size)
 
 
 Form = Fp8Weight | Int4Weight
+
+
+def fp8_bytes(out: int, inn: int, block: tuple[int, int]) -> int:
+    """What an FP8 linear holds kept quantized: a byte per weight and a float32 scale per block (a per-channel
+    scale is a block of one row)."""
+    rows, cols = block
+    return out * inn + 4 * -(-out // rows) * -(-inn // (cols or inn))
+
+
+def int4_bytes(out: int, inn: int, group: int) -> int:
+    """What an int4 linear holds kept quantized: two weights per byte, a bf16 scale and zero per group and row
+    (tinygemm's layout)."""
+    return out * inn // 2 + 4 * out * -(-inn // group)
 
 
 def unpack_nibbles(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:

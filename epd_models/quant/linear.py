@@ -57,31 +57,30 @@ class Fp8Linear(_Quantized):
         self.kernel = "unset"  # which path the first call took (gpu-check reports it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        y = None
-        if flat.is_cuda or self.block[0] == 1:
-            try:
-                y = self._scaled(flat)
-                self.kernel = "scaled_mm" if self.block[0] == 1 else "scaled_mm_blockwise"
-            except (RuntimeError, NotImplementedError):
-                y = None
-        if y is None:
-            self.kernel = "dequantize_per_call"
-            w = Fp8Weight(self.weight_q, self.weight_scale, self.block).dequantize(x.dtype)
-            y = F.linear(flat, w)
+        y, self.kernel = fp8_mm(x.reshape(-1, self.in_features), self.weight_q, self.weight_scale, self.block)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _scaled(self, flat: torch.Tensor) -> torch.Tensor:
-        rows, cols = self.block
-        if rows == 1:  # per channel: row-wise scales on both sides
-            xq, xs = quantize_rows(flat)
-            return torch._scaled_mm(xq, self.weight_q.t(), scale_a=xs, scale_b=self.weight_scale.t(),
-                                    out_dtype=flat.dtype)
-        xq, xs = quantize_rows(flat, cols)  # (M, K / cols) scales
-        return F.scaled_mm(xq, self.weight_q.t(), xs, F.ScalingType.BlockWise1x128, self.weight_scale.t(),
-                           F.ScalingType.BlockWise128x128, output_dtype=flat.dtype)
+
+def fp8_mm(flat: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, str]:
+    """flat (M, K) @ W.T for the FP8 weight (q, scale, block), and the path taken (module docstring)."""
+    if flat.is_cuda or block[0] == 1:
+        try:
+            return _scaled(flat, q, scale, block), "scaled_mm" if block[0] == 1 else "scaled_mm_blockwise"
+        except (RuntimeError, NotImplementedError):
+            pass
+    return F.linear(flat, Fp8Weight(q, scale, block).dequantize(flat.dtype)), "dequantize_per_call"
+
+
+def _scaled(flat: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = block
+    if rows == 1:  # per channel: row-wise scales on both sides
+        xq, xs = quantize_rows(flat)
+        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.t(), out_dtype=flat.dtype)
+    xq, xs = quantize_rows(flat, cols)  # (M, K / cols) scales
+    return F.scaled_mm(xq, q.t(), xs, F.ScalingType.BlockWise1x128, scale.t(), F.ScalingType.BlockWise128x128,
+                       output_dtype=flat.dtype)
 
 
 class Int4Linear(_Quantized):

@@ -26,8 +26,8 @@ from tests.decoder_service.engine_run import Result, greedy, make_engine, run
 from tests.factories import make_image, through_connector
 from tests.quant_models import QuantModels
 
-CASES = [("qwen2_5_vl", fmt) for fmt in FORMATS] + [("qwen3_vl", "fp8"), ("llava", "awq")]
-VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+CASES = [("qwen2_5_vl", fmt) for fmt in FORMATS] + [("qwen3_vl", "fp8"), ("qwen3_vl_moe", "fp8"), ("llava", "awq")]
+VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def _features(twin: Path, family: str) -> list[list[ImageFeatures]]:
@@ -113,3 +113,21 @@ def test_kept_quantized_linears_agree_with_dequantized(quant_model_dirs: QuantMo
         inp = torch.randn(5, b.in_features, generator=torch.Generator().manual_seed(1))
         got, want = a(inp), b(inp)
         assert (got - want).abs().max() <= bound * want.abs().max(), (name, type(a).__name__)
+
+
+def test_fp8_experts_stay_fp8_and_agree_with_dequantized(quant_model_dirs: QuantModels) -> None:
+    """Qwen3-VL-MoE's FP8 release layout (one FP8 tensor per expert), kept quantized: every layer's experts are one
+    Fp8Experts module holding FP8 bytes, and a prompt's logits match the dequantized model's (this CPU runs the
+    dequantize-per-call path, the same values as dequantized once: 1e-4 of the logits' scale covers the expert
+    loop's other summation order)."""
+    from epd_models.quant.experts import Fp8Experts
+
+    quant, _ = quant_model_dirs["qwen3_vl_moe", "fp8"]
+    kept, dense = LanguageHalf(quant, quantized="keep"), LanguageHalf(quant, quantized="dequantize")
+    experts = [m for m in kept.module.modules() if isinstance(m, Fp8Experts)]
+    assert len(experts) == kept.config.get_text_config().num_hidden_layers
+    assert all(e.gate_proj_q.dtype == torch.float8_e4m3fn for e in experts)
+    ids = kept.tokenizer("describe the picture", return_tensors="pt").input_ids
+    logits = [half.module.lm_head(half.module.language_model(input_ids=ids).last_hidden_state)
+              for half in (kept, dense)]
+    assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()
