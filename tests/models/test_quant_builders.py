@@ -18,11 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from epd_builders import tiny
 from epd_builders.quantize import FORMATS, build_quantized, main
-from epd_builders.tiny import FAMILIES as TINY_FAMILIES
-from epd_builders.tiny import TinySpec, build_tiny
 
 GROUP = 32
 FAMILIES = ("qwen2_5_vl", "llava")
@@ -31,20 +30,20 @@ VISION = ("visual.", "vision_tower.", "multi_modal_projector.")
 
 
 class Built(dict[tuple[str, str], tuple[Path, Path]]):
+    """(family, format) -> (quantized dir, twin dir) of tiny models with a 128-wide LM, built on first use."""
     def __init__(self, root: Path):
         super().__init__()
         self.root, self.src = root, dict[str, Path]()
 
     def source(self, family: str) -> Path:
         if family not in self.src:
-            self.src[family] = build_tiny(TinySpec(family=family, text_hidden=128, lm_scale=3.0), self.root / family)
+            spec = tiny.TinySpec(family=family, text_hidden=128, lm_scale=3.0)
+            self.src[family] = tiny.build_tiny(spec, self.root / family)
         return self.src[family]
 
     def __missing__(self, key: tuple[str, str]) -> tuple[Path, Path]:
-        family, fmt = key
-        out, twin = self.root / f"{family}-{fmt}", self.root / f"{family}-{fmt}-twin"
-        build_quantized(self.source(family), fmt, out, twin, group_size=GROUP)
-        self[key] = (out, twin)
+        self[key] = (self.root / "-".join(key), self.root / ("-".join(key) + "-twin"))
+        build_quantized(self.source(key[0]), key[1], *self[key], group_size=GROUP)
         return self[key]
 
 
@@ -135,16 +134,6 @@ def test_tensors_and_twin(built: Built, family: str, fmt: str) -> None:
     assert {f.name for f in built.source(family).iterdir()} == {f.name for f in out.iterdir()}
 
 
-def test_awq_packing_order() -> None:
-    """AWQ GEMM's interleave, on a known pattern: nibble i of word c holds output column 8c + [0,2,4,6,1,3,5,7][i]."""
-    from epd_builders.quant_formats import AWQ_ORDER, pack_cols
-
-    q = torch.arange(16).reshape(1, 16)
-    words = pack_cols(q, AWQ_ORDER)
-    assert [(int(words[0, 0]) >> (4 * i)) & 0xF for i in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
-    assert [(int(words[0, 1]) & 0xFFFFFFFF) >> (4 * i) & 0xF for i in range(8)] == [8, 10, 12, 14, 9, 11, 13, 15]
-
-
 @pytest.mark.parametrize("fmt", ["ct-fp8", "ct-w4a16"])
 def test_ct_config_validates(built: Built, fmt: str) -> None:
     """compressed-tensors parses the config block and reads the published scheme from it."""
@@ -154,15 +143,13 @@ def test_ct_config_validates(built: Built, fmt: str) -> None:
     cfg = QuantizationConfig.model_validate(qc)
     scheme = cfg.config_groups["group_0"]
     assert qc["quant_method"] == "compressed-tensors" and cfg.quantization_status == "compressed"
-    assert scheme.targets == ["Linear"] and scheme.weights.symmetric and not scheme.weights.dynamic
-    if fmt == "ct-fp8":
-        assert cfg.format == "float-quantized" and scheme.weights.type == "float" and scheme.weights.num_bits == 8
-        assert scheme.weights.strategy == "channel"
-        assert scheme.input_activations.strategy == "token" and scheme.input_activations.dynamic
-    else:
-        assert cfg.format == "pack-quantized" and scheme.weights.type == "int" and scheme.weights.num_bits == 4
-        assert scheme.weights.strategy == "group" and scheme.weights.group_size == GROUP
-        assert scheme.input_activations is None
+    w, act = scheme.weights, scheme.input_activations
+    assert scheme.targets == ["Linear"] and w.symmetric and not w.dynamic
+    fp8 = fmt == "ct-fp8"
+    assert cfg.format == scheme.format == ("float-quantized" if fp8 else "pack-quantized")
+    assert (w.type, w.num_bits, w.strategy, w.group_size) == (("float", 8, "channel", None) if fp8 else
+                                                              ("int", 4, "group", GROUP))
+    assert (act.type, act.strategy, act.dynamic, act.symmetric) == ("float", "token", True, True) if fp8 else not act
 
 
 def _load(path: Path, forward: bool = False, **kw: object) -> dict[str, torch.Tensor]:
@@ -194,14 +181,16 @@ def test_transformers_loads_like_twin(built: Built, family: str, fmt: str) -> No
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("fmt", ["ct-fp8", "ct-w4a16"])
-def test_compressed_tensors_route_honours_ignore(built: Built, fmt: str) -> None:
+def test_compressed_tensors_route_honours_ignore(built: Built, family: str, fmt: str) -> None:
     """Loaded compressed (compressed-tensors applies config_groups/ignore to transformers' module names, which
     differ from the checkpoint's), the vision tower and lm_head stay dense and the first forward's decompression
     gives the twin's weights."""
-    out, twin = built["qwen2_5_vl", fmt]
+    out, twin = built[family, fmt]
     got, want = _load(out, forward=True), _load(twin)
-    assert not any(k.startswith(("model.visual.", "lm_head.")) and "scale" in k for k in got)
+    dense = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "lm_head.")
+    assert not any(k.startswith(dense) and "scale" in k for k in got)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -209,16 +198,15 @@ def test_cli(built: Built, tmp_path: Path) -> None:
     """The CLI writes the same files as the function; abbreviations are refused."""
     main(["--src", str(built.source("llava")), "--format", "gptq", "--out", str(tmp_path / "o"),
           "--twin", str(tmp_path / "t"), "--group-size", str(GROUP)])
-    ref = load_file(built["llava", "gptq"][0] / "model.safetensors")
-    got = load_file(tmp_path / "o" / "model.safetensors")
+    ref, got = load_file(built["llava", "gptq"][0] / "model.safetensors"), load_file(tmp_path / "o" / "model.safetensors")
     assert set(ref) == set(got) and all(torch.equal(ref[k], got[k]) for k in ref)
     with pytest.raises(SystemExit):
         main(["--src", "x", "--form", "gptq", "--out", "o", "--twin", "t"])
 
 
-def test_fp8_partial_tiles_and_transformers_quantizer() -> None:
-    """Edge tiles may be partial (grid ceil(out/B) x ceil(inn/B), each tile's own amax/448); on whole tiles the
-    result is what transformers' own Fp8Quantize makes (its scale is 1/(448/amax), so allow one float32 ulp)."""
+def test_fp8_like_transformers_quantizer() -> None:
+    """On whole tiles the FP8 tensors are what transformers' own Fp8Quantize makes (its scale is 1/(448/amax)
+    rather than amax/448, so allow one float32 ulp; the e4m3 values agree exactly here)."""
     from types import SimpleNamespace
 
     from transformers import FineGrainedFP8Config
@@ -226,26 +214,15 @@ def test_fp8_partial_tiles_and_transformers_quantizer() -> None:
 
     from epd_builders.quant_formats import fp8_block
 
-    w = torch.randn(100, 200, generator=torch.Generator().manual_seed(0))
-    res = fp8_block(w, 64)
-    s = res.tensors["weight_scale_inv"]
-    assert list(s.shape) == [2, 4] and res.tensors["weight"].shape == w.shape
-    assert torch.equal(s[1, 3], w[64:, 192:].abs().amax() / 448)
-    full = s.repeat_interleave(64, 0).repeat_interleave(64, 1)[:100, :200]
-    assert torch.equal(res.dequant, res.tensors["weight"].float() * full)
-    assert ((res.dequant - w).abs() <= (2**-4 * w.abs() + 2**-10 * full) * (1 + 1e-5)).all()
-    whole = w[:64, :192].contiguous()
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
     ref = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(64, 64))))
-    theirs = ref.convert({"x.weight": whole})  # type: ignore[arg-type]
-    ours = fp8_block(whole, 64)
-    torch.testing.assert_close(ours.tensors["weight_scale_inv"], theirs["x.weight_scale_inv"], rtol=2**-23, atol=0)
-    torch.testing.assert_close(ours.dequant, theirs["x.weight"].float() * full[:64, :192], rtol=2**-4, atol=0)
+    theirs, ours = ref.convert({"x.weight": w}), fp8_block(w, 64).tensors  # type: ignore[arg-type]
+    torch.testing.assert_close(ours["weight_scale_inv"], theirs["x.weight_scale_inv"], rtol=2**-23, atol=0)
+    assert torch.equal(ours["weight"].float(), theirs["x.weight"].float())
 
 
 def _transposed_copy(src: Path, dst: Path) -> Path:
     """src with its fused expert tensors in the original releases' orientation ([E, hidden, 2*inter] ...)."""
-    from safetensors.torch import save_file
-
     shutil.copytree(src, dst)
     sd = load_file(src / "model.safetensors")
     save_file({k: t.transpose(1, 2).contiguous() if ".experts." in k else t for k, t in sd.items()},
@@ -253,7 +230,7 @@ def _transposed_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.skipif("qwen3_vl_moe" not in TINY_FAMILIES, reason="no tiny qwen3_vl_moe builder")
+@pytest.mark.skipif("qwen3_vl_moe" not in tiny.FAMILIES, reason="no tiny qwen3_vl_moe builder")
 def test_fp8_moe_experts_one_tensor_each(built: Built, tmp_path: Path) -> None:
     """FP8 MoE: each expert's gate/up/down as its own [out, in] FP8 tensor + scale grid, from either orientation of
     the fused tensors; the router and everything else untouched; the twin keeps the fused tensors, dequantized."""
@@ -287,3 +264,36 @@ def test_fp8_moe_experts_one_tensor_each(built: Built, tmp_path: Path) -> None:
     assert routers and all(torch.equal(q[k], src[k]) and torch.equal(tw[k], src[k]) for k in routers)
     qc = json.loads((tmp_path / "as saved-q" / "config.json").read_text())["quantization_config"]
     assert {k.removesuffix(".weight") for k in routers} <= set(qc["modules_to_not_convert"])
+
+
+def test_fp8_matches_compressed_tensors_dequantizer(built: Built, tmp_path: Path) -> None:
+    """compressed-tensors' FP8-block checkpoint dequantizer (which pads partial edge tiles) reproduces the twin,
+    at the published block 128 (the tiny k/v_proj are 64 x 128: one partial tile) and at GROUP."""
+    from compressed_tensors.entrypoints.convert.converters import FP8BlockDequantizer
+
+    for block in (128, GROUP):
+        out, twin = tmp_path / f"q{block}", tmp_path / f"t{block}"
+        build_quantized(built.source("qwen2_5_vl"), "fp8", out, twin, group_size=None if block == 128 else block)
+        deq = FP8BlockDequantizer.from_pretrained(out, weight_block_size=(block, block), dtype=torch.float32)
+        got, want = deq.process(load_file(out / "model.safetensors")), load_file(twin / "model.safetensors")
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), block
+
+
+def test_awq_matches_compressed_tensors_converter(built: Built) -> None:
+    """compressed-tensors' AutoAWQ converter (its own unpacking and reverse order) turns the AWQ tensors into
+    pack-quantized ones whose decompression is the twin (up to float16 rounding: it multiplies in the scales'
+    float16, the twin in float32)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.entrypoints.convert.converters import AutoAWQConverter
+
+    out, twin = built["llava", "awq"]
+    conv = AutoAWQConverter.from_autoawq_config(json.loads((out / "config.json").read_text())["quantization_config"])
+    ct = conv.process(load_file(out / "model.safetensors"))
+    scheme = conv.update_config(None).config_groups["config_group_0"]
+    want = load_file(twin / "model.safetensors")
+    modules = [k.removesuffix(".weight_packed") for k in ct if k.endswith(".weight_packed")]
+    assert len(modules) == 14
+    for m in modules:
+        local = {k.rsplit(".", 1)[1]: t for k, t in ct.items() if k.rsplit(".", 1)[0] == m}
+        w = BaseCompressor.get_value_from_registry("pack-quantized").decompress(local, scheme)["weight"]
+        torch.testing.assert_close(w.float(), want[f"{m}.weight"], rtol=2**-10, atol=0)
