@@ -178,7 +178,8 @@ def _moe_dims(src: Path) -> tuple[int, int]:
 
 
 def _fix_index(out: Path, renamed: dict[str, list[str]]) -> None:
-    """A sharded checkpoint's index maps each new tensor to the shard of the tensor it replaced."""
+    """A sharded checkpoint's index maps each new tensor to the shard of the tensor it replaced; its total_size
+    becomes the quantized tensors' bytes."""
     index = out / INDEX
     if not index.exists():
         return
@@ -188,6 +189,11 @@ def _fix_index(out: Path, renamed: dict[str, list[str]]) -> None:
         shard = wmap.pop(old)
         wmap.update({k: shard for k in new})
     data["weight_map"] = dict(sorted(wmap.items()))
+    total = 0
+    for shard in sorted(set(wmap.values())):
+        with safe_open(out / shard, "pt") as f:
+            total += sum(t.nelement() * t.element_size() for t in (f.get_tensor(k) for k in f.keys()))
+    data.setdefault("metadata", {})["total_size"] = total
     index.write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -114,7 +114,7 @@ def test_tensors_and_twin(built: Built, family: str, fmt: str) -> None:
     src = load_file(built.source(family) / "model.safetensors")
     q, tw = load_file(out / "model.safetensors"), load_file(twin / "model.safetensors")
     targets = _targets(src)
-    assert len(targets) == 14 and set(src) == set(tw)
+    assert len(targets) == 14 and set(src) == set(tw) and {k.rsplit(".", 1)[0] for k in set(q) ^ set(src)} == targets
     for key, t in src.items():
         module, leaf = key.rsplit(".", 1)
         if module in targets and (leaf == "weight" or fmt in ("awq", "gptq")):
@@ -194,31 +194,24 @@ def test_compressed_tensors_route_honours_ignore(built: Built, family: str, fmt:
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_cli(built: Built, tmp_path: Path) -> None:
-    """The CLI writes the same files as the function; abbreviations are refused."""
-    main(["--src", str(built.source("llava")), "--format", "gptq", "--out", str(tmp_path / "o"),
+def test_cli_sharded(built: Built, tmp_path: Path) -> None:
+    """The CLI writes what the function writes, from a sharded source too (the index names each new tensor's
+    shard); abbreviations are refused."""
+    src, index = load_file(built.source("llava") / "model.safetensors"), "model.safetensors.index.json"
+    shutil.copytree(built.source("llava"), tmp_path / "src", ignore=shutil.ignore_patterns("*.safetensors"))
+    halves = {"a.safetensors": sorted(src)[::2], "b.safetensors": sorted(src)[1::2]}
+    for f, keys in halves.items():
+        save_file({k: src[k] for k in keys}, tmp_path / "src" / f, metadata={"format": "pt"})
+    wmap = {k: f for f, keys in halves.items() for k in keys}
+    (tmp_path / "src" / index).write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": wmap}))
+    main(["--src", str(tmp_path / "src"), "--format", "gptq", "--out", str(tmp_path / "o"),
           "--twin", str(tmp_path / "t"), "--group-size", str(GROUP)])
-    ref, got = load_file(built["llava", "gptq"][0] / "model.safetensors"), load_file(tmp_path / "o" / "model.safetensors")
-    assert set(ref) == set(got) and all(torch.equal(ref[k], got[k]) for k in ref)
+    ref, idx = load_file(built["llava", "gptq"][0] / "model.safetensors"), json.loads((tmp_path / "o" / index).read_text())
+    shards = {f: load_file(tmp_path / "o" / f) for f in halves}
+    assert set(idx["weight_map"]) == set(ref) and all(torch.equal(ref[k], shards[f][k]) for k, f in idx["weight_map"].items())
+    assert idx["metadata"]["total_size"] == sum(t.nelement() * t.element_size() for t in ref.values())
     with pytest.raises(SystemExit):
         main(["--src", "x", "--form", "gptq", "--out", "o", "--twin", "t"])
-
-
-def test_fp8_like_transformers_quantizer() -> None:
-    """On whole tiles the FP8 tensors are what transformers' own Fp8Quantize makes (its scale is 1/(448/amax)
-    rather than amax/448, so allow one float32 ulp; the e4m3 values agree exactly here)."""
-    from types import SimpleNamespace
-
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
-
-    from epd_builders.quant_formats import fp8_block
-
-    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
-    ref = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(64, 64))))
-    theirs, ours = ref.convert({"x.weight": w}), fp8_block(w, 64).tensors  # type: ignore[arg-type]
-    torch.testing.assert_close(ours["weight_scale_inv"], theirs["x.weight_scale_inv"], rtol=2**-23, atol=0)
-    assert torch.equal(ours["weight"].float(), theirs["x.weight"].float())
 
 
 def _transposed_copy(src: Path, dst: Path) -> Path:
