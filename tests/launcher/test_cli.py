@@ -389,3 +389,22 @@ def test_worker_base_port_numbers_encoders_then_decoders_then_prefill_workers(
     kinds = [("prefill" if "prefill" in extra else role) for role, extra in group.spawned]
     assert kinds == ["encoder", "encoder", "decoder", "prefill"]
     assert group.ports == ([base, base + 1, base + 2, base + 3] if base else [0, 0, 0, 0])
+
+
+def test_quantization_goes_to_the_decoders_and_dtype_to_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's --quantization and --dtype: the launcher passes the first to each decoder (whose own check compares
+    it with the checkpoint) and --dtype to encoders and decoders alike (what a quantized checkpoint leaves
+    unquantized, on both halves); not given, neither is passed."""
+    from decoder_service.cli import parse_args as decoder_args
+    from encoder_service.cli import parse_args as encoder_args
+
+    argv = ["--num-decoders", "2", "--quantization", "awq", "--quantized-weights", "dequantize", "--dtype", "bfloat16"]
+    workers = spawned_workers(monkeypatch, argv)
+    local = lambda extra: [a for a in extra if a != "--device" and not a.startswith("cuda:")]  # noqa: E731
+    decoders = [decoder_args(local(extra)) for role, extra in workers if role == "decoder"]
+    encoders = [encoder_args(local(extra)) for role, extra in workers if role == "encoder"]
+    assert len(decoders) == 2 and encoders
+    assert {(d.quantization, d.quantized_weights, d.dtype) for d in decoders} == {("awq", "dequantize", "bfloat16")}
+    assert {e.dtype for e in encoders} == {"bfloat16"}
+    plain = spawned_workers(monkeypatch, ["--num-decoders", "1"])
+    assert not [a for _, extra in plain for a in extra if a in ("--quantization", "--quantized-weights", "--dtype")]
