@@ -131,3 +131,31 @@ def test_fp8_experts_stay_fp8_and_agree_with_dequantized(quant_model_dirs: Quant
     logits = [half.module.lm_head(half.module.language_model(input_ids=ids).last_hidden_state)
               for half in (kept, dense)]
     assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # how one asks it to dequantize
+@pytest.mark.parametrize("fmt", ["fp8", "ct-fp8", "ct-w4a16"])
+def test_logits_agree_with_transformers_loading_the_quantized_checkpoint(quant_model_dirs: QuantModels,
+                                                                         fmt: str) -> None:
+    """Where transformers 5.24 loads the format on the CPU (its FP8 and compressed-tensors loaders, dequantizing:
+    it has no CPU kernel for them either), EPD's split path gives its greedy tokens, and the first step's logits
+    within 1e-5 of their scale: both hold the same dequantized values (tests/models/test_quant_builders.py), so
+    only summation order may differ (our packed prefill against its padded batch, and memory alignment); 1e-5
+    relative is ten float32 ulps of headroom over the largest difference seen (0)."""
+    from transformers import AutoModelForImageTextToText, CompressedTensorsConfig, FineGrainedFP8Config
+
+    from decoder_service.generate import generate
+
+    quant, _ = quant_model_dirs["qwen2_5_vl", fmt]
+    cfg = FineGrainedFP8Config(dequantize=True) if fmt == "fp8" else CompressedTensorsConfig(dequantize=True)
+    theirs = AutoModelForImageTextToText.from_pretrained(quant, quantization_config=cfg).eval()
+    lm = LanguageHalf(quant)
+    ids = lm.tokenizer("describe the picture", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want_logits = theirs(input_ids=ids).logits[0, -1]
+        want = theirs.generate(input_ids=ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, ids.shape[1]:].tolist()
+        got_logits = lm.module.lm_head(lm.module.language_model(input_ids=ids).last_hidden_state)[0, -1]
+    got = list(generate(lm, build_prompt(lm, ids[0].tolist(), []), lambda x: int(torch.argmax(x)), 12, eos_ids=set()))
+    assert got == want and len(set(got)) > 1
+    assert (got_logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
