@@ -84,7 +84,8 @@ def _moe_experts(shapes: dict[str, list[int]], prefix: str) -> set[str]:
 def skip_list(shapes: dict[str, list[int]], prefix: str, done: set[str]) -> list[str]:
     """Module names (checkpoint naming) holding a linear-like 2-D/3-D weight left unquantized: a decoder-layer
     module by its full name (an MoE router), anything else by its first name component outside the LM prefix
-    (`lm_head`, `visual`, `model.visual`, `vision_tower`, `multi_modal_projector`). Embeddings are not linears."""
+    (`lm_head`, `visual`, `model.visual`, `vision_tower`, `multi_modal_projector`). Embeddings are not linears.
+    `lm_head` is always listed: with tied embeddings (gemma3) the model has that Linear but no tensor for it."""
     lm_parts = prefix.rstrip(".").split(".") if prefix else []
     names: set[str] = set()
     for key, shape in shapes.items():
@@ -97,6 +98,8 @@ def skip_list(shapes: dict[str, list[int]], prefix: str, done: set[str]) -> list
         parts = module.split(".")
         n = next((i for i, p in enumerate(parts) if i >= len(lm_parts) or p != lm_parts[i]), len(parts) - 1)
         names.add(".".join(parts[: n + 1]))
+    if not any(n.rsplit(".", 1)[-1] == "lm_head" for n in names):
+        names.add("lm_head")
     return sorted(names)
 
 
@@ -109,7 +112,7 @@ def ct_ignore(skipped: list[str], shapes: dict[str, Any], prefix: str) -> list[s
         if name.startswith(prefix + "layers."):
             pats.append(f"re:.*{re.escape(name[len(prefix):])}$")
         else:
-            leaf = f"{name}.weight" in shapes
+            leaf = f"{name}.weight" in shapes or name == "lm_head"
             pats.append(f"re:.*{re.escape(name.split('.')[-1])}" + ("$" if leaf else r"\..*"))
     return pats
 

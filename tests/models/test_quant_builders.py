@@ -181,7 +181,7 @@ def test_transformers_loads_like_twin(built: Built, family: str, fmt: str) -> No
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma3"])  # gemma3: a tied lm_head, a Linear with no tensor of its own
 @pytest.mark.parametrize("fmt", ["ct-fp8", "ct-w4a16"])
 def test_compressed_tensors_route_honours_ignore(built: Built, family: str, fmt: str) -> None:
     """Loaded compressed (compressed-tensors applies config_groups/ignore to transformers' module names, which
