@@ -1,6 +1,6 @@
 """Per-linear quantizers for epd_builders.quantize: one function per published checkpoint format.
 
-Each takes an unquantized weight W [out, inn] (and its bias, if any) and returns the tensors the format stores
+Each takes an unquantized weight W [out, inn] and returns the tensors the format stores
 in place of `P.weight` (local names, e.g. "qweight") together with the dequantized weight in float32, computed
 from exactly the stored tensors, so a builder's twin checkpoint is what a correct loader must reproduce.
 They are written from the formats' published descriptions, not from any loader in this project, so the two
@@ -22,7 +22,6 @@ class Quantized:
     """What one quantized linear becomes: its stored tensors (local names) and the float32 dequantized weight."""
     tensors: dict[str, torch.Tensor]
     dequant: torch.Tensor  # float32 [out, inn]
-    bias: torch.Tensor | None = None  # the bias as a loader sees it, when the format re-stores it (AWQ/GPTQ: fp16)
 
 
 def fp8_block(w: torch.Tensor, block: int) -> Quantized:
@@ -94,7 +93,7 @@ def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
     return w.float().reshape(out, inn // group, group)
 
 
-def awq_gemm(w: torch.Tensor, bias: torch.Tensor | None, group: int) -> Quantized:
+def awq_gemm(w: torch.Tensor, group: int) -> Quantized:
     """AutoAWQ GEMM, 4-bit asymmetric with zero point, round-to-nearest (no activation-aware search).
 
     scale = (max-min)/15 per group (stored float16 and used as stored), zero = clamp(round(-min/scale), 0, 15),
@@ -111,10 +110,10 @@ def awq_gemm(w: torch.Tensor, bias: torch.Tensor | None, group: int) -> Quantize
         "qzeros": pack_cols(zero.t(), AWQ_ORDER),  # [inn/G, out/8]
         "scales": scale.t().to(torch.float16).contiguous(),  # [inn/G, out]
     }
-    return _with_fp16_bias(tensors, deq, bias)
+    return Quantized(tensors, deq)
 
 
-def gptq_v1(w: torch.Tensor, bias: torch.Tensor | None, group: int) -> Quantized:
+def gptq_v1(w: torch.Tensor, group: int) -> Quantized:
     """AutoGPTQ/GPTQModel "gptq" (v1) checkpoint, 4-bit symmetric, desc_act false, round-to-nearest (no Hessian).
 
     GPTQ's symmetric rule: amax = max(|min|, |max|) per group, scale = 2*amax/15 (maxq 15), zero = 8;
@@ -134,15 +133,7 @@ def gptq_v1(w: torch.Tensor, bias: torch.Tensor | None, group: int) -> Quantized
         "scales": scale.t().to(torch.float16).contiguous(),  # [inn/G, out]
         "g_idx": (torch.arange(inn) // group).to(torch.int32),
     }
-    return _with_fp16_bias(tensors, deq, bias)
-
-
-def _with_fp16_bias(tensors: dict[str, torch.Tensor], deq: torch.Tensor, bias: torch.Tensor | None) -> Quantized:
-    """AWQ and GPTQ checkpoints store a quantized linear's bias in float16, so the twin gets it rounded the same."""
-    if bias is None:
-        return Quantized(tensors, deq)
-    tensors["bias"] = bias.to(torch.float16)
-    return Quantized(tensors, deq, bias=tensors["bias"])
+    return Quantized(tensors, deq)
 
 
 def ct_scheme(fmt: str, group: int) -> object:

@@ -136,15 +136,16 @@ def _convert_shard(shard: Path, fmt: str, group: int, scheme: object, targets: s
     q_out, q_twin, renamed = dict(tensors), dict(tensors), {}
     for key in sorted(targets & tensors.keys()):
         module = key.removesuffix(".weight")
-        bias = tensors.get(module + ".bias")
-        res = _quantize(tensors[key], bias, fmt, group, scheme)
+        res = _quantize(tensors[key], fmt, group, scheme)
         del q_out[key]
-        if res.bias is not None:
-            q_twin[module + ".bias"] = res.bias.to(bias.dtype) if bias is not None else res.bias
         new = {f"{module}.{name}": t.contiguous() for name, t in res.tensors.items()}
         q_out.update(new)
         renamed[key] = list(new)
         q_twin[key] = res.dequant.to(tensors[key].dtype)
+    biases = {t.removesuffix("weight") + "bias" for t in targets} if fmt in ("awq", "gptq") else set()
+    for key in biases & tensors.keys():  # wherever the shard split put them
+        q_out[key] = tensors[key].to(torch.float16)  # AWQ and GPTQ store a quantized linear's bias in float16
+        q_twin[key] = q_out[key].to(tensors[key].dtype)
     for key in sorted(experts & tensors.keys()):
         renamed[key] = _split_experts(key, tensors, group, moe_dims, q_out, q_twin)
     save_file(q_out, out / shard.name, metadata=meta)
@@ -152,13 +153,13 @@ def _convert_shard(shard: Path, fmt: str, group: int, scheme: object, targets: s
     return renamed
 
 
-def _quantize(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, group: int, scheme: object) -> qf.Quantized:
+def _quantize(w: torch.Tensor, fmt: str, group: int, scheme: object) -> qf.Quantized:
     if fmt == "fp8":
         return qf.fp8_block(w, group)
     if fmt == "awq":
-        return qf.awq_gemm(w, bias, group)
+        return qf.awq_gemm(w, group)
     if fmt == "gptq":
-        return qf.gptq_v1(w, bias, group)
+        return qf.gptq_v1(w, group)
     return qf.ct_compress(w, fmt, scheme)
 
 
