@@ -49,6 +49,10 @@ def _forms(out: int, inn: int) -> dict[str, torch.nn.Module]:
             "fp8 block-wise (kept; per-call dequantize on CPU)": Fp8Linear(block, None)}
 
 
+def _call(mod: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    return lambda: mod(x)
+
+
 def _time(fn: Callable[[], object], repeat: int) -> float:
     fn()
     start = time.perf_counter()
@@ -67,7 +71,7 @@ def kernels(rounds: int) -> list[dict[str, object]]:
             times: dict[str, list[float]] = {name: [] for name in mods}
             for _ in range(rounds):  # alternate: a busy machine slows all alike
                 for name, mod in mods.items():
-                    times[name].append(_time(lambda mod=mod, x=x: mod(x), 5))
+                    times[name].append(_time(_call(mod, x), 5))
             base = statistics.median(times["bf16 F.linear (dequantized)"])
             for name, ts in times.items():
                 held = sum(t.numel() * t.element_size() for t in (*mods[name].parameters(), *mods[name].buffers()))
