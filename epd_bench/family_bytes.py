@@ -32,6 +32,7 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2VLConfig,
     Qwen3VLConfig,
+    Qwen3VLMoeConfig,
 )
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -173,6 +174,15 @@ REAL: dict[str, Real] = {
                                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
         vision_config={"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
                        "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "deepstack_visual_indexes": [8, 16, 24]}),
+        _qwen_processor(processors.Qwen3VLImageProcessorOnly, 256 * 256, 4096 * 4096, image_mean=[0.5] * 3,
+                        image_std=[0.5] * 3)),
+    "qwen3_vl_moe": Real("Qwen/Qwen3-VL-30B-A3B-Instruct", _config(
+        Qwen3VLMoeConfig, text_config={"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                                       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                                       "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8},
+        vision_config={"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                       "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
                        "deepstack_visual_indexes": [8, 16, 24]}),
         _qwen_processor(processors.Qwen3VLImageProcessorOnly, 256 * 256, 4096 * 4096, image_mean=[0.5] * 3,
                         image_std=[0.5] * 3)),

@@ -20,6 +20,7 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2VLConfig,
     Qwen3VLConfig,
+    Qwen3VLMoeConfig,
 )
 from transformers.models.internvl.processing_internvl import InternVLProcessor
 from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
@@ -90,6 +91,7 @@ IMAGE_ONLY: dict[type, Any] = {
     Qwen2VLConfig: Qwen2VLImageProcessorOnly,
     Qwen2_5_VLConfig: Qwen2_5_VLImageProcessorOnly,
     Qwen3VLConfig: Qwen3VLImageProcessorOnly,
+    Qwen3VLMoeConfig: Qwen3VLImageProcessorOnly,  # its hub checkpoints name Qwen3VLProcessor too
     LlavaOnevisionConfig: LlavaOnevisionImageProcessorOnly,
     InternVLConfig: InternVLImageProcessorOnly,
     Mistral3Config: PixtralProcessorPil,
