@@ -4,6 +4,7 @@ Experts published one tensor per expert are dequantized and fused into the model
 (no fused FP8 expert kernel is in torch 2.13: the bytes they hold are counted as such)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,7 @@ class QuantLoad:
             if any(set(e) != set(PROJECTIONS) for e in ordered):
                 continue  # incomplete: fuse_experts names what is missing
             parent, _, name = base.rpartition(".")
-            act_fn = getattr(module.get_submodule(base), "act_fn")  # transformers' expert modules carry it
+            act_fn: Callable[[torch.Tensor], torch.Tensor] = module.get_submodule(base).act_fn  # type: ignore[assignment]
             new = Fp8Experts(ordered, act_fn, self.device)
             setattr(module.get_submodule(parent), name, new)
             taken |= {f"{base}.{e}.{p}" for e in range(len(ordered)) for p in PROJECTIONS}
