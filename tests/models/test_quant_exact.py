@@ -159,3 +159,15 @@ def test_logits_agree_with_transformers_loading_the_quantized_checkpoint(quant_m
     got = list(generate(lm, build_prompt(lm, ids[0].tolist(), []), lambda x: int(torch.argmax(x)), 12, eos_ids=set()))
     assert got == want and len(set(got)) > 1
     assert (got_logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "awq"])
+def test_the_encoder_half_reads_only_its_own_tensors_of_a_quantized_checkpoint(quant_model_dirs: QuantModels,
+                                                                               fmt: str) -> None:
+    """The vision half of a quantized checkpoint (its LM quantized, its tower as published) loads no LM tensor, none
+    of the quantized ones, and encodes exactly as the twin's."""
+    quant, twin = quant_model_dirs["qwen2_5_vl", fmt]
+    got, want = VisionHalf(quant), VisionHalf(twin)
+    assert got.quant.summary() is not None and got.quant.kept == got.quant.dequantized == 0
+    image = [make_image(224, 224, "red")]
+    assert torch.equal(got.encode(image)[0].embeds, want.encode(image)[0].embeds)
