@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from epd_models.quant.forms import Fp8Weight
-from epd_models.quant.linear import _Quantized, fp8_mm
+from epd_models.quant.linear import FALLBACK, _Quantized, fp8_mm
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -30,7 +30,7 @@ class Fp8Experts(_Quantized):
 
     def _mm(self, x: torch.Tensor, proj: str, expert: int) -> torch.Tensor:
         q, scale = getattr(self, f"{proj}_q")[expert], getattr(self, f"{proj}_scale")[expert]
-        y, self.kernel = fp8_mm(x, q, scale, self.block)
+        y, self.kernel = fp8_mm(x, q, scale, self.block, scaled=self.kernel != FALLBACK)
         return y
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

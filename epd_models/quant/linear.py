@@ -18,6 +18,7 @@ from torch import nn
 from epd_models.quant.forms import Fp8Weight, Int4Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FALLBACK = "dequantize_per_call"
 
 
 def quantize_rows(x: torch.Tensor, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,20 +58,23 @@ class Fp8Linear(_Quantized):
         self.kernel = "unset"  # which path the first call took (gpu-check reports it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, self.kernel = fp8_mm(x.reshape(-1, self.in_features), self.weight_q, self.weight_scale, self.block)
+        y, self.kernel = fp8_mm(x.reshape(-1, self.in_features), self.weight_q, self.weight_scale, self.block,
+                                scaled=self.kernel != FALLBACK)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def fp8_mm(flat: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, str]:
-    """flat (M, K) @ W.T for the FP8 weight (q, scale, block), and the path taken (module docstring)."""
-    if flat.is_cuda or block[0] == 1:
+def fp8_mm(flat: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+           scaled: bool = True) -> tuple[torch.Tensor, str]:
+    """flat (M, K) @ W.T for the FP8 weight (q, scale, block), and the path taken (module docstring). `scaled`:
+    False once the scaled kernel refused this weight (the caller remembers: no exception per step)."""
+    if scaled and (flat.is_cuda or block[0] == 1):
         try:
             return _scaled(flat, q, scale, block), "scaled_mm" if block[0] == 1 else "scaled_mm_blockwise"
         except (RuntimeError, NotImplementedError):
             pass
-    return F.linear(flat, Fp8Weight(q, scale, block).dequantize(flat.dtype)), "dequantize_per_call"
+    return F.linear(flat, Fp8Weight(q, scale, block).dequantize(flat.dtype)), FALLBACK
 
 
 def _scaled(flat: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
