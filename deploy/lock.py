@@ -26,7 +26,7 @@ OUT = ROOT / "deploy" / "requirements"
 PYTHON_VERSION, PLATFORM = "3.11", "x86_64-manylinux_2_28"
 TORCH_CPU = "torch==2.13.0+cpu"  # https://download.pytorch.org/whl/cpu (here: /opt/wheels)
 TORCH_CUDA = "torch==2.13.0"  # PyPI's Linux wheel: a CUDA build that brings its own CUDA libraries
-PROXY_EXCLUDES = {"torch", "transformers", "tokenizers", "safetensors", "llguidance", "tqdm", "numpy"}
+PROXY_EXCLUDES = {"torch", "transformers", "tokenizers", "safetensors", "llguidance", "tqdm", "numpy", "compressed-tensors"}
 PIP = "pip>=25"
 # optional extras every image carries: `tracing` (--otlp-traces-endpoint; imported only when it is given)
 IMAGE_EXTRAS = ("tracing",)
