@@ -82,9 +82,10 @@ def test_proxy_help_groups_flags_by_mode_and_has_no_worker_only_flags(capsys: py
         assert launcher < text.index(f"  {flag} ") < attach
     for flag in ATTACH_FLAGS:
         assert text.index(f"  {flag} ") > attach
-    for worker_only in ("--ec-curve-allowed-clients", "--device", "--dtype", "--ec-bind", "--ec-cache-bytes"):
+    for worker_only in ("--ec-curve-allowed-clients", "--device", "--ec-bind", "--ec-cache-bytes"):
         assert worker_only not in text
     assert launcher < text.index("  --max-num-seqs ") < attach  # the decoders' engine flags are launcher flags
+    assert launcher < text.index("  --dtype ") < attach  # as vLLM's: passed to every spawned worker
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
