@@ -10,7 +10,9 @@ family of FAMILIES (LLaVA-1.5-7B, Qwen2.5-VL-3B): build (a random checkpoint of 
 epd_builders/full_size.py, cached), engine (the paged engine on it: K/V plan at 0.9 utilization, decode CUDA graphs,
 TPOT at batch 1 against the HBM bound, tokens/s at 64 rows; epd_bench/gpu_check_engine.py), epd-1enc and aggregated
 (one system at a time on the GPU under WORKLOADS, `make bench`'s scaled for a GPU, with GPU memory per process
-sampled); then, with EXTRA_MIN_S of the budget left, the feature benchmarks (FEATURES) on the `bench` model.
+sampled); then quantized weights (epd_bench/gpu_check_quant.py: Qwen2.5-VL-3B's build as FP8 and AWQ kept against
+dequantized, MoE experts eager against grouped_mm), each step started only with its MIN_LEFT_S of the budget left;
+then, with EXTRA_MIN_S of the budget left, the feature benchmarks (FEATURES) on the `bench` model.
 --size small is the CPU dry run (tests/bench/test_gpu_check.py): tiny shapes with real vocabularies, a few requests,
 a short test selection. Its work is fixed, so its --budget (1800 s) only stops a hang: no step is limited or skipped.
 
@@ -36,6 +38,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from epd_bench.gpu_check_quant import FAMILY as QUANT_FAMILY
+from epd_bench.gpu_check_quant import run_quant
 from epd_bench.gpu_check_report import finish, has_section
 from epd_bench.gpu_check_run import GpuSampler, Run, junit_counts, nvidia_smi, run_logged
 from epd_bench.loads import Workload, epd_bench_cmd
@@ -246,11 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_env(run)
         run_tests(run)
+        built: dict[str, Path] = {}
         for family in FAMILIES:
             if (model_dir := build_family(run, family)) is not None:
+                built[family] = model_dir
                 run_engine(run, family, model_dir)
                 for spec in systems(model_dir, args.device):
                     serve(run, family, spec)
+        run_quant(run, built.get(QUANT_FAMILY))  # quant-fp8, quant-awq, quant-moe: epd_bench/gpu_check_quant.py
         if run.short_of(EXTRA_MIN_S):
             run.skip("bench-model", f"{run.left():.0f} s of the budget left, fewer than {EXTRA_MIN_S:.0f}")
         elif (bench_dir := build_bench_model(run)) is not None:

@@ -83,14 +83,20 @@ def timed_decode(runner: ModelRunner, lm: LanguageHalf, rows: int, steps: int) -
 
 
 def measure(model: str, device: str, steps: int, hbm_gbps: float | None) -> dict[str, Any]:
+    from epd_models.halves import LanguageHalf
+
+    return measure_lm(LanguageHalf(model, device=device), steps, hbm_gbps)[0]
+
+
+def measure_lm(lm: LanguageHalf, steps: int, hbm_gbps: float | None) -> tuple[dict[str, Any], ModelRunner]:
+    """The numbers for a loaded LM, and the runner they were measured with (epd_bench/gpu_check_quant.py decodes
+    on it again, graphs and all)."""
     import torch
 
     from decoder_service.config import DecoderConfig
     from decoder_service.engine.memory_plan import module_bytes, plan_engine
-    from epd_models.halves import LanguageHalf
 
-    lm = LanguageHalf(model, device=device)
-    cfg = DecoderConfig(model=model, block_size=block_size(lm.device), max_num_seqs=ROWS)
+    cfg = DecoderConfig(model=str(lm.model_dir), block_size=block_size(lm.device), max_num_seqs=ROWS)
     plan = plan_engine(cfg, lm)
     max_len = min(plan.max_model_len, 8192)  # the runs here are short; the plan's own length is reported
     # CPU: only the blocks these runs need (the plan's share of RAM is reported, not allocated)
@@ -108,7 +114,7 @@ def measure(model: str, device: str, steps: int, hbm_gbps: float | None) -> dict
             "graphs": sorted(graphs.graphs), "graph_replays": graphs.num_replays,
             "tpot_b1_ms": round(tpot * 1e3, 3), "hbm_bound_ms": round(weights / bw * 1e3, 3) if bw else None,
             "tpot_over_bound": round(tpot / (weights / bw), 2) if bw else None,
-            f"tokens_per_s_{ROWS}": round(ROWS / per_step, 1), "steps": steps}
+            f"tokens_per_s_{ROWS}": round(ROWS / per_step, 1), "steps": steps}, runner
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from epd_bench import report
+from epd_bench.gpu_check_quant import FAMILY as QUANT_FAMILY
 
 if TYPE_CHECKING:
     from epd_bench.gpu_check_run import Run
@@ -29,7 +30,7 @@ def render_md(record: dict[str, Any], h: str = "#") -> str:
     sub = h + "#"
     return "\n".join([*lines, *_env_lines(steps.get("env", {}), sub), *_test_lines(steps.get("tests", {}), sub),
                       *_build_lines(steps, sub), *_engine_lines(steps, sub), *_serve_lines(steps, record.get("workloads", {}), sub),
-                      *_feature_lines(steps, sub)]) + "\n"
+                      *_quant_lines(steps, sub), *_feature_lines(steps, sub)]) + "\n"
 
 
 def render_section(record: dict[str, Any]) -> str:
@@ -165,6 +166,42 @@ def _memory_lines(systems: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {s.get('startup_s', '–')} | {mem} | {s.get('gpu_used_peak_mib') or '–'} |")
     lines += ["", "Processes:", ""]
     return lines + [f"- {n} {p}: `{_short(cmd)}`" for n, s in systems.items() for p, cmd in s["processes"].items()]
+
+
+def _quant_lines(steps: dict[str, Any], h: str) -> list[str]:
+    """Quantized weights kept (FP8, AWQ int4) against the same checkpoint dequantized and the bf16 engine step; and
+    MoE experts, transformers' eager loop against grouped_mm (epd_bench/gpu_check_quant.py)."""
+    runs = {n: s for n, s in steps.items() if n.startswith("quant-") and "result" in s}
+    lines: list[str] = []
+    if formats := {n: s["result"] for n, s in runs.items() if n != "quant-moe"}:
+        bf16 = steps.get(f"{QUANT_FAMILY}/engine", {}).get("result", {})
+        lines += ["", f"{h} Quantized weights at real shapes: {QUANT_FAMILY} kept quantized against dequantized", "",
+                  "```bash", *(_short(runs[n]["command"]) for n in formats), "```", "",
+                  f"bf16 engine ({QUANT_FAMILY}/engine above): TPOT b=1 {bf16.get('tpot_b1_ms', '–')} ms, "
+                  f"{bf16.get('tokens_per_s_64', '–')} tokens/s at 64 rows. Parity: greedy tokens of kept and "
+                  "dequantized equal before the first difference, and max |logit diff| ÷ max |logit| at the first step.",
+                  "", "| format | weights held ÷ bf16 | held (GiB) | TPOT b=1 (ms) | HBM bound (ms) | TPOT / bound "
+                  "| tokens/s, 64 rows | kernels | tokens equal | logit diff ÷ scale |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+        for r in formats.values():
+            e, par = r["engine"], r["parity"]
+            kernels = ", ".join(f"{k} × {n}" for k, n in r["kernels"].items())
+            diff = "–" if par["diff_over_scale"] is None else f"{par['diff_over_scale']:.2e}"
+            lines.append(f"| {r['scheme']} | {r['kept_over_bf16_bytes']} | {r['kept']['weight_bytes'] / GIB:.2f} | "
+                         f"{e['tpot_b1_ms']} | {e['hbm_bound_ms'] or '–'} | {e['tpot_over_bound'] or '–'} | "
+                         f"{e['tokens_per_s_64']} | {kernels} | {par['tokens_equal_before_first_difference']} / "
+                         f"{par['steps']} | {diff} |")
+    if (moe := runs.get("quant-moe", {}).get("result")) is not None:
+        par = moe["parity"]
+        lines += ["", f"{h} MoE experts: transformers' eager loop against grouped_mm ({moe['device']}, {moe['dtype']})",
+                  "", "```bash", _short(runs["quant-moe"]["command"]), "```", "",
+                  "| layers | hidden | experts (per token) | expert MLP | default | eager tokens/s, 64 rows "
+                  "| grouped_mm tokens/s | grouped ÷ eager | tokens equal |", "|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+                  f"| {moe['experts_modules']} | {moe['hidden']} | {moe['experts']} ({moe['per_token']}) | "
+                  f"{moe['moe_intermediate']} | {', '.join(moe['default'])} | {moe['eager_tokens_per_s_64']} | "
+                  f"{moe['grouped_mm_tokens_per_s_64']} | {moe['grouped_over_eager']} | "
+                  f"{par['tokens_equal_before_first_difference']} / {par['steps']} |"]
+    return lines
 
 
 def _feature_lines(steps: dict[str, Any], h: str) -> list[str]:

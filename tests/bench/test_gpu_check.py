@@ -21,6 +21,7 @@ from epd_bench.gpu_check import (
     on_device,
     parse_args,
 )
+from epd_bench.gpu_check_quant import MIN_LEFT_S, parity, run_quant
 from epd_bench.gpu_check_report import BEGIN, END, write_section
 from epd_bench.gpu_check_run import Run
 from epd_bench.stacks import epd
@@ -63,7 +64,9 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
     record = json.loads((out / "gpu_check.json").read_text())
     steps = record["steps"]
     per_family = [f"{f}/{s}" for f in FAMILIES for s in ("build", "engine", *SYSTEMS)]
-    assert list(steps) == ["env", "tests", *per_family, "bench-model", "structured", "n-prefill", "encoder-batching"]
+    quant = ["quant-fp8", "quant-awq", "quant-moe"]
+    assert list(steps) == ["env", "tests", *per_family, *quant, "bench-model", "structured", "n-prefill",
+                           "encoder-batching"]
     assert all(s["ok"] for s in steps.values()) and steps["env"]["gpus"] == ["Fake GPU, 1.0, 1024"]
     assert steps["tests"]["passed"] >= 2 and steps["tests"]["failed"] == steps["tests"]["errors"] == 0
     for family in FAMILIES:
@@ -79,6 +82,13 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
             assert served["gpu_mib"] == {"pid 4242": 100, "pid 4243": 7} and served["gpu_used_peak_mib"] == 512
         engine = steps[f"{family}/engine"]["result"]  # the paged engine on CPU: planned, eager, measured
         assert engine["graphs"] == [] and engine["num_blocks"] > 0 and engine["tokens_per_s_64"] > 0
+    for fmt, kernel in (("fp8", "dequantize_per_call"), ("awq", "weight_int4pack_mm_for_cpu")):  # the CPU kernels
+        q = steps[f"quant-{fmt}"]["result"]
+        assert q["kernels"] == {kernel: q["kept"]["summary"]["kept"]} and q["kept"]["summary"]["dequantized"] == 0
+        assert q["dequantized"]["summary"]["kept"] == 0 and q["kept_over_bf16_bytes"] < 1
+        assert q["engine"]["tokens_per_s_64"] > 0 and q["parity"]["steps"] == 32 and q["parity"]["logit_scale"] > 0
+    moe = steps["quant-moe"]["result"]
+    assert moe["experts_modules"] > 0 and moe["parity"]["steps"] == 32 and moe["grouped_over_eager"] > 0
     structured, n_prefill = steps["structured"]["result"], steps["n-prefill"]["result"]
     assert structured["streams"] == 2 and structured["ratio"] > 0 and n_prefill["device"] == "cpu"
     batching = steps["encoder-batching"]["result"]
@@ -92,6 +102,8 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
         assert all(f"Serving {f}" in text for f in FAMILIES) and "## Structured outputs" in text
         assert "The paged engine on the device" in text and "| eager |" in text
         assert "Encoder batching across requests" in text
+        assert "Quantized weights at real shapes" in text and "MoE experts: transformers' eager loop" in text
+        assert "| fp8 (fp8-block block 32x32) |" in text and "weight_int4pack_mm_for_cpu × " in text
         assert "| epd-1enc | 4 / 0 |" in text and "| aggregated | 2 / 0 |" in text
     assert outside(docs.read_text()) == outside(original)
     with tarfile.open(out / "logs.tar.gz") as tar:
@@ -169,3 +181,24 @@ def test_bad_device_is_a_usage_error(device: str, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(["--out", str(tmp_path), "--device", device])
     assert exc.value.code == 2
+
+
+def test_quant_steps_are_skipped_with_their_reason_when_nothing_was_built_or_time_is_short(tmp_path: Path) -> None:
+    run = Run(parse_args(["--out", str(tmp_path / "full"), "--size", "full"]))
+    run.scratch.rmdir()
+    run.deadline = time.monotonic() + MIN_LEFT_S / 2  # a GPU run late in its budget: nothing starts
+    run_quant(run, None)
+    steps = run.record["steps"]
+    assert [steps[f"quant-{s}"]["skip_reason"] for s in ("fp8", "awq")] == ["no qwen2.5-vl-3b checkpoint was built"] * 2
+    assert "fewer than" in steps["quant-moe"]["skip_reason"]
+    run_quant(run, tmp_path)
+    assert all("fewer than" in steps[f"quant-{s}"]["skip_reason"] for s in ("fp8", "awq", "moe"))
+
+
+def test_parity_counts_equal_tokens_before_the_first_difference() -> None:
+    import torch
+
+    ref, got = torch.tensor([1.0, -4.0, 2.0]), torch.tensor([1.0, -3.0, 2.0])
+    result = parity(([5, 6, 7, 8], ref), ([5, 6, 9, 8], got))
+    assert result["tokens_equal_before_first_difference"] == 2 and not result["tokens_equal"]
+    assert result["diff_over_scale"] == 0.25 and parity(([5], ref), ([5], ref))["tokens_equal"]
