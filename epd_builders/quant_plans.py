@@ -32,7 +32,9 @@ Where the numbers come from (hub config.json of each repository as published; tr
     positions, untied; quantization_config awq GEMM, 4 bits, group 128, zero points, visual not converted. Tower:
     depth 32, hidden 1280, MLP 3420, 16 heads, patch 14, window 112 (the hub's vision_config), out_hidden 3584.
   Qwen/Qwen2.5-VL-72B-Instruct-AWQ: hidden 8192, 80 layers, 64 heads, 8 K/V heads, MLP 29568, vocab 152064, 128000
-    positions, untied, group 128; tower out_hidden 8192.
+    positions, untied, group 128; tower out_hidden 8192. (Not checked against the AWQ repository's own config.json:
+    Qwen's int4 releases of Qwen2-72B pad the MLP to 29696, 232 groups, so it shards 8 ways; if this one does too,
+    its held bytes are about 0.3 % more than here.)
 tests/bench/test_quant_plans.py checks the parameter totals against the counts the hub publishes and the weight
 bytes against an estimate from those counts.
 """
@@ -227,6 +229,12 @@ def markdown(result: list[dict[str, Any]]) -> str:
                 cells = ["–", "–", "–", f"**refused**: {r['refused'].split('; KVPlanError')[0]}"]
             lines.append(f"| {m['model']} | {params} | {m['weight_bytes'] / GIB:.2f} | {r['device_gib']} | "
                          + " | ".join(cells) + " |")
+    lines += ["", f"Weights as the decoder holds them (quantized projections, and FP8 experts, at their bytes: "
+              f"fp8_bytes / int4_bytes; embeddings, lm_head, norms, biases, routers in bf16); the vision tower runs in "
+              f"the encoder and is not on the decoder. K/V in bf16, blocks of {BLOCK_SIZE}, from plan_kv_cache at "
+              f"--gpu-memory-utilization {UTILIZATION:g} with the weights as the memory used: activations (the "
+              "profiling forward's peak, CUDA graphs) are extra, so a real start-up gets fewer blocks. "
+              "`python -m epd_builders.quant_plans`"]
     return "\n".join(lines)
 
 
