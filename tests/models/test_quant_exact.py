@@ -24,7 +24,7 @@ from epd_models.chat import chat_template, render
 from epd_models.halves import LanguageHalf, VisionHalf
 from tests.decoder_service.engine_run import Result, greedy, make_engine, run
 from tests.factories import make_image, through_connector
-from tests.quant_models import QuantModels
+from tests.quant_models import GROUP, QuantModels
 
 CASES = [("qwen2_5_vl", fmt) for fmt in FORMATS] + [("qwen3_vl", "fp8"), ("qwen3_vl_moe", "fp8"), ("llava", "awq")]
 VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -169,5 +169,35 @@ def test_the_encoder_half_reads_only_its_own_tensors_of_a_quantized_checkpoint(q
     quant, twin = quant_model_dirs["qwen2_5_vl", fmt]
     got, want = VisionHalf(quant), VisionHalf(twin)
     assert got.quant.summary() is not None and got.quant.kept == got.quant.dequantized == 0
+    image = [make_image(224, 224, "red")]
+    assert torch.equal(got.encode(image)[0].embeds, want.encode(image)[0].embeds)
+
+
+def test_a_quantized_vision_tower_is_dequantized_by_the_encoder(quant_model_dirs: QuantModels,
+                                                               tmp_path: Path) -> None:
+    """A checkpoint that quantizes a vision linear too (block FP8 with its scale, as its LM's): the encoder
+    dequantizes it at load (it is compute-bound; EPD keeps no vision linear quantized) and encodes exactly as a
+    copy holding that linear's dequantized weight in float32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    quant, _ = quant_model_dirs["qwen2_5_vl", "fp8"]
+    name = "visual.blocks.0.mlp.up_proj"
+    tensors = load_file(quant / "model.safetensors")
+    w = tensors[f"{name}.weight"]
+    scale = torch.full((-(-w.shape[0] // GROUP), -(-w.shape[1] // GROUP)), float(w.abs().max()) / 448)
+    q = (w / scale[0, 0]).to(torch.float8_e4m3fn)
+    dirs = {}
+    for kind, weights in (("quantized", {f"{name}.weight": q, f"{name}.weight_scale_inv": scale}),
+                          ("dequantized", {f"{name}.weight": q.float() * scale[0, 0]})):
+        dirs[kind] = tmp_path / kind
+        shutil.copytree(quant, dirs[kind])
+        save_file({**tensors, **weights}, dirs[kind] / "model.safetensors", metadata={"format": "pt"})
+    got, want = VisionHalf(dirs["quantized"]), VisionHalf(dirs["dequantized"])
+    assert (got.quant.kept, got.quant.dequantized) == (0, 1)
+    with torch.no_grad():  # every weight in fresh memory on both sides: the alignment note at the top
+        for p in (*got.module.parameters(), *want.module.parameters()):
+            p.data = p.data.clone()
     image = [make_image(224, 224, "red")]
     assert torch.equal(got.encode(image)[0].embeds, want.encode(image)[0].embeds)
