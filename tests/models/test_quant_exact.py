@@ -80,10 +80,15 @@ def test_quantized_serves_exactly_as_its_dequantized_twin(quant_model_dirs: Quan
 
 def _fresh(lm: LanguageHalf) -> LanguageHalf:
     """The half with its weights copied out of the memory-mapped file into fresh (aligned) memory."""
-    with torch.no_grad():
-        for p in lm.module.parameters():
-            p.data = p.data.clone()
+    _fresh_weights(lm.module)
     return lm
+
+
+def _fresh_weights(*modules: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for module in modules:
+            for p in module.parameters():
+                p.data = p.data.clone()
 
 
 def test_quantized_linears_hold_their_format_bytes(quant_model_dirs: QuantModels) -> None:
@@ -169,6 +174,7 @@ def test_the_encoder_half_reads_only_its_own_tensors_of_a_quantized_checkpoint(q
     quant, twin = quant_model_dirs["qwen2_5_vl", fmt]
     got, want = VisionHalf(quant), VisionHalf(twin)
     assert got.quant.summary() is not None and got.quant.kept == got.quant.dequantized == 0
+    _fresh_weights(got.module, want.module)
     image = [make_image(224, 224, "red")]
     assert torch.equal(got.encode(image)[0].embeds, want.encode(image)[0].embeds)
 
@@ -196,8 +202,6 @@ def test_a_quantized_vision_tower_is_dequantized_by_the_encoder(quant_model_dirs
         save_file({**tensors, **weights}, dirs[kind] / "model.safetensors", metadata={"format": "pt"})
     got, want = VisionHalf(dirs["quantized"]), VisionHalf(dirs["dequantized"])
     assert (got.quant.kept, got.quant.dequantized) == (0, 1)
-    with torch.no_grad():  # every weight in fresh memory on both sides: the alignment note at the top
-        for p in (*got.module.parameters(), *want.module.parameters()):
-            p.data = p.data.clone()
+    _fresh_weights(got.module, want.module)
     image = [make_image(224, 224, "red")]
     assert torch.equal(got.encode(image)[0].embeds, want.encode(image)[0].embeds)
