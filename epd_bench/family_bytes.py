@@ -153,6 +153,11 @@ CLIP_L_336 = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers
               "image_size": 336, "patch_size": 14, "projection_dim": 768, "model_type": "clip_vision_model"}
 LLAMA_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
             "model_type": "llama"}
+# Qwen3-VL's tower (8B and 30B-A3B alike; out_hidden_size is the LM's width) and its processor
+QWEN3_VL_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+                   "spatial_merge_size": 2, "temporal_patch_size": 2, "deepstack_visual_indexes": [8, 16, 24]}
+QWEN3_VL_PROCESSOR = _qwen_processor(processors.Qwen3VLImageProcessorOnly, 256 * 256, 4096 * 4096,
+                                     image_mean=[0.5] * 3, image_std=[0.5] * 3)
 QWEN2_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
             "num_key_value_heads": 4}
 # family -> its real checkpoint: the sizes of the hub's config.json and the values of its preprocessor_config.json
@@ -172,20 +177,12 @@ REAL: dict[str, Real] = {
     "qwen3_vl": Real("Qwen/Qwen3-VL-8B-Instruct", _config(
         Qwen3VLConfig, text_config={"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
                                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
-        vision_config={"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-                       "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                       "deepstack_visual_indexes": [8, 16, 24]}),
-        _qwen_processor(processors.Qwen3VLImageProcessorOnly, 256 * 256, 4096 * 4096, image_mean=[0.5] * 3,
-                        image_std=[0.5] * 3)),
+        vision_config={**QWEN3_VL_VISION, "out_hidden_size": 4096}), QWEN3_VL_PROCESSOR),
     "qwen3_vl_moe": Real("Qwen/Qwen3-VL-30B-A3B-Instruct", _config(
         Qwen3VLMoeConfig, text_config={"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
                                        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                                        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8},
-        vision_config={"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-                       "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                       "deepstack_visual_indexes": [8, 16, 24]}),
-        _qwen_processor(processors.Qwen3VLImageProcessorOnly, 256 * 256, 4096 * 4096, image_mean=[0.5] * 3,
-                        image_std=[0.5] * 3)),
+        vision_config={**QWEN3_VL_VISION, "out_hidden_size": 2048}), QWEN3_VL_PROCESSOR),
     "llava_next": Real("llava-hf/llava-v1.6-vicuna-7b-hf", _config(
         LlavaNextConfig, vision_config=CLIP_L_336, text_config=LLAMA_7B,
         image_grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]), _llava_next_processor),
