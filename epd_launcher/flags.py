@@ -9,6 +9,13 @@ from typing import Any
 from connector.control.curve_flags import add_curve_flags
 from epd_common.cli import add_http_flags, add_log_level, byte_size, cli_secret, env_flag, fraction, new_parser
 from epd_common.tracing import add_tracing_flags
+from epd_common.weight_flags import (
+    DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
+    QUANTIZED_WEIGHTS_CHOICES,
+    QUANTIZED_WEIGHTS_HELP,
+)
 from epd_launcher.flag_types import (
     base_port,
     choice,
@@ -20,13 +27,6 @@ from epd_launcher.flag_types import (
     proxy_workers,
 )
 from epd_launcher.media_flags import add_audio_flags, add_image_flags, add_video_flags
-from epd_models.device_flags import (
-    DTYPE_CHOICES,
-    QUANTIZATION_CHOICES,
-    QUANTIZATION_HELP,
-    QUANTIZED_WEIGHTS_CHOICES,
-    QUANTIZED_WEIGHTS_HELP,
-)
 from proxy.config import ProxyConfig
 
 ATTACH_FLAGS = ("--encode-servers-urls", "--decode-servers-urls", "--prefill-servers-urls", "--dynamic-registration",
