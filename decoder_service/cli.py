@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="positions of one sequence, prompt included (0: the model's max_position_embeddings, lowered "
                         "with a warning to what the K/V pool holds; a larger value than the pool holds exits 2)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_tp_size, default=d.tensor_parallel_size,
+                   help="processes (one per device) the language model is split over, as vLLM's flag: attention "
+                        "heads, K/V heads, MLP and experts column- then row-parallel; this process serves HTTP and "
+                        "schedules, and starts the other ranks (CUDA: --device and the next N-1 devices, NCCL; "
+                        "CPU: gloo). The K/V heads must divide by N")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="requests waiting for a slot; more get 503")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="sequences decoded together (an upper bound on rows per step; the K/V pool bounds them too)")
@@ -145,6 +150,13 @@ def _resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace, d:
     args.block_size = next((v for v in (args.block_size, alias) if v is not None), d.block_size)
 
 
+def _tp_size(value: str) -> int:
+    n = int(value)
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"{value} is not a tensor-parallel size from 1 to 64")
+    return n
+
+
 def security_gaps(cfg: DecoderConfig) -> list[Gap]:
     return key_gaps(cfg) + curve_gaps(cfg)
 
@@ -186,7 +198,8 @@ def check_before_loading(cfg: DecoderConfig) -> None:
         raise ConfigError(str(exc)) from None
     check_quantized(model_dir, cfg.quantization)
     check_kv_fits(model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
-                  max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory)
+                  max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
+                  ranks=cfg.tensor_parallel_size)
 
 
 def check_quantized(model_dir: str | Path, quantization: str | None) -> None:
@@ -202,12 +215,12 @@ def check_quantized(model_dir: str | Path, quantization: str | None) -> None:
 
 
 def check_kv_fits(model_dir: str | Path, *, dtype: str, device: str, block_size: int, max_model_len: int,
-                  kv_cache_memory: int) -> None:
+                  kv_cache_memory: int, ranks: int = 1) -> None:
     """ConfigError, with the engine's own message (decoder_service.engine.memory_plan), when an explicit
-    --max-model-len cannot fit in an explicit --kv-cache-memory; read from the checkpoint's config, no weights
-    loaded. Either one left to its default (0) is settled only once the weights are loaded: nothing to check.
+    --max-model-len cannot fit in an explicit --kv-cache-memory (one rank's pool at --tensor-parallel-size `ranks`),
+    or when the model does not split over `ranks`; read from the checkpoint's config, no weights loaded. Either one left to its default (0) is settled only once the weights are loaded: nothing to check.
     On CUDA the GPU's free memory is not known yet, so only the arithmetic is checked (the engine checks the rest)."""
-    if not (max_model_len and kv_cache_memory):
+    if not (max_model_len and kv_cache_memory) and ranks == 1:
         return
     import torch  # NOTE: here: the launcher and --help never need it
 
@@ -215,16 +228,23 @@ def check_kv_fits(model_dir: str | Path, *, dtype: str, device: str, block_size:
     from decoder_service.engine.memory_plan import KVPlanError, cpu_total_bytes, plan_kv_cache
     from epd_models.halves import _dtype
     from epd_models.registry import load_config
+    from epd_models.tensor_parallel import SplitError, check_split
 
     try:
         config = load_config(model_dir)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model {model_dir}: cannot read its config: {exc}") from None
     text = config.get_text_config()
+    try:
+        check_split(text, ranks)
+    except SplitError as exc:
+        raise ConfigError(f"model {model_dir}: {exc}") from None
+    if not (max_model_len and kv_cache_memory):
+        return
     where = torch.device("cuda" if device.startswith("cuda") else "cpu")
     total = cpu_total_bytes() if where.type == "cpu" else kv_cache_memory
     try:
-        plan_kv_cache(KVShape.of(text, _dtype(config, dtype)), block_size=block_size, requested_max_len=max_model_len,
+        plan_kv_cache(KVShape.of(text, _dtype(config, dtype), ranks), block_size=block_size, requested_max_len=max_model_len,
                       checkpoint_max_len=int(text.max_position_embeddings), kv_cache_memory=kv_cache_memory,
                       device=where, gpu_memory_utilization=1.0, total_bytes=total, used_bytes=0)
     except KVPlanError as exc:

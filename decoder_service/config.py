@@ -31,6 +31,9 @@ class DecoderConfig(HttpLimits, TraceSettings):
     kv_cache_memory: int = 0  # bytes of the K/V pool; 0: from gpu_memory_utilization (CUDA), 1/4 of RAM (CPU)
     max_num_batched_tokens: int = 0  # tokens per step (prefill chunks + decode rows); 0: max(2048, max_num_seqs)
     enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs)
+    # ranks the language model is split over (decoder_service/engine/tp): this process is rank 0 and starts the
+    # others; CUDA: rank r on the device after --device's r places (NCCL), CPU: gloo
+    tensor_parallel_size: int = 1
     cpu_packed_linear: bool = False  # CPU: small-batch linears through oneDNN's prepacked matmul (numerics differ)
     max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders

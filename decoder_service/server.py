@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -21,6 +22,8 @@ from decoder_service.engine.kv_blocks import kv_layout
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.memory_plan import KVPlanError, plan_for
 from decoder_service.engine.sequence import Job
+from decoder_service.engine.tp.load import load_language
+from decoder_service.engine.tp.ranks import RankStartError
 from decoder_service.handoff import HandoffDeclined, HandoffEndpoints
 from decoder_service.job_trace import trace_job
 from decoder_service.metrics import DecoderMetrics
@@ -184,7 +187,19 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
     """Load the LM (unless given) and, aggregated, the vision half on its device; start the engine."""
     cfg = state.cfg
     half = lm if lm is not None else await asyncio.to_thread(
-        LanguageHalf, resolve_model(cfg.model), cfg.dtype, cfg.device, cfg.quantized_weights)
+        functools.partial(load_language, resolve_model(cfg.model), dtype=cfg.dtype, device=cfg.device,
+                          quantized=cfg.quantized_weights, size=cfg.tensor_parallel_size))
+    try:
+        return await _start_on(state, half, on_fatal)
+    except BaseException:
+        if half.ranks is not None and lm is None:  # the ranks this decoder started go with it
+            half.ranks.kill()
+        raise
+
+
+async def _start_on(state: DecoderState, half: LanguageHalf, on_fatal: FatalHandler) -> Watchdog:
+    """Plan the K/V pool, load the vision half when aggregated, open the hand-off endpoints, start the engine."""
+    cfg = state.cfg
     if (quant := half.quant.summary()) is not None:
         logger.info("quantized checkpoint: %s, %d linears %s", quant["format"], quant["quantized_linears"],
                  quant["weights"])
@@ -226,7 +241,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             watchdog = await _start_engine(state, lm, on_fatal or exit_process())
-        except KVPlanError as exc:  # epd-decoder exits 2 with the numbers (cli.main)
+        except (KVPlanError, RankStartError) as exc:  # epd-decoder exits 2 with the one line (cli.main)
             logger.critical("decoder cannot start: %s", exc)
             state.refused = str(exc)
             consumer.close()
@@ -236,6 +251,8 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
         watchdog.stop()
         if state.engine is not None:
             await asyncio.to_thread(state.engine.close)
+            if state.engine.lm.ranks is not None and lm is None:  # the ranks this decoder started
+                await asyncio.to_thread(state.engine.lm.ranks.close)
         state.handoff.close()
         consumer.close()
 

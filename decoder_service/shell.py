@@ -58,7 +58,7 @@ class Engine(LLMEngine):
             self.preparer = Preparer(lm, self.max_model_len, self.vocab_size, cfg.max_num_seqs, self.eos_ids,
                                      cfg.block_size if cfg.prefix_cache_bytes else 0)
             self.compiles = CompilePool(cfg.grammar_compile_threads, cfg.grammar_compile_timeout)
-            self.kv_layout = kv_layout(self.runner.shape, cfg.block_size, fingerprint)
+            self.kv_layout = kv_layout(self.runner.wire_shape, cfg.block_size, fingerprint)
         except BaseException:
             super().close()
             raise
@@ -102,7 +102,7 @@ class Engine(LLMEngine):
         """`work` continuing a prefill worker's hand-off: its blocks fetched and checked (blocking: a worker thread),
         all but those this pool's prefix cache holds under the same keys; without them it prefills here."""
         held = self.runner.blocks.held_prefix(work.chain.keys) if work.chain is not None else 0
-        resume = resume_from(handoff, work.prompt.num_tokens, self.kv_fetch, self.kv_layout, self.runner.shape,
+        resume = resume_from(handoff, work.prompt.num_tokens, self.kv_fetch, self.kv_layout, self.runner.wire_shape,
                              self.cfg.gather_timeout, held)
         self.metrics.handoffs.labels("kv" if resume.kv is not None else "recomputed").inc()
         return dataclasses.replace(work, resume=resume)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -19,6 +19,7 @@ from epd_models.quant.apply import QuantLoad
 from epd_models.quant.scheme import read_scheme
 from epd_models.registry import adapter_for, load_config
 from epd_models.splice import merge_image_embeds
+from epd_models.tensor_parallel import SplitError, chain, check_split, shard
 from epd_models.video import DEFAULT_MAX_BYTES, VIDEO_FAMILIES, VideoClip, VideoSettings, video_settings
 from epd_models.weights import load_filtered, tie_loaded, tied_pairs
 
@@ -192,18 +193,28 @@ class LanguageHalf:
     CUDA, dequantized once into `dtype` elsewhere), "keep" or "dequantize"."""
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype | str | None = None,
-                 device: str | torch.device = "cpu", quantized: str = "auto"):
+                 device: str | torch.device = "cpu", quantized: str = "auto", tp_rank: int = 0, tp_size: int = 1):
         self.model_dir = Path(model_dir)
         self.config = load_config(self.model_dir)
         self.adapter = adapter_for(self.config)
         self.device = resolve_device(device)  # every tensor the decoder makes for the LM is made here
         self.dtype = _dtype(self.config, dtype)
+        # tensor parallelism (epd_models/tensor_parallel.py): this process holds 1/tp_size of the split weights;
+        # `ranks` is the decoder's handle on the other ranks, set by the rank 0 that started them
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.ranks: Any = None
+        check_split(self.config.get_text_config(), tp_size)
+        if tp_size > 1 and quantized == "keep":
+            raise SplitError("--quantized-weights keep at --tensor-parallel-size > 1: kept-quantized linears are "
+                             "not split yet; use --quantized-weights dequantize")
         # NOTE: parameters on meta until loaded (as the vision half's): a random init of a 7B LM costs over a
         # minute of one CPU core (bf16 normal_ is single-threaded), and every value would be overwritten
         self.module = self.adapter.build_language(self.config).eval()
-        self.quant = QuantLoad(read_scheme(self.model_dir), self.dtype, self.device, mode=quantized)
+        self.quant = QuantLoad(read_scheme(self.model_dir), self.dtype, self.device,
+                               mode="dequantize" if tp_size > 1 else quantized)
+        split = shard(self.module, tp_rank, tp_size) if tp_size > 1 else None
         load_half(self.module, self.model_dir, self.adapter, vision=False, assign=True,
-                  transform=self.quant(self.module))
+                  transform=chain(self.quant(self.module), split))
         # transformers' rule, not the text config's flag: composite checkpoints may say one thing at each level
         tie_loaded(self.module, tied_pairs(self.config, self.module.language_model, self.adapter.normalize_key))
         missing = meta_parameters(self.module)
@@ -237,6 +248,12 @@ class LanguageHalf:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor onto the LM's device without waiting for the GPU (a no-op on the CPU)."""
         return t.to(self.device, non_blocking=True)
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads this rank's pool holds (all of them at tensor-parallel size 1)."""
+        text = self.config.get_text_config()
+        return int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // self.tp_size
 
     def forward_rows(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache,
                      attention_mask: object, ends: list[int], **extra: object) -> torch.Tensor:

@@ -36,7 +36,9 @@ def export_blocks(cache: PagedCache, blocks: list[int]) -> torch.Tensor:
     picked = cache.pool.index_select(cache.block_dim, index)
     # head-major (layers, 2, heads, n, bs, hd) / block-major (layers, 2, n, bs, heads, hd) -> (n, layers, 2, heads, bs, hd)
     out = picked.permute(3, 0, 1, 2, 4, 5) if cache.head_major else picked.permute(2, 0, 1, 4, 3, 5)
-    return out.contiguous().cpu()
+    local = out.contiguous().cpu()
+    # tensor parallelism: every rank's heads of these blocks, put back together (the wire has all heads)
+    return local if cache.mirror is None else cache.mirror.gather_heads(blocks, local)
 
 
 def check_blocks(data: torch.Tensor, layout: KVLayout, shape: KVShape, block_size: int, num_tokens: int,
@@ -62,6 +64,8 @@ def import_blocks(cache: PagedCache, blocks: list[int], data: torch.Tensor, firs
     assert len(blocks) == data.shape[0], "one received block per taken block"
     if not blocks:
         return
+    if cache.mirror is not None:  # tensor parallelism: each rank writes its heads; these are this rank's
+        data = cache.mirror.scatter_heads(blocks, data, first_position, num_tokens)
     data = data.to(cache.device, non_blocking=True)
     tail = first_position + len(blocks) * cache.block_size - num_tokens
     if tail > 0:

@@ -76,6 +76,7 @@ class PagedCache(Cache):
 
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+        self.mirror: Any = None  # tensor parallelism: the other ranks' pools (decoder_service/engine/tp/ranks.py)
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
         self.head_major = self.device.type != "cuda"
         dims = ((shape.kv_heads, num_blocks, block_size, shape.head_dim) if self.head_major
@@ -97,11 +98,15 @@ class PagedCache(Cache):
     def zero(self, blocks: list[int]) -> None:
         if not blocks:
             return
+        if self.mirror is not None:
+            self.mirror.zero(blocks)
         self.pool.index_fill_(self.block_dim, torch.tensor(blocks, device=self.device), 0)
 
     @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:
         """An n > 1 fork's last, partial prompt block: the one block a fork does not share."""
+        if self.mirror is not None:
+            self.mirror.copy_block(src, dst)
         self.pool.select(self.block_dim, dst).copy_(self.pool.select(self.block_dim, src))
 
     def activate(self, plan: StepPlan | None) -> None:

@@ -15,11 +15,12 @@ class KVShape:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, text_config: Any, dtype: torch.dtype) -> KVShape:
+    def of(cls, text_config: Any, dtype: torch.dtype, ranks: int = 1) -> KVShape:
+        """The K/V of one token, or of one tensor-parallel rank's share of it (`ranks`: its K/V heads / ranks)."""
         heads = text_config.num_attention_heads
         kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-        return cls(int(text_config.num_hidden_layers), int(kv_heads), int(head_dim), dtype)
+        return cls(int(text_config.num_hidden_layers), int(kv_heads) // ranks, int(head_dim), dtype)
 
     @property
     def bytes_per_token(self) -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decoder_service.engine.kv_shape import KVShape
+from epd_models.tensor_parallel import local_forward
 
 if TYPE_CHECKING:
     from decoder_service.engine.interfaces import EngineSettings
@@ -107,7 +108,7 @@ def kv_budget(*, kv_cache_memory: int, device: torch.device, gpu_memory_utilizat
 def plan_for(cfg: EngineSettings, lm: LanguageHalf, used_bytes: int | None = None) -> KVPlan:
     """The plan for a loaded LM under cfg. used_bytes: the caller's measure (CUDA: after a profiling forward);
     None measures now (CUDA: the weights only, an upper bound on the pool; CPU: the weights' bytes)."""
-    shape = KVShape.of(lm.config.get_text_config(), lm.dtype)
+    shape = KVShape.of(lm.config.get_text_config(), lm.dtype, lm.tp_size)  # a rank's pool: its share of heads
     if lm.device.type == "cuda":
         total, used_now = cuda_budget(lm.device)
     else:
@@ -139,7 +140,8 @@ def profile_forward(lm: LanguageHalf, num_tokens: int) -> None:
     config = lm.module.language_model.config
     paged, config._attn_implementation = config._attn_implementation, "sdpa"  # no pool yet (or another engine's)
     try:
-        out = lm.module.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False)
+        with local_forward():  # tensor parallelism: each rank profiles its own share, alone
+            out = lm.module.language_model(inputs_embeds=embeds, position_ids=positions, use_cache=False)
         lm.module.lm_head(out.last_hidden_state[:, -1:])
     finally:
         config._attn_implementation = paged

@@ -45,7 +45,10 @@ class ModelRunner(RowTable):
         self.before_forward: Callable[[], None] | None = None  # called once the step's inputs are ready
 
     def enable_graphs(self, enforce_eager: bool = False) -> None:
-        """CUDA: capture the decode forward for each batch-size bucket (cuda_graphs.py); a no-op elsewhere."""
+        """CUDA: capture the decode forward for each batch-size bucket (cuda_graphs.py); a no-op elsewhere, and at
+        tensor-parallel size > 1 (every step eager: the graphs are not captured per rank yet)."""
+        if self.lm.ranks is not None:
+            return
         graphs = DecodeGraphs(self.lm, self.cache, self.max_slots, self.max_len,
                               packed_forward(self.lm, self.cache, self.inputs.dummy_mask), enforce_eager)
         graphs.capture()
@@ -172,10 +175,16 @@ class ModelRunner(RowTable):
             self.before_forward()
         logits = self.graphs.run(plan, embeds, positions) if self.graphs is not None and graphs else None
         if logits is None:
+            if self.lm.ranks is not None:  # tensor parallelism: the other ranks run this step with this one
+                self.lm.ranks.forward(plan, embeds, positions, extra)
             self.cache.activate(plan)
             try:
                 logits = self.lm.forward_rows(embeds, positions, self.cache, mask if mask is not None
                                               else self.inputs.dummy_mask(embeds), ends, **extra)
+            except Exception as exc:
+                if self.lm.ranks is not None:  # the ranks are mid-forward: they cannot be brought back in step
+                    self.lm.ranks.fail(f"a forward failed on rank 0: {type(exc).__name__}: {exc}")
+                raise
             finally:
                 self.cache.activate(None)
         for s in decode:

@@ -37,10 +37,13 @@ class RowTable:
         self.lm, self.max_slots, self.max_len = lm, max_slots, max_len
         self.block_size = b = prefix_block
         dtype = next(lm.module.parameters()).dtype
-        self.shape = KVShape.of(lm.config.get_text_config(), dtype)
+        self.shape = KVShape.of(lm.config.get_text_config(), dtype, lm.tp_size)  # this rank's share of the K/V
+        self.wire_shape = KVShape.of(lm.config.get_text_config(), dtype)  # every head's: what a hand-off carries
         if num_blocks is None:  # as many as max_slots sequences of max_len need
             num_blocks = max_slots * -(-max_len // b) + 1
         self.cache = PagedCache(self.shape, num_blocks, b, lm.device)
+        if lm.ranks is not None:  # tensor parallelism: every rank's pool mirrors this one's blocks
+            self.cache.mirror = lm.ranks.open_pool(num_blocks, b)
         block_bytes = self.shape.bytes_per_block(b)
         self.blocks = BlockManager(num_blocks, b, block_bytes, caching=prefix_bytes > 0,
                                    cache_cap=prefix_bytes // block_bytes if prefix_bytes > 0 else None)

@@ -1,0 +1,163 @@
+"""One rank's share of a language model split over N ranks (tensor parallelism, vLLM's split).
+
+Column-parallel: q/k/v projections and the MLP's gate/up projections (a dense MLP, a shared expert, and each routed
+expert's width in the fused `experts.gate_up_proj`) keep rows [r*out/N, (r+1)*out/N) of their weight (and bias).
+Row-parallel: the attention's o_proj and the MLP's down_proj (and `experts.down_proj`) keep the matching input
+columns; their partial outputs are summed across ranks by one all-reduce after each layer's attention and after its
+MLP block (a forward hook on `self_attn` and on `mlp`), so every rank holds the whole hidden state between blocks.
+A row-parallel bias is added by rank 0 alone. Embeddings, norms, the MoE router, lm_head and everything outside the
+decoder layers are replicated. Each rank's attention sees heads/N query heads and kv_heads/N K/V heads: transformers'
+attention modules reshape with -1 heads, so the module classes run unchanged on the narrower weights.
+
+`shard(module, rank, size)` makes the module's split parameters the local shapes (on meta, before loading) and
+returns the transform that cuts each checkpoint tensor to this rank's share as it loads (memory-mapped: only the
+share is read). `check_split` refuses a model whose heads, K/V heads or MLP widths do not divide by N, with the
+numbers (vLLM replicates K/V heads when N exceeds them; EPD refuses). The process group is torch.distributed's
+default group, set up by the decoder (decoder_service/engine/tp); `local_forward()` turns the all-reduces off for a
+forward one rank runs alone (the CUDA memory profile).
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# (pattern of a language-model key, dimension cut, row-parallel): matched against the half's module keys
+_LAYER = r"language_model\.layers\.\d+\."
+RULES: tuple[tuple[re.Pattern[str], int, bool], ...] = (
+    (re.compile(_LAYER + r"self_attn\.[qkv]_proj\.(weight|bias)"), 0, False),
+    (re.compile(_LAYER + r"mlp\.(.+\.)?(gate|up)_proj\.(weight|bias)"), 0, False),
+    (re.compile(_LAYER + r"self_attn\.o_proj\.weight"), 1, True),
+    (re.compile(_LAYER + r"mlp\.(.+\.)?down_proj\.weight"), 1, True),
+    (re.compile(_LAYER + r"mlp\.experts\.gate_up_proj"), 1, False),  # (experts, 2 x width, hidden): each half cut
+    (re.compile(_LAYER + r"mlp\.experts\.down_proj"), 2, True),  # (experts, hidden, width)
+)
+_ROW_BIAS = re.compile(_LAYER + r"(self_attn\.o_proj|mlp\.(.+\.)?down_proj)\.bias")
+_FUSED = re.compile(_LAYER + r"(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")  # fused linears: not split here
+
+
+class SplitError(ValueError):
+    """The model cannot be split over this many ranks (the message has the numbers)."""
+
+
+@dataclass
+class CommClock:
+    """Seconds this rank spent in the forward's all-reduces (the benchmark's communication time per step)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
+CLOCK = CommClock()
+_local = threading.local()
+
+
+def check_split(text_config: Any, size: int) -> None:
+    """SplitError unless every dimension the split cuts divides by `size`."""
+    if size == 1:
+        return
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    widths = {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(text_config, name, None):
+            widths[name] = int(getattr(text_config, name))
+    bad = [f"{name} {value}" for name, value in widths.items() if value % size]
+    if bad:
+        raise SplitError(f"--tensor-parallel-size {size} does not divide the model's {', '.join(bad)} (each rank "
+                         f"holds 1/{size} of them); K/V heads are not replicated across ranks: use a size that "
+                         f"divides {kv_heads} K/V heads and {heads} heads")
+
+
+def _rule(name: str) -> tuple[int, bool] | None:
+    for pattern, dim, row in RULES:
+        if pattern.fullmatch(name):
+            return dim, row
+    return None
+
+
+def cut(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This rank's share of the module tensor `name` (the tensor itself when it is replicated)."""
+    rule = _rule(name)
+    if rule is None:
+        if _ROW_BIAS.fullmatch(name) and rank != 0:
+            return torch.zeros_like(tensor)  # the sum over ranks adds it once
+        return tensor
+    dim, _ = rule
+    if name.endswith("experts.gate_up_proj"):  # gate rows then up rows: each half cut alike, kept in that order
+        gate, up = tensor.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(size, dim=dim)[rank], up.chunk(size, dim=dim)[rank]], dim=dim).contiguous()
+    if tensor.shape[dim] % size:
+        raise SplitError(f"{name}: dimension {dim} of {tuple(tensor.shape)} does not divide by {size}")
+    return tensor.chunk(size, dim=dim)[rank].contiguous()
+
+
+def shard(module: nn.Module, rank: int, size: int) -> Callable[[dict[str, torch.Tensor]], None]:
+    """Hook `module`'s all-reduces; return the loading transform that makes its split parameters this rank's shapes
+    (on meta) and cuts the checkpoint's tensors to them. It runs after any dequantizing transform, which checks the
+    checkpoint against the module's whole shapes."""
+    fused = [n for n, _ in module.named_parameters() if _FUSED.fullmatch(n)]
+    if fused:
+        raise SplitError(f"this family fuses its projections ({fused[0]}): tensor parallelism splits separate "
+                         "q/k/v and gate/up projections only")
+    for layer in module.get_submodule("language_model.layers"):
+        for block in (layer.self_attn, layer.mlp):
+            block.register_forward_hook(_all_reduce_output)
+
+    def transform(state: dict[str, torch.Tensor]) -> None:
+        _narrow(module, size)
+        for name in list(state):
+            state[name] = cut(name, state[name], rank, size)
+
+    return transform
+
+
+def _narrow(module: nn.Module, size: int) -> None:
+    for name, param in list(module.named_parameters()):
+        rule = _rule(name)
+        if rule is None:
+            continue
+        dim, _ = rule
+        shape = list(param.shape)
+        shape[dim] //= size
+        parent, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(parent)
+        setattr(owner, leaf, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
+
+
+def _all_reduce_output(module: nn.Module, args: Any, output: Any) -> Any:
+    if getattr(_local, "alone", False):
+        return output
+    out = output[0] if isinstance(output, tuple) else output
+    start = time.perf_counter()
+    dist.all_reduce(out)
+    CLOCK.seconds += time.perf_counter() - start
+    CLOCK.calls += 1
+    return output
+
+
+@contextmanager
+def local_forward() -> Iterator[None]:
+    """Forwards on this thread skip the all-reduces (a forward one rank runs alone: the CUDA memory profile)."""
+    _local.alone = True
+    try:
+        yield
+    finally:
+        _local.alone = False
+
+
+def chain(*transforms: Callable[[dict[str, torch.Tensor]], None] | None) -> Callable[[dict[str, torch.Tensor]], None]:
+    """One loading transform running these in order (None skipped)."""
+    def run(state: dict[str, torch.Tensor]) -> None:
+        for t in transforms:
+            if t is not None:
+                t(state)
+    return run
