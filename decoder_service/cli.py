@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads, K/V heads, MLP and experts column- then row-parallel; this process serves HTTP and "
                         "schedules, and starts the other ranks (CUDA: --device and the next N-1 devices, NCCL; "
                         "CPU: gloo). The K/V heads must divide by N")
+    p.add_argument("--tensor-parallel-timeout", type=float, default=d.tensor_parallel_timeout,
+                   help="seconds one collective between the ranks may wait (a rank that hangs): past it the decoder "
+                        "exits with status 70 and is restarted with all its ranks")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="requests waiting for a slot; more get 503")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="sequences decoded together (an upper bound on rows per step; the K/V pool bounds them too)")

@@ -34,6 +34,7 @@ class DecoderConfig(HttpLimits, TraceSettings):
     # ranks the language model is split over (decoder_service/engine/tp): this process is rank 0 and starts the
     # others; CUDA: rank r on the device after --device's r places (NCCL), CPU: gloo
     tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0  # seconds one collective may wait for a rank; past it the decoder exits
     cpu_packed_linear: bool = False  # CPU: small-batch linears through oneDNN's prepacked matmul (numerics differ)
     max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders

@@ -188,7 +188,8 @@ async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: 
     cfg = state.cfg
     half = lm if lm is not None else await asyncio.to_thread(
         functools.partial(load_language, resolve_model(cfg.model), dtype=cfg.dtype, device=cfg.device,
-                          quantized=cfg.quantized_weights, size=cfg.tensor_parallel_size))
+                          quantized=cfg.quantized_weights, size=cfg.tensor_parallel_size,
+                          timeout_s=cfg.tensor_parallel_timeout))
     try:
         return await _start_on(state, half, on_fatal)
     except BaseException:

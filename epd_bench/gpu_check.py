@@ -8,7 +8,8 @@ Steps, each under its own limit inside the run's --budget (540 s); a failed step
 env (versions, nvidia-smi); tests (TESTS: the families' split path against model.generate() on --device); then per
 family of FAMILIES (LLaVA-1.5-7B, Qwen2.5-VL-3B): build (a random checkpoint of the real shapes drawn on the device,
 epd_builders/full_size.py, cached), engine (the paged engine on it: K/V plan at 0.9 utilization, decode CUDA graphs,
-TPOT at batch 1 against the HBM bound, tokens/s at 64 rows; epd_bench/gpu_check_engine.py), epd-1enc and aggregated
+TPOT at batch 1 against the HBM bound, tokens/s at 64 rows; for TP_FAMILY also the tensor-parallel path at size 1
+with NCCL against the plain path, tokens and TPOT; epd_bench/gpu_check_engine.py), epd-1enc and aggregated
 (one system at a time on the GPU under WORKLOADS, `make bench`'s scaled for a GPU, with GPU memory per process
 sampled); then quantized weights (epd_bench/gpu_check_quant.py: Qwen2.5-VL-3B's build as FP8 and AWQ kept against
 dequantized, MoE experts eager against grouped_mm), each step started only with its MIN_LEFT_S of the budget left;
@@ -53,6 +54,7 @@ SMALL_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or paged_cac
 PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "fastapi", "starlette", "uvicorn", "pydantic",
            "pydantic_core", "msgspec", "pyzmq", "regex", "typing_extensions")
 FAMILIES = ("llava-1.5-7b", "qwen2.5-vl-3b")  # epd_builders/full_size.py presets, built and served in this order
+TP_FAMILY = "qwen2.5-vl-3b"  # its engine step also runs the tensor-parallel path at size 1 (NCCL) against the plain one
 # 32 x 4096 positions of K/V: 64 GiB for LLaVA-7B (512 KiB a token), 4.5 GiB for Qwen2.5-VL-3B, beside LLaVA's 12.6 GiB
 # of LM weights and its encoder on one H200; 512 prompt tokens a step prefill an image prompt in 2 steps, not 19.
 DECODER_FLAGS = ("--max-model-len", "4096", "--max-num-seqs", "32", "--max-prefill-tokens", "512")
@@ -147,10 +149,12 @@ def run_engine(run: Run, family: str, model_dir: Path) -> None:
     """The paged engine on the family's checkpoint on the device (epd_bench/gpu_check_engine.py)."""
     with run.step(f"{family}/engine", f"engine-{family}.log") as rec:
         args = ["-m", "epd_bench.gpu_check_engine", "--model", str(model_dir), "--device", run.args.device, "--json",
-                *(("--steps", "4") if run.args.size == "small" else ())]
+                *(("--steps", "4") if run.args.size == "small" else ()), *(("--tp-path",) if family == TP_FAMILY else ())]
         rec["result"] = _last_json(run.python(rec, f"engine-{family}.log", args, LIMITS["engine"]))
         if run.args.device.startswith("cuda") and not rec["result"]["graph_replays"]:
             raise RuntimeError("no decode step replayed a CUDA graph")
+        if family == TP_FAMILY and not rec["result"]["tp_path"]["tokens_equal"]:
+            raise RuntimeError("the tensor-parallel path at size 1 changed the tokens")
 
 
 def serve(run: Run, family: str, spec: SystemSpec) -> None:

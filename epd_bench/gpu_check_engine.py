@@ -9,6 +9,9 @@
 - TPOT at batch 1: the mean of --steps decode steps of one row (a 32-token prompt), timed between device syncs,
   against the HBM bound: the LM's weight bytes / the device's bandwidth (a constant per device name, or --hbm-gbps).
 - Output tokens/s with 64 rows in flight: 64 rows decoding --steps steps together (prefill not counted).
+- The tensor-parallel code path at size 1 (`--tp-path`; the machine has one GPU, so N > 1 cannot run there): a process
+  group of one (NCCL on CUDA) with the split's hooks and collectives, against the plain path, both eager: the greedy
+  tokens of --steps decode steps equal, and TPOT at batch 1 of each.
 On CPU (the dry run) the same numbers without graphs or a bound.
 """
 from __future__ import annotations
@@ -117,6 +120,56 @@ def measure_lm(lm: LanguageHalf, steps: int, hbm_gbps: float | None) -> tuple[di
             f"tokens_per_s_{ROWS}": round(ROWS / per_step, 1), "steps": steps}, runner
 
 
+def eager_tokens(lm: LanguageHalf, steps: int) -> tuple[list[int], float]:
+    """Greedy tokens of one row decoding `steps` steps without graphs, and seconds per step (after two)."""
+    import torch
+
+    from decoder_service.engine.model_runner import ModelRunner
+    from decoder_service.prompt import Prompt
+
+    size = block_size(lm.device)
+    runner = ModelRunner(lm, 1, PROMPT_TOKENS + steps + 8, chunk=1 << 30, prefix_block=size,
+                         num_blocks=-(-(PROMPT_TOKENS + steps + 8) // size) + 1)
+    vocab = lm.config.get_text_config().vocab_size
+    runner.add("row", Prompt(torch.randint(10, vocab - 10, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)),
+                             []))
+    token = int(torch.argmax(runner.prefill(1 << 30)["row"]))
+    tokens = [token]
+    for step in range(steps + 2):
+        if step == 2:
+            sync(lm.device)
+            started = time.perf_counter()
+        runner.grow({"row": token})
+        token = int(torch.argmax(runner.decode({"row": token})["row"]))
+        tokens.append(token)
+    sync(lm.device)
+    return tokens, (time.perf_counter() - started) / steps
+
+
+def tp_path(model: str, device: str, steps: int) -> dict[str, Any]:
+    """The tensor-parallel path at size 1 against the plain path: tokens equal, TPOT of each (ms), the backend."""
+    import torch
+
+    from decoder_service.engine.tp.load import load_language
+    from decoder_service.engine.tp.ranks import backend_for
+    from epd_models.halves import LanguageHalf
+
+    plain = LanguageHalf(model, device=device)
+    want, plain_s = eager_tokens(plain, steps)
+    del plain
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    lm = load_language(model, dtype="auto", device=device, quantized="auto", tp_path=True)
+    try:
+        got, tp_s = eager_tokens(lm, steps)
+    finally:
+        assert lm.ranks is not None
+        lm.ranks.close()
+    return {"backend": backend_for(lm.device), "tokens_equal": got == want, "steps": steps,
+            "tpot_plain_ms": round(plain_s * 1e3, 3), "tpot_tp_path_ms": round(tp_s * 1e3, 3),
+            "tpot_ratio": round(tp_s / plain_s, 3)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser("gpu_check_engine", __doc__, "print the result as one JSON line")
     p.add_argument("--model", required=True, help="a checkpoint directory")
@@ -124,11 +177,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per number (default: %(default)s)")
     p.add_argument("--hbm-gbps", type=float, default=None,
                    help="the device's HBM bandwidth in GB/s, for devices not in HBM_BYTES_PER_S")
+    p.add_argument("--tp-path", action="store_true",
+                   help="also the tensor-parallel code path at size 1 against the plain path (result['tp_path'])")
     args = p.parse_args(argv)
     import torch
 
     with torch.inference_mode():
         result = measure(args.model, args.device, args.steps, args.hbm_gbps)
+        if args.tp_path:
+            result["tp_path"] = tp_path(args.model, args.device, args.steps)
     emit(result, True, indent=None if args.json else 1)
 
 

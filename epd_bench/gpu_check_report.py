@@ -132,6 +132,14 @@ def _engine_lines(steps: dict[str, Any], h: str) -> list[str]:
         lines.append(f"| {family} | {r['block_size']} | {r['num_blocks']:,} | {r['bytes_per_token'] / 1024:g} | "
                      f"{r['sequences_1024']:,} / {r['sequences_4096']:,} | {graphs} | {r['tpot_b1_ms']} | "
                      f"{r['hbm_bound_ms'] or '–'} | {r['tpot_over_bound'] or '–'} | {r['tokens_per_s_64']} |")
+    paths = {f: s["result"]["tp_path"] for f, s in runs.items() if "tp_path" in s["result"]}
+    if paths:
+        lines += ["", "The tensor-parallel code path at size 1 (a process group of one, its hooks and collectives) "
+                  "against the plain path, both eager, batch 1:", "",
+                  "| model | backend | tokens equal (steps) | TPOT plain (ms) | TPOT TP path (ms) | ratio |",
+                  "|---|---|---|---:|---:|---:|"]
+        lines += [f"| {f} | {t['backend']} | {'yes' if t['tokens_equal'] else '**no**'} ({t['steps']}) | "
+                  f"{t['tpot_plain_ms']} | {t['tpot_tp_path_ms']} | {t['tpot_ratio']} |" for f, t in paths.items()]
     return lines
 
 

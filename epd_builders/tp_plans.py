@@ -1,7 +1,7 @@
-"""Start-up plans per rank for tensor parallelism (issue 47): the real-size checkpoints of epd_builders/quant_plans.py
-(and Qwen2.5-VL-72B in bf16) split over N devices, one rank each. Per rank: the weight bytes it holds, the K/V blocks
-and max model length the decoder's own plan (decoder_service/engine/memory_plan.py) gives its share of the pool, or
-why that N is refused.
+"""Start-up plans per rank for tensor parallelism (`--tensor-parallel-size`, the split epd_models/tensor_parallel.py
+makes): the real-size checkpoints of epd_builders/quant_plans.py (and Qwen2.5-VL-72B in bf16) split over N devices,
+one rank each. Per rank: the weight bytes it holds, the K/V blocks and max model length the decoder's own plan
+(decoder_service/engine/memory_plan.py) gives its share of the pool, or why that N is refused.
 
     python -m epd_builders.tp_plans [--json] [--devices-gib 80 141] [--tp 2 4 8]
 

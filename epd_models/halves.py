@@ -193,14 +193,16 @@ class LanguageHalf:
     CUDA, dequantized once into `dtype` elsewhere), "keep" or "dequantize"."""
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype | str | None = None,
-                 device: str | torch.device = "cpu", quantized: str = "auto", tp_rank: int = 0, tp_size: int = 1):
+                 device: str | torch.device = "cpu", quantized: str = "auto", tp_rank: int = 0, tp_size: int = 1,
+                 tp_path: bool = False):
         self.model_dir = Path(model_dir)
         self.config = load_config(self.model_dir)
         self.adapter = adapter_for(self.config)
         self.device = resolve_device(device)  # every tensor the decoder makes for the LM is made here
         self.dtype = _dtype(self.config, dtype)
         # tensor parallelism (epd_models/tensor_parallel.py): this process holds 1/tp_size of the split weights;
-        # `ranks` is the decoder's handle on the other ranks, set by the rank 0 that started them
+        # `ranks` is the decoder's handle on the other ranks, set by the rank 0 that started them. `tp_path`: the
+        # split's code (hooks, cuts, collectives) at size 1 too (make gpu-check compares it with the plain path)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ranks: Any = None
         check_split(self.config.get_text_config(), tp_size)
@@ -212,7 +214,7 @@ class LanguageHalf:
         self.module = self.adapter.build_language(self.config).eval()
         self.quant = QuantLoad(read_scheme(self.model_dir), self.dtype, self.device,
                                mode="dequantize" if tp_size > 1 else quantized)
-        split = shard(self.module, tp_rank, tp_size) if tp_size > 1 else None
+        split = shard(self.module, tp_rank, tp_size) if tp_size > 1 or tp_path else None
         load_half(self.module, self.model_dir, self.adapter, vision=False, assign=True,
                   transform=chain(self.quant(self.module), split))
         # transformers' rule, not the text config's flag: composite checkpoints may say one thing at each level

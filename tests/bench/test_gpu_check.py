@@ -17,6 +17,7 @@ from epd_bench.gpu_check import (
     FAMILIES,
     LIMITS,
     SMALL_WORKLOADS,
+    TP_FAMILY,
     junit_counts,
     on_device,
     parse_args,
@@ -82,6 +83,8 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
             assert served["gpu_mib"] == {"pid 4242": 100, "pid 4243": 7} and served["gpu_used_peak_mib"] == 512
         engine = steps[f"{family}/engine"]["result"]  # the paged engine on CPU: planned, eager, measured
         assert engine["graphs"] == [] and engine["num_blocks"] > 0 and engine["tokens_per_s_64"] > 0
+    tp = steps[f"{TP_FAMILY}/engine"]["result"]["tp_path"]  # the tensor-parallel path at size 1 (gloo here)
+    assert tp["backend"] == "gloo" and tp["tokens_equal"] and tp["tpot_ratio"] > 0
     for fmt, kernel in (("fp8", "dequantize_per_call"), ("awq", "weight_int4pack_mm_for_cpu")):  # the CPU kernels
         q = steps[f"quant-{fmt}"]["result"]
         assert q["kernels"] == {kernel: q["kept"]["summary"]["kept"]} and q["kept"]["summary"]["dequantized"] == 0
@@ -102,6 +105,7 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
         assert all(f"Serving {f}" in text for f in FAMILIES) and "## Structured outputs" in text
         assert "The paged engine on the device" in text and "| eager |" in text
         assert "Encoder batching across requests" in text
+        assert "The tensor-parallel code path at size 1" in text and "| gloo | yes (4) |" in text
         assert "Quantized weights at real shapes" in text and "MoE experts: transformers' eager loop" in text
         assert "| fp8 (fp8-block block 32x32) |" in text and "weight_int4pack_mm_for_cpu × " in text
         assert "| epd-1enc | 4 / 0 |" in text and "| aggregated | 2 / 0 |" in text

@@ -9,14 +9,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
+from decoder_service.cli import check_kv_fits
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.tp.load import load_language
+from decoder_service.engine.tp.ranks import Ranks, RankStartError
 from decoder_service.engine.work import Work
 from decoder_service.handoff import resume_from
 from decoder_service.shell import Engine
 from epd_contracts.sampling import SamplingParams
+from epd_common.startup import ConfigError
 from epd_models.halves import LanguageHalf
+from epd_models.tensor_parallel import SplitError
 from tests.decoder_service.engine_run import Result, make_engine, run
 from tests.decoder_service.test_handoff import MemoryStore, chain_of, handoff_engine, run_one
 from tests.decoder_service.test_preemption import prompts
@@ -65,6 +70,7 @@ def assert_same(tp2: list[Result], tp1: list[Result]) -> float:
                                                      for s, t in zip(x.top_logprobs, y.top_logprobs, strict=True)]
             worst = max(worst, *diffs)
     assert worst <= LOGPROB_TOL
+    print(f"largest logprob difference TP 2 vs TP 1: {worst:.2e}")
     return worst
 
 
@@ -165,6 +171,16 @@ def test_handoff_between_tp2_and_tp1_workers(tiny_model_dirs: dict[str, Path]) -
 
 
 def test_a_model_whose_kv_heads_do_not_divide_is_refused(tiny_model_dirs: dict[str, Path]) -> None:
-    from epd_models.tensor_parallel import SplitError
     with pytest.raises(SplitError, match=r"num_key_value_heads 2.*divides 2 K/V heads"):
         LanguageHalf(tiny_model_dirs["llava"], tp_rank=0, tp_size=4)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4 does not divide the model's num_key_value_heads 2"):
+        check_kv_fits(tiny_model_dirs["llava"], dtype="auto", device="cpu", block_size=16, max_model_len=0,
+                      kv_cache_memory=0, ranks=4)  # epd-decoder's check before any weight loads: exit 2
+
+
+def test_a_rank_that_cannot_start_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    ranks = Ranks.spawn(str(tmp_path / "no-such-model"), 2, dtype="auto", device=torch.device("cpu"),
+                        quantized="auto")
+    with pytest.raises(RankStartError, match=r"^tensor-parallel rank 1 could not start: \w+: [^\n]+$"):
+        ranks.connect()
+    assert all(p.poll() is not None for p in ranks.procs)

@@ -2,9 +2,10 @@
 touches the model or the K/V pool to all of them, in order (vLLM's executor shape: one scheduler, ranks in lockstep).
 
 Start-up: `Ranks.spawn` starts the ranks (each loads its share of the weights while rank 0 loads its own) with one end
-of a socket pair each; `connect` waits for each rank's Ready (or its one-line Failed: the decoder does not start) and
-then joins the process group on a TCPStore rank 0 opened on a free loopback port (gloo on the CPU, NCCL on CUDA).
-Every collective has COLLECTIVE_TIMEOUT_S. Steps: `forward` sends the step's plan and inputs, then rank 0 runs its own
+of a socket pair each; `connect` waits for each rank's Ready (or its one-line Failed: the decoder does not start), says
+Join, and all join the process group on a TCPStore rank 0 opened on a free loopback port (gloo on the CPU, NCCL on
+CUDA). Every collective has a timeout (`--tensor-parallel-timeout`, COLLECTIVE_TIMEOUT_S by default).
+Steps: `forward` sends the step's plan and inputs, then rank 0 runs its own
 share; the layers' all-reduces (epd_models/tensor_parallel.py) keep the ranks in step. Pool operations (`zero`,
 `copy_block`, hand-off `scatter_heads` / `gather_heads`) are mirrored so every rank's pool holds the same blocks.
 A lock keeps each operation's message and collectives together (the hand-off export runs off the engine thread).
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -34,7 +36,7 @@ from decoder_service.engine.step_plan import StepPlan
 from decoder_service.engine.tp import wire
 
 logger = logging.getLogger("epd.decoder")
-COLLECTIVE_TIMEOUT_S = 60.0  # no rank waits longer in one collective (a hung rank ends the decoder)
+COLLECTIVE_TIMEOUT_S = 60.0  # default: no rank waits longer in one collective (a hung rank ends the decoder)
 START_TIMEOUT_S = 1800.0  # a rank's load (a large checkpoint from a slow disk)
 FATAL_STATUS = 70
 
@@ -63,16 +65,20 @@ class Ranks:
     """Ranks 1..N-1 of one decoder, from rank 0."""
 
     def __init__(self, size: int, device: torch.device, procs: list[subprocess.Popen[bytes]],
-                 socks: list[socket.socket], store: dist.TCPStore,
+                 socks: list[socket.socket], store: dist.TCPStore, timeout_s: float = COLLECTIVE_TIMEOUT_S,
                  on_fatal: Callable[[str], None] = _fatal_exit):
         self.size, self.device, self.procs, self.socks, self.store = size, device, procs, socks, store
+        self.timeout_s = timeout_s
         self.on_fatal = on_fatal
         self._lock = threading.Lock()
         self._closing = False
+        self.steps = 0  # forwards sent (the benchmark's communication time per step)
+        self.broadcast_s = 0.0  # seconds rank 0 spent broadcasting steps
 
     @classmethod
     def spawn(cls, model_dir: str, size: int, *, dtype: str, device: torch.device, quantized: str,
-              threads: int = 0, on_fatal: Callable[[str], None] = _fatal_exit) -> Ranks:
+              threads: int = 0, timeout_s: float = COLLECTIVE_TIMEOUT_S,
+              on_fatal: Callable[[str], None] = _fatal_exit) -> Ranks:
         """Start ranks 1..size-1 loading their shares (rank 0 loads its own meanwhile, then calls `connect`)."""
         store = dist.TCPStore("127.0.0.1", 0, world_size=size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=START_TIMEOUT_S))
@@ -82,11 +88,11 @@ class Ranks:
             cmd = [sys.executable, "-m", "decoder_service.engine.tp.worker", "--fd", str(theirs.fileno()),
                    "--rank", str(rank), "--size", str(size), "--store-port", str(store.port), "--model", model_dir,
                    "--dtype", dtype, "--device", str(rank_device(device, rank)), "--quantized", quantized,
-                   "--threads", str(threads), "--timeout", str(COLLECTIVE_TIMEOUT_S)]
+                   "--threads", str(threads), "--timeout", str(timeout_s)]
             procs.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()]))
             theirs.close()
             socks.append(ours)
-        return cls(size, device, procs, socks, store, on_fatal)
+        return cls(size, device, procs, socks, store, timeout_s, on_fatal)
 
     def connect(self) -> None:
         """Wait until every rank loaded its share, then join the process group (RankStartError: one line why)."""
@@ -98,8 +104,10 @@ class Ranks:
                 if not isinstance(msg, wire.Ready):
                     code = self.procs[rank - 1].wait()
                     raise RankStartError(f"tensor-parallel rank {rank} exited while starting (status {code})")
+            for sock in self.socks:
+                wire.send(sock, wire.Join())
             dist.init_process_group(backend_for(self.device), store=self.store, rank=0, world_size=self.size,
-                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                    timeout=timedelta(seconds=self.timeout_s))
         except BaseException:
             self.kill()
             raise
@@ -120,7 +128,10 @@ class Ranks:
     def forward(self, plan: StepPlan, embeds: torch.Tensor, positions: torch.Tensor, extra: dict[str, Any]) -> None:
         """Send the step (the ranks then run it with rank 0, whose forward follows)."""
         msg, pack = wire.forward_message(plan, embeds, positions, extra)
+        start = time.perf_counter()
         self._run(msg, lambda: dist.broadcast(pack.buffer(self.device), src=0))
+        self.broadcast_s += time.perf_counter() - start
+        self.steps += 1
 
     def scatter_heads(self, blocks: list[int], data: torch.Tensor, first_position: int, num_tokens: int) -> torch.Tensor:
         """Received blocks (n, layers, 2, kv_heads, block, head_dim): each rank gets and writes its heads; rank 0's

@@ -83,6 +83,10 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
+class Join(msgspec.Struct, tag=True):
+    """Every rank loaded: join the process group now (each rank's rendezvous then waits seconds, not a load)."""
+
+
 class Ready(msgspec.Struct, tag=True):
     rank: int
 
@@ -92,7 +96,7 @@ class Failed(msgspec.Struct, tag=True):
     reason: str
 
 
-Message = Forward | OpenPool | Zero | CopyBlock | Scatter | Gather | Stop | Ready | Failed
+Message = Forward | OpenPool | Zero | CopyBlock | Scatter | Gather | Stop | Join | Ready | Failed
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

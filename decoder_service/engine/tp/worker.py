@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     rank = Rank(lm)
     wire.send(sock, wire.Ready(args.rank))
+    if not isinstance(wire.recv(sock), wire.Join):  # rank 0 failed to start, or another rank did
+        sys.exit(1)
     store = dist.TCPStore("127.0.0.1", args.store_port, world_size=args.size, is_master=False,
                           timeout=timedelta(seconds=args.timeout))
     dist.init_process_group(backend_for(lm.device), store=store, rank=args.rank, world_size=args.size,
