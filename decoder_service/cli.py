@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads, K/V heads, MLP and experts column- then row-parallel; this process serves HTTP and "
                         "schedules, and starts the other ranks (CUDA: --device and the next N-1 devices, NCCL; "
                         "CPU: gloo). The K/V heads must divide by N")
-    p.add_argument("--tensor-parallel-timeout", type=float, default=d.tensor_parallel_timeout,
+    p.add_argument("--tensor-parallel-timeout", type=_tp_timeout, default=d.tensor_parallel_timeout,
                    help="seconds one collective between the ranks may wait (a rank that hangs): past it the decoder "
                         "exits with status 70 and is restarted with all its ranks")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="requests waiting for a slot; more get 503")
@@ -160,6 +160,13 @@ def _tp_size(value: str) -> int:
     return n
 
 
+def _tp_timeout(value: str) -> float:
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value}: must be a number of seconds > 0")
+    return number
+
+
 def security_gaps(cfg: DecoderConfig) -> list[Gap]:
     return key_gaps(cfg) + curve_gaps(cfg)
 
@@ -229,7 +236,7 @@ def check_kv_fits(model_dir: str | Path, *, dtype: str, device: str, block_size:
 
     from decoder_service.engine.kv_shape import KVShape
     from decoder_service.engine.memory_plan import KVPlanError, cpu_total_bytes, plan_kv_cache
-    from epd_models.halves import _dtype
+    from epd_models.device import _dtype
     from epd_models.registry import load_config
     from epd_models.tensor_parallel import SplitError, check_split
 

@@ -9,6 +9,7 @@ from epd_common.cli import byte_size
 from epd_contracts.video import MAX_VIDEO_FRAMES
 
 MAX_PROXY_WORKERS = 64  # more proxy processes than this on one host is a typo, not a plan
+MAX_TENSOR_PARALLEL = 64  # epd-decoder's own bound on --tensor-parallel-size (tests/launcher check they agree)
 NO_PREFILL = ("disable", "none", "")  # vLLM's spellings of "E + PD": no separate prefill stage
 
 
@@ -47,6 +48,14 @@ def positive(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return number
+
+
+def tensor_parallel_size(value: str) -> int:
+    """--tensor-parallel-size: 1 .. MAX_TENSOR_PARALLEL, what each spawned decoder takes."""
+    number = int(value)
+    if not 1 <= number <= MAX_TENSOR_PARALLEL:
+        raise argparse.ArgumentTypeError(f"{value}: must be in 1..{MAX_TENSOR_PARALLEL}")
     return number
 
 

@@ -25,6 +25,7 @@ from epd_launcher.flag_types import (
     positive_seconds,
     prefill_url,
     proxy_workers,
+    tensor_parallel_size,
 )
 from epd_launcher.media_flags import add_audio_flags, add_image_flags, add_video_flags
 from proxy.config import ProxyConfig
@@ -43,6 +44,13 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--max-model-len", non_negative,
      "positions of one sequence, prompt included (0: the checkpoint's, lowered to what the decoder's K/V pool holds)"),
     ("--max-num-seqs", positive, "sequences one decoder runs at once (rows per step)"),
+    ("--tensor-parallel-size", tensor_parallel_size,
+     "processes each decoder and prefill worker splits the language model over (vLLM's flag; the K/V heads must "
+     "divide by it); on GPUs each gets that many consecutive GPUs of its own (CUDA_VISIBLE_DEVICES), encoders "
+     "round-robin over all; too few GPUs for them all exits 2 before anything starts; CPU: the ranks share it"),
+    ("--tensor-parallel-timeout", positive_seconds,
+     "seconds one collective between a decoder's ranks may wait (a hung rank); past it that decoder exits and is "
+     "restarted with all its ranks"),
     ("--max-seqs-per-request", non_negative,
      "rows one request's n choices hold at once on a decoder; the rest wait for its own rows (0: --max-num-seqs // 2)"),
     ("--block-size", positive, "tokens per K/V block (the pool's unit; prefixes are reused in whole blocks)"),

@@ -1,5 +1,5 @@
-"""What the launcher checks before it starts anything: the model, each decoder's K/V arithmetic and the ports; a
-failure is a ConfigError (one line, exit 2), not a worker's traceback a minute later."""
+"""What the launcher checks before it starts anything: the GPUs the decoders need, the model, each decoder's K/V
+arithmetic and the ports; a failure is a ConfigError (one line, exit 2), not a worker's traceback a minute later."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +11,12 @@ from pathlib import Path
 from epd_common.server import ENV_REUSE_PORT
 from epd_common.startup import ConfigError
 from epd_launcher.group import reserve_port
+from epd_launcher.placement import placements
 
 
 def check_launch(args: argparse.Namespace) -> Path:
     """Launcher mode, before any worker is spawned: the model's directory (ConfigError when it cannot be had)."""
+    placements(args)  # --tensor-parallel-size N: N GPUs of its own for each decoder and prefill worker
     model_dir = resolve(args.model)
     check_quant(args, model_dir)
     check_kv(args, model_dir)
@@ -44,9 +46,11 @@ def check_quant(args: argparse.Namespace, model_dir: Path) -> None:
 
 
 def check_kv(args: argparse.Namespace, model_dir: Path) -> None:
-    """An explicit --max-model-len that an explicit --kv-cache-memory cannot hold, with the decoder's own numbers
-    (decoder_service.cli.check_kv_fits, from the checkpoint's config: no weights are loaded)."""
-    if not (args.max_model_len and args.kv_cache_memory):
+    """An explicit --max-model-len that an explicit --kv-cache-memory cannot hold, or a model that does not split
+    over --tensor-parallel-size (its K/V heads), with the decoder's own numbers (decoder_service.cli.check_kv_fits,
+    from the checkpoint's config: no weights are loaded)."""
+    ranks = args.tensor_parallel_size or 1
+    if not (args.max_model_len and args.kv_cache_memory) and ranks == 1:
         return
     import torch
 
@@ -55,8 +59,8 @@ def check_kv(args: argparse.Namespace, model_dir: Path) -> None:
 
     try:
         check_kv_fits(model_dir, dtype=args.dtype or DecoderConfig.dtype, device="cuda" if torch.cuda.device_count() else "cpu",
-                      block_size=args.block_size or DecoderConfig.block_size, max_model_len=args.max_model_len,
-                      kv_cache_memory=args.kv_cache_memory)
+                      block_size=args.block_size or DecoderConfig.block_size, max_model_len=args.max_model_len or 0,
+                      kv_cache_memory=args.kv_cache_memory or 0, ranks=ranks)
     except ConfigError as exc:
         raise ConfigError(f"each decoder: {exc}") from None
 

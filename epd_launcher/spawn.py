@@ -6,11 +6,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from epd_common.tracing import TraceSettings, tracing_flags
 from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, EC_DISK_DIR, ENCODER_FLAGS, WORKER_FLAGS, _dest
 from epd_launcher.group import Secrets, WorkerGroup
+from epd_launcher.placement import placements, worker_counts
 
 
 def spawn_workers(group: WorkerGroup, args: argparse.Namespace, keys: Secrets,
@@ -18,29 +17,30 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace, keys: Secrets,
     """(encoder URLs, decoder URLs, prefill worker URLs) of the workers spawned on `model_dir` (preflight resolved
     --model), once all are healthy."""
     model = str(model_dir)
-    num_encoders = 0 if args.aggregated else args.num_encoders
-    num_prefills = 0 if args.aggregated else args.num_prefills
+    num_encoders, _, num_prefills = worker_counts(args)
     threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders + num_prefills))
     wh = args.worker_host
     common = ["--log-level", args.log_level, *_http_flags(args), *_given(args, WORKER_FLAGS),
               *tracing_flags(TraceSettings(otlp_traces_endpoint=args.otlp_traces_endpoint,
                                            otlp_traces_sample_ratio=args.otlp_traces_sample_ratio))]
-    devices = _devices(num_encoders + args.num_decoders + num_prefills)
+    # the GPUs of each worker (epd_launcher/placement.py): --device, and with --tensor-parallel-size > 1 the
+    # decoders' and prefill workers' own CUDA_VISIBLE_DEVICES; preflight refused a set the GPUs cannot hold
+    places = placements(args)
     enc = [group.spawn("encoder", model, wh, threads,
                        ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *_given(args, ENCODER_FLAGS),
-                        *_disk_dir(args, i), *devices[i]], keys.env("encoder"), _port(args, i))
+                        *_disk_dir(args, i), *places[i].flags], {**keys.env("encoder"), **places[i].env}, _port(args, i))
            for i in range(num_encoders)]
     # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
     aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
     dec_flags = [*common, *aggregated, *_engine_flags(args)]
     roles = ["--role", "decode"] if num_prefills else []  # E -> P -> D: the decoders continue hand-offs
-    dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *roles, *devices[num_encoders + i]],
-                       keys.env("decoder"), _port(args, num_encoders + i))
+    dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *roles, *places[num_encoders + i].flags],
+                       {**keys.env("decoder"), **places[num_encoders + i].env}, _port(args, num_encoders + i))
            for i in range(args.num_decoders)]
     first = num_encoders + args.num_decoders
     pre = [group.spawn("decoder", model, wh, threads, [*dec_flags, "--role", "prefill", "--kv-bind", f"tcp://{wh}:0",
-                                                       *devices[first + i]], keys.env("decoder"),
-                       _port(args, first + i))
+                                                       *places[first + i].flags],
+                       {**keys.env("decoder"), **places[first + i].env}, _port(args, first + i))
            for i in range(num_prefills)]
     group.wait_healthy(args.startup_timeout)
     return tuple(w.url for w in enc), tuple(w.url for w in dec), tuple(w.url for w in pre)
@@ -91,8 +91,3 @@ def _given(args: argparse.Namespace, specs: tuple[tuple[str, Any, str], ...]) ->
     given = [(spec[0], getattr(args, _dest(spec[0]))) for spec in specs]
     return [a for flag, value in given if value is not None for a in (flag, str(value))]
 
-
-def _devices(num_workers: int) -> list[list[str]]:
-    """Spread spawned workers over the visible GPUs round-robin (`--device cuda:i`); no GPU: their default."""
-    gpus = torch.cuda.device_count()
-    return [["--device", f"cuda:{i % gpus}"] if gpus else [] for i in range(num_workers)]

@@ -15,7 +15,7 @@ from epd_common.weight_flags import (
 
 def device_arg(value: str) -> str:
     """--device: auto (cuda if available, else cpu), cpu, cuda, cuda:N -> the resolved device, e.g. 'cuda:0'."""
-    from epd_models.halves import resolve_device  # NOTE: local import: torch is loaded only when parsing
+    from epd_models.device import resolve_device  # NOTE: local import: torch is loaded only when parsing
 
     try:
         return str(resolve_device(value))

@@ -108,8 +108,10 @@ def shard(module: nn.Module, rank: int, size: int) -> Callable[[dict[str, torch.
     if fused:
         raise SplitError(f"this family fuses its projections ({fused[0]}): tensor parallelism splits separate "
                          "q/k/v and gate/up projections only")
-    for layer in module.get_submodule("language_model.layers"):
-        for block in (layer.self_attn, layer.mlp):
+    layers = module.get_submodule("language_model.layers")
+    assert isinstance(layers, nn.ModuleList)
+    for layer in layers:
+        for block in (layer.get_submodule("self_attn"), layer.get_submodule("mlp")):
             block.register_forward_hook(_all_reduce_output)
 
     def transform(state: dict[str, torch.Tensor]) -> None:

@@ -18,8 +18,8 @@ from decoder_service.engine.tp.ranks import Ranks, RankStartError
 from decoder_service.engine.work import Work
 from decoder_service.handoff import resume_from
 from decoder_service.shell import Engine
-from epd_contracts.sampling import SamplingParams
 from epd_common.startup import ConfigError
+from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
 from epd_models.tensor_parallel import SplitError
 from tests.decoder_service.engine_run import Result, make_engine, run

@@ -24,7 +24,9 @@ from tests.e2e.test_openai_api import SCHEMAS
 from tests.e2e.test_supervision import answers, poll
 
 pytestmark = pytest.mark.e2e
-RANK_DEATH_S = 10.0  # rank 1 killed -> its decoder (rank 0) gone; measured about 0.1 s (the watch thread's EOF)
+RANK_DEATH_S = 10.0  # rank 1 killed -> its decoder (rank 0) gone; measured 0.2 s (the watch thread's end of file)
+COLLECTIVE_S = 15.0  # --tensor-parallel-timeout here: a hung rank ends its decoder after this
+HANG_DEATH_S = COLLECTIVE_S + 15.0  # rank 1 stopped (SIGSTOP) -> rank 0 gone: the timeout, then the exit
 BACK_WITHIN_S = 120.0  # the decoder's two ranks serving again
 WORKER = "decoder_service.engine.tp.worker"
 
@@ -32,7 +34,8 @@ WORKER = "decoder_service.engine.tp.worker"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with launched(tmp_path_factory.mktemp("tp"), "--model", "demo", "--num-encoders", "1", "--num-decoders", "1",
-                  "--tensor-parallel-size", "2", "--health-interval", "0.5", "--restart-backoff", "0.5") as s:
+                  "--tensor-parallel-size", "2", "--tensor-parallel-timeout", str(COLLECTIVE_S),
+                  "--health-interval", "0.5", "--restart-backoff", "0.5") as s:
         yield s
 
 
@@ -89,8 +92,8 @@ def test_structured_output_and_n_choices_at_tp2_answer_as_aggregated(stack: Stac
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_rank_1_killed_mid_stream_restarts_both_ranks(stack: Stack) -> None:
-    rank0, (rank1,) = ranks_of(stack)
+def stream_until_started(stack: Stack) -> tuple[threading.Thread, list[str]]:
+    """A long greedy stream in a thread, returned once its first chunk arrived; `ended` gets how it ended."""
     ended: list[str] = []
     streaming = threading.Event()
 
@@ -110,19 +113,30 @@ def test_rank_1_killed_mid_stream_restarts_both_ranks(stack: Stack) -> None:
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
     assert streaming.wait(60) and not ended, "the stream did not start"
-    os.kill(rank1, signal.SIGKILL)
+    return reader, ended
+
+
+@pytest.mark.parametrize(("sig", "bound_s"), [(signal.SIGKILL, RANK_DEATH_S), (signal.SIGSTOP, HANG_DEATH_S)],
+                         ids=["killed", "hung"])
+def test_rank_1_killed_or_hung_mid_stream_restarts_both_ranks(stack: Stack, sig: signal.Signals,
+                                                                bound_s: float) -> None:
+    rank0, (rank1,) = ranks_of(stack)
+    reader, ended = stream_until_started(stack)
+    os.kill(rank1, sig)
     start = time.monotonic()
-    gone = poll(f"rank 0 (pid {rank0})", lambda: not pid_alive(rank0), RANK_DEATH_S)
-    print(f"\nrank 1 killed: rank 0 gone after {gone:.2f} s")
+    gone = poll(f"rank 0 (pid {rank0})", lambda: not pid_alive(rank0), bound_s)
+    print(f"\nrank 1 {sig.name}: rank 0 gone after {gone:.2f} s")
     reader.join(60)
     assert ended, "the in-flight stream never ended"
-    poll("the decoder serving again", lambda: answers(stack, "green", 7), BACK_WITHIN_S)
-    print(f"served again {time.monotonic() - start:.1f} s after the kill")
+    poll("the decoder serving again", lambda: answers(stack, "green", 7 + sig), BACK_WITHIN_S)
+    print(f"served again {time.monotonic() - start:.1f} s after the {sig.name}")
     new0, new_ranks = ranks_of(stack)
     assert new0 != rank0 and len(new_ranks) == 1 and new_ranks[0] != rank1
-    assert not pid_alive(rank0) and not pid_alive(rank1)
+    assert not pid_alive(rank0) and not pid_alive(rank1)  # the stopped rank too: rank 0 killed it on its way out
     log = stack.log.read_text()
-    assert "restarted decoder" in log and "tensor parallelism: rank 1" in log
+    why = f"tensor parallelism: rank 1 (pid {rank1}) exited" if sig == signal.SIGKILL else \
+        f"Timed out waiting {int(COLLECTIVE_S * 1000)}ms"  # gloo's words for a collective past its timeout
+    assert f"restarted decoder at {urls_of(stack, 'decoders')[0]}: pid={new0}" in log and why in log
 
 
 def test_no_rank_is_left_after_the_launcher_stops(tmp_path: Path) -> None:

@@ -227,11 +227,13 @@ class RecordingGroup:
     def __init__(self) -> None:
         self.spawned: list[tuple[str, list[str]]] = []
         self.ports: list[int] = []  # each worker's asked port (0: a fresh one)
+        self.envs: list[dict[str, str]] = []  # each worker's extra environment (keys, CUDA_VISIBLE_DEVICES)
 
     def spawn(self, role: str, model: str, host: str, threads: int, extra: list[str],
               env: dict[str, str] | None = None, port: int = 0) -> Worker:
         self.spawned.append((role, extra))
         self.ports.append(port)
+        self.envs.append(dict(env or {}))
         return type("Spawned", (), {"url": f"http://{host}:{len(self.spawned)}"})()
 
     def wait_healthy(self, timeout: float) -> None:
@@ -260,25 +262,31 @@ def test_prefix_cache_bytes_goes_to_the_spawned_decoders_only_when_given(given: 
 
 ENGINE_ARGV = ["--max-model-len", "8192", "--max-num-seqs", "256", "--block-size", "32", "--gpu-memory-utilization",
                "0.8", "--kv-cache-memory", "4GiB", "--max-num-batched-tokens", "4096", "--enforce-eager",
-               "--max-prefill-tokens", "64", "--grammar-compile-threads", "3", "--grammar-compile-timeout", "2.5"]
+               "--max-prefill-tokens", "64", "--grammar-compile-threads", "3", "--grammar-compile-timeout", "2.5",
+               "--tensor-parallel-size", "2"]
 ENGINE_FLAGS = [a for a in ENGINE_ARGV if a.startswith("--")]
 ENGINE_FIELDS = {"max_model_len": 8192, "max_num_seqs": 256, "block_size": 32, "gpu_memory_utilization": 0.8,
                  "kv_cache_memory": 4 << 30, "max_num_batched_tokens": 4096, "enforce_eager": True,
-                 "max_prefill_tokens": 64, "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5}
+                 "max_prefill_tokens": 64, "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5,
+                 "tensor_parallel_size": 2}
 
 
-def spawned_workers(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> list[tuple[str, list[str]]]:
-    """(role, extra arguments) of each worker `disagg-epd-proxy argv` would spawn (nothing is started)."""
+def spawned_workers(monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                    gpus: int | None = None) -> list[tuple[str, list[str]]]:
+    """(role, extra arguments) of each worker `disagg-epd-proxy argv` would spawn (nothing is started); `gpus`: as
+    if this machine had that many (None: the GPUs it has)."""
     monkeypatch.setenv("EPD_INSECURE", "1")
+    if gpus is not None:
+        monkeypatch.setattr("torch.cuda.device_count", lambda: gpus)
     _, args = parse_args(argv)
     group = RecordingGroup()
     spawn.spawn_workers(group, args, Secrets.generate(), args.model)  # type: ignore[arg-type]
     return list(group.spawned)
 
 
-def spawned_decoders(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> list[list[str]]:
+def spawned_decoders(monkeypatch: pytest.MonkeyPatch, argv: list[str], gpus: int | None = None) -> list[list[str]]:
     """The extra arguments of each decoder `disagg-epd-proxy argv` would spawn (device flags left out)."""
-    workers = spawned_workers(monkeypatch, argv)
+    workers = spawned_workers(monkeypatch, argv, gpus)
     assert not [a for role, extra in workers if role == "encoder" for a in extra if a in ENGINE_FLAGS]
     return [[a for a in extra if a != "--device" and not a.startswith("cuda:")]
             for role, extra in workers if role == "decoder"]
@@ -288,8 +296,9 @@ def test_the_decoders_engine_flags_reach_every_spawned_decoder_as_vllm_serve_tak
         monkeypatch: pytest.MonkeyPatch) -> None:
     from decoder_service.cli import parse_args as decoder_args
 
-    decoders = spawned_decoders(monkeypatch, ["--num-decoders", "2", *ENGINE_ARGV])
-    assert len(decoders) == 2
+    # the prefill workers too (each is an epd-decoder); no GPU here: --tensor-parallel-size 2 needs 6 of them
+    decoders = spawned_decoders(monkeypatch, ["--num-decoders", "2", "--num-prefills", "1", *ENGINE_ARGV], gpus=0)
+    assert len(decoders) == 3 and sum("prefill" in extra for extra in decoders) == 1
     for extra in decoders:
         cfg = decoder_args(extra)
         assert {name: getattr(cfg, name) for name in ENGINE_FIELDS} == ENGINE_FIELDS

@@ -31,7 +31,8 @@ from encoder_service.cli import parse_args as encoder_args
 from encoder_service.config import EncoderConfig
 from epd_contracts.sampling import SamplingParams
 from epd_models.chat import chat_template, render
-from epd_models.halves import LanguageHalf, VisionHalf, resolve_device
+from epd_models.device import resolve_device
+from epd_models.halves import LanguageHalf, VisionHalf
 from tests.factories import make_image
 
 META = torch.device("meta")

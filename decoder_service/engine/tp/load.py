@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from decoder_service.engine.tp.ranks import COLLECTIVE_TIMEOUT_S, Ranks
-from epd_models.halves import LanguageHalf, resolve_device
+from epd_models.device import resolve_device
+from epd_models.halves import LanguageHalf
 
 
 def load_language(model_dir: str | Path, *, dtype: str, device: str, quantized: str, size: int = 1,

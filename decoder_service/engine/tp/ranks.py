@@ -187,11 +187,14 @@ class Ranks:
         self.on_fatal(reason)
 
     def kill(self) -> None:
+        """SIGKILL every rank, reap them, close their sockets."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
         for p in self.procs:
             p.wait()
+        for sock in self.socks:
+            sock.close()
 
     def close(self) -> None:
         """Stop the ranks (they leave the loop and exit), then leave the process group."""
