@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU: output tokens/s and TPOT of one decoder engine at --tensor-parallel-size 2 (rank 0
 pinned to core 0, rank 1 to core 1, one thread each) against size 1 on one core and on both (two threads), on the
 same requests, in alternating rounds; and rank 0's communication per step (the step's broadcast plus the layers'
-all-reduces, gloo over loopback).
+all-reduces, gloo over loopback: time in an all-reduce includes waiting for the other rank to reach it), beside a bare
+gloo all-reduce of one decode step's hidden states between two pinned processes (the transport alone).
 
     python -m epd_bench.tp [--model bench-lm] [--requests 8] [--max-tokens 48] [--rounds 2]
 """
@@ -61,6 +62,44 @@ def one_round(lm: Any, requests: int, max_tokens: int) -> dict[str, float]:
     return {"tokens_per_s": requests * max_tokens / wall, "tpot_ms": 1e3 * statistics.mean(tpots)}
 
 
+def _bare(rank: int, port: int, numel: int, iters: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    pin({rank})
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    t = torch.ones(numel)
+    times = []
+    for _ in range(iters + 10):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(statistics.median(times[10:]))
+
+
+def bare_all_reduce_ms(numel: int, iters: int = 200) -> float:
+    """Median ms of one gloo all-reduce of `numel` float32 between two processes pinned to cores 0 and 1."""
+    import multiprocessing
+
+    from epd_launcher.group import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_bare, args=(r, port, numel, iters, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    median = float(out.get(timeout=300))
+    for p in procs:
+        p.join()
+    return round(median * 1e3, 4)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser("tp", __doc__)
     p.add_argument("--model", default="bench-lm")
@@ -110,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
               "comm_ms_per_step": round(1e3 * (comm["broadcast_s"] + comm["all_reduce_s"]) / steps, 3),
               "broadcast_ms_per_step": round(1e3 * comm["broadcast_s"] / steps, 3),
               "all_reduces_per_step": round(comm["all_reduces"] / steps, 1)}
+    hidden = int(one.config.get_text_config().hidden_size)
+    result["bare_all_reduce_ms"] = bare_all_reduce_ms(args.requests * hidden)  # one decode step's hidden states
     emit(result, args.json, indent=2)
 
 

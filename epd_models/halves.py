@@ -20,7 +20,7 @@ from epd_models.quant.apply import QuantLoad
 from epd_models.quant.scheme import read_scheme
 from epd_models.registry import adapter_for, load_config
 from epd_models.splice import merge_image_embeds
-from epd_models.tensor_parallel import SplitError, chain, check_split, shard
+from epd_models.tensor_parallel import check_split, shard
 from epd_models.video import DEFAULT_MAX_BYTES, VIDEO_FAMILIES, VideoClip, VideoSettings, video_settings
 from epd_models.weights import load_filtered, tie_loaded, tied_pairs
 
@@ -170,17 +170,13 @@ class LanguageHalf:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ranks: Any = None
         check_split(self.config.get_text_config(), tp_size)
-        if tp_size > 1 and quantized == "keep":
-            raise SplitError("--quantized-weights keep at --tensor-parallel-size > 1: kept-quantized linears are "
-                             "not split yet; use --quantized-weights dequantize")
         # NOTE: parameters on meta until loaded (as the vision half's): a random init of a 7B LM costs over a
         # minute of one CPU core (bf16 normal_ is single-threaded), and every value would be overwritten
         self.module = self.adapter.build_language(self.config).eval()
-        self.quant = QuantLoad(read_scheme(self.model_dir), self.dtype, self.device,
-                               mode="dequantize" if tp_size > 1 else quantized)
         split = shard(self.module, tp_rank, tp_size) if tp_size > 1 or tp_path else None
+        self.quant = QuantLoad(read_scheme(self.model_dir), self.dtype, self.device, mode=quantized, split=split)
         load_half(self.module, self.model_dir, self.adapter, vision=False, assign=True,
-                  transform=chain(self.quant(self.module), split))
+                  transform=self.quant(self.module))
         # transformers' rule, not the text config's flag: composite checkpoints may say one thing at each level
         tie_loaded(self.module, tied_pairs(self.config, self.module.language_model, self.adapter.normalize_key))
         missing = meta_parameters(self.module)

@@ -10,8 +10,10 @@ decoder layers are replicated. Each rank's attention sees heads/N query heads an
 attention modules reshape with -1 heads, so the module classes run unchanged on the narrower weights.
 
 `shard(module, rank, size)` makes the module's split parameters the local shapes (on meta, before loading) and
-returns the transform that cuts each checkpoint tensor to this rank's share as it loads (memory-mapped: only the
-share is read). `check_split` refuses a model whose heads, K/V heads or MLP widths do not divide by N, with the
+returns the `Split` that cuts each checkpoint tensor, and each quantized linear's form (FP8 values and block scales,
+int4 values with their groups' scales and zeros), to this rank's share as it loads: a kept-quantized linear stays
+quantized on every rank, a cut that would fall inside an FP8 block or an int4 group is refused (one that is
+dequantized anyway is dequantized whole first, then cut). `check_split` refuses a model whose heads, K/V heads or MLP widths do not divide by N, with the
 numbers (vLLM replicates K/V heads when N exceeds them; EPD refuses). The process group is torch.distributed's
 default group, set up by the decoder (decoder_service/engine/tp); `local_forward()` turns the all-reduces off for a
 forward one rank runs alone (the CUDA memory profile).
@@ -21,7 +23,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from epd_models.quant.forms import Form, Fp8Weight, Int4Weight
 
 # (pattern of a language-model key, dimension cut, row-parallel): matched against the half's module keys
 _LAYER = r"language_model\.layers\.\d+\."
@@ -100,26 +104,60 @@ def cut(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return tensor.chunk(size, dim=dim)[rank].contiguous()
 
 
-def shard(module: nn.Module, rank: int, size: int) -> Callable[[dict[str, torch.Tensor]], None]:
-    """Hook `module`'s all-reduces; return the loading transform that makes its split parameters this rank's shapes
-    (on meta) and cuts the checkpoint's tensors to them. It runs after any dequantizing transform, which checks the
-    checkpoint against the module's whole shapes."""
+@dataclass(frozen=True)
+class Split:
+    """This rank's cut of each checkpoint tensor and quantized form as it loads (QuantLoad applies it right after it
+    reads the forms, before anything is dequantized, kept or fused)."""
+
+    rank: int
+    size: int
+
+    def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return cut(name, tensor, self.rank, self.size)
+
+    def form(self, prefix: str, form: Form) -> Form:
+        """A quantized linear's share: its values and the scales (zeros, groups) of its blocks or groups; SplitError
+        where the cut would fall inside an FP8 block or an int4 group."""
+        rule = _rule(f"{prefix}.weight")
+        if rule is None:
+            return form
+        dim, _ = rule
+        full = form.shape[dim]
+        if full % self.size:
+            raise SplitError(f"{prefix}: dimension {dim} of {list(form.shape)} does not divide by {self.size}")
+        n = full // self.size
+        lo = self.rank * n
+        side = ("out", "in")[dim]
+        if isinstance(form, Fp8Weight):
+            unit = form.block[dim] or full
+            if unit < full and n % unit:
+                raise SplitError(f"{prefix}: {side} {full} / {self.size} = {n} cuts an FP8 block of {unit}")
+            scale = form.scale if unit >= full else form.scale.narrow(dim, lo // unit, n // unit)
+            return Fp8Weight(form.q.narrow(dim, lo, n).contiguous(), scale.contiguous(), form.block)
+        if dim == 0:
+            return Int4Weight(form.q[lo : lo + n].contiguous(), form.scale[lo : lo + n].contiguous(),
+                              form.zero[lo : lo + n].contiguous(), form.groups, form.group_size)
+        if not form.contiguous_groups or n % form.group_size:
+            raise SplitError(f"{prefix}: {side} {full} / {self.size} = {n} cuts an int4 group of {form.group_size}")
+        g, num = lo // form.group_size, n // form.group_size
+        return Int4Weight(form.q[:, lo : lo + n].contiguous(), form.scale[:, g : g + num].contiguous(),
+                          form.zero[:, g : g + num].contiguous(), form.groups[lo : lo + n] - g, form.group_size)
+
+
+def shard(module: nn.Module, rank: int, size: int) -> Split:
+    """Make `module`'s split parameters this rank's shapes (on meta, before loading), hook the all-reduces after
+    each layer's attention and MLP; return the cut the loading applies to the checkpoint's tensors."""
     fused = [n for n, _ in module.named_parameters() if _FUSED.fullmatch(n)]
     if fused:
         raise SplitError(f"this family fuses its projections ({fused[0]}): tensor parallelism splits separate "
                          "q/k/v and gate/up projections only")
+    _narrow(module, size)
     layers = module.get_submodule("language_model.layers")
     assert isinstance(layers, nn.ModuleList)
     for layer in layers:
         for block in (layer.get_submodule("self_attn"), layer.get_submodule("mlp")):
             block.register_forward_hook(_all_reduce_output)
-
-    def transform(state: dict[str, torch.Tensor]) -> None:
-        _narrow(module, size)
-        for name in list(state):
-            state[name] = cut(name, state[name], rank, size)
-
-    return transform
+    return Split(rank, size)
 
 
 def _narrow(module: nn.Module, size: int) -> None:
@@ -154,12 +192,3 @@ def local_forward() -> Iterator[None]:
         yield
     finally:
         _local.alone = False
-
-
-def chain(*transforms: Callable[[dict[str, torch.Tensor]], None] | None) -> Callable[[dict[str, torch.Tensor]], None]:
-    """One loading transform running these in order (None skipped)."""
-    def run(state: dict[str, torch.Tensor]) -> None:
-        for t in transforms:
-            if t is not None:
-                t(state)
-    return run

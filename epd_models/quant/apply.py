@@ -29,7 +29,9 @@ class QuantLoad:
     dtype: torch.dtype
     device: torch.device
     mode: str = "auto"  # auto: keep on CUDA, dequantize elsewhere
+    split: Any = None  # tensor parallelism: this rank's cut (epd_models/tensor_parallel.py Split), applied on reading
     kept: int = 0
+    dequantized_whole: int = 0  # tensor parallelism: forms dequantized before their cut (it splits a block or group)
     dequantized: int = 0
     kernels: set[str] = field(default_factory=set)
 
@@ -40,6 +42,8 @@ class QuantLoad:
     def __call__(self, module: nn.Module) -> Any:
         def transform(state: dict[str, torch.Tensor]) -> None:
             forms = take_quantized(state, self.scheme)
+            if self.split is not None:
+                forms = self._cut(state, forms)
             params = {name: p.shape for name, p in module.named_parameters()}
             kept = self._keep_experts(module, forms) if self.keeps else set()
             for prefix, form in forms.items():
@@ -50,8 +54,24 @@ class QuantLoad:
             rest = {p: f for p, f in forms.items() if p not in kept}
             dequantize_into(state, rest, self.dtype, params.get)
             fuse_experts(state, params)
-            self.kept, self.dequantized = len(kept), len(rest)
+            self.kept, self.dequantized = len(kept), len(rest) + self.dequantized_whole
         return transform
+
+    def _cut(self, state: dict[str, torch.Tensor], forms: dict[str, Form]) -> dict[str, Form]:
+        """This rank's share of every form and tensor. A form whose cut would split a block or group is refused when
+        it would be kept; when it is dequantized anyway, it is dequantized whole and cut as a tensor."""
+        cut: dict[str, Form] = {}
+        for prefix, form in forms.items():
+            try:
+                cut[prefix] = self.split.form(prefix, form)
+            except ValueError:
+                if self.keeps:
+                    raise
+                state[f"{prefix}.weight"] = form.dequantize(self.dtype)
+                self.dequantized_whole += 1
+        for name in list(state):
+            state[name] = self.split.tensor(name, state[name])
+        return cut
 
     def _keep_experts(self, module: nn.Module, forms: dict[str, Form]) -> set[str]:
         """FP8 experts published one tensor per expert -> one Fp8Experts module per layer; the prefixes it took."""

@@ -13,6 +13,7 @@ import torch
 
 from decoder_service.cli import check_kv_fits
 from decoder_service.engine.kv_shape import KVShape
+from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.tp.load import load_language
 from decoder_service.engine.tp.ranks import Ranks, RankStartError
 from decoder_service.engine.work import Work
@@ -21,7 +22,8 @@ from decoder_service.shell import Engine
 from epd_common.startup import ConfigError
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
-from epd_models.tensor_parallel import SplitError
+from epd_models.quant.forms import Fp8Weight, Int4Weight
+from epd_models.tensor_parallel import Split, SplitError
 from tests.decoder_service.engine_run import Result, make_engine, run
 from tests.decoder_service.test_handoff import MemoryStore, chain_of, handoff_engine, run_one
 from tests.decoder_service.test_preemption import prompts
@@ -32,13 +34,14 @@ MAX_TOKENS = 24
 # the all-reduce in another order than one matmul adds them (float32 on the CPU); measured up to ~2e-6 on the tiny
 # models, bounded here with room
 LOGPROB_TOL = 1e-4
+KEPT_TOL = 0.05  # kept-quantized linears: |logit(TP 2) - logit(TP 1)| / max |logit|; measured below 1e-2
 SPECS = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2),
          SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7, ignore_eos=True, logprobs=2)]
 
 
 @contextmanager
-def tp_half(model_dir: Path, size: int = 2) -> Iterator[LanguageHalf]:
-    lm = load_language(model_dir, dtype="auto", device="cpu", quantized="auto", size=size)
+def tp_half(model_dir: Path, size: int = 2, quantized: str = "auto") -> Iterator[LanguageHalf]:
+    lm = load_language(model_dir, dtype="auto", device="cpu", quantized=quantized, size=size)
     try:
         yield lm
     finally:
@@ -86,12 +89,63 @@ def test_tp2_gives_the_tokens_of_tp1(tiny_model_dirs: dict[str, Path], family: s
 
 @pytest.mark.parametrize(("family", "fmt"), [("qwen2_5_vl", "awq"), ("qwen3_vl_moe", "fp8")])
 def test_tp2_of_a_quantized_checkpoint(quant_model_dirs: QuantModels, family: str, fmt: str) -> None:
-    quantized, _ = quant_model_dirs[(family, fmt)]
-    tp1 = answers(quantized, LanguageHalf(quantized))
-    with tp_half(quantized) as lm:
+    """Dequantized at load (the CPU default), split as any checkpoint."""
+    checkpoint, _ = quant_model_dirs[(family, fmt)]
+    tp1 = answers(checkpoint, LanguageHalf(checkpoint))
+    with tp_half(checkpoint) as lm:
         assert lm.quant.summary() is not None
-        tp2 = answers(quantized, lm)
+        tp2 = answers(checkpoint, lm)
     assert_same(tp2, tp1)
+
+
+def last_logits(model_dir: Path, lm: LanguageHalf) -> torch.Tensor:
+    """The last-position logits of the preemption tests' image prompt, prefilled alone."""
+    runner = ModelRunner(lm, 1, 1024, prefix_block=16)
+    runner.add("row", prompts(model_dir, lm)[-1])
+    return runner.prefill(1 << 30)["row"]
+
+
+@pytest.mark.parametrize(("family", "fmt"), [("qwen2_5_vl", "awq"), ("qwen3_vl", "fp8")])
+def test_tp2_keeps_a_quantized_checkpoint_quantized(quant_model_dirs: QuantModels, family: str, fmt: str) -> None:
+    """--quantized-weights keep: each rank holds its share of the published values and of their block scales, or
+    group scales and zeros (the experts' too), and runs the quantized kernels on it. The kernels' own arithmetic
+    (int4 tinygemm on bf16 activations) rounds differently when a matmul is cut in two, so the logits are compared
+    within KEPT_TOL of their scale, not token for token."""
+    checkpoint, _ = quant_model_dirs[(family, fmt)]
+    one = LanguageHalf(checkpoint, quantized="keep")
+    want = last_logits(checkpoint, one)
+    with tp_half(checkpoint, quantized="keep") as lm:
+        assert lm.quant.kept == one.quant.kept > 0 and lm.quant.dequantized == one.quant.dequantized
+        got = last_logits(checkpoint, lm)
+    err = float((got - want).abs().max() / want.abs().max())
+    print(f"{family} {fmt} kept: largest logit difference TP 2 vs TP 1 = {err:.2e} of the largest logit")
+    assert err <= KEPT_TOL
+
+
+def test_kept_fp8_experts_whose_width_would_cut_a_block_are_refused(quant_model_dirs: QuantModels) -> None:
+    """The tiny MoE's experts are 96 wide in FP8 blocks of 32: 48 per rank would cut one (as Qwen3-VL-235B-A22B-FP8's
+    1,536 at TP 8 would cut its blocks of 128). Kept: refused with the numbers; dequantized: split like any weight."""
+    checkpoint, _ = quant_model_dirs[("qwen3_vl_moe", "fp8")]
+    with pytest.raises(SplitError, match=r"experts\.0\.down_proj: in 96 / 2 = 48 cuts an FP8 block of 32"):
+        LanguageHalf(checkpoint, quantized="keep", tp_rank=1, tp_size=2)
+    assert LanguageHalf(checkpoint, quantized="dequantize", tp_rank=1, tp_size=2).quant.dequantized > 0
+
+
+def test_a_quantized_form_cuts_as_its_dequantized_weight_and_refuses_a_cut_inside_a_block() -> None:
+    gen = torch.Generator().manual_seed(0)
+    int4 = Int4Weight(torch.randint(0, 16, (64, 128), dtype=torch.uint8, generator=gen), torch.rand(64, 4) + 0.1,
+                      torch.randint(0, 16, (64, 4)).float(), torch.arange(128) // 32, 32)
+    fp8 = Fp8Weight(torch.randn(256, 128, generator=gen).to(torch.float8_e4m3fn), torch.rand(2, 1) + 0.1, (128, 128))
+    for prefix in ("language_model.layers.0.self_attn.k_proj", "language_model.layers.0.mlp.down_proj"):
+        dim = 0 if "k_proj" in prefix else 1
+        for form in (int4, fp8):
+            for rank in (0, 1):
+                want = form.dequantize(torch.float32).chunk(2, dim=dim)[rank]
+                assert torch.equal(Split(rank, 2).form(prefix, form).dequantize(torch.float32), want)
+    with pytest.raises(SplitError, match=r"down_proj: in 128 / 8 = 16 cuts an int4 group of 32"):
+        Split(0, 8).form("language_model.layers.0.mlp.down_proj", int4)
+    with pytest.raises(SplitError, match=r"k_proj: out 256 / 4 = 64 cuts an FP8 block of 128"):
+        Split(0, 4).form("language_model.layers.0.self_attn.k_proj", fp8)
 
 
 def test_prefix_reuse_and_n_choices_at_tp2(tiny_model_dirs: dict[str, Path]) -> None:
