@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
 from decoder_service.config import DecoderConfig
+from decoder_service.engine.spec.config import SpecConfig, parse_spec_config
 from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_worker, worker_parser
 from epd_common.startup import ConfigError, fail, run_main
 from epd_common.tracing import add_tracing_flags, require_sdk
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_memory_flags(p.add_argument_group("K/V memory and steps"), d)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                    help="prompt tokens prefilled per engine step while streams decode (8x when none do)")
+    p.add_argument("--speculative-config", type=_spec_config, default=None,
+                   help="speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}': each step also verifies up to "
+                        "k proposed tokens per row in the same forward (greedy output unchanged, sampling keeps the "
+                        "model's distribution); off in steps where more than disable_by_batch_size rows decode")
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout,
                    help="seconds to gather a request's embeddings from the encoders")
     p.add_argument("--aggregated", action="store_true",
@@ -151,6 +157,13 @@ def _resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace, d:
         p.error(f"--block-size {args.block_size} and --prefix-block-size {alias} disagree: they name one setting "
                 "(the K/V pool's block, which prefixes are cached in); give one")
     args.block_size = next((v for v in (args.block_size, alias) if v is not None), d.block_size)
+
+
+def _spec_config(value: str) -> SpecConfig:
+    try:
+        return parse_spec_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _tp_size(value: str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
+from decoder_service.engine.spec.config import SpecConfig
 from epd_common.audio_limits import AudioLimits as _AudioLimits
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings
@@ -37,6 +38,8 @@ class DecoderConfig(HttpLimits, TraceSettings):
     tensor_parallel_timeout: float = 60.0  # seconds one collective may wait for a rank; past it the decoder exits
     cpu_packed_linear: bool = False  # CPU: small-batch linears through oneDNN's prepacked matmul (numerics differ)
     max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
+    # vLLM's --speculative-config JSON, checked (decoder_service/engine/spec/config.py); None: one token per step
+    speculative_config: SpecConfig | None = None
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings (shared-memory items mapped count too)
     ec_shm: str = "auto"  # auto: map same-host encoders' shared memory after a probe; off: socket only

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from decoder_service.engine.spec.config import SpecConfig
+
 
 class EngineSettings(Protocol):
     """The flags the engine runs by (decoder_service/config.py DecoderConfig has them all)."""
@@ -35,6 +37,8 @@ class EngineSettings(Protocol):
     def cpu_packed_linear(self) -> bool: ...
     @property
     def engine_stall_timeout(self) -> float: ...
+    @property
+    def speculative_config(self) -> SpecConfig | None: ...
 
 
 class Observer(Protocol):

@@ -46,6 +46,8 @@ class Job:
     decode_events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
     errored: bool = False  # its one error event is sent: nothing follows it
     reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set at admission)
+    spec_draft_tokens: int = 0  # speculative decoding: tokens proposed for its choices, and how many were accepted
+    spec_accepted_tokens: int = 0
     outbox: Outbox = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

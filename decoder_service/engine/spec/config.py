@@ -1,0 +1,78 @@
+"""`--speculative-config`: vLLM's JSON, checked once at start (a bad one exits 2 naming the key).
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+Methods: `ngram` (prompt lookup: the tokens that followed the last occurrence of the sequence's latest n-gram, in its
+prompt's text or its own output; decoder_service/engine/spec/ngram.py). A draft model (`{"model": PATH, ...}`) and
+EAGLE-3 heads (`"method": "eagle3"`) are vLLM's other methods; this engine does not run them yet, and says so rather
+than start without speculation.
+
+`disable_by_batch_size` (vLLM's key): no proposals in a step where more rows than this decode. A verification step
+costs k + 1 positions per row; with many rows the step is compute-bound and a rejected position is paid by every
+other row, so speculation turns itself off under load (the default, DEFAULT_DISABLE_BY_BATCH_SIZE, is measured:
+docs/BENCHMARKS.md, "Speculative decoding").
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # rows decoding past which a step proposes nothing (CPU; BENCHMARKS)
+MAX_SPECULATIVE_TOKENS = 16
+_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "disable_by_batch_size"}
+_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: tokens proposed per row per step (a verification is k + 1 positions)
+    prompt_lookup_max: int = 4  # longest n-gram looked up
+    prompt_lookup_min: int = 2  # shortest n-gram that may propose (vLLM's default when only max is given: 1)
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+
+def parse_spec_config(text: str) -> SpecConfig:
+    """The flag's JSON as a SpecConfig; ValueError naming what is wrong."""
+    try:
+        raw: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--speculative-config must be a JSON object, e.g. "
+                         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
+    method = raw.get("method") or ("draft_model" if raw.get("model") else None)
+    if method in _NOT_YET or (method == "ngram" and raw.get("model")):
+        raise ValueError(f"--speculative-config: method {method!r} (a draft model or trained heads) is not supported "
+                         "by this decoder yet; use {\"method\": \"ngram\", ...}")
+    if method != "ngram":
+        raise ValueError(f"--speculative-config: method must be \"ngram\", got {method!r}")
+    k = _int(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+    hi = _int(raw, "prompt_lookup_max", None, 1, 64)
+    lo = _int(raw, "prompt_lookup_min", None, 1, 64)
+    if hi is None and lo is None:
+        hi, lo = SpecConfig.prompt_lookup_max, SpecConfig.prompt_lookup_min
+    hi, lo = hi if hi is not None else lo, lo if lo is not None else 1  # vLLM: either alone sets both ends
+    assert hi is not None
+    if lo > hi:
+        raise ValueError(f"--speculative-config: prompt_lookup_min {lo} > prompt_lookup_max {hi}")
+    if k is None:
+        raise ValueError("--speculative-config: num_speculative_tokens is required (1 to "
+                         f"{MAX_SPECULATIVE_TOKENS})")
+    off = _int(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, 1, 1 << 20)
+    assert off is not None
+    return SpecConfig("ngram", k, hi, lo, off)
+
+
+def _int(raw: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"--speculative-config: {key} must be an integer from {lo} to {hi}, got {value!r}")
+    return value
