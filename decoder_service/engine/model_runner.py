@@ -59,8 +59,11 @@ class ModelRunner(RowTable):
     def run(self, scheduled: SchedulerOutput) -> RunnerOutput:
         """One step's forward: the rows fed a token, then prefill chunks within the budget; failures reported."""
         failed: Failed = {}
-        segments = self._decode_segments(scheduled.decode) + self._prefill_segments(scheduled.prefill_budget)
+        segments = self._decode_segments(scheduled.decode, scheduled.drafts) \
+            + self._prefill_segments(scheduled.prefill_budget)
         logits = self._run_segments(segments, failed)
+        verify = {s.row.key: (logits.pop_own(s.row.key), list(s.feed[1:])) for s in segments
+                  if s.feed and s.row.key in logits}
         resumed: set[Hashable] = set()
         for s in segments:  # a resumed row's recomputed last logits are not a new token's
             if not s.decode and s.row.resumed and s.row.prefilled and s.row.key in logits:
@@ -72,8 +75,8 @@ class ModelRunner(RowTable):
                 for fork in forks:
                     logits.alias(fork, k)
         self._forked = {}
-        stage = {s.row.key: "decode" if s.decode else "prefill" for s in segments if s.row.key in failed}
-        return RunnerOutput(logits, {k: (stage.get(k, "prefill"), e) for k, e in failed.items()}, resumed)
+        stage = {s.row.key: "decode" if s.decode or s.feed else "prefill" for s in segments if s.row.key in failed}
+        return RunnerOutput(logits, {k: (stage.get(k, "prefill"), e) for k, e in failed.items()}, resumed, verify)
 
     @torch.inference_mode()
     def prefill(self, budget: int, failed: Failed | None = None) -> dict[Hashable, torch.Tensor]:
@@ -102,11 +105,16 @@ class ModelRunner(RowTable):
             (failed if failed is not None else sink)[k] = exc
         return dict(out.logits)
 
-    def _decode_segments(self, tokens: dict[Hashable, int]) -> list[Segment]:
+    def _decode_segments(self, tokens: dict[Hashable, int], drafts: dict[Hashable, list[int]] | None = None
+                         ) -> list[Segment]:
+        """A segment per row fed a token: one position, or (speculative decoding) the fed token and its drafts, a
+        verification: a query of k + 1 positions over the row's blocks, in the same forward (its logits at each)."""
+        drafts = drafts or {}
         rows = sorted((self.rows[k] for k in tokens), key=lambda r: r.length)  # by length: StepInputs.decode_runs
         assert all(r.prefilled for r in rows), "only a prefilled row is fed a token"
         self._tokens = tokens
-        return [Segment(r, r.length, 1, True) for r in rows]
+        return [Segment(r, r.length, 1, True) if not (d := drafts.get(r.key))
+                else Segment(r, r.length, 1 + len(d), False, (tokens[r.key], *d)) for r in rows]
 
     def _prefill_segments(self, budget: int) -> list[Segment]:
         """This step's prompt chunks, the budget split between the prompts still prefilling (fairness.py)."""
@@ -168,7 +176,10 @@ class ModelRunner(RowTable):
         extra = self._extras(segments[0]) if len(segments) == 1 and not segments[0].decode else {}
         decode = [s for s in segments if s.decode]
         prefill = [s for s in segments if not s.decode]
-        ends = list(range(len(decode))) + [g.first + g.num_q - 1 for g in plan.groups if not g.decode]
+        ends, first = list(range(len(decode))), len(decode)
+        for s in prefill:  # a chunk's last position; every position of a verification
+            ends += range(first, first + s.num) if s.feed else [first + s.num - 1]
+            first += s.num
         graphs = self.graphs is not None and not prefill
         mask = None if graphs else self.inputs.dummy_mask(embeds)
         if self.before_forward is not None:
@@ -190,9 +201,15 @@ class ModelRunner(RowTable):
         for s in decode:
             s.row.length += 1
         out.put_rows([s.row.key for s in decode], logits[: len(decode)])
-        for j, s in enumerate(prefill, start=len(decode)):
+        j = len(decode)
+        for s in prefill:
             s.row.length += s.num
+            if s.feed:  # the caller rolls the length back to what it accepts (spec/verify.py)
+                out[s.row.key] = logits[j : j + s.num]
+                j += s.num
+                continue
             self.num_prefilled_tokens += s.num
             if s.row.prefilled:
                 out[s.row.key] = logits[j]
                 self._prompt_done(s.row)
+            j += 1

@@ -11,6 +11,7 @@ import torch
 class SchedulerOutput:
     decode: dict[Hashable, int]  # row key -> the token its sequence feeds back (every prefilled row)
     prefill_budget: int  # prompt tokens this step may prefill, chunk by chunk, in the same forward
+    drafts: dict[Hashable, list[int]] = field(default_factory=dict)  # speculative: row key -> tokens proposed
 
 
 class RowLogits(Mapping[Hashable, torch.Tensor]):
@@ -34,6 +35,11 @@ class RowLogits(Mapping[Hashable, torch.Tensor]):
 
     def __delitem__(self, key: Hashable) -> None:
         del self._at[key]
+
+    def pop_own(self, key: Hashable) -> torch.Tensor:
+        """A row's own tensor (a verification's (k + 1, vocab)), taken out."""
+        t, i = self._at.pop(key)
+        return t if i is None else t[i]
 
     def __getitem__(self, key: Hashable) -> torch.Tensor:
         t, i = self._at[key]
@@ -63,3 +69,5 @@ class RunnerOutput:
     logits: Mapping[Hashable, torch.Tensor]  # next-token logits of every row decoded, or whose prompt is now complete
     failed: dict[Hashable, tuple[str, Exception]]  # row key -> (stage, what broke it); its blocks kept
     resumed: set[Hashable] = field(default_factory=set)  # preempted rows whose K/V is whole again (no new token)
+    # speculative: row key -> (logits (k + 1, vocab) after its fed token and each draft, the k drafts)
+    verify: dict[Hashable, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)

@@ -12,6 +12,8 @@ from decoder_service.engine.readback import read_back, read_back_rows
 from decoder_service.engine.sampling import choose_rows
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import Job, Sequence
+from decoder_service.engine.spec.stats import SpecStats
+from decoder_service.engine.spec.verify import verify_rows
 from epd_common.logs import request_id_var
 
 
@@ -22,7 +24,7 @@ class HandoffSink(Protocol):
     def hand_off(self, job: Job, seqs: list[Sequence], pool_blocks: list[int], cache: Any) -> None: ...
 
 
-def postprocess(out: RunnerOutput, scheduler: Scheduler, vocab_size: int) -> list[Job]:
+def postprocess(out: RunnerOutput, scheduler: Scheduler, vocab_size: int, spec: SpecStats | None = None) -> list[Job]:
     """End the rows whose forward failed; every other row samples its token, then streams it or finishes. Returns
     the prefill-only jobs (a hand-off's) whose first tokens came this step.
 
@@ -48,6 +50,8 @@ def postprocess(out: RunnerOutput, scheduler: Scheduler, vocab_size: int) -> lis
     for key in keys:  # in the runner's order, as each row chose
         if (token := tokens.get(key)) is not None and (job := accept(scheduler, key, token, logprobs.get(key))):
             first[job] = None
+    if out.verify:  # speculative decoding: each verifying row keeps its accepted drafts and one more token
+        verify_rows(out.verify, scheduler, scheduler.runner, spec, accept)
     return list(first)
 
 

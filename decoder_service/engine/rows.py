@@ -211,6 +211,19 @@ class RowTable:
                 self._fresh += block
                 row.blocks += block
 
+    def blocks_to_cover(self, key: Hashable, positions: int) -> int:
+        """Blocks the row lacks for its first `positions` positions (speculative decoding's drafts)."""
+        return max(0, -(-positions // self.block_size) - len(self.rows[key].blocks))
+
+    def cover(self, key: Hashable, positions: int) -> int:
+        """Take the blocks the row lacks for its first `positions` positions; returns how many."""
+        need = self.blocks_to_cover(key, positions)
+        if need:
+            fresh = self.blocks.allocate(need)
+            self._fresh += fresh
+            self.rows[key].blocks += fresh
+        return need
+
     def _prompt_done(self, row: Row) -> None:
         """A prompt just completed: name its blocks, make its forks, release what prefill alone needed."""
         if row.chain is not None:

@@ -74,17 +74,17 @@ class Sampler:
         self.accept(token)
         return token
 
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token as a 0-d tensor on the logits' device (no host sync)."""
+    def choose(self, logits: torch.Tensor, draft: int | None = None) -> torch.Tensor:
+        """The next token as a 0-d tensor on the logits' device (no host sync). With `draft` (speculative decoding:
+        a token proposed for this position), a sampled choice follows the rejection rule instead (`_verify`: one
+        host sync); a greedy one is the argmax either way, and the caller compares it with the draft."""
         p = self.params
         if p.penalized and self.counts:
             logits = self._penalize(logits)
         if p.logit_bias:
             logits = self._add_bias(logits)
-        if self.guide is not None:
-            token = self._choose(self._masked(logits))
-        else:
-            token = self._choose(logits)
+        scores = self._masked(logits) if self.guide is not None else logits
+        token = self._choose(scores) if draft is None or p.greedy else self._verify(scores, draft)
         if p.logprobs is not None and self.tokens is not None:  # without the engine's TokenTable: no entries
             self._packed = self._pack(logits, token)
         return token
@@ -167,9 +167,28 @@ class Sampler:
         return torch.cat([index.float(), logprobs.gather(0, index), top.values, top.indices.float()])
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        if p.greedy:  # argmax never raises (a NaN row is the model's fault; it still yields a token)
+        if self.params.greedy:  # argmax never raises (a NaN row is the model's fault; it still yields a token)
             return torch.argmax(logits)
+        return torch.multinomial(self._probs(logits), 1, generator=self.generator)[0]
+
+    def _verify(self, logits: torch.Tensor, draft: int) -> torch.Tensor:
+        """Speculative sampling with a deterministic proposal (q = 1 at `draft`): keep the draft with probability
+        p(draft), else draw from p with the draft removed (max(0, p - q) normalized). The token is then distributed
+        exactly as p (Leviathan et al. 2023, Chen et al. 2023), and a seed makes it reproducible."""
+        probs = self._probs(logits)
+        if draft < probs.numel():
+            u = torch.rand((), generator=self.generator, device=probs.device)
+            if bool(u < probs[draft]):
+                return torch.tensor(draft, device=probs.device)
+            rest = probs.clone()
+            rest[draft] = 0
+            if bool(rest.sum() > 0):
+                return torch.multinomial(rest, 1, generator=self.generator)[0]
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution: temperature -> min-p -> top-k -> top-p."""
+        p = self.params
         scores = _scaled(logits, p.temperature)
         if p.min_p > 0:  # vLLM: p < min_p * p_max, i.e. (with the maximum score at 0) score < log(min_p)
             scores = scores.masked_fill(scores < math.log(p.min_p), _NEG_INF)
@@ -184,7 +203,7 @@ class Sampler:
             drop[0] = False
             sorted_probs = sorted_probs.masked_fill(drop, 0)  # not boolean indexing: that waits for the device
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return torch.multinomial(probs, 1, generator=self.generator)[0]
+        return probs
 
 
 Batch = tuple[list[int], torch.Tensor]  # (row keys, their tokens as one 1-D tensor on the device)

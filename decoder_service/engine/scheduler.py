@@ -39,6 +39,7 @@ from epd_common.logs import request_id_var
 if TYPE_CHECKING:
     from decoder_service.engine.model_runner import ModelRunner
     from decoder_service.engine.sequence import Job, Sequence
+    from decoder_service.engine.spec.propose import Speculator
 
 WATERMARK = 0.01  # of the pool's blocks kept free at admission, so new rows can grow before anyone is preempted
 
@@ -47,8 +48,9 @@ class Scheduler:
     """Owns the waiting queue and the running sequences (by slot key); the runner owns their slots."""
 
     def __init__(self, runner: ModelRunner, max_prefill_tokens: int, new_sequence: Callable[[Job, int], Sequence],
-                 max_batched_tokens: int = 0, share: int = 0):
+                 max_batched_tokens: int = 0, share: int = 0, speculator: Speculator | None = None):
         self.runner, self.max_prefill_tokens, self.new_sequence = runner, max_prefill_tokens, new_sequence
+        self.speculator = speculator  # speculative decoding: each step's drafts (engine/spec/propose.py)
         self.share = share or max(1, runner.max_slots // 2)  # rows one job's choices hold at once
         self.max_batched_tokens = max_batched_tokens or max(2048, runner.max_slots)
         self.waiting: collections.deque[Job] = collections.deque()
@@ -65,10 +67,11 @@ class Scheduler:
         return not self.running and not self.waiting and not self.preempted
 
     def prefill_budget(self, decoding: int) -> int:
-        """Prompt tokens this step packs beside its `decoding` rows: --max-prefill-tokens while streams decode (their
-        inter-token latency), the whole --max-num-batched-tokens when none do."""
+        """Prompt tokens this step packs beside its `decoding` rows: what --max-num-batched-tokens leaves them (vLLM's
+        chunked prefill: the step's token budget bounds its inter-token latency), capped at --max-prefill-tokens
+        while streams decode when that is positive (0, the default: no separate cap)."""
         room = max(1, self.max_batched_tokens - decoding)
-        return min(room, self.max_prefill_tokens) if decoding else room
+        return min(room, self.max_prefill_tokens) if decoding and self.max_prefill_tokens else room
 
     def add(self, job: Job) -> None:
         self.waiting.append(job)
@@ -81,13 +84,17 @@ class Scheduler:
             self._preempt()
             feed = self._decoding()
         self.runner.grow(feed)
-        budget, preempted = self.prefill_budget(len(feed)), self.num_preempted
+        drafts = self.speculator.drafts(feed, self.running, self.runner, self.runner.num_free_blocks
+                                        - self._watermark) if self.speculator is not None else {}
+        budget = self.prefill_budget(len(feed) + sum(len(d) for d in drafts.values()))
+        preempted = self.num_preempted
         self._admit(budget)
         if self.num_preempted != preempted:  # admission preempted some (`_room`): they decode no more this step
             feed = {k: t for k, t in feed.items() if k in self.running}
+            drafts = {k: d for k, d in drafts.items() if k in feed}
         if self._continuing():  # the budget its prompt had on a prefill worker (nothing decodes there)
             budget = max(budget, self.prefill_budget(0))
-        return SchedulerOutput(decode=feed, prefill_budget=budget)
+        return SchedulerOutput(decode=feed, prefill_budget=budget, drafts=drafts)
 
     def _continuing(self) -> bool:
         """A continued request's prompt prefills here (its prefill worker's K/V could not be had, E -> P -> D): its

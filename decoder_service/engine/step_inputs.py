@@ -47,7 +47,8 @@ class Segment:
     row: Row
     start: int
     num: int
-    decode: bool  # a prefilled row's one fed token (else a prompt chunk)
+    decode: bool  # a prefilled row's one fed token (else a prompt chunk, or a verification)
+    feed: tuple[int, ...] = ()  # a verification (speculative decoding): the fed token, then the drafts
 
 
 class StepInputs:
@@ -83,8 +84,12 @@ class StepInputs:
             if s.decode:
                 continue
             row, end = s.row, s.start + s.num
-            embeds.append(row.embeds[:, s.start : end])
-            positions.append(row.positions[..., s.start : end])
+            if s.feed:  # a verification: the fed token and the drafts, at the positions decoding gives them
+                embeds.append(self.lm.embed(int_tensor(s.feed).view(1, -1), []))
+                positions.append(self.decode_positions([p + row.rope_delta for p in range(s.start, end)]))
+            else:
+                embeds.append(row.embeds[:, s.start : end])
+                positions.append(row.positions[..., s.start : end])
             slots += [row.blocks[p // b] * b + p % b for p in range(s.start, end)]
             plan.groups.append(self.group([row], [s.start], s.num, first, False))
             first += s.num

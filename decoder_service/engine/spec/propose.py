@@ -1,0 +1,79 @@
+"""This step's proposals: which decoding rows verify drafts, and their blocks.
+
+`Speculator.drafts` runs in `Scheduler.schedule` once every decoding row has the block its next position needs: for
+each row (none when more than `disable_by_batch_size` rows decode), the proposer's tokens, cut so the verification
+fits what the request may still emit (max_tokens), the context (max_model_len) and the free blocks (a row never
+preempts another for its drafts: a step short of blocks proposes less). The blocks the drafts' positions need are
+taken now; positions rejected later are just not counted in the row's length (their K/V is overwritten by the next
+step, never copied), and a block past the accepted ones stays the row's for its next tokens.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from decoder_service.engine.spec.config import SpecConfig
+from decoder_service.engine.spec.ngram import propose, text_history
+from decoder_service.engine.spec.stats import SpecStats
+
+if TYPE_CHECKING:
+    from decoder_service.engine.rows import RowTable
+    from decoder_service.engine.sequence import Job, Sequence
+
+_MEDIA_TOKEN_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                     "audio_token_id", "audio_token_index")
+
+
+def media_token_ids(config: object) -> set[int]:
+    """The placeholder ids a family writes for image, video and audio rows (its config's, and its text config's)."""
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    ids = {getattr(c, k, None) for c in configs for k in _MEDIA_TOKEN_KEYS}
+    return {int(i) for i in ids if isinstance(i, int) and i >= 0}
+
+
+class Speculator:
+    """The n-gram proposer over each sequence's text so far, and the counts /metrics reads."""
+
+    def __init__(self, cfg: SpecConfig, config: object):
+        self.cfg = cfg
+        self.media = media_token_ids(config)
+        self.stats = SpecStats(cfg.num_speculative_tokens)
+        self._prompts: weakref.WeakKeyDictionary[Job, np.ndarray] = weakref.WeakKeyDictionary()
+
+    def drafts(self, feed: dict[Hashable, int], running: dict[int, Sequence], rows: RowTable, free_blocks: int
+               ) -> dict[Hashable, list[int]]:
+        """Each decoding row's drafts (none proposed: no entry), their blocks taken out of `free_blocks`."""
+        cfg = self.cfg
+        if not feed or len(feed) > cfg.disable_by_batch_size:
+            return {}
+        out: dict[Hashable, list[int]] = {}
+        for key in feed:
+            seq, row = running[key], rows.rows[key]  # type: ignore[index]  # engine keys are ints
+            k = min(cfg.num_speculative_tokens, rows.max_len - 1 - row.length)
+            if seq.max_tokens is not None:  # a verification emits up to k + 1 tokens
+                k = min(k, seq.max_tokens - seq.num_generated - 1)
+            if k <= 0:
+                continue
+            draft = self.propose(seq, k)
+            while draft and rows.blocks_to_cover(key, row.length + len(draft) + 1) > free_blocks:
+                draft = draft[:-1]
+            if draft:
+                free_blocks -= rows.cover(key, row.length + len(draft) + 1)
+                out[key] = draft
+        return out
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k tokens to follow the sequence's pending one: the n-gram lookup over its text so far."""
+        history = np.concatenate([self._prompt(seq.job), np.asarray(seq.generated, dtype=np.int64)])
+        return propose(history, k, self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min)
+
+    def _prompt(self, job: Job) -> np.ndarray:
+        history = self._prompts.get(job)
+        if history is None:
+            history = self._prompts[job] = text_history(job.prompt.input_ids[0].tolist(), self.media)
+        return history
