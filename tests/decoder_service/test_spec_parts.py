@@ -20,6 +20,8 @@ def test_vllms_json_is_parsed_and_defaults_filled() -> None:
     assert parse_spec_config('{"method": "ngram", "num_speculative_tokens": 2}').prompt_lookup_min == 2
     assert parse_spec_config('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}'
                              ).disable_by_batch_size == 4
+    draft = parse_spec_config('{"model": "/models/draft", "num_speculative_tokens": 5}')  # vLLM: model -> a draft
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 5)
 
 
 @pytest.mark.parametrize(("text", "says"), [
@@ -31,9 +33,10 @@ def test_vllms_json_is_parsed_and_defaults_filled() -> None:
     ('{"method": "ngram", "num_speculative_tokens": true}', "integer"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "> prompt"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "unknown key(s) typo"),
-    ('{"model": "/models/draft", "num_speculative_tokens": 2}', "not supported by this decoder yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
+    ('{"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 2}', 'needs "model"'),
     ('{"method": "eagle3", "model": "/m", "num_speculative_tokens": 2}', "not supported by this decoder yet"),
-    ('{"method": "magic", "num_speculative_tokens": 2}', 'method must be "ngram"'),
+    ('{"method": "magic", "num_speculative_tokens": 2}', 'method must be "ngram" or "draft_model"'),
 ])
 def test_a_bad_config_is_refused_naming_what_is_wrong(text: str, says: str, capsys: pytest.CaptureFixture[str]
                                                       ) -> None:

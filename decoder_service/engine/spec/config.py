@@ -2,10 +2,13 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
+    {"model": "/models/qwen2.5-vl-3b", "num_speculative_tokens": 4}        (method "draft_model")
+
 Methods: `ngram` (prompt lookup: the tokens that followed the last occurrence of the sequence's latest n-gram, in its
-prompt's text or its own output; decoder_service/engine/spec/ngram.py). A draft model (`{"model": PATH, ...}`) and
-EAGLE-3 heads (`"method": "eagle3"`) are vLLM's other methods; this engine does not run them yet, and says so rather
-than start without speculation.
+prompt's text or its own output; decoder_service/engine/spec/ngram.py) and `draft_model` (a smaller checkpoint this
+decoder can serve, with the target's tokenizer, decoding greedily on its own pool: spec/draft.py). EAGLE-3 heads
+(`"method": "eagle3"`) and vLLM's other trained heads are not run by this engine yet: refused at start with a
+message rather than started without speculation.
 
 `disable_by_batch_size` (vLLM's key): no proposals in a step where more rows than this decode. A verification step
 costs k + 1 positions per row; with many rows the step is compute-bound and a rejected position is paid by every
@@ -22,7 +25,7 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # rows decoding past which a step proposes no
 MAX_SPECULATIVE_TOKENS = 16
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size"}
-_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class SpecConfig:
     prompt_lookup_max: int = 4  # longest n-gram looked up
     prompt_lookup_min: int = 2  # shortest n-gram that may propose (vLLM's default when only max is given: 1)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str = ""  # draft_model: the draft checkpoint's directory (or a built-in name)
 
 
 def parse_spec_config(text: str) -> SpecConfig:
@@ -47,11 +51,15 @@ def parse_spec_config(text: str) -> SpecConfig:
     if unknown:
         raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
     method = raw.get("method") or ("draft_model" if raw.get("model") else None)
-    if method in _NOT_YET or (method == "ngram" and raw.get("model")):
-        raise ValueError(f"--speculative-config: method {method!r} (a draft model or trained heads) is not supported "
-                         "by this decoder yet; use {\"method\": \"ngram\", ...}")
-    if method != "ngram":
-        raise ValueError(f"--speculative-config: method must be \"ngram\", got {method!r}")
+    if method in _NOT_YET:
+        raise ValueError(f"--speculative-config: method {method!r} (trained heads) is not supported by this decoder "
+                         "yet; use {\"method\": \"ngram\", ...} or a draft model {\"model\": PATH, ...}")
+    if method not in ("ngram", "draft_model"):
+        raise ValueError(f"--speculative-config: method must be \"ngram\" or \"draft_model\", got {method!r}")
+    model = raw.get("model") or ""
+    if not isinstance(model, str) or (method == "draft_model") != bool(model):
+        raise ValueError("--speculative-config: a draft model needs \"model\": PATH (a checkpoint directory), and "
+                         "ngram takes none")
     k = _int(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
     hi = _int(raw, "prompt_lookup_max", None, 1, 64)
     lo = _int(raw, "prompt_lookup_min", None, 1, 64)
@@ -66,7 +74,7 @@ def parse_spec_config(text: str) -> SpecConfig:
                          f"{MAX_SPECULATIVE_TOKENS})")
     off = _int(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, 1, 1 << 20)
     assert off is not None
-    return SpecConfig("ngram", k, hi, lo, off)
+    return SpecConfig(method, k, hi, lo, off, model)
 
 
 def _int(raw: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:

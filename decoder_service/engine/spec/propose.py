@@ -9,6 +9,7 @@ step, never copied), and a block past the accepted ones stays the row's for its 
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
@@ -22,7 +23,9 @@ from decoder_service.engine.spec.stats import SpecStats
 if TYPE_CHECKING:
     from decoder_service.engine.rows import RowTable
     from decoder_service.engine.sequence import Job, Sequence
+    from epd_models.halves import LanguageHalf
 
+logger = logging.getLogger("epd.decoder")
 _MEDIA_TOKEN_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
                      "audio_token_id", "audio_token_index")
 
@@ -51,29 +54,77 @@ class Speculator:
         cfg = self.cfg
         if not feed or len(feed) > cfg.disable_by_batch_size:
             return {}
-        out: dict[Hashable, list[int]] = {}
+        want: dict[Hashable, tuple[Sequence, int]] = {}
         for key in feed:
             seq, row = running[key], rows.rows[key]  # type: ignore[index]  # engine keys are ints
             k = min(cfg.num_speculative_tokens, rows.max_len - 1 - row.length)
             if seq.max_tokens is not None:  # a verification emits up to k + 1 tokens
                 k = min(k, seq.max_tokens - seq.num_generated - 1)
-            if k <= 0:
-                continue
-            draft = self.propose(seq, k)
-            while draft and rows.blocks_to_cover(key, row.length + len(draft) + 1) > free_blocks:
+            if k > 0:
+                want[key] = (seq, k)
+        out: dict[Hashable, list[int]] = {}
+        for key, draft in self.propose_all(want, set(running)).items():
+            length = rows.rows[key].length
+            draft = draft[: want[key][1]]
+            while draft and rows.blocks_to_cover(key, length + len(draft) + 1) > free_blocks:
                 draft = draft[:-1]
             if draft:
-                free_blocks -= rows.cover(key, row.length + len(draft) + 1)
+                free_blocks -= rows.cover(key, length + len(draft) + 1)
                 out[key] = draft
         return out
 
+    def propose_all(self, want: dict[Hashable, tuple[Sequence, int]], running: set[Hashable]
+                    ) -> dict[Hashable, list[int]]:
+        """Each row's proposal of up to k tokens (`want`: row key -> (sequence, k))."""
+        return {key: self.propose(seq, k) for key, (seq, k) in want.items()}
+
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens to follow the sequence's pending one: the n-gram lookup over its text so far."""
-        history = np.concatenate([self._prompt(seq.job), np.asarray(seq.generated, dtype=np.int64)])
-        return propose(history, k, self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min)
+        return propose(self.history(seq), k, self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min)
+
+    def history(self, seq: Sequence) -> np.ndarray:
+        """The sequence's text so far: its prompt's text tokens (media masked), then its output."""
+        return np.concatenate([self._prompt(seq.job), np.asarray(seq.generated, dtype=np.int64)])
+
+    def close(self) -> None:
+        """Nothing held (a draft model's rows are)."""
 
     def _prompt(self, job: Job) -> np.ndarray:
         history = self._prompts.get(job)
         if history is None:
             history = self._prompts[job] = text_history(job.prompt.input_ids[0].tolist(), self.media)
         return history
+
+
+class DraftSpeculator(Speculator):
+    """Proposals from a draft model (spec/draft.py) instead of the n-gram lookup."""
+
+    def __init__(self, cfg: SpecConfig, target: LanguageHalf, max_slots: int, max_len: int, block_size: int,
+                 num_blocks: int):
+        super().__init__(cfg, target.config)
+        from decoder_service.engine.spec.draft import DraftModel  # loads a model: only when one is asked for
+        from epd_models.resolve import resolve_model
+
+        self.draft = DraftModel(resolve_model(cfg.model), target, max_slots, max_len, block_size, num_blocks)
+
+    def propose_all(self, want: dict[Hashable, tuple[Sequence, int]], running: set[Hashable]
+                    ) -> dict[Hashable, list[int]]:
+        try:
+            return self.draft.propose({key: (seq, self.history(seq), k) for key, (seq, k) in want.items()}, running)
+        except Exception:  # noqa: BLE001 - the draft's fault costs this step its proposals, never a request
+            logger.exception("the draft model failed to propose; its rows start again")
+            self.draft.close()
+            return {}
+
+    def close(self) -> None:
+        self.draft.close()
+
+
+def make_speculator(cfg: SpecConfig, target: LanguageHalf, max_slots: int, max_len: int, block_size: int,
+                    num_blocks: int) -> Speculator:
+    """The n-gram proposer, or a draft model's (its pool: as many blocks as the target's, at most what max_slots
+    rows of max_len need)."""
+    if cfg.method == "ngram":
+        return Speculator(cfg, target.config)
+    blocks = min(num_blocks, max_slots * -(-max_len // block_size) + 1)
+    return DraftSpeculator(cfg, target, max_slots, max_len, block_size, blocks)
