@@ -43,6 +43,8 @@ class ModelRunner(RowTable):
         self.inputs = StepInputs(lm, self.block_size)
         self.graphs: DecodeGraphs | None = None  # CUDA: decode-only steps replay captured graphs (enable_graphs)
         self.before_forward: Callable[[], None] | None = None  # called once the step's inputs are ready
+        # called after each forward with its layout: (row key, first position, positions) per segment, packed order
+        self.after_forward: Callable[[list[tuple[Hashable, int, int]]], None] | None = None
 
     def enable_graphs(self, enforce_eager: bool = False) -> None:
         """CUDA: capture the decode forward for each batch-size bucket (cuda_graphs.py); a no-op elsewhere, and at
@@ -198,6 +200,8 @@ class ModelRunner(RowTable):
                 raise
             finally:
                 self.cache.activate(None)
+        if self.after_forward is not None:  # e.g. EAGLE-3 files the step's captured hidden states by row
+            self.after_forward([(s.row.key, s.start, s.num) for s in decode + prefill])
         for s in decode:
             s.row.length += 1
         out.put_rows([s.row.key for s in decode], logits[: len(decode)])

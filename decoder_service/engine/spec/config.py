@@ -3,12 +3,14 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
     {"model": "/models/qwen2.5-vl-3b", "num_speculative_tokens": 4}        (method "draft_model")
+    {"method": "eagle3", "model": "/models/eagle3-heads", "num_speculative_tokens": 4}
 
 Methods: `ngram` (prompt lookup: the tokens that followed the last occurrence of the sequence's latest n-gram, in its
 prompt's text or its own output; decoder_service/engine/spec/ngram.py) and `draft_model` (a smaller checkpoint this
-decoder can serve, with the target's tokenizer, decoding greedily on its own pool: spec/draft.py). EAGLE-3 heads
-(`"method": "eagle3"`) and vLLM's other trained heads are not run by this engine yet: refused at start with a
-message rather than started without speculation.
+decoder can serve, with the target's tokenizer, decoding greedily on its own pool: spec/draft.py) and `eagle3`
+(EAGLE-3 heads in the published format, fed the target's hidden states: spec/eagle3.py). vLLM's other trained heads
+(EAGLE-1, Medusa, MTP, ...) are not run by this engine: refused at start with a message rather than started without
+speculation.
 
 `disable_by_batch_size` (vLLM's key): no proposals in a step where more rows than this decode. A verification step
 costs k + 1 positions per row; with many rows the step is compute-bound and a rejected position is paid by every
@@ -25,7 +27,8 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # rows decoding past which a step proposes no
 MAX_SPECULATIVE_TOKENS = 16
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size"}
-_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_NOT_YET = ("eagle", "eagle1", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_NEEDS_MODEL = ("draft_model", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,13 @@ def parse_spec_config(text: str) -> SpecConfig:
     if method in _NOT_YET:
         raise ValueError(f"--speculative-config: method {method!r} (trained heads) is not supported by this decoder "
                          "yet; use {\"method\": \"ngram\", ...} or a draft model {\"model\": PATH, ...}")
-    if method not in ("ngram", "draft_model"):
-        raise ValueError(f"--speculative-config: method must be \"ngram\" or \"draft_model\", got {method!r}")
+    if method not in ("ngram", *_NEEDS_MODEL):
+        raise ValueError(f"--speculative-config: method must be \"ngram\", \"draft_model\" or \"eagle3\", got "
+                         f"{method!r}")
     model = raw.get("model") or ""
-    if not isinstance(model, str) or (method == "draft_model") != bool(model):
-        raise ValueError("--speculative-config: a draft model needs \"model\": PATH (a checkpoint directory), and "
-                         "ngram takes none")
+    if not isinstance(model, str) or (method in _NEEDS_MODEL) != bool(model):
+        raise ValueError("--speculative-config: a draft model or EAGLE-3 heads need \"model\": PATH (a checkpoint "
+                         "directory), and ngram takes none")
     k = _int(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
     hi = _int(raw, "prompt_lookup_max", None, 1, 64)
     lo = _int(raw, "prompt_lookup_min", None, 1, 64)

@@ -21,6 +21,7 @@ from decoder_service.engine.spec.ngram import propose, text_history
 from decoder_service.engine.spec.stats import SpecStats
 
 if TYPE_CHECKING:
+    from decoder_service.engine.model_runner import ModelRunner
     from decoder_service.engine.rows import RowTable
     from decoder_service.engine.sequence import Job, Sequence
     from epd_models.halves import LanguageHalf
@@ -120,11 +121,41 @@ class DraftSpeculator(Speculator):
         self.draft.close()
 
 
-def make_speculator(cfg: SpecConfig, target: LanguageHalf, max_slots: int, max_len: int, block_size: int,
-                    num_blocks: int) -> Speculator:
-    """The n-gram proposer, or a draft model's (its pool: as many blocks as the target's, at most what max_slots
-    rows of max_len need)."""
+class Eagle3Speculator(Speculator):
+    """Proposals from EAGLE-3 heads (spec/eagle3.py), fed by the target's hidden states of every forward."""
+
+    def __init__(self, cfg: SpecConfig, target: LanguageHalf, runner: ModelRunner):
+        super().__init__(cfg, target.config)
+        from decoder_service.engine.spec.eagle3 import Eagle3  # reads a checkpoint: only when one is asked for
+        from epd_models.resolve import resolve_model
+
+        self.eagle = Eagle3(resolve_model(cfg.model), target)
+        runner.after_forward = self.eagle.filed
+        if runner.graphs is not None:  # a replayed graph runs no hooks: every step eager
+            logger.info("EAGLE-3 reads the target's hidden states of every step: CUDA graphs off")
+            runner.graphs = None
+
+    def drafts(self, feed: dict[Hashable, int], running: dict[int, Sequence], rows: RowTable, free_blocks: int
+               ) -> dict[Hashable, list[int]]:
+        self.eagle.forget(set(running))
+        return super().drafts(feed, running, rows, free_blocks)
+
+    def propose_all(self, want: dict[Hashable, tuple[Sequence, int]], running: set[Hashable]
+                    ) -> dict[Hashable, list[int]]:
+        try:
+            return self.eagle.propose({key: (self.history(seq), k) for key, (seq, k) in want.items()})
+        except Exception:  # noqa: BLE001 - the head's fault costs this step its proposals, never a request
+            logger.exception("the EAGLE-3 head failed to propose; its rows start again")
+            self.eagle.reset()
+            return {}
+
+
+def make_speculator(cfg: SpecConfig, target: LanguageHalf, runner: ModelRunner, num_blocks: int) -> Speculator:
+    """The n-gram proposer, a draft model's (its pool: as many blocks as the target's, at most what max_slots rows
+    of max_len need) or EAGLE-3 heads'."""
     if cfg.method == "ngram":
         return Speculator(cfg, target.config)
-    blocks = min(num_blocks, max_slots * -(-max_len // block_size) + 1)
-    return DraftSpeculator(cfg, target, max_slots, max_len, block_size, blocks)
+    if cfg.method == "eagle3":
+        return Eagle3Speculator(cfg, target, runner)
+    blocks = min(num_blocks, runner.max_slots * -(-runner.max_len // runner.block_size) + 1)
+    return DraftSpeculator(cfg, target, runner.max_slots, runner.max_len, runner.block_size, blocks)
