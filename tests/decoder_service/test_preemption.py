@@ -3,6 +3,7 @@ completes with exactly its solo output (greedy and seeded), for every family; no
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,14 +43,14 @@ def prompts(model_dir: Path, lm: LanguageHalf) -> list[Prompt]:
     return out
 
 
-def preempting_engine(model_dir: Path, lm: LanguageHalf, all_prompts: list[Prompt]) -> tuple[Engine, int]:
+def preempting_engine(model_dir: Path, lm: LanguageHalf, all_prompts: list[Prompt], **cfg: Any) -> tuple[Engine, int]:
     """An engine whose K/V pool holds one sequence of max_model_len, not every one's growth."""
     longest = max(p.num_tokens for p in all_prompts) + MAX_TOKENS
     max_len = -(-(longest + 1) // BLOCK) * BLOCK
     blocks = max_len // BLOCK + 1
     per_block = KVShape.of(lm.config.get_text_config(), lm.dtype).bytes_per_block(BLOCK)
     engine = make_engine(model_dir, lm, max_model_len=max_len, kv_cache_memory=(blocks + 1) * per_block,
-                         block_size=BLOCK, prefix_cache_bytes=0)
+                         block_size=BLOCK, prefix_cache_bytes=0, **cfg)
     return engine, blocks
 
 

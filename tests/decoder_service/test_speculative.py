@@ -7,7 +7,7 @@ with one of them wrong in every other proposal, so each run keeps whole proposal
 every position; the n-gram proposer's own cases are at the end."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from decoder_service.engine.spec.config import SpecConfig
 from decoder_service.engine.spec.propose import Speculator
 from decoder_service.engine.work import Work
 from decoder_service.shell import Engine
+from epd_builders.eagle3 import build_eagle3
 from epd_builders.tiny import FAMILIES
 from epd_contracts.generate import GenerateRequest
 from epd_contracts.sampling import SamplingParams
@@ -78,6 +79,23 @@ def oracle(monkeypatch: pytest.MonkeyPatch) -> Iterator[Reference]:
     yield ref
 
 
+Method = Callable[[Path], SpecConfig]
+
+
+@pytest.fixture(params=["ngram", "draft_model", "eagle3"])
+def method(request: pytest.FixtureRequest, tmp_path: Path, oracle: Reference) -> Method:
+    """The feature tests run with each method: the n-gram path (proposals by the oracle), a draft model (the target
+    itself: its proposals are the target's greedy tokens, which a grammar or sampling may refuse) and EAGLE-3 (tiny
+    random heads: nearly every proposal rejected)."""
+    name = request.param
+    if name == "ngram":
+        return lambda target: SPEC
+    if name == "draft_model":
+        return lambda target: SpecConfig(name, K, disable_by_batch_size=64, model=str(target))
+    return lambda target: SpecConfig(name, K, disable_by_batch_size=64,
+                                     model=str(build_eagle3(target, tmp_path / "eagle3")))
+
+
 def texts(results: list[Result]) -> list[tuple[Any, ...]]:
     """Each result's answer and the tokens of its logprobs (when asked for)."""
     return [(*r.answer(), [lp.token for e in r.events for lp in e.logprobs or []]) for r in results]
@@ -133,7 +151,7 @@ def test_greedy_with_speculation_is_plain_greedy_for_every_family(tiny_model_dir
     assert engine.runner.rows == {} and not any(engine.runner.blocks.refs)
 
 
-def test_n2_prefix_reuse_and_seeded_sampling(tiny_model_dirs: dict[str, Path], oracle: Reference) -> None:
+def test_n2_prefix_reuse_and_seeded_sampling(tiny_model_dirs: dict[str, Path], method: Method) -> None:
     """n = 2 choices each verify their own drafts; a second run of a prompt reuses its prefix blocks (named by the
     accepted tokens only); seeded sampling with speculation gives the same tokens twice."""
     family = "qwen2_5_vl"
@@ -142,7 +160,7 @@ def test_n2_prefix_reuse_and_seeded_sampling(tiny_model_dirs: dict[str, Path], o
     greedy2 = msgspec.structs.replace(GREEDY, n=2, logprobs=1)
     seeded2 = msgspec.structs.replace(GREEDY, n=2, temperature=0.8, seed=3)
     outs = []
-    for cfg in ({}, {"speculative_config": SPEC}):
+    for cfg in ({}, {"speculative_config": method(tiny_model_dirs[family])}):
         engine = make_engine(tiny_model_dirs[family], lm, max_model_len=2048, **cfg)
         try:
             work = Work(image, greedy2, chain=chain_of(engine, image))
@@ -151,7 +169,7 @@ def test_n2_prefix_reuse_and_seeded_sampling(tiny_model_dirs: dict[str, Path], o
             outs.append((first.per_choice(), again.per_choice()))
             assert all(e.usage is not None and e.usage.cached_tokens > 0 for e in again.events if e.type == "done")
             if cfg:
-                assert accepted(engine)[1] > 0
+                assert accepted(engine)[0] > 0
                 a, b = run_one(engine, Work(image, seeded2), 2), run_one(engine, Work(image, seeded2), 2)
                 assert a.per_choice() == b.per_choice() and len(a.texts) == 2
         finally:
@@ -160,15 +178,14 @@ def test_n2_prefix_reuse_and_seeded_sampling(tiny_model_dirs: dict[str, Path], o
         assert_same(spec_run, plain_run)
 
 
-def test_a_json_grammar_cuts_drafts_it_refuses(tiny_model_dirs: dict[str, Path], oracle: Reference,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_json_grammar_cuts_drafts_it_refuses(tiny_model_dirs: dict[str, Path], method: Method) -> None:
     """With a grammar, drafts the grammar refuses are never kept: proposals of the plain run's tokens with one
     wrong token still give the plain run's JSON (and grammar-valid output), token for token."""
     family = "llava"
     lm = LanguageHalf(tiny_model_dirs[family])
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     outs = []
-    for cfg in ({}, {"speculative_config": SPEC}):
+    for cfg in ({}, {"speculative_config": method(tiny_model_dirs[family])}):
         engine = make_engine(tiny_model_dirs[family], lm, max_model_len=2048, **cfg)
         try:
             req = GenerateRequest(messages=USER, sampling=sampling, **GUIDED["json"])  # type: ignore[arg-type]
@@ -180,16 +197,14 @@ def test_a_json_grammar_cuts_drafts_it_refuses(tiny_model_dirs: dict[str, Path],
     assert outs[1] == outs[0]
 
 
-def test_preemption_under_a_tiny_pool(tiny_model_dirs: dict[str, Path], oracle: Reference) -> None:
+def test_preemption_under_a_tiny_pool(tiny_model_dirs: dict[str, Path], method: Method) -> None:
     family = "qwen2_vl"
     lm = LanguageHalf(tiny_model_dirs[family])
     ps = prompts(tiny_model_dirs[family], lm)
     specs = [(p, GREEDY) for p in ps]
     outs = []
-    for cfg in ({}, {"speculative_config": SPEC}):
-        engine, _ = preempting_engine(tiny_model_dirs[family], lm, ps)
-        if cfg:
-            engine.scheduler.speculator = engine.speculator = Speculator(SPEC, lm.config)
+    for cfg in ({}, {"speculative_config": method(tiny_model_dirs[family])}):
+        engine, _ = preempting_engine(tiny_model_dirs[family], lm, ps, **cfg)
         try:
             outs.append(texts(run(engine, specs)))
             assert engine.scheduler.num_preempted > 0
@@ -198,18 +213,18 @@ def test_preemption_under_a_tiny_pool(tiny_model_dirs: dict[str, Path], oracle: 
     assert outs[1] == outs[0]
 
 
-def test_a_handed_off_request_decodes_with_speculation(tiny_model_dirs: dict[str, Path], oracle: Reference) -> None:
+def test_a_handed_off_request_decodes_with_speculation(tiny_model_dirs: dict[str, Path], method: Method) -> None:
     family = "gemma3"
     lm = LanguageHalf(tiny_model_dirs[family])
     image = prompts(tiny_model_dirs[family], lm)[-1]
     store = MemoryStore()
-    engine = handoff_engine(tiny_model_dirs[family], lm, store, speculative_config=SPEC)
+    engine = handoff_engine(tiny_model_dirs[family], lm, store, speculative_config=method(tiny_model_dirs[family]))
     try:
         alone = run_one(engine, Work(image, GREEDY), 1)  # records the tokens; its own drafts are the oracle's
         first, rest, resume = prefill_then_decode(engine, store, image, GREEDY, "spec")
         assert resume.kv is not None, resume.why
         assert first.texts.get(0, "") + rest.texts.get(0, "") == alone.texts[0]
-        assert accepted(engine)[1] > 0
+        assert accepted(engine)[0] > 0
     finally:
         engine.close()
 
