@@ -55,6 +55,8 @@ def test_the_lookup_proposes_what_followed_the_latest_longest_match() -> None:
     assert propose(h, 0, 4, 2) == []
     assert propose(np.array([1, 2, 3]), 2, 4, 2) == []  # nothing repeats
     assert propose(np.array([5, 6, 5, 6]), 4, 2, 2) == [5, 6]  # up to the end of the history
+    loop = np.array([9, 5, 6, 5, 6, 5, 6, 5, 6])
+    assert propose(loop, 4, 2, 2) == [5, 6, 5, 6]  # a loop of period 2: an earlier occurrence proposes all k
 
 
 def test_media_placeholders_never_match_nor_are_proposed() -> None:

@@ -1,8 +1,9 @@
 """The n-gram proposer (prompt lookup, vLLM's `"method": "ngram"`): no model, no device work.
 
 For a sequence whose text so far (its prompt's text tokens, then its own output) ends in an n-gram that occurred
-before, propose the k tokens that followed its latest earlier occurrence, trying the longest n first
-(prompt_lookup_max down to prompt_lookup_min). Answers that repeat their prompt (extracting or rewriting a passage,
+before, propose the k tokens that followed its latest earlier occurrence with k tokens after it (else its latest),
+trying the longest n first (prompt_lookup_max down to prompt_lookup_min): in a loop shorter than k the latest
+occurrence is one period back, and an earlier one proposes the whole k. Answers that repeat their prompt (extracting or rewriting a passage,
 filling a described form) are where it proposes well; elsewhere it mostly finds nothing and costs nothing but the
 lookup (numpy over the history: about 20 us for 2,000 tokens).
 
@@ -49,8 +50,9 @@ def propose(history: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
         for j in range(1, n):
             ok &= history[ends - j] == tail[n - 1 - j]
         hits = ends[ok]
-        if len(hits):
-            p = int(hits[-1]) + 1
+        if len(hits):  # the latest occurrence with k tokens after it (a loop's period may be shorter than k)
+            full = hits[hits + 1 + k <= size]
+            p = int(full[-1] if len(full) else hits[-1]) + 1
             follow = history[p: p + k]
             stop = np.flatnonzero(follow == MASKED)
             if len(stop):
