@@ -35,6 +35,7 @@ from tests.decoder_service.test_handoff import (
     run_one,
 )
 from tests.decoder_service.test_preemption import preempting_engine, prompts
+from tests.decoder_service.test_tensor_parallel import tp_half
 
 MAX_TOKENS = 20
 LOGPROB_TOL = 1e-4  # measured up to ~5e-7 on the tiny models
@@ -263,3 +264,24 @@ def test_no_drafts_past_disable_by_batch_size(tiny_model_dirs: dict[str, Path], 
         assert accepted(engine)[0] > 0
     finally:
         engine.close()
+
+
+def test_tensor_parallel_verification_is_plain_greedy(tiny_model_dirs: dict[str, Path], oracle: Reference) -> None:
+    """At --tensor-parallel-size 2 a verification's k + 1 positions go to the other rank in the step's plan like a
+    prompt chunk's: the tokens are size 1's without speculation."""
+    family = "qwen2_5_vl"
+    lm = LanguageHalf(tiny_model_dirs[family])
+    ps = prompts(tiny_model_dirs[family], lm)
+    specs = [(ps[0], GREEDY), (ps[-1], GREEDY)]
+    plain = make_engine(tiny_model_dirs[family], lm, max_model_len=2048)
+    try:
+        expected = texts(run(plain, specs))
+    finally:
+        plain.close()
+    with tp_half(tiny_model_dirs[family]) as lm2:
+        engine = make_engine(tiny_model_dirs[family], lm2, max_model_len=2048, speculative_config=SPEC)
+        try:
+            assert texts(run(engine, specs)) == expected
+            assert accepted(engine)[1] > 0
+        finally:
+            engine.close()
