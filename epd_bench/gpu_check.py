@@ -8,9 +8,11 @@ Steps, each under its own limit inside the run's --budget (540 s); a failed step
 env (versions, nvidia-smi); tests (TESTS: the families' split path against model.generate() on --device); then per
 family of FAMILIES (LLaVA-1.5-7B, Qwen2.5-VL-3B): build (a random checkpoint of the real shapes drawn on the device,
 epd_builders/full_size.py, cached), engine (the paged engine on it: K/V plan at 0.9 utilization, decode CUDA graphs,
-TPOT at batch 1 against the HBM bound, tokens/s at 64 rows; for TP_FAMILY also the tensor-parallel path at size 1
-with NCCL against the plain path, tokens and TPOT; epd_bench/gpu_check_engine.py), epd-1enc and aggregated
-(one system at a time on the GPU under WORKLOADS, `make bench`'s scaled for a GPU, with GPU memory per process
+TPOT at batch 1 against the HBM bound, tokens/s at 64 rows; speculative decoding's verification step ÷ a plain
+decode step at 1 and 16 rows, the n-gram proposer's host time, 16 decode rows with a prompt chunk ÷ without, at the
+new default's chunk and the old 32 tokens (epd_bench/gpu_check_spec.py); for qwen2.5-vl-3b also the tensor-parallel
+path at size 1 with NCCL against the plain path, tokens and TPOT; epd_bench/gpu_check_engine.py), epd-1enc and
+aggregated (one system at a time on the GPU under WORKLOADS, `make bench`'s scaled for a GPU, with GPU memory per process
 sampled); then quantized weights (epd_bench/gpu_check_quant.py: Qwen2.5-VL-3B's build as FP8 and AWQ kept against
 dequantized, MoE experts eager against grouped_mm), each step started only with its MIN_LEFT_S of the budget left;
 then, with EXTRA_MIN_S of the budget left, the feature benchmarks (FEATURES) on the `bench` model.
@@ -18,8 +20,9 @@ then, with EXTRA_MIN_S of the budget left, the feature benchmarks (FEATURES) on 
 a short test selection. Its work is fixed, so its --budget (1800 s) only stops a hang: no step is limited or skipped.
 
 Estimated on one H200 (16 host cores): env 5 s, tests 45-75 s, per family a build of 15-40 s (a cached one 5 s),
-the engine 30-60 s, each system 50-75 s to start and load; the feature benchmarks 40-80 s: 400-500 s in all, inside
-the 540 s budget. The CPU dry run took 75 s on 2 idle cores, over 500 s at load average 4-15.
+the engine 35-75 s (5-15 s of it speculative decoding and chunked prefill), each system 50-75 s to start and load;
+the feature benchmarks 40-80 s: 410-515 s in all, inside the 540 s budget (the features are skipped if time runs
+short). The CPU dry run took 75 s on 2 idle cores, over 500 s at load average 4-15.
 Writes DIR/gpu_check.json, DIR/gpu_check.md (tables ready to paste, each with the command that made it) and
 DIR/logs.tar.gz (every log and epd-bench result: a GPU lease returns at most 8 files); --write-benchmarks also
 replaces the marked gpu-check section of that Markdown file with the same report.
@@ -39,6 +42,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from epd_bench.gpu_check_engine import LIMIT_S as ENGINE_LIMIT_S
+from epd_bench.gpu_check_engine import run_engine
 from epd_bench.gpu_check_quant import FAMILY as QUANT_FAMILY
 from epd_bench.gpu_check_quant import run_quant
 from epd_bench.gpu_check_report import finish, has_section
@@ -54,7 +59,6 @@ SMALL_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or paged_cac
 PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "fastapi", "starlette", "uvicorn", "pydantic",
            "pydantic_core", "msgspec", "pyzmq", "regex", "typing_extensions")
 FAMILIES = ("llava-1.5-7b", "qwen2.5-vl-3b")  # epd_builders/full_size.py presets, built and served in this order
-TP_FAMILY = "qwen2.5-vl-3b"  # its engine step also runs the tensor-parallel path at size 1 (NCCL) against the plain one
 # 32 x 4096 positions of K/V: 64 GiB for LLaVA-7B (512 KiB a token), 4.5 GiB for Qwen2.5-VL-3B, beside LLaVA's 12.6 GiB
 # of LM weights and its encoder on one H200; 512 prompt tokens a step prefill an image prompt in 2 steps, not 19.
 DECODER_FLAGS = ("--max-model-len", "4096", "--max-num-seqs", "32", "--max-prefill-tokens", "512")
@@ -87,7 +91,7 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
     "gpu": torch.cuda.get_device_name(0) if cuda else None,
     "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if cuda else None,
     "transformers_from": transformers.__file__}))"""
-LIMITS = {"tests": 150.0, "build": 180.0, "engine": 150.0, "start": 180.0, "bench": 150.0, "feature": 240.0}  # seconds, one step
+LIMITS = {"tests": 150.0, "build": 180.0, "engine": ENGINE_LIMIT_S, "start": 180.0, "bench": 150.0, "feature": 240.0}  # seconds, one step
 EXTRA_MIN_S = 60.0  # the feature benchmarks start only with this much of the budget left (--size full)
 BUDGET_S = {"full": 540.0, "small": 1800.0}  # --budget's default per --size (small: a hang guard only, Run.guard_only)
 # (step, module, its arguments, more for the small run); the bench model's directory goes to --model when TAKES_MODEL
@@ -143,18 +147,6 @@ def build_family(run: Run, family: str) -> Path | None:
         rec.update(_last_json(run.python(rec, f"build-{family}.log", args, LIMITS["build"])))
         return Path(rec["path"])
     return None
-
-
-def run_engine(run: Run, family: str, model_dir: Path) -> None:
-    """The paged engine on the family's checkpoint on the device (epd_bench/gpu_check_engine.py)."""
-    with run.step(f"{family}/engine", f"engine-{family}.log") as rec:
-        args = ["-m", "epd_bench.gpu_check_engine", "--model", str(model_dir), "--device", run.args.device, "--json",
-                *(("--steps", "4") if run.args.size == "small" else ()), *(("--tp-path",) if family == TP_FAMILY else ())]
-        rec["result"] = _last_json(run.python(rec, f"engine-{family}.log", args, LIMITS["engine"]))
-        if run.args.device.startswith("cuda") and not rec["result"]["graph_replays"]:
-            raise RuntimeError("no decode step replayed a CUDA graph")
-        if family == TP_FAMILY and not rec["result"]["tp_path"]["tokens_equal"]:
-            raise RuntimeError("the tensor-parallel path at size 1 changed the tokens")
 
 
 def serve(run: Run, family: str, spec: SystemSpec) -> None:

@@ -12,14 +12,20 @@
 - The tensor-parallel code path at size 1 (`--tp-path`; the machine has one GPU, so N > 1 cannot run there): a process
   group of one (NCCL on CUDA) with the split's hooks and collectives, against the plain path, both eager: the greedy
   tokens of --steps decode steps equal, and TPOT at batch 1 of each.
-On CPU (the dry run) the same numbers without graphs or a bound.
+- With `--spec`, speculative decoding and chunked prefill on the same runner (epd_bench/gpu_check_spec.py, at most
+  SPEC_STEPS timed steps per number): verification ÷ plain decode at 1 and 16 rows, the n-gram proposer's host
+  time, a step of 16 decode rows with a prompt chunk (the new default's and the old 32 tokens) ÷ a decode-only step.
+On CPU (the dry run) the same numbers without graphs or a bound. `run_engine` is gpu-check's step {family}/engine.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Hashable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from epd_bench.gpu_check_spec import measure_spec, spare_tokens
 from epd_bench.micro import emit, parser, sync
 
 if TYPE_CHECKING:  # the run imports them (torch and the engine), after --help has answered
@@ -27,12 +33,31 @@ if TYPE_CHECKING:  # the run imports them (torch and the engine), after --help h
 
     from decoder_service.config import DecoderConfig
     from decoder_service.engine.model_runner import ModelRunner
+    from epd_bench.gpu_check_run import Run
     from epd_models.halves import LanguageHalf
 
 # HBM bandwidth by device name (vendor data sheets: H200 SXM 4.8 TB/s, H100 SXM 3.35 TB/s); others need --hbm-gbps
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 ROWS = 64  # in flight for the throughput number
 PROMPT_TOKENS = 32
+TP_FAMILY = "qwen2.5-vl-3b"  # its engine step also runs the tensor-parallel path at size 1 (NCCL) against the plain one
+LIMIT_S = 150.0  # gpu-check's engine step, per family
+SPEC_STEPS = 16  # timed steps per number of gpu_check_spec (5-15 s of the engine step on a GPU, estimated)
+
+
+def run_engine(run: Run, family: str, model_dir: Path) -> None:
+    """gpu-check's step {family}/engine: this module in a process of its own on --device."""
+    with run.step(f"{family}/engine", f"engine-{family}.log") as rec:
+        args = ["-m", "epd_bench.gpu_check_engine", "--model", str(model_dir), "--device", run.args.device, "--json",
+                "--spec", *(("--steps", "4") if run.args.size == "small" else ()),
+                *(("--tp-path",) if family == TP_FAMILY else ())]
+        rec["result"] = json.loads(run.python(rec, f"engine-{family}.log", args, LIMIT_S).strip().splitlines()[-1])
+        if run.args.device.startswith("cuda") and not rec["result"]["graph_replays"]:
+            raise RuntimeError("no decode step replayed a CUDA graph")
+        if family == TP_FAMILY and not rec["result"]["tp_path"]["tokens_equal"]:
+            raise RuntimeError("the tensor-parallel path at size 1 changed the tokens")
+        if "error" in rec["result"]["spec"]:
+            raise RuntimeError(f"speculative decoding / chunked prefill: {rec['result']['spec']['error']}")
 
 
 def bandwidth(device_name: str, override_gbps: float | None) -> float | None:
@@ -85,15 +110,25 @@ def timed_decode(runner: ModelRunner, lm: LanguageHalf, rows: int, steps: int) -
     return elapsed / steps
 
 
-def measure(model: str, device: str, steps: int, hbm_gbps: float | None) -> dict[str, Any]:
+def measure(model: str, device: str, steps: int, hbm_gbps: float | None, spec: bool = False) -> dict[str, Any]:
+    from decoder_service.config import DecoderConfig
     from epd_models.halves import LanguageHalf
 
-    return measure_lm(LanguageHalf(model, device=device), steps, hbm_gbps)[0]
+    lm = LanguageHalf(model, device=device)
+    step_tokens = DecoderConfig(model=model, max_num_seqs=ROWS).num_batched_tokens  # the engine's default budget
+    result, runner = measure_lm(lm, steps, hbm_gbps, spare_tokens(steps, step_tokens) if spec else 0)
+    if spec:
+        try:  # the engine's numbers above are kept whatever happens here
+            result["spec"] = measure_spec(runner, lm, min(steps, SPEC_STEPS), step_tokens)
+        except Exception as exc:  # noqa: BLE001 - recorded; run_engine fails the step after keeping the result
+            result["spec"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return result
 
 
-def measure_lm(lm: LanguageHalf, steps: int, hbm_gbps: float | None) -> tuple[dict[str, Any], ModelRunner]:
+def measure_lm(lm: LanguageHalf, steps: int, hbm_gbps: float | None, spare: int = 0
+               ) -> tuple[dict[str, Any], ModelRunner]:
     """The numbers for a loaded LM, and the runner they were measured with (epd_bench/gpu_check_quant.py decodes
-    on it again, graphs and all)."""
+    on it again, graphs and all); on CPU its pool has room for `spare` more positions."""
     import torch
 
     from decoder_service.config import DecoderConfig
@@ -103,7 +138,7 @@ def measure_lm(lm: LanguageHalf, steps: int, hbm_gbps: float | None) -> tuple[di
     plan = plan_engine(cfg, lm)
     max_len = min(plan.max_model_len, 8192)  # the runs here are short; the plan's own length is reported
     # CPU: only the blocks these runs need (the plan's share of RAM is reported, not allocated)
-    need = ROWS * -(-(PROMPT_TOKENS + steps + 4) // plan.block_size) + 1
+    need = ROWS * -(-(PROMPT_TOKENS + steps + 4) // plan.block_size) + 1 + -(-spare // plan.block_size)
     runner, graphs = runner_for(lm, cfg, plan.num_blocks if lm.device.type == "cuda" else need, max_len)
     weights = module_bytes(lm.module)
     name = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu"
@@ -179,11 +214,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="the device's HBM bandwidth in GB/s, for devices not in HBM_BYTES_PER_S")
     p.add_argument("--tp-path", action="store_true",
                    help="also the tensor-parallel code path at size 1 against the plain path (result['tp_path'])")
+    p.add_argument("--spec", action="store_true",
+                   help="also speculative decoding and chunked prefill on the same runner (result['spec'])")
     args = p.parse_args(argv)
     import torch
 
     with torch.inference_mode():
-        result = measure(args.model, args.device, args.steps, args.hbm_gbps)
+        result = measure(args.model, args.device, args.steps, args.hbm_gbps, args.spec)
         if args.tp_path:
             result["tp_path"] = tp_path(args.model, args.device, args.steps)
     emit(result, True, indent=None if args.json else 1)

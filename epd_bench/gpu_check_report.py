@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from epd_bench import report
 from epd_bench.gpu_check_quant import FAMILY as QUANT_FAMILY
+from epd_bench.gpu_check_spec import report_lines
 
 if TYPE_CHECKING:
     from epd_bench.gpu_check_run import Run
@@ -29,7 +30,8 @@ def render_md(record: dict[str, Any], h: str = "#") -> str:
               for name, s in steps.items()]
     sub = h + "#"
     return "\n".join([*lines, *_env_lines(steps.get("env", {}), sub), *_test_lines(steps.get("tests", {}), sub),
-                      *_build_lines(steps, sub), *_engine_lines(steps, sub), *_serve_lines(steps, record.get("workloads", {}), sub),
+                      *_build_lines(steps, sub), *_engine_lines(steps, sub),
+                      *_spec_lines(steps, sub), *_serve_lines(steps, record.get("workloads", {}), sub),
                       *_quant_lines(steps, sub), *_feature_lines(steps, sub)]) + "\n"
 
 
@@ -141,6 +143,14 @@ def _engine_lines(steps: dict[str, Any], h: str) -> list[str]:
         lines += [f"| {f} | {t['backend']} | {'yes' if t['tokens_equal'] else '**no**'} ({t['steps']}) | "
                   f"{t['tpot_plain_ms']} | {t['tpot_tp_path_ms']} | {t['tpot_ratio']} |" for f, t in paths.items()]
     return lines
+
+
+def _spec_lines(steps: dict[str, Any], h: str) -> list[str]:
+    """Speculative decoding (verification ÷ plain decode, a stand-in draft model's cost, the n-gram proposer) and
+    chunked prefill (16 decode rows with a prompt chunk ÷ without) per family (epd_bench/gpu_check_spec.py)."""
+    runs = {f: s["result"]["spec"] for f in _families(steps)
+            if "verify" in (s := steps.get(f"{f}/engine", {})).get("result", {}).get("spec", {})}
+    return report_lines(runs, h) if runs else []
 
 
 def _serve_lines(steps: dict[str, Any], workloads: dict[str, Any], h: str) -> list[str]:

@@ -17,14 +17,15 @@ from epd_bench.gpu_check import (
     FAMILIES,
     LIMITS,
     SMALL_WORKLOADS,
-    TP_FAMILY,
     junit_counts,
     on_device,
     parse_args,
 )
+from epd_bench.gpu_check_engine import TP_FAMILY
 from epd_bench.gpu_check_quant import MIN_LEFT_S, parity, run_quant
 from epd_bench.gpu_check_report import BEGIN, END, write_section
 from epd_bench.gpu_check_run import Run
+from epd_bench.gpu_check_spec import DRAFT_FAMILY, K, measure_spec, report_lines, spare_tokens
 from epd_bench.stacks import epd
 from epd_builders.full_size import preset
 
@@ -83,6 +84,11 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
             assert served["gpu_mib"] == {"pid 4242": 100, "pid 4243": 7} and served["gpu_used_peak_mib"] == 512
         engine = steps[f"{family}/engine"]["result"]  # the paged engine on CPU: planned, eager, measured
         assert engine["graphs"] == [] and engine["num_blocks"] > 0 and engine["tokens_per_s_64"] > 0
+        spec = engine["spec"]  # speculative decoding and chunked prefill on the same runner
+        assert [v["rows"] for v in spec["verify"].values()] == [1, 16] and spec["k"] == K
+        assert all(v["verify_over_decode"] > 0 and v["verify_over_eager"] > 0 for v in spec["verify"].values())
+        assert spec["chunked"]["new_chunk"] == 2048 - 16 and spec["chunked"]["old_chunk"] == 32
+        assert spec["chunked"]["new_over_decode"] > 0 and spec["ngram_us"]["repeated"] > 0
     tp = steps[f"{TP_FAMILY}/engine"]["result"]["tp_path"]  # the tensor-parallel path at size 1 (gloo here)
     assert tp["backend"] == "gloo" and tp["tokens_equal"] and tp["tpot_ratio"] > 0
     for fmt, kernel in (("fp8", "dequantize_per_call"), ("awq", "weight_int4pack_mm_for_cpu")):  # the CPU kernels
@@ -106,6 +112,8 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
         assert "The paged engine on the device" in text and "| eager |" in text
         assert "Encoder batching across requests" in text
         assert "The tensor-parallel code path at size 1" in text and "| gloo | yes (4) |" in text
+        assert "## Speculative decoding: a verification step (k = 4)" in text and "## Chunked prefill" in text
+        assert all(f"| {f} | 16 |" in text for f in FAMILIES)  # a verification row and a chunked-prefill row each
         assert "Quantized weights at real shapes" in text and "MoE experts: transformers' eager loop" in text
         assert "| fp8 (fp8-block block 32x32) |" in text and "weight_int4pack_mm_for_cpu × " in text
         assert "| epd-1enc | 4 / 0 |" in text and "| aggregated | 2 / 0 |" in text
@@ -206,3 +214,32 @@ def test_parity_counts_equal_tokens_before_the_first_difference() -> None:
     result = parity(([5, 6, 7, 8], ref), ([5, 6, 9, 8], got))
     assert result["tokens_equal_before_first_difference"] == 2 and not result["tokens_equal"]
     assert result["diff_over_scale"] == 0.25 and parity(([5], ref), ([5], ref))["tokens_equal"]
+
+
+def test_spec_rows_verify_k_plus_1_positions_and_prefill_a_whole_chunk_beside_16_rows(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """gpu_check_spec on a tiny LLaVA on CPU: every number measured in the blocks spare_tokens asks for, every row
+    given back, and the report's three tables (the draft model's stand-in cost from DRAFT_FAMILY's plain steps)."""
+    import torch
+
+    from decoder_service.engine.model_runner import ModelRunner
+    from epd_models.halves import LanguageHalf
+
+    lm, steps = LanguageHalf(tiny_model_dirs["llava"]), 2
+    num_blocks = -(-spare_tokens(steps, 2048) // 16) + 1
+    runner = ModelRunner(lm, 32, 4096, chunk=1 << 30, num_blocks=num_blocks)
+    with torch.inference_mode():
+        spec = measure_spec(runner, lm, steps, 2048)
+    assert not runner.rows and runner.num_free_blocks == num_blocks - 1  # block 0: the pool's null block
+    chunked = spec["chunked"]  # 16 rows; 2,048 tokens less the 16 decode rows, prefilled whole (checked inside)
+    assert (chunked["rows"], chunked["new_chunk"], chunked["old_chunk"]) == (16, 2032, 32)
+    assert chunked["decode_ms"] > 0 and chunked["new_over_decode"] > 0 and chunked["old_over_decode"] > 0
+    for rows, v in spec["verify"].items():
+        assert v["rows"] == int(rows) and v["verify_ms"] > 0 and v["decode_ms"] > 0 and v["decode_eager_ms"] > 0
+    lines = report_lines({"llava": spec, DRAFT_FAMILY: spec}, "###")
+    verify = spec["verify"]["16"]
+    draft = round(K * verify["decode_ms"], 3)
+    assert f"| llava | 16 | {verify['decode_ms']} | {verify['decode_eager_ms']} | {verify['verify_ms']} | " \
+           f"{verify['verify_over_decode']} | {verify['verify_over_eager']} | {verify['verify_over_decode'] - 1:.2f} | " \
+           f"{draft} | {(verify['verify_ms'] + draft) / verify['decode_ms'] - 1:.2f} |" in lines
+    assert sum(line.startswith("| llava |") for line in lines) == 4  # 2 verification rows, n-gram, chunked prefill
