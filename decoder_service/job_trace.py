@@ -13,7 +13,8 @@ def trace_job(job: Job) -> None:
     """`queue` (submitted to admitted), `prefill` (admitted to the first token; `resume` for a request continued from
     a prefill worker's hand-off) with a `prefill_chunk` event per chunk its prompt was prefilled in, a `first_token`
     event, and `decode` as one span (first to last token, never a span per token) with a `preempted` and a `resumed`
-    event each time one of its choices gave its K/V blocks back and came back."""
+    event each time one of its choices gave its K/V blocks back and came back, and with speculative decoding the
+    tokens proposed and accepted (`epd.spec.*`)."""
     if not tracing.enabled():
         return
     admitted, times, work = job.admitted or job.arrival, job.token_times, job.work
@@ -28,8 +29,16 @@ def trace_job(job: Job) -> None:
                     "epd.chunks": len(chunks)}, chunks)
     tracing.add_event("first_token", first)
     if len(times) > 1:
-        tracing.record("decode", first, times[-1], {"epd.tokens": len(times), "epd.choices": job.params.n},
-                       job.decode_events)
+        tracing.record("decode", first, times[-1], {"epd.tokens": len(times), "epd.choices": job.params.n,
+                                                    **spec_attributes(job)}, job.decode_events)
+
+
+def spec_attributes(job: Job) -> dict[str, int]:
+    """Speculative decoding's share of the `decode` span: tokens proposed for the job's choices and how many were
+    accepted (absent when nothing was proposed: speculation off, or no proposal for its rows)."""
+    if not job.spec_draft_tokens:
+        return {}
+    return {"epd.spec.draft_tokens": job.spec_draft_tokens, "epd.spec.accepted_tokens": job.spec_accepted_tokens}
 
 
 def gather_transport(received: Mapping[str, int], inline: bool) -> dict[str, str | int]:

@@ -43,6 +43,7 @@ class DecoderMetrics:
         self.prefix_stats: Callable[[], dict[str, int]] = dict  # the engine's prefix cache, once it runs one
         self.kv_stats: Callable[[], dict[str, int]] = dict  # the engine's K/V pool, once it runs
         self.kv_store_stats: Callable[[], dict[str, Any]] = dict  # a prefill worker's hand-off store (else empty)
+        self.spec_stats: Callable[[], dict[str, Any] | None] = _off  # the engine's SpecStats.summary() (None: off)
         registry.register(_PrefixCollector(self))
 
     def request_finished(self, arrival: float, admitted: float, first: float, last: float) -> None:
@@ -52,6 +53,10 @@ class DecoderMetrics:
             if first:
                 self.prefill_time.observe(first - admitted)
                 self.decode_time.observe(last - first)
+
+
+def _off() -> None:
+    return None
 
 
 class TokenHistogram:
@@ -91,6 +96,12 @@ _KV_GAUGES = (("blocks_total", "K/V blocks in the pool (the null block not count
               ("bytes_per_token", "K/V bytes of one position, every layer"))
 
 
+# vLLM's names (vllm:spec_decode_*); summary key -> name suffix, help
+_SPEC_COUNTERS = (("drafts", "num_drafts", "Verifications run: one per sequence per step that proposed tokens for it"),
+                  ("draft_tokens", "num_draft_tokens", "Tokens proposed (--speculative-config)"),
+                  ("accepted_tokens", "num_accepted_tokens", "Proposed tokens the verification kept"))
+
+
 _KV_STORE_GAUGES = (("items", "Hand-offs a prefill worker holds for pickup"),
                     ("bytes", "Bytes of K/V blocks it holds for pickup"),
                     ("max_bytes", "The hand-off store's bound (--kv-store-bytes)"))
@@ -114,6 +125,7 @@ class _PrefixCollector:
             yield GaugeMetricFamily(f"epd_decoder_kv_{key}", doc, value=kv.get(key, 0))
         yield CounterMetricFamily("epd_decoder_preemptions", "Sequences preempted (their K/V recomputed later)",
                                   value=kv.get("preemptions", 0))
+        yield from _spec_counters(self.metrics.spec_stats())
         if store := self.metrics.kv_store_stats():  # a prefill worker only
             for key, doc in _KV_STORE_GAUGES:
                 yield GaugeMetricFamily(f"epd_decoder_kv_store_{key}", doc, value=store.get(key, 0))
@@ -124,3 +136,16 @@ class _PrefixCollector:
                 left.add_metric([why], store.get(why, 0))
             yield left
             yield CounterMetricFamily("epd_decoder_kv_store_puts", "Hand-offs kept", value=store.get("puts", 0))
+
+
+def _spec_counters(spec: dict[str, Any] | None) -> Iterator[Metric]:
+    """Speculative decoding's counters: 0 while it is off (so dashboards and alerts always find them), the
+    per-position one with a sample per draft position 0..k-1 only while it is on."""
+    spec = spec or {}
+    for key, name, doc in _SPEC_COUNTERS:
+        yield CounterMetricFamily(f"epd_decoder_spec_decode_{name}", doc, value=spec.get(key, 0))
+    per_pos = CounterMetricFamily("epd_decoder_spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, "
+                                  "by their position in the draft (0: the first proposed)", labels=["position"])
+    for position, count in enumerate(spec.get("accepted_per_position", ())):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos

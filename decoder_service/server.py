@@ -180,6 +180,7 @@ async def health(request: Request) -> dict[str, object]:
             "loaded": loaded, "prefix_cache": engine.prefix_summary(),
             "decoder_role": cfg.role, "kv_address": state.handoff.address,
             "kv_cache": engine.kv_summary(), **({"kv_store": kv_store} if (kv_store := state.handoff.stats()) else {}),
+            **({"spec_decode": spec} if (spec := engine.spec_summary()) is not None else {}),
             **internal_pid(request.headers, cfg.internal_key)}
 
 

@@ -65,6 +65,7 @@ class Engine(LLMEngine):
         if self.runner.prefix is not None:
             metrics.prefix_stats = self.runner.prefix.stats
         metrics.kv_stats = self.kv_summary
+        metrics.spec_stats = self.spec_summary  # speculative decoding's counters (None: off)
 
     @property
     def num_waiting(self) -> int:

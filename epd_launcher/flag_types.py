@@ -59,6 +59,20 @@ def tensor_parallel_size(value: str) -> int:
     return number
 
 
+def speculative_config(value: str) -> str:
+    """--speculative-config: vLLM's JSON, checked as epd-decoder checks it (parse_spec_config: json and dataclasses
+    only, no torch) and passed on to the workers as given."""
+    # NOTE: imported here: the proxy image has no decoder_service (tests/test_torch_free.py), and only launcher mode,
+    # which spawns decoders from it, takes this flag
+    from decoder_service.engine.spec.config import parse_spec_config
+
+    try:
+        parse_spec_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative-config: ")) from None
+    return value
+
+
 def positive_seconds(value: str) -> float:
     """A float flag that must be > 0 (and finite)."""
     number = float(value)
