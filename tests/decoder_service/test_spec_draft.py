@@ -68,3 +68,29 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_model_dirs: dict[str, Pa
         check_draft_model(tiny_model_dirs["llava"], str(tiny_model_dirs["gemma3"]))
     with pytest.raises(ConfigError, match="--speculative-config"):
         check_draft_model(tiny_model_dirs["llava"], "/nonexistent/draft")
+
+
+def test_the_draft_prefills_a_long_prompt_over_several_steps(tiny_model_dirs: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most PREFILL_TOKENS draft positions a step (a long prompt never stalls the target's step): with 8, the
+    draft's prompt takes several steps, its rows then catch up, and the output is still plain greedy's."""
+    from decoder_service.engine.spec import draft as draft_module
+
+    monkeypatch.setattr(draft_module, "PREFILL_TOKENS", 8)
+    target = tiny_model_dirs["llava"]
+    lm = LanguageHalf(target)
+    ps = prompts(target, lm)
+    specs = [(ps[3], GREEDY), (ps[0], GREEDY)]
+    plain = make_engine(target, lm, max_model_len=2048)
+    try:
+        expected = texts(run(plain, specs))
+    finally:
+        plain.close()
+    cfg = SpecConfig("draft_model", K, disable_by_batch_size=64, model=str(target))
+    engine = make_engine(target, lm, max_model_len=2048, speculative_config=cfg)
+    try:
+        assert texts(run(engine, specs)) == expected
+        drafted, kept = accepted(engine)
+        assert kept >= 0.9 * drafted > 0
+    finally:
+        engine.close()

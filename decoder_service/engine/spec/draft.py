@@ -11,7 +11,8 @@ Each row's draft K/V follows the target's accepted tokens: the tokens the draft 
 proposal the row's length goes back to where they and the sequence's text last agree (drafts the target rejected
 are dropped without copies), the tokens since then are fed in one segment (a verification-shaped query of several
 positions, whose last logits give the first draft), then k - 1 batched one-token steps give the rest. A row new to
-the draft prefills its text first. Rows that left the target's batch leave the draft's.
+the draft prefills its text first, at most PREFILL_TOKENS a step over all such rows (no proposals for it until it
+is done). Rows that left the target's batch leave the draft's.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from epd_models.halves import LanguageHalf
 if TYPE_CHECKING:
     from decoder_service.engine.sequence import Sequence
 
+PREFILL_TOKENS = 2048  # the draft's prompt positions prefilled per step, over its rows still prefilling
 Want = dict[Hashable, tuple["Sequence", np.ndarray, int]]  # row key -> (its sequence, its text so far, tokens wanted)
 
 
@@ -80,8 +82,9 @@ class DraftModel:
             self._drop(key)
 
     def _start(self, texts: dict[Hashable, list[int]]) -> dict[Hashable, int]:
-        """Rows new to the draft prefill their text (within free rows and blocks); their first draft token."""
-        added: list[Hashable] = []
+        """Rows new to the draft take a row for their text (within free rows and blocks); the draft prefills at most
+        PREFILL_TOKENS a step, so a long prompt never stalls the target's step. A row whose prefill ends on this
+        step's text gives its first draft token; one whose text grew meanwhile catches up next step."""
         for key, text in texts.items():
             if key in self.fed or self.runner.num_free_slots < 1 or len(text) + 1 >= self.runner.max_len:
                 continue
@@ -89,11 +92,10 @@ class DraftModel:
                 continue
             self.runner.add(key, Prompt(torch.tensor([text]), []))
             self.fed[key] = list(text)
-            added.append(key)
-        if not added:
+        if not self.runner.num_prefill_tokens_left:
             return {}
-        logits = self.runner.prefill(sum(len(texts[k]) for k in added))
-        return {key: int(torch.argmax(logits[key])) for key in added if key in logits}
+        logits = self.runner.prefill(PREFILL_TOKENS)
+        return {key: int(torch.argmax(lg)) for key, lg in logits.items() if self.fed.get(key) == texts.get(key)}
 
     def _catch_up(self, texts: dict[Hashable, list[int]]) -> dict[Hashable, int]:
         """Rows the draft holds: back to where its tokens and the text agree, the rest fed in one forward."""
@@ -101,7 +103,7 @@ class DraftModel:
         more: dict[Hashable, list[int]] = {}
         for key, text in texts.items():
             fed = self.fed.get(key)
-            if fed is None:
+            if fed is None or not self.runner.rows[key].prefilled:
                 continue
             same = min(_common(fed, text), len(text) - 1)  # the pending token at least is fed
             row = self.runner.rows[key]
