@@ -33,10 +33,11 @@ def test_vllms_json_is_parsed_and_defaults_filled() -> None:
     ('{"method": "ngram", "num_speculative_tokens": true}', "integer"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "> prompt"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "unknown key(s) typo"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
-    ('{"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 2}', 'needs "model"'),
-    ('{"method": "eagle3", "model": "/m", "num_speculative_tokens": 2}', "not supported by this decoder yet"),
-    ('{"method": "magic", "num_speculative_tokens": 2}', 'method must be "ngram" or "draft_model"'),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', 'need "model"'),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', 'need "model"'),
+    ('{"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 2}', "ngram takes none"),
+    ('{"method": "medusa", "model": "/m", "num_speculative_tokens": 2}', "not supported by this decoder yet"),
+    ('{"method": "magic", "num_speculative_tokens": 2}', 'method must be "ngram", "draft_model" or "eagle3"'),
 ])
 def test_a_bad_config_is_refused_naming_what_is_wrong(text: str, says: str, capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
