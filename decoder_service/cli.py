@@ -46,12 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "up, and other requests are admitted past it (0: half of --max-num-seqs)")
     _add_memory_flags(p.add_argument_group("K/V memory and steps"), d)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
-                   help="prompt tokens prefilled per engine step while streams decode (8x when none do)")
+                   help="prompt tokens prefilled per engine step while streams decode (0: no cap of its own; a step "
+                        "packs decode rows, then prompt chunks up to --max-num-batched-tokens, as vLLM's chunked "
+                        "prefill does)")
     p.add_argument("--speculative-config", type=_spec_config, default=None,
                    help="speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}': each step also verifies up to "
-                        "k proposed tokens per row in the same forward (greedy output unchanged, sampling keeps the "
-                        "model's distribution); off in steps where more than disable_by_batch_size rows decode")
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', a draft model "
+                        "'{\"model\": DIR, \"num_speculative_tokens\": 4}' (same tokenizer) or EAGLE-3 heads "
+                        "'{\"method\": \"eagle3\", \"model\": DIR, ...}': each step also verifies up to k proposed "
+                        "tokens per row in the same forward (greedy output unchanged, sampling keeps the model's "
+                        "distribution); off in steps where more than disable_by_batch_size rows decode")
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout,
                    help="seconds to gather a request's embeddings from the encoders")
     p.add_argument("--aggregated", action="store_true",
@@ -119,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> DecoderConfig:
     p = build_parser()
     args = p.parse_args(argv)
     _resolve_block_size(p, args, DecoderConfig())
+    args.__dict__.pop("cpu_packed_linear")  # the default now: a no-op
+    if args.max_prefill_tokens < 0:
+        p.error("--max-prefill-tokens must be >= 0 (0: no cap of its own, the step's --max-num-batched-tokens)")
     if args.kv_store_bytes < 1 or not args.kv_ttl > 0:
         p.error("--kv-store-bytes and --kv-ttl must be > 0")
     if args.handoff_min_tokens < 0:
@@ -145,9 +152,13 @@ def _add_memory_flags(g: argparse._ActionsContainer, d: DecoderConfig) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens one step runs, prefill chunks and decode rows together (0: max(2048, --max-num-seqs))")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly, no CUDA graphs")
+    g.add_argument("--cpu-exact-linear", action="store_true",
+                   help="CPU: every linear through torch.nn.functional.linear (MKL), bit-equal with transformers; by "
+                        "default float32 linears run through oneDNN's prepacked weights (faster; the last bits differ, "
+                        "so greedy output may differ from transformers' where two logits are that close)")
     g.add_argument("--cpu-packed-linear", action="store_true",
-                   help="CPU: decode-sized linears through oneDNN's prepacked matmul (faster at 1-64 rows; the last "
-                        "bits differ from F.linear's, so greedy output may differ from transformers'; weights held twice)")
+                   help="accepted so old command lines work: oneDNN's prepacked linears are the CPU default now "
+                        "(--cpu-exact-linear turns them off)")
 
 
 def _resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace, d: DecoderConfig) -> None:
@@ -220,9 +231,24 @@ def check_before_loading(cfg: DecoderConfig) -> None:
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
     check_quantized(model_dir, cfg.quantization)
+    if cfg.speculative_config is not None and cfg.speculative_config.model:
+        check_draft_model(model_dir, cfg.speculative_config.model, cfg.speculative_config.method)
     check_kv_fits(model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
                   max_model_len=cfg.max_model_len, kv_cache_memory=cfg.kv_cache_memory,
                   ranks=cfg.tensor_parallel_size)
+
+
+def check_draft_model(model_dir: str | Path, draft: str, method: str = "draft_model") -> None:
+    """ConfigError when --speculative-config's draft model (or EAGLE-3 heads) cannot be found, has another tokenizer
+    (or does not fit this target)."""
+    from decoder_service.engine.spec.draft import check_draft
+    from decoder_service.engine.spec.eagle3 import check_head
+    from epd_models.resolve import resolve_model
+
+    try:
+        (check_head if method == "eagle3" else check_draft)(model_dir, resolve_model(draft))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--speculative-config: {exc}") from None
 
 
 def check_quantized(model_dir: str | Path, quantization: str | None) -> None:

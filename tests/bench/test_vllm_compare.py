@@ -20,7 +20,7 @@ from epd_bench.lm_export import compare_tensors, export_lm
 from epd_bench.report import write_section
 from epd_bench.stacks import HOST, ProcSpec, SystemSpec, start_retrying
 from epd_bench.vllm_compare import epd_system, vllm_installed, vllm_system
-from epd_builders.bench_model import BENCH_PEER_SPEC, BenchSpec, build_bench
+from epd_builders.bench_model import BENCH_PEER_SPEC, BENCH_QWEN05_SPEC, BenchQwenSpec, BenchSpec, build_bench
 from epd_launcher.group import free_port
 
 TINY = BenchSpec(vision_hidden=32, vision_intermediate=64, vision_layers=1, vision_heads=2, text_hidden=64,
@@ -40,6 +40,28 @@ def _bytes(path: Path, key: str) -> bytes:
 def test_the_peer_preset_has_the_notes_language_model() -> None:
     s = BENCH_PEER_SPEC
     assert (s.text_hidden, s.text_layers, s.text_heads, s.text_kv_heads, s.text_intermediate) == (1024, 6, 16, 8, 2816)
+
+
+def test_the_qwen05_preset_has_qwen2_5_0_5b_s_language_model_shape() -> None:
+    s = BENCH_QWEN05_SPEC
+    assert (s.text_hidden, s.text_layers, s.text_heads, s.text_kv_heads, s.text_intermediate, s.text_vocab) == \
+        (896, 24, 14, 2, 4864, 151936)
+
+
+def test_a_vocabulary_past_the_tokenizer_s_is_muted_in_the_lm_head(tmp_path: Path) -> None:
+    spec = BenchQwenSpec(**{**TINY.__dict__, "text_vocab": 1000})
+    out = build_bench(spec, tmp_path / "qwen")
+    vocab = len(AutoTokenizer.from_pretrained(out))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        head = f.get_tensor("language_model.lm_head.weight")
+    assert vocab < 1000 == head.shape[0] and not head[vocab:].any() and head[:vocab].any()
+
+
+def test_by_default_levels_reach_64_in_flight_and_epd_gets_only_the_k_v_budget() -> None:
+    args = vllm_report.parse_args([])
+    assert args.levels == (1, 4, 16, 64) and vllm_report.MAX_SEQS == 64
+    make = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    assert "BENCH_VLLM_EPD_FLAGS ?= --kv-cache-memory 1073741824\n" in make  # EPD's engine defaults otherwise
 
 
 def test_the_export_is_the_llavas_lm_byte_for_byte_and_generates_its_greedy_tokens(llava: Path, tmp_path: Path) -> None:
@@ -200,7 +222,7 @@ def test_both_systems_get_the_same_context_sequences_dtype_and_threads(tmp_path:
     dec, (peer,) = next(p for p in epd.procs if p.name == "decoder"), vllm.procs
     for argv in (dec.argv, peer.argv):
         flags = dict(zip(argv[:-1], argv[1:], strict=True))
-        assert (flags["--max-model-len"], flags["--max-num-seqs"], flags["--dtype"]) == ("2048", "16", "float32")
+        assert (flags["--max-model-len"], flags["--max-num-seqs"], flags["--dtype"]) == ("2048", "64", "float32")
     assert dec.threads == peer.threads == 2 and peer.cpus == (0, 1) and ("OMP_NUM_THREADS", "2") not in peer.env
     assert dec.argv[-2:] == ("--kv-cache-memory", "1073741824")
     assert all(p.argv[1] == "-P" and ("PYTHONPATH", str(tmp_path)) in p.env for p in epd.procs)  # the revision's code

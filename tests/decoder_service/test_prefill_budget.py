@@ -1,5 +1,16 @@
-"""The step's prefill budget split between the prompts prefilling (decoder_service/engine/fairness.py)."""
+"""The step's prefill budget (decoder_service/engine/scheduler.py) and its split between the prompts prefilling
+(decoder_service/engine/fairness.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from decoder_service.cli import parse_args
+from decoder_service.config import DecoderConfig
 from decoder_service.engine.fairness import split_prefill_budget
+from decoder_service.engine.scheduler import Scheduler
 
 
 def test_each_prompt_gets_an_equal_part_and_what_one_cannot_use_goes_to_the_others_in_order() -> None:
@@ -14,3 +25,29 @@ def test_a_part_is_at_least_a_block_so_later_prompts_may_wait_a_step() -> None:
 def test_no_budget_or_no_prompt_grants_nothing() -> None:
     assert split_prefill_budget({"a": 10}, 0, 16) == {}
     assert split_prefill_budget({}, 64, 16) == {}
+
+
+def _scheduler(cfg: DecoderConfig) -> Scheduler:
+    runner: Any = SimpleNamespace(max_slots=cfg.max_num_seqs)  # prefill_budget reads no more of it
+    return Scheduler(runner, cfg.max_prefill_tokens, lambda job, index: None,  # type: ignore[arg-type,return-value]
+                     cfg.num_batched_tokens)
+
+
+def test_by_default_a_step_packs_prompt_chunks_up_to_the_step_budget_beside_its_decode_rows() -> None:
+    # vLLM's chunked prefill: decode rows first, then prompt tokens up to --max-num-batched-tokens less those rows
+    cfg = DecoderConfig()
+    assert cfg.max_prefill_tokens == 0 and cfg.num_batched_tokens == 2048
+    assert _scheduler(cfg).prefill_budget(16) == 2048 - 16
+    assert _scheduler(DecoderConfig(max_num_batched_tokens=512)).prefill_budget(40) == 512 - 40
+
+
+def test_a_positive_max_prefill_tokens_still_caps_prompt_tokens_while_streams_decode() -> None:
+    sched = _scheduler(DecoderConfig(max_prefill_tokens=32))
+    assert sched.prefill_budget(16) == 32 and sched.prefill_budget(0) == 2048
+
+
+def test_max_prefill_tokens_flag_defaults_to_no_cap_and_refuses_negatives() -> None:
+    assert parse_args(["--insecure"]).max_prefill_tokens == 0
+    assert parse_args(["--insecure", "--max-prefill-tokens", "64"]).max_prefill_tokens == 64
+    with pytest.raises(SystemExit):
+        parse_args(["--insecure", "--max-prefill-tokens", "-1"])

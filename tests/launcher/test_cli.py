@@ -263,12 +263,12 @@ def test_prefix_cache_bytes_goes_to_the_spawned_decoders_only_when_given(given: 
 ENGINE_ARGV = ["--max-model-len", "8192", "--max-num-seqs", "256", "--block-size", "32", "--gpu-memory-utilization",
                "0.8", "--kv-cache-memory", "4GiB", "--max-num-batched-tokens", "4096", "--enforce-eager",
                "--max-prefill-tokens", "64", "--grammar-compile-threads", "3", "--grammar-compile-timeout", "2.5",
-               "--tensor-parallel-size", "2"]
+               "--tensor-parallel-size", "2", "--cpu-exact-linear"]
 ENGINE_FLAGS = [a for a in ENGINE_ARGV if a.startswith("--")]
 ENGINE_FIELDS = {"max_model_len": 8192, "max_num_seqs": 256, "block_size": 32, "gpu_memory_utilization": 0.8,
                  "kv_cache_memory": 4 << 30, "max_num_batched_tokens": 4096, "enforce_eager": True,
                  "max_prefill_tokens": 64, "grammar_compile_threads": 3, "grammar_compile_timeout": 2.5,
-                 "tensor_parallel_size": 2}
+                 "tensor_parallel_size": 2, "cpu_exact_linear": True}
 
 
 def spawned_workers(monkeypatch: pytest.MonkeyPatch, argv: list[str],
