@@ -14,9 +14,9 @@ from decoder_service.engine.spec.config import SpecConfig
 from epd_builders.tiny import FAMILIES, TinySpec, build_tiny
 from epd_common.startup import ConfigError
 from epd_models.halves import LanguageHalf
-from tests.decoder_service.engine_run import make_engine, run
+from tests.decoder_service.engine_run import run
 from tests.decoder_service.test_preemption import prompts
-from tests.decoder_service.test_speculative import GREEDY, K, accepted, texts
+from tests.decoder_service.test_speculative import GREEDY, K, accepted, plain_texts, spec_engine, texts
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +40,16 @@ def test_greedy_with_a_draft_model_is_plain_greedy(tiny_model_dirs: dict[str, Pa
     lm = LanguageHalf(target)
     ps = prompts(target, lm)
     specs = [(ps[0], GREEDY), (ps[-1], GREEDY), (ps[-1], msgspec.structs.replace(GREEDY, logprobs=2))]
-    plain = make_engine(target, lm, max_model_len=2048)
-    try:
-        expected = texts(run(plain, specs))
-    finally:
-        plain.close()
+    expected = plain_texts(target, lm, specs)
     kept = {}
     for name, draft in (("itself", target), ("another", drafts[family])):
         check_draft_model(target, str(draft))
-        cfg = SpecConfig("draft_model", K, disable_by_batch_size=64, model=str(draft))
-        engine = make_engine(target, lm, max_model_len=2048, speculative_config=cfg)
-        try:
+        with spec_engine(target, lm, SpecConfig("draft_model", K, disable_by_batch_size=64, model=str(draft))) as engine:
             assert texts(run(engine, specs)) == expected, name
             before = accepted(engine)
             assert texts(run(engine, specs[:1])) == expected[:1], name  # text only: the draft sees all of it
             kept[name] = tuple(b - a for a, b in zip(before, accepted(engine), strict=True))
             assert engine.runner.rows == {} and not any(engine.runner.blocks.refs)
-        finally:
-            engine.close()
     drafted, ok = kept["itself"]
     assert ok >= 0.9 * drafted > 0  # the target as its own draft, a text prompt: it proposes its own greedy tokens
     print(f"{family}: draft = target kept {ok} of {drafted}; another random model kept {kept['another']}")
@@ -81,16 +73,8 @@ def test_the_draft_prefills_a_long_prompt_over_several_steps(tiny_model_dirs: di
     lm = LanguageHalf(target)
     ps = prompts(target, lm)
     specs = [(ps[3], GREEDY), (ps[0], GREEDY)]
-    plain = make_engine(target, lm, max_model_len=2048)
-    try:
-        expected = texts(run(plain, specs))
-    finally:
-        plain.close()
-    cfg = SpecConfig("draft_model", K, disable_by_batch_size=64, model=str(target))
-    engine = make_engine(target, lm, max_model_len=2048, speculative_config=cfg)
-    try:
+    expected = plain_texts(target, lm, specs)
+    with spec_engine(target, lm, SpecConfig("draft_model", K, disable_by_batch_size=64, model=str(target))) as engine:
         assert texts(run(engine, specs)) == expected
         drafted, kept = accepted(engine)
         assert kept >= 0.9 * drafted > 0
-    finally:
-        engine.close()

@@ -15,9 +15,9 @@ from epd_builders.eagle3 import build_eagle3
 from epd_builders.tiny import FAMILIES
 from epd_common.startup import ConfigError
 from epd_models.halves import LanguageHalf
-from tests.decoder_service.engine_run import make_engine, run
+from tests.decoder_service.engine_run import run
 from tests.decoder_service.test_preemption import prompts
-from tests.decoder_service.test_speculative import GREEDY, K, accepted, texts
+from tests.decoder_service.test_speculative import GREEDY, K, accepted, plain_texts, spec_engine, texts
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -29,14 +29,9 @@ def test_greedy_with_eagle3_heads_is_plain_greedy(tiny_model_dirs: dict[str, Pat
     lm = LanguageHalf(target)
     ps = prompts(target, lm)
     specs = [(ps[0], GREEDY), (ps[-1], GREEDY), (ps[-1], msgspec.structs.replace(GREEDY, logprobs=2))]
-    plain = make_engine(target, lm, max_model_len=2048)
-    try:
-        expected = texts(run(plain, specs))
-    finally:
-        plain.close()
+    expected = plain_texts(target, lm, specs)
     cfg = SpecConfig("eagle3", K, disable_by_batch_size=64, model=str(heads))
-    engine = make_engine(target, lm, max_model_len=2048, speculative_config=cfg)
-    try:
+    with spec_engine(target, lm, cfg) as engine:
         assert texts(run(engine, specs)) == expected
         drafted, kept = accepted(engine)
         assert drafted > 0  # the heads were fed the target's hidden states and proposed
@@ -44,8 +39,6 @@ def test_greedy_with_eagle3_heads_is_plain_greedy(tiny_model_dirs: dict[str, Pat
         eagle = engine.speculator.eagle  # type: ignore[union-attr]
         assert len(eagle.aux) <= 1 and all(len(v) <= K + 1 for v in eagle.aux.values())
         print(f"{family}: EAGLE-3 (random heads) kept {kept} of {drafted}")
-    finally:
-        engine.close()
 
 
 def test_heads_that_do_not_fit_the_target_are_refused(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:

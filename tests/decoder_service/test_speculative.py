@@ -8,6 +8,7 @@ every position; the n-gram proposer's own cases are at the end."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,24 @@ def both_ways(model_dir: Path, lm: LanguageHalf, specs: list[tuple[Any, Sampling
         return before, run(spec, specs), spec
     finally:
         spec.close()
+
+
+def plain_texts(model_dir: Path, lm: LanguageHalf, specs: list[tuple[Any, SamplingParams]]) -> list[Any]:
+    """What the engine answers without speculation."""
+    plain = make_engine(model_dir, lm, max_model_len=2048)
+    try:
+        return texts(run(plain, specs))
+    finally:
+        plain.close()
+
+
+@contextmanager
+def spec_engine(model_dir: Path, lm: LanguageHalf, cfg: SpecConfig, **kw: Any) -> Iterator[Engine]:
+    engine = make_engine(model_dir, lm, **{"max_model_len": 2048, "speculative_config": cfg, **kw})
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 def accepted(engine: Engine) -> tuple[int, int]:
@@ -273,15 +292,7 @@ def test_tensor_parallel_verification_is_plain_greedy(tiny_model_dirs: dict[str,
     lm = LanguageHalf(tiny_model_dirs[family])
     ps = prompts(tiny_model_dirs[family], lm)
     specs = [(ps[0], GREEDY), (ps[-1], GREEDY)]
-    plain = make_engine(tiny_model_dirs[family], lm, max_model_len=2048)
-    try:
-        expected = texts(run(plain, specs))
-    finally:
-        plain.close()
-    with tp_half(tiny_model_dirs[family]) as lm2:
-        engine = make_engine(tiny_model_dirs[family], lm2, max_model_len=2048, speculative_config=SPEC)
-        try:
-            assert texts(run(engine, specs)) == expected
-            assert accepted(engine)[1] > 0
-        finally:
-            engine.close()
+    expected = plain_texts(tiny_model_dirs[family], lm, specs)
+    with tp_half(tiny_model_dirs[family]) as lm2, spec_engine(tiny_model_dirs[family], lm2, SPEC) as engine:
+        assert texts(run(engine, specs)) == expected
+        assert accepted(engine)[1] > 0
