@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
 from decoder_service.config import DecoderConfig
-from decoder_service.engine.spec.config import SpecConfig, parse_spec_config
+from decoder_service.engine.spec.config import spec_config_argument
 from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_worker, worker_parser
 from epd_common.startup import ConfigError, fail, run_main
 from epd_common.tracing import add_tracing_flags, require_sdk
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled per engine step while streams decode (0: no cap of its own; a step "
                         "packs decode rows, then prompt chunks up to --max-num-batched-tokens, as vLLM's chunked "
                         "prefill does)")
-    p.add_argument("--speculative-config", type=_spec_config, default=None,
+    p.add_argument("--speculative-config", type=spec_config_argument, default=None,
                    help="speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', a draft model "
                         "'{\"model\": DIR, \"num_speculative_tokens\": 4}' (same tokenizer) or EAGLE-3 heads "
@@ -168,13 +168,6 @@ def _resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace, d:
         p.error(f"--block-size {args.block_size} and --prefix-block-size {alias} disagree: they name one setting "
                 "(the K/V pool's block, which prefixes are cached in); give one")
     args.block_size = next((v for v in (args.block_size, alias) if v is not None), d.block_size)
-
-
-def _spec_config(value: str) -> SpecConfig:
-    try:
-        return parse_spec_config(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _tp_size(value: str) -> int:

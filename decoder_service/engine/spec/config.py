@@ -19,6 +19,7 @@ docs/BENCHMARKS.md, "Speculative decoding").
 """
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,14 @@ def parse_spec_config(text: str) -> SpecConfig:
     off = _int(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, 1, 1 << 20)
     assert off is not None
     return SpecConfig(method, k, hi, lo, off, model)
+
+
+def spec_config_argument(value: str) -> SpecConfig:
+    """argparse's type for --speculative-config: a bad one is a usage error naming what is wrong."""
+    try:
+        return parse_spec_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _int(raw: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
