@@ -243,9 +243,11 @@ def _to_cpu(features: list[ImageFeatures]) -> list[ImageFeatures]:
 
 
 def loaded_summary(module: torch.nn.Module) -> dict[str, object]:
-    """What a process really holds: its top-level modules and parameter count (for /health)."""
+    """What a process really holds: its top-level modules and parameter count (for /health; a module holding its weight
+    outside its parameters, e.g. a CPU linear prepacked for oneDNN, says how many in `num_packed_parameters`)."""
     return {"modules": sorted(name for name, _ in module.named_children()),
-            "num_parameters": sum(p.numel() for p in module.parameters())}
+            "num_parameters": sum(p.numel() for p in module.parameters())
+            + sum(int(getattr(m, "num_packed_parameters", 0)) for m in module.modules())}
 
 
 def load_half(module: torch.nn.Module, model_dir: Path, adapter: FamilyAdapter, vision: bool,

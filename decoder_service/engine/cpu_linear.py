@@ -32,6 +32,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.num_packed_parameters = linear.in_features * linear.out_features  # /health's count (loaded_summary)
         self.bias = linear.bias
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())

@@ -13,6 +13,7 @@ from torch import nn
 from decoder_service.cli import parse_args
 from decoder_service.engine import cpu_linear
 from decoder_service.engine.cpu_linear import PackedLinear, pack_linears
+from epd_models.halves import loaded_summary
 from tests.decoder_service.engine_run import greedy, make_engine, run, text_prompt
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN")
@@ -37,6 +38,14 @@ def test_pack_linears_replaces_every_linear_and_drops_the_plain_weight() -> None
     assert module[1][0].out_features == 4 and module[1][0].bias is None
     # what is left as parameters is the first linear's bias: the weights live only in the packed tensors
     assert [tuple(p.shape) for p in module.parameters()] == [(8,)]
+
+
+def test_health_counts_a_packed_linears_weights_as_held() -> None:
+    """/health's `loaded` (loaded_summary) counts the prepacked weights: the plain ones are gone, not the parameters."""
+    module = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4, bias=False))
+    before = loaded_summary(module)
+    pack_linears(module)
+    assert loaded_summary(module) == before == {"modules": ["0", "1"], "num_parameters": 8 * 16 + 16 + 16 * 4}
 
 
 def test_the_engine_packs_its_linears_by_default_and_not_with_cpu_exact_linear(tiny_model_dirs: dict[str, Path]) -> None:
