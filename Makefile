@@ -24,6 +24,7 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
 	$(BIN)/pip uninstall -y -q epd 2>/dev/null  # the distribution's former name (now disagg-epd), if installed here
 	$(BIN)/pip install -e ".[client]"
+	$(BIN)/python -m decoder_service.engine.cpu_attention  # the CPU decode attention kernel (no compiler: the gather path)
 	touch $@
 
 $(STAMP): $(RUN_STAMP)

@@ -156,9 +156,11 @@ def _add_memory_flags(g: argparse._ActionsContainer, d: DecoderConfig) -> None:
                    help="CPU: every linear through torch.nn.functional.linear (MKL), bit-equal with transformers; by "
                         "default float32 linears run through oneDNN's prepacked weights (faster; the last bits differ, "
                         "so greedy output may differ from transformers' where two logits are that close)")
-    g.add_argument("--cpu-packed-linear", action="store_true",
-                   help="accepted so old command lines work: oneDNN's prepacked linears are the CPU default now "
-                        "(--cpu-exact-linear turns them off)")
+    g.add_argument("--cpu-sdpa-attention", action="store_true",
+                   help="CPU: decode attention gathers K/V blocks for torch's SDPA (default: a C++ kernel, built once "
+                        "per machine, reads them in place; without a compiler the gather path serves)")
+    g.add_argument("--cpu-packed-linear", action="store_true", help="a no-op kept for old command lines: oneDNN's "
+                   "prepacked linears are the CPU default (--cpu-exact-linear turns them off)")
 
 
 def _resolve_block_size(p: argparse.ArgumentParser, args: argparse.Namespace, d: DecoderConfig) -> None:

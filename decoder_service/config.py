@@ -39,6 +39,9 @@ class DecoderConfig(HttpLimits, TraceSettings):
     # CPU: F.linear (MKL) for every linear, bit-equal with transformers; default: fp32 linears through oneDNN's
     # prepacked weights (decoder_service/engine/cpu_linear.py: faster, the last bits differ)
     cpu_exact_linear: bool = False
+    # CPU: decode attention gathers the rows' blocks and runs torch's SDPA; default: the in-place kernel
+    # (decoder_service/engine/cpu_attention.py), where it builds
+    cpu_sdpa_attention: bool = False
     # prompt tokens prefilled per step while streams decode; 0: no cap of its own, a step packs prompt chunks up to
     # num_batched_tokens less its decode rows (vLLM's chunked prefill)
     max_prefill_tokens: int = 0

@@ -8,7 +8,9 @@ size 64, float32), blocks of 16 scattered at random over a pool:
 - `gather_fresh_ms` / `gather_kept_ms`: the rows' blocks gathered with `index_select` into a new tensor, or into a
   kept workspace (what `PagedCache.gather` does);
 - `paged_head_major_ms`: gather into the workspace + SDPA over the (rows, heads, positions, dim) view of a
-  head-major pool, (kv_heads, blocks, block, dim) — the engine's CPU path;
+  head-major pool, (kv_heads, blocks, block, dim) — the engine's CPU path with `--cpu-sdpa-attention`;
+- `kernel_ms`: the C++ kernel reading the head-major pool in place (decoder_service/engine/cpu_attention.py) — the
+  engine's CPU default (absent where it cannot be built);
 - `paged_block_major_ms`: the same over a block-major pool, (blocks, block, kv_heads, dim) — varlen's layout,
   which needs a transposing copy before SDPA on the CPU.
 Medians of `repeats` calls after one warm-up.
@@ -34,6 +36,8 @@ def measure(rows: int, positions: int, repeats: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
+    from decoder_service.engine import cpu_attention
+
     width = positions // BLOCK
     num_blocks = rows * width + 1
     table = (torch.randperm(num_blocks - 1)[: rows * width] + 1).view(rows, width)
@@ -56,7 +60,12 @@ def measure(rows: int, positions: int, repeats: int) -> dict[str, Any]:
         k = block_major.index_select(0, flat).view(rows, positions, KV_HEADS, DIM).transpose(1, 2)
         return sdpa(k.contiguous())
 
-    return {"rows": rows, "positions": positions,
+    out = torch.empty(rows, HEADS, DIM)
+    lens = torch.full((rows,), positions)
+    kernel = cpu_attention.load()
+    extra = {} if kernel is None else {"kernel_ms": _ms(
+        lambda: kernel.paged_decode(q[:, :, 0], head_major, head_major, table, lens, DIM ** -0.5, out), repeats)}
+    return {"rows": rows, "positions": positions, **extra,
             "slots_sdpa_ms": _ms(lambda: sdpa(slots), repeats),
             "gather_fresh_ms": _ms(lambda: torch.index_select(head_major, 1, flat), repeats),
             "gather_kept_ms": _ms(gather_kept, repeats),

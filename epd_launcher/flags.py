@@ -96,6 +96,8 @@ EC_DISK_DIR = "--ec-disk-dir"  # each spawned encoder gets its own subfolder, ke
 DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),
                     ("--cpu-exact-linear", "CPU: decoders run every linear through torch's F.linear, bit-equal with "
                                            "transformers (default: oneDNN's prepacked weights, faster)"),
+                    ("--cpu-sdpa-attention", "CPU: decoders gather K/V blocks for torch's SDPA (default: a C++ "
+                                             "kernel reads them in place)"),
                     ("--cpu-packed-linear", "accepted so old command lines work: prepacked linears are the CPU default"))
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--num-prefills", "--worker-host",
                   "--worker-base-port",

@@ -89,6 +89,7 @@ class PagedCache(Cache):
         self.paged_layers = layers
         self.zero([0])  # the null block
         self._workspace: dict[tuple[int, int], torch.Tensor] = {}  # CPU gathers: (layer parity, K/V) -> buffer
+        self.decode_kernel: Any = None  # CPU: the in-place decode attention (cpu_attention.py), once the engine loads it
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,9 @@
 """The attention over the paged pool, registered with transformers as the attention implementation "epd_paged":
 the packed forward's queries split back into their segment groups (decoder_service/engine/step_plan.py), each
-attending over its rows' blocks; on CUDA through varlen (decoder_service/engine/cuda_attention.py), on the CPU by
-SDPA over the blocks gathered into the pool's workspace (decoder_service/engine/kv_cache.py)."""
+attending over its rows' blocks; on CUDA through varlen (decoder_service/engine/cuda_attention.py), on the CPU
+decode rows through the in-place kernel (decoder_service/engine/cpu_attention.py) where the family's mask is the plain
+causal one and the kernel is loaded, and otherwise by SDPA over the blocks gathered into the pool's workspace
+(decoder_service/engine/kv_cache.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -25,6 +27,10 @@ def _mask_for(module: Any, mask: Mask) -> torch.Tensor:
     return mask[kind]
 
 
+def _scale(query: torch.Tensor, scaling: float | None) -> float:
+    return float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+
+
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -36,6 +42,11 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     gqa = query.shape[1] != cache.shape.kv_heads
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # (tokens, heads, dim)
     for g in plan.groups:
+        if g.lens_tensor is not None and cache.decode_kernel is not None:  # decode rows, read in place
+            cache.decode_kernel.paged_decode(query[0, :, g.first : g.first + g.num_q].transpose(0, 1), key, value,
+                                             g.table, g.lens_tensor, _scale(query, scaling),
+                                             out[g.first : g.first + g.num_q])
+            continue
         q = query[0, :, g.first : g.first + g.num_q]  # (heads, num_q, dim)
         q = q.transpose(0, 1).unsqueeze(2) if g.decode else q.unsqueeze(0)  # (rows, heads, new, dim)
         k = cache.gather(key, g.table, g.kv_len, 0)

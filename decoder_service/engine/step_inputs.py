@@ -14,6 +14,7 @@ import torch
 from decoder_service.engine.prefix_hash import PrefixChain
 from decoder_service.engine.step_plan import Group, StepPlan, causal_mask, int_tensor
 from decoder_service.engine.work import Prompt
+from epd_models.base import FamilyAdapter
 from epd_models.halves import LanguageHalf
 
 DECODE_SPLIT_BLOCKS = 8  # CPU: a decode row this many blocks longer than its group's first (and twice as long) splits
@@ -60,6 +61,8 @@ class StepInputs:
         self._mask_shape = lm.adapter.attention_mask(lm.config, probe, [0], [None])  # what transformers is passed
         self._position_lead = tuple(lm.adapter.decode_position_ids(0, 0).shape[:-1])
         self.split_decode = lm.device.type == "cpu"  # decode_runs
+        # the family's mask is the plain causal one: CPU decode rows may go through the in-place kernel
+        self.plain_causal = self.split_decode and type(lm.adapter).attention_mask is FamilyAdapter.attention_mask
 
     def plan(self, segments: list[Segment], tokens: dict[Hashable, int]) -> tuple[StepPlan, torch.Tensor, torch.Tensor]:
         """The forward's plan (slot mapping, block tables and masks per group), its packed embeddings and positions:
@@ -131,8 +134,9 @@ class StepInputs:
         table = int_tensor(flat).view(len(rows), width).to(dev, non_blocking=True)
         mask = self.lm.adapter.attention_mask(self.lm.config, causal_mask(starts, num_new, dev), starts,
                                               [r.state for r in rows])
+        lens = [s + num_new for s in starts]
         return Group(table, kv_len, mask, first, len(rows) if decode else num_new, decode, [r.key for r in rows],
-                     [s + num_new for s in starts])
+                     lens, int_tensor(lens) if decode and self.plain_causal else None)
 
     def dummy_mask(self, embeds: torch.Tensor) -> Any:
         """What transformers is handed as attention_mask (a 4D mask it passes through untouched); the real masks

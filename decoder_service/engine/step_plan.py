@@ -26,6 +26,8 @@ class Group:
     decode: bool
     keys: list[Any] = field(default_factory=list)  # the rows' keys, in table order
     lens: list[int] | None = None  # positions each row reads, its new ones included (CUDA: varlen's seqused_k)
+    # CPU decode rows under the plain causal mask: `lens` as a tensor, for the in-place kernel (cpu_attention.py)
+    lens_tensor: torch.Tensor | None = None
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -51,11 +51,12 @@ class DraftModel:
     """A draft language model with its own pool; `propose` is one step's proposals for many rows."""
 
     def __init__(self, path: str | Path, target: LanguageHalf, max_slots: int, max_len: int, block_size: int,
-                 num_blocks: int):
+                 num_blocks: int, decode_kernel: Any = None):
         self.lm = LanguageHalf(path, dtype=target.dtype, device=target.device)
         self.vocab = min(int(self.lm.module.lm_head.out_features), int(target.module.lm_head.out_features))
         self.runner = ModelRunner(self.lm, max_slots, max_len, chunk=1 << 30, prefix_block=block_size,
                                   num_blocks=num_blocks)
+        self.runner.cache.decode_kernel = decode_kernel  # the target's: the same device and choice
         self.fed: dict[Hashable, list[int]] = {}  # row key -> the tokens whose K/V its draft row holds
 
     def propose(self, want: Want, running: set[Hashable]) -> dict[Hashable, list[int]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -101,12 +101,13 @@ class DraftSpeculator(Speculator):
     """Proposals from a draft model (spec/draft.py) instead of the n-gram lookup."""
 
     def __init__(self, cfg: SpecConfig, target: LanguageHalf, max_slots: int, max_len: int, block_size: int,
-                 num_blocks: int):
+                 num_blocks: int, decode_kernel: Any = None):
         super().__init__(cfg, target.config)
         from decoder_service.engine.spec.draft import DraftModel  # loads a model: only when one is asked for
         from epd_models.resolve import resolve_model
 
-        self.draft = DraftModel(resolve_model(cfg.model), target, max_slots, max_len, block_size, num_blocks)
+        self.draft = DraftModel(resolve_model(cfg.model), target, max_slots, max_len, block_size, num_blocks,
+                                decode_kernel)
 
     def propose_all(self, want: dict[Hashable, tuple[Sequence, int]], running: set[Hashable]
                     ) -> dict[Hashable, list[int]]:
@@ -158,4 +159,5 @@ def make_speculator(cfg: SpecConfig, target: LanguageHalf, runner: ModelRunner, 
     if cfg.method == "eagle3":
         return Eagle3Speculator(cfg, target, runner)
     blocks = min(num_blocks, runner.max_slots * -(-runner.max_len // runner.block_size) + 1)
-    return DraftSpeculator(cfg, target, runner.max_slots, runner.max_len, runner.block_size, blocks)
+    return DraftSpeculator(cfg, target, runner.max_slots, runner.max_len, runner.block_size, blocks,
+                           runner.cache.decode_kernel)
