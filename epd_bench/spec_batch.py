@@ -10,40 +10,12 @@ answers repeat their prompt), 96 greedy tokens each, `ignore_eos`, both engines 
 """
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
-from typing import Any
 
+from epd_bench.engine_alone import engine, rate
 from epd_bench.micro import parser
 
 TOKENS = 96
-
-
-def _engine(lm: Any, spec: Any) -> Any:
-    from prometheus_client import CollectorRegistry
-
-    from connector.tensors.consumer import ECConsumer
-    from decoder_service.config import DecoderConfig
-    from decoder_service.metrics import DecoderMetrics
-    from decoder_service.shell import Engine
-
-    consumer = ECConsumer()
-    cfg = DecoderConfig(max_num_seqs=32, max_model_len=1024, kv_cache_memory=1 << 28, speculative_config=spec)
-    return Engine(lm, consumer, cfg, DecoderMetrics(CollectorRegistry(), consumer.stats))
-
-
-def _rate(engine: Any, prompts: list[Any], params: Any) -> float:
-    """Output tokens/s of all prompts submitted at once."""
-    async def main() -> None:
-        jobs = [engine.submit(p, params) for p in prompts]
-        for job in jobs:
-            while (await job.events.get()).type == "delta":
-                pass
-
-    start = time.perf_counter()
-    asyncio.run(main())
-    return len(prompts) * TOKENS / (time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,13 +39,14 @@ def main(argv: list[str] | None = None) -> None:
     levels = [int(x) for x in args.levels.split(",")]
     prompts = [Prompt(torch.tensor([ids]), []) for ids in primed_prompts(model, max(levels), 64, 64, 0)]
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    on = _engine(lm, SpecConfig(num_speculative_tokens=4, disable_by_batch_size=1 << 20))
-    off = _engine(lm, None)
+    cfg = {"max_num_seqs": 32, "max_model_len": 1024, "kv_cache_memory": 1 << 28}
+    on = engine(lm, speculative_config=SpecConfig(num_speculative_tokens=4, disable_by_batch_size=1 << 20), **cfg)
+    off = engine(lm, **cfg)
     try:
-        for engine in (on, off):  # warm
-            _rate(engine, prompts[:1], params)
+        for e in (on, off):  # warm
+            rate(e, prompts[:1], params)
         for n in levels:
-            ratios = [_rate(on, prompts[:n], params) / _rate(off, prompts[:n], params) for _ in range(args.rounds)]
+            ratios = [rate(on, prompts[:n], params) / rate(off, prompts[:n], params) for _ in range(args.rounds)]
             print(f"{n} in flight: n-gram on / off output tokens/s {', '.join(f'{r:.2f}' for r in ratios)}",
                   flush=True)
     finally:

@@ -41,20 +41,22 @@ void decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = to_float(qp[r * qs0 + (h * group + g) * qs1 + d]) * sc;
-      for (int64_t p0 = 0, b = 0; p0 < len; p0 += block, ++b) {
-        const T* kb = kp + (h * blocks + tp[r * width + b]) * block * dim;
-        const int64_t n = std::min(block, len - p0);
-        for (int64_t p = 0; p < n; ++p) {
-          const T* kr = kb + p * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = query.data() + g * dim;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_float(kr[d]);
-            scores[g * len + p0 + p] = s;
-          }
+      // each of the row's first len positions in its block, in order: fn(position, that position's vector)
+      auto positions = [&](const T* pool, auto&& fn) {
+        for (int64_t p0 = 0, b = 0; p0 < len; p0 += block, ++b) {
+          const T* base = pool + (h * blocks + tp[r * width + b]) * block * dim;
+          for (int64_t p = 0, n = std::min(block, len - p0); p < n; ++p) fn(p0 + p, base + p * dim);
         }
-      }
+      };
+      positions(kp, [&](int64_t at, const T* kr) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = query.data() + g * dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_float(kr[d]);
+          scores[g * len + at] = s;
+        }
+      });
       std::vector<float> total(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
@@ -69,19 +71,14 @@ void decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
         total[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p0 = 0, b = 0; p0 < len; p0 += block, ++b) {
-        const T* vb = vp + (h * blocks + tp[r * width + b]) * block * dim;
-        const int64_t n = std::min(block, len - p0);
-        for (int64_t p = 0; p < n; ++p) {
-          const T* vr = vb + p * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float w = scores[g * len + p0 + p];
-            float* ag = acc.data() + g * dim;
+      positions(vp, [&](int64_t at, const T* vr) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * len + at];
+          float* ag = acc.data() + g * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ag[d] += w * to_float(vr[d]);
-          }
+          for (int64_t d = 0; d < dim; ++d) ag[d] += w * to_float(vr[d]);
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         const float inv = 1.f / total[g];
         T* o = op + r * os0 + (h * group + g) * os1;

@@ -78,7 +78,7 @@ class LLMEngine:
         if cpu_linear.wanted(cfg.cpu_exact_linear, lm.device):  # the CPU default; --cpu-exact-linear: F.linear
             logger.info("%s", cpu_linear.pack_model(lm.module))
         if cpu_attention.wanted(cfg.cpu_sdpa_attention, lm.device):  # the CPU default; --cpu-sdpa-attention: gather
-            self.runner.cache.decode_kernel = cpu_attention.load()
+            self.runner.use_decode_kernel(cpu_attention.load())
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,
                                          device=lm.device, tokens=TokenTable(lm.tokenizer))
         spec = getattr(cfg, "speculative_config", None)

@@ -46,6 +46,12 @@ class ModelRunner(RowTable):
         # called after each forward with its layout: (row key, first position, positions) per segment, packed order
         self.after_forward: Callable[[list[tuple[Hashable, int, int]]], None] | None = None
 
+    def use_decode_kernel(self, kernel: Any) -> None:
+        """CPU: decode rows (and verification rows, a row per query) read through the in-place kernel
+        (decoder_service/engine/cpu_attention.py) where the family's mask is the plain causal one; None: gather."""
+        self.cache.decode_kernel = kernel
+        self.inputs.in_place = kernel is not None and self.inputs.plain_causal
+
     def enable_graphs(self, enforce_eager: bool = False) -> None:
         """CUDA: capture the decode forward for each batch-size bucket (cuda_graphs.py); a no-op elsewhere, and at
         tensor-parallel size > 1 (every step eager: the graphs are not captured per rank yet)."""

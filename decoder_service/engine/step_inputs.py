@@ -63,6 +63,7 @@ class StepInputs:
         self.split_decode = lm.device.type == "cpu"  # decode_runs
         # the family's mask is the plain causal one: CPU decode rows may go through the in-place kernel
         self.plain_causal = self.split_decode and type(lm.adapter).attention_mask is FamilyAdapter.attention_mask
+        self.in_place = False  # the kernel reads the rows (ModelRunner.use_decode_kernel): one group, see plan()
 
     def plan(self, segments: list[Segment], tokens: dict[Hashable, int]) -> tuple[StepPlan, torch.Tensor, torch.Tensor]:
         """The forward's plan (slot mapping, block tables and masks per group), its packed embeddings and positions:
@@ -79,9 +80,15 @@ class StepInputs:
             positions.append(self.decode_positions([s.start + s.row.rope_delta for s in decode]))
             slots += [s.row.blocks[s.start // b] * b + s.start % b for s in decode]
             first = 0
-            for run in self.decode_runs(decode):
+            for run in self.decode_runs(decode) if not self.in_place else []:
                 plan.groups.append(self.group([s.row for s in run], [s.start for s in run], 1, first, True))
                 first += len(run)
+        if self.in_place:  # every decode row and every verification query (a row each), packed in this order
+            verify = [s for s in segments if s.feed]
+            rows = [s.row for s in decode] + [s.row for s in verify for _ in range(s.num)]
+            if rows:
+                plan.groups.append(self.group(rows, [s.start for s in decode] + [p for s in verify
+                                                    for p in range(s.start, s.start + s.num)], 1, 0, True))
         first = len(decode)
         for s in segments:
             if s.decode:
@@ -94,7 +101,8 @@ class StepInputs:
                 embeds.append(row.embeds[:, s.start : end])
                 positions.append(row.positions[..., s.start : end])
             slots += [row.blocks[p // b] * b + p % b for p in range(s.start, end)]
-            plan.groups.append(self.group([row], [s.start], s.num, first, False))
+            if not (s.feed and self.in_place):
+                plan.groups.append(self.group([row], [s.start], s.num, first, False))
             first += s.num
         plan.slots = int_tensor(slots).to(dev, non_blocking=True)
         plan.seq_len = max(s.start for s in segments)

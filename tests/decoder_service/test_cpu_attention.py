@@ -115,3 +115,37 @@ def test_without_a_compiler_the_engine_says_so_and_gathers(tmp_path: Path, monke
 def test_cpu_sdpa_attention_flag() -> None:
     assert parse_args(["--insecure"]).cpu_sdpa_attention is False
     assert parse_args(["--insecure", "--cpu-sdpa-attention"]).cpu_sdpa_attention is True
+
+
+def test_verification_queries_are_kernel_rows_in_the_decode_group(tiny_model_dirs: dict[str, Path]) -> None:
+    """With the kernel, every decode row and every query of a verification (a row each, reading up to its own
+    position) are one group: no per-row gather + SDPA for the drafts; the answer is plain greedy's."""
+    from decoder_service.engine.spec.config import SpecConfig
+
+    lm = LanguageHalf(tiny_model_dirs["llava"])
+    plain = make_engine(tiny_model_dirs["llava"], lm, max_model_len=512)
+    spec = make_engine(tiny_model_dirs["llava"], lm, max_model_len=512,
+                       speculative_config=SpecConfig(num_speculative_tokens=4, disable_by_batch_size=64))
+    try:
+        specs = [(text_prompt(plain, w), greedy(48)) for w in (2, 5)]
+        want = [r.text for r in run(plain, specs)]
+        inputs, seen = spec.runner.inputs, []
+        assert inputs.in_place
+        real_plan = inputs.plan
+
+        def plan(segments, tokens):  # type: ignore[no-untyped-def]
+            out = real_plan(segments, tokens)
+            seen.append(([(s.decode, s.num, bool(s.feed)) for s in segments], out[0].groups))
+            return out
+
+        inputs.plan = plan  # type: ignore[method-assign]
+        assert [r.text for r in run(spec, specs)] == want
+    finally:
+        plain.close()
+        spec.close()
+    verifying = [(segs, groups) for segs, groups in seen if any(feed for _, _, feed in segs)]
+    assert verifying, "the n-gram proposer proposed nothing"
+    for segs, groups in verifying:
+        rows = sum(num for decode, num, feed in segs if decode or feed)
+        assert groups[0].decode and groups[0].num_q == rows and groups[0].lens_tensor is not None
+        assert len(groups) == 1 + sum(not decode and not feed for decode, _, feed in segs)  # + prefill chunks

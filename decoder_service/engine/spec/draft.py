@@ -56,7 +56,7 @@ class DraftModel:
         self.vocab = min(int(self.lm.module.lm_head.out_features), int(target.module.lm_head.out_features))
         self.runner = ModelRunner(self.lm, max_slots, max_len, chunk=1 << 30, prefix_block=block_size,
                                   num_blocks=num_blocks)
-        self.runner.cache.decode_kernel = decode_kernel  # the target's: the same device and choice
+        self.runner.use_decode_kernel(decode_kernel)  # the target's: the same device and choice
         self.fed: dict[Hashable, list[int]] = {}  # row key -> the tokens whose K/V its draft row holds
 
     def propose(self, want: Want, running: set[Hashable]) -> dict[Hashable, list[int]]:
