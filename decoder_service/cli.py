@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{\"model\": DIR, \"num_speculative_tokens\": 4}' (same tokenizer) or EAGLE-3 heads "
                         "'{\"method\": \"eagle3\", \"model\": DIR, ...}': each step also verifies up to k proposed "
                         "tokens per row in the same forward (greedy output unchanged, sampling keeps the model's "
-                        "distribution); off in steps where more than disable_by_batch_size rows decode")
+                        "distribution); off while more than disable_by_batch_size sequences are in the engine")
     p.add_argument("--gather-timeout", type=float, default=d.gather_timeout,
                    help="seconds to gather a request's embeddings from the encoders")
     p.add_argument("--aggregated", action="store_true",

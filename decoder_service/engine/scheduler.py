@@ -84,8 +84,9 @@ class Scheduler:
             self._preempt()
             feed = self._decoding()
         self.runner.grow(feed)
-        drafts = self.speculator.drafts(feed, self.running, self.runner, self.runner.num_free_blocks
-                                        - self._watermark) if self.speculator is not None else {}
+        drafts = self.speculator.drafts(feed, self.running, self.runner, self.runner.num_free_blocks - self._watermark,
+                                        len(self.running) + len(self.waiting) + len(self.preempted)) \
+            if self.speculator is not None else {}
         budget = self.prefill_budget(len(feed) + sum(len(d) for d in drafts.values()))
         preempted = self.num_preempted
         self._admit(budget)

@@ -263,17 +263,18 @@ def test_the_ngram_proposer_speeds_a_repeating_answer_and_keeps_it(tiny_model_di
     print(f"n-gram on the tiny llava: {kept} of {drafted} proposed tokens kept")
 
 
+def recorded(model_dir: Path, n: int) -> tuple[LanguageHalf, list[tuple[Any, SamplingParams]]]:
+    """n greedy prompts, run once without speculation: the oracle has their tokens to propose."""
+    lm = LanguageHalf(model_dir)
+    specs = [(p, GREEDY) for p in prompts(model_dir, lm)[:n]]
+    plain_texts(model_dir, lm, specs)
+    return lm, specs
+
+
 def test_no_drafts_past_disable_by_batch_size(tiny_model_dirs: dict[str, Path], oracle: Reference) -> None:
     """Three rows decoding together propose nothing at disable_by_batch_size 2; one row alone does."""
     family = "llava"
-    lm = LanguageHalf(tiny_model_dirs[family])
-    ps = prompts(tiny_model_dirs[family], lm)
-    specs = [(p, GREEDY) for p in ps[:3]]
-    plain = make_engine(tiny_model_dirs[family], lm, max_model_len=2048)
-    try:
-        run(plain, specs)  # records their tokens: the oracle would propose them
-    finally:
-        plain.close()
+    lm, specs = recorded(tiny_model_dirs[family], 3)
     cfg = SpecConfig(num_speculative_tokens=K, disable_by_batch_size=2)
     engine = make_engine(tiny_model_dirs[family], lm, max_model_len=2048, speculative_config=cfg)
     try:
@@ -283,6 +284,31 @@ def test_no_drafts_past_disable_by_batch_size(tiny_model_dirs: dict[str, Path], 
         assert accepted(engine)[0] > 0
     finally:
         engine.close()
+
+
+def test_no_drafts_while_more_sequences_wait_than_disable_by_batch_size(
+        tiny_model_dirs: dict[str, Path], oracle: Reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's count: every sequence in the engine, not only the decoding rows. At one row at a time
+    (max_num_seqs 1) and disable_by_batch_size 1, the first request decodes alone while the second waits, and
+    is proposed nothing; the second, alone by then, is."""
+    family = "llava"
+    lm, specs = recorded(tiny_model_dirs[family], 2)
+    cfg = SpecConfig(num_speculative_tokens=K, disable_by_batch_size=1)
+    proposed_for: list[tuple[int, ...]] = []
+    propose = Speculator.propose
+
+    def recording(self: Speculator, seq: Sequence, k: int) -> list[int]:
+        proposed_for.append(oracle.key(seq)[0])
+        return propose(self, seq, k)
+
+    monkeypatch.setattr(Speculator, "propose", recording)
+    first, second = (tuple(p.input_ids[0].tolist()) for p, _ in specs)
+    with spec_engine(tiny_model_dirs[family], lm, cfg, max_num_seqs=1) as engine:
+        run(engine, specs[:1])  # alone, the first is proposed drafts
+        assert first in proposed_for
+        proposed_for.clear()
+        run(engine, specs)  # submitted together: the first decodes while the second waits
+        assert first not in proposed_for and second in proposed_for
 
 
 def test_tensor_parallel_verification_is_plain_greedy(tiny_model_dirs: dict[str, Path], oracle: Reference) -> None:

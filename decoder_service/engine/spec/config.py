@@ -12,7 +12,8 @@ decoder can serve, with the target's tokenizer, decoding greedily on its own poo
 (EAGLE-1, Medusa, MTP, ...) are not run by this engine: refused at start with a message rather than started without
 speculation.
 
-`disable_by_batch_size` (vLLM's key): no proposals in a step where more rows than this decode. A verification step
+`disable_by_batch_size` (vLLM's key and rule): no proposals in a step while more sequences than this are in the
+engine (decoding, prefilling, waiting or preempted). A verification step
 costs k + 1 positions per row; with many rows the step is compute-bound and a rejected position is paid by every
 other row, so speculation turns itself off under load (the default, DEFAULT_DISABLE_BY_BATCH_SIZE, is measured:
 docs/BENCHMARKS.md, "Speculative decoding").
@@ -24,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # rows decoding past which a step proposes nothing (CPU; BENCHMARKS)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # sequences in the engine past which a step proposes nothing (CPU; BENCHMARKS)
 MAX_SPECULATIVE_TOKENS = 16
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size"}

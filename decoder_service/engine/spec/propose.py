@@ -1,7 +1,7 @@
 """This step's proposals: which decoding rows verify drafts, and their blocks.
 
 `Speculator.drafts` runs in `Scheduler.schedule` once every decoding row has the block its next position needs: for
-each row (none when more than `disable_by_batch_size` rows decode), the proposer's tokens, cut so the verification
+each row (none while more than `disable_by_batch_size` sequences are running or waiting), the proposer's tokens, cut so the verification
 fits what the request may still emit (max_tokens), the context (max_model_len) and the free blocks (a row never
 preempts another for its drafts: a step short of blocks proposes less). The blocks the drafts' positions need are
 taken now; positions rejected later are just not counted in the row's length (their K/V is overwritten by the next
@@ -49,11 +49,13 @@ class Speculator:
         self.stats = SpecStats(cfg.num_speculative_tokens)
         self._prompts: weakref.WeakKeyDictionary[Job, np.ndarray] = weakref.WeakKeyDictionary()
 
-    def drafts(self, feed: dict[Hashable, int], running: dict[int, Sequence], rows: RowTable, free_blocks: int
-               ) -> dict[Hashable, list[int]]:
-        """Each decoding row's drafts (none proposed: no entry), their blocks taken out of `free_blocks`."""
+    def drafts(self, feed: dict[Hashable, int], running: dict[int, Sequence], rows: RowTable, free_blocks: int,
+               load: int = 0) -> dict[Hashable, list[int]]:
+        """Each decoding row's drafts (none proposed: no entry), their blocks taken out of `free_blocks`. None at all
+        while more than disable_by_batch_size sequences are in the engine (`load`: running, prefilling, waiting or
+        preempted; at least the decoding rows), as vLLM counts its requests."""
         cfg = self.cfg
-        if not feed or len(feed) > cfg.disable_by_batch_size:
+        if not feed or max(load, len(feed)) > cfg.disable_by_batch_size:
             return {}
         want: dict[Hashable, tuple[Sequence, int]] = {}
         for key in feed:
@@ -136,10 +138,10 @@ class Eagle3Speculator(Speculator):
             logger.info("EAGLE-3 reads the target's hidden states of every step: CUDA graphs off")
             runner.graphs = None
 
-    def drafts(self, feed: dict[Hashable, int], running: dict[int, Sequence], rows: RowTable, free_blocks: int
-               ) -> dict[Hashable, list[int]]:
+    def drafts(self, feed: dict[Hashable, int], running: dict[int, Sequence], rows: RowTable, free_blocks: int,
+               load: int = 0) -> dict[Hashable, list[int]]:
         self.eagle.forget(set(running))
-        return super().drafts(feed, running, rows, free_blocks)
+        return super().drafts(feed, running, rows, free_blocks, load)
 
     def propose_all(self, want: dict[Hashable, tuple[Sequence, int]], running: set[Hashable]
                     ) -> dict[Hashable, list[int]]:
