@@ -1,9 +1,11 @@
 """Where a level's time goes in the engine alone (no HTTP): each step's forward timed, as prefill steps (a prompt
-chunk in them) and decode-only steps, under the runner's prefill split (`equal`: the step's budget shared equally
-between the prompts prefilling, decoder_service/engine/fairness.py) and first come, first served (`fcfs`: each prompt
-in admission order takes what it can, as vLLM's chunked prefill does; only this benchmark runs it).
+chunk in them) and decode-only steps, under each prefill split: the runner's (`runner`: parts of at least an eighth
+of the step's budget, short rests first, decoder_service/engine/fairness.py), the equal split it had before
+(`equal`: the budget shared equally between every prompt prefilling, at least a block each) and first come, first
+served (`fcfs`: each prompt in admission order takes what it can, as vLLM's chunked prefill does). Only this
+benchmark runs the last two.
 
-    python -m epd_bench.step_times [--model bench-peer] [--in-flight 64] [--rounds 2] [--splits equal,fcfs]
+    python -m epd_bench.step_times [--model bench-peer] [--in-flight 64] [--rounds 2] [--splits runner,equal,fcfs]
                                    [--prompt-len 256] [--output-len 128] [--profile-step N]
 
 One engine, 2 threads, 1 GiB of K/V, at most 64 sequences; prompts of random token ids that are not special tokens
@@ -33,6 +35,23 @@ def first_come_first_served(limits: Mapping[Hashable, int], budget: int, floor: 
             break
         grant[key] = min(limit, budget)
         budget -= grant[key]
+    return grant
+
+
+def equal_parts(limits: Mapping[Hashable, int], budget: int, floor: int) -> dict[Hashable, int]:
+    """The runner's split before parts had a floor of an eighth of the budget: an equal part each (at least `floor`),
+    then what some cannot use to the others, all in admission order."""
+    if budget <= 0 or not limits:
+        return {}
+    share = max(floor, -(-budget // len(limits)))
+    grant: dict[Hashable, int] = {}
+    for key, limit in limits.items():
+        grant[key] = min(limit, share, budget)
+        budget -= grant[key]
+    for key, limit in limits.items():
+        more = min(limit - grant[key], budget)
+        grant[key] += more
+        budget -= more
     return grant
 
 
@@ -71,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="bench-peer", help="a checkpoint dir, `demo` or a bench preset")
     p.add_argument("--in-flight", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--splits", default="equal,fcfs")
+    p.add_argument("--splits", default="runner,equal,fcfs")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--profile-step", type=int, default=0, help="profile the first round's N-th step (0: none)")
@@ -84,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     from epd_models.halves import LanguageHalf
     from epd_models.resolve import resolve_model
 
-    splits = {"equal": model_runner.split_prefill_budget, "fcfs": first_come_first_served}
+    runner_split = model_runner.split_prefill_budget
+    splits = {"runner": runner_split, "equal": equal_parts, "fcfs": first_come_first_served}
     chosen = args.splits.split(",")
     if not chosen or any(s not in splits for s in chosen):
         p.error(f"--splits: a comma-separated list of {', '.join(splits)}")
@@ -108,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     tok_s = rate(e, prompts(args.in_flight), params)
                 finally:
-                    model_runner.split_prefill_budget = splits["equal"]
+                    model_runner.split_prefill_budget = runner_split
                 got = take()
                 parts = [f"{kind} {len(t)} steps {sum(t):.2f} s ({sum(t) / len(t) * 1e3:.1f} ms each)"
                          for kind, t in got.items() if t]

@@ -11,8 +11,8 @@ job at its share never holds back the jobs queued behind it. A request that does
 decoding sequences of clients holding at least two rows more than its own (`room_victims`: rows even out between
 clients, never a thrash between equals); growth preempts a decoding sequence of the client holding the most blocks,
 the one of them holding the most (the newest of equals: `preempt_choice`). Each step's prefill budget is split
-between the prompts prefilling (`split_prefill_budget`, for the model runner). So a new short request of another client
-is never queued behind every earlier long one.
+between the prompts prefilling (`split_prefill_budget`, for the model runner): parts of at least an eighth of it
+(whole blocks), short rests first. So a new short request of another client is never queued behind every earlier long one.
 """
 from __future__ import annotations
 
@@ -84,19 +84,27 @@ def room_victims(running: Mapping[int, Sequence], client: str, is_decoding: Call
     return [k for k, seq in running.items() if clients[seq.job.work.client] >= clients[client] + 2 and is_decoding(k)]
 
 
+PREFILL_PARTS = 8  # a step's prefill budget is shared by at most this many prompts at once (a part's floor)
+
+
 def split_prefill_budget(limits: Mapping[Hashable, int], budget: int, floor: int) -> dict[Hashable, int]:
     """Positions each prompt still prefilling takes this step, from `limits` (what each may take, in admission order):
-    an equal part of the budget (at least `floor`, a block) each, then what some cannot use to the others in
-    admission order; so a short prompt admitted beside long ones completes in the steps its own length needs."""
+    an equal part of the budget each, at least `floor` (a block) and a `PREFILL_PARTS`-th of the budget in whole
+    blocks, so a burst of prompts prefills a few at a time in large chunks, as vLLM's first come, first served does,
+    rather than each a sliver a step. Prompts whose rest fits in a part go first, so a short prompt admitted beside
+    long ones completes in the steps its own length needs; the others in admission order; then what some cannot use
+    to the others."""
     if budget <= 0 or not limits:
         return {}
-    share = max(floor, -(-budget // len(limits)))
+    part = -(-(budget // PREFILL_PARTS) // floor) * floor  # whole blocks, so prompts end their chunks together
+    share = max(floor, part, -(-budget // len(limits)))
+    order = [k for k, n in limits.items() if n <= share] + [k for k, n in limits.items() if n > share]
     grant: dict[Hashable, int] = {}
-    for key, limit in limits.items():
-        grant[key] = min(limit, share, budget)
+    for key in order:
+        grant[key] = min(limits[key], share, budget)
         budget -= grant[key]
-    for key, limit in limits.items():
-        more = min(limit - grant[key], budget)
+    for key in order:
+        more = min(limits[key] - grant[key], budget)
         grant[key] += more
         budget -= more
-    return grant
+    return {key: grant[key] for key in limits}

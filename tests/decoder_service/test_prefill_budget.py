@@ -22,6 +22,24 @@ def test_a_part_is_at_least_a_block_so_later_prompts_may_wait_a_step() -> None:
     assert split_prefill_budget({"a": 100, "b": 100, "c": 100}, 32, 16) == {"a": 16, "b": 16, "c": 0}
 
 
+def test_a_burst_prefills_an_eighth_of_the_budget_each_a_few_at_a_time_not_a_sliver_each() -> None:
+    # 64 prompts of 256 under a 2,032-token budget (2,048 less 16 decode rows): parts of 254 rounded up to whole
+    # blocks, in admission order; the next step the one cut short finishes first
+    grant = split_prefill_budget({i: 256 for i in range(64)}, 2032, 16)
+    assert list(grant.values()) == [256] * 7 + [240] + [0] * 56
+    rests = {i: 256 - n for i, n in grant.items() if n < 256}
+    assert split_prefill_budget(rests, 2024, 16)[7] == 16
+
+
+def test_a_short_rest_goes_before_long_prompts_admitted_earlier() -> None:
+    # nine long prompts would take the parts in admission order; the short one, admitted last, still completes
+    limits: dict[str, int] = {f"long{i}": 1000 for i in range(9)} | {"short": 20}
+    grant = split_prefill_budget(limits, 2048, 16)
+    assert grant["short"] == 20 and sum(grant.values()) == 2048
+    assert [grant[f"long{i}"] for i in range(9)] == [256] * 7 + [2048 - 20 - 7 * 256, 0]
+    assert list(grant) == list(limits)  # reported in admission order
+
+
 def test_no_budget_or_no_prompt_grants_nothing() -> None:
     assert split_prefill_budget({"a": 10}, 0, 16) == {}
     assert split_prefill_budget({}, 64, 16) == {}
