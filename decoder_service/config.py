@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
 from decoder_service.engine.spec.config import SpecConfig
+from decoder_service.lora import LoRAModule
 from epd_common.audio_limits import AudioLimits as _AudioLimits
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings
@@ -47,6 +48,12 @@ class DecoderConfig(HttpLimits, TraceSettings):
     max_prefill_tokens: int = 0
     # vLLM's --speculative-config JSON, checked (decoder_service/engine/spec/config.py); None: one token per step
     speculative_config: SpecConfig | None = None
+    # LoRA adapters (decoder_service/lora.py), vLLM's flags: requests select one by name; every one stays resident
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+    max_loras: int = 1  # adapters resident at once
+    max_lora_rank: int = 16  # a larger rank is refused
+    max_cpu_loras: int = 0  # adapters kept in host memory; 0: max_loras
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings (shared-memory items mapped count too)
     ec_shm: str = "auto"  # auto: map same-host encoders' shared memory after a probe; off: socket only

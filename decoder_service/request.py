@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
@@ -17,6 +17,7 @@ from decoder_service.engine.prefix_hash import PrefixChain, prompt_chain
 from decoder_service.engine.work import Prompt, Work
 from decoder_service.grammar import CompiledGuide, GuideCompiler, GuideError, spec_for
 from decoder_service.image_hits import SaltedHits
+from decoder_service.lora import lora_salt
 from decoder_service.prompt import build_prompt
 from decoder_service.video_gather import Gathered
 from epd_common.errors import APIError, bad_request
@@ -72,6 +73,7 @@ class Preparer:
         """Tokens (before the gather: with pipelined encode this overlaps the encoder's work), images, checks, guide
         (`compiled`: `guide` is the request's, found and compiled beforehand on the grammar pool; else compiled here)."""
         params = req.sampling
+        slot = self._lora_slot(req.lora) if req.lora else 0  # before any work: an adapter not served is a 400
         self._check_sampling(req, params)
         self._check_images(req)
         tools = self._tool_format() if req.tools and req.tool_choice.mode != "none" else None
@@ -82,6 +84,8 @@ class Preparer:
             prompt = build_prompt(self.lm, ids, [g.features for g in images])
         except ValueError as exc:  # placeholder count does not match the images
             raise bad_request(f"cannot build the prompt: {exc}", param="messages") from exc
+        if slot:
+            prompt = replace(prompt, lora=slot)
         echo = self._echo_text(req, ids) if req.echo else ""
         held = self.salted_hits.visible(req.cache_salt, [ref.mm_hash for ref in req.images],
                                         [((0, g.features.num_tokens),) if ref.cached else g.held
@@ -108,11 +112,18 @@ class Preparer:
             taken[token] += size
         chain = None
         if self.prefix_block:
-            chain = prompt_chain(ids, self.prefix_block, req.cache_salt, self.lm.image_token_id,
+            chain = prompt_chain(ids, self.prefix_block, lora_salt(req.cache_salt, req.lora), self.lm.image_token_id,
                                  [(ref.mm_hash, size) for ref, size in zip(req.images, sizes, strict=True)],
                                  video_token_id=self.lm.video_token_id, audio_token_id=self.lm.audio_token_id,
                                  kinds=tokens)
         return tuple(sorted(mine)), chain
+
+    def _lora_slot(self, name: str) -> int:
+        if self.lm.lora is None or name not in self.lm.lora.slots:
+            held = sorted(self.lm.lora.slots) if self.lm.lora is not None else []
+            raise bad_request(f"LoRA adapter {name!r} is not served by this decoder (it serves {held or 'none'})",
+                              param="model")
+        return self.lm.lora.slot(name)
 
     def _media_token(self, item: ImageFeatures) -> int | None:
         """The token an item's rows take (merge_image_embeds' rule)."""

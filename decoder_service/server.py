@@ -40,6 +40,7 @@ from epd_contracts.validation import ContractError, decode_json
 from epd_models.audio_jobs import audio_limits
 from epd_models.halves import LanguageHalf, VisionHalf, loaded_summary
 from epd_models.identity import model_identity
+from epd_models.lora.peft_format import LoRAError
 from epd_models.resolve import resolve_model
 from epd_models.video_config import video_limits
 
@@ -181,6 +182,7 @@ async def health(request: Request) -> dict[str, object]:
             "decoder_role": cfg.role, "kv_address": state.handoff.address,
             "kv_cache": engine.kv_summary(), **({"kv_store": kv_store} if (kv_store := state.handoff.stats()) else {}),
             **({"spec_decode": spec} if (spec := engine.spec_summary()) is not None else {}),
+            **({"loras": engine.lm.lora.describe()} if engine.lm.lora is not None else {}),
             **internal_pid(request.headers, cfg.internal_key)}
 
 
@@ -243,7 +245,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             watchdog = await _start_engine(state, lm, on_fatal or exit_process())
-        except (KVPlanError, RankStartError) as exc:  # epd-decoder exits 2 with the one line (cli.main)
+        except (KVPlanError, RankStartError, LoRAError) as exc:  # epd-decoder exits 2 with the line (cli.main)
             logger.critical("decoder cannot start: %s", exc)
             state.refused = str(exc)
             consumer.close()

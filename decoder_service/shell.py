@@ -27,6 +27,7 @@ from decoder_service.grammar import CompiledGuide
 from decoder_service.grammar_pool import Abandoned, CompilePool
 from decoder_service.handoff import HandoffDeclined, HandoffOut, KVFetch, resume_from
 from decoder_service.job_trace import gather_transport
+from decoder_service.lora import attach_loras
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.request import PendingGuide, Preparer
 from decoder_service.video_gather import Gathered, plan_gather
@@ -50,6 +51,7 @@ class Engine(LLMEngine):
                  kv_fetch: KVFetch | None = None, fingerprint: str = ""):
         """`handoff_out`: this worker prefills for others (E -> P -> D); `kv_fetch`: it continues requests others
         prefilled, fetching their K/V (decoder_service/handoff.py)."""
+        attach_loras(lm, cfg)  # before the engine packs the linears (LoRAError: a refused adapter, exit 2)
         super().__init__(lm, cfg, metrics, handoff_out, trace_chunks=tracing.enabled)
         try:
             self.consumer, self.kv_fetch = consumer, kv_fetch

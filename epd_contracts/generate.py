@@ -16,6 +16,7 @@ MAX_HASH_CHARS = 256  # a real mm_hash has 64
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 MAX_SCHEMA_BYTES = 64 * 1024  # a response_format or tool schema, as JSON; compiling is bounded by this size
 MAX_PROMPT_TOKEN_IDS = 1 << 20  # a /v1/completions prompt given as token ids (the context bounds it again)
+MAX_LORA_NAME_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt: requests with different salts never share cached K/V
 MAX_PREFIX_KEY_CHARS = 64  # one routing key of `prefix_keys` (the proxy sends 32 hex characters)
 Detail = Literal["auto", "low", "high"]  # image_url.detail
@@ -128,6 +129,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, o
     tool_choice: ToolChoice = msgspec.field(default_factory=ToolChoice)
     # prefix caching: K/V reused only between requests with the same salt (vLLM's cache_salt; "" is everyone's)
     cache_salt: Annotated[str, msgspec.Meta(max_length=MAX_CACHE_SALT_CHARS)] = ""
+    # the LoRA adapter the request runs under, by its --lora-modules name ("" the base model; decoder_service/lora.py)
+    lora: Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_CHARS)] = ""
     # routing hints, not trusted for correctness: the proxy's key of each message prefix (messages[:1], [:2], ...),
     # which the decoder reports in /health while it holds the K/V of a request that carried them
     prefix_keys: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PREFIX_KEY_CHARS)]],

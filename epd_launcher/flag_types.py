@@ -73,6 +73,14 @@ def speculative_config(value: str) -> str:
     return value
 
 
+def lora_module(value: str) -> str:
+    """One --lora-modules item (name=path or vLLM's JSON), checked as epd-decoder checks it and passed on as given."""
+    from decoder_service.lora import lora_module_argument  # NOTE: here, as speculative_config's
+
+    lora_module_argument(value)
+    return value
+
+
 def positive_seconds(value: str) -> float:
     """A float flag that must be > 0 (and finite)."""
     number = float(value)

@@ -19,6 +19,7 @@ from epd_common.weight_flags import (
 from epd_launcher.flag_types import (
     base_port,
     choice,
+    lora_module,
     non_negative,
     positive,
     positive_bytes,
@@ -74,6 +75,9 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--grammar-compile-timeout", positive_seconds, "seconds one grammar compile may run on a decoder"),
     ("--handoff-min-tokens", non_negative,
      "with --num-prefills: prompts with fewer tokens to prefill are not handed off (the decoders prefill them)"),
+    ("--max-loras", positive, "LoRA adapters resident on each decoder at once (it keeps every --lora-modules one)"),
+    ("--max-lora-rank", positive, "the largest LoRA rank a decoder accepts (vLLM's choices: 1, 8, 16, ... 512)"),
+    ("--max-cpu-loras", non_negative, "LoRA adapters each decoder keeps in host memory (0: --max-loras)"),
     ("--quantization", choice(QUANTIZATION_CHOICES), QUANTIZATION_HELP),
     ("--quantized-weights", choice(QUANTIZED_WEIGHTS_CHOICES), QUANTIZED_WEIGHTS_HELP),
 )
@@ -98,13 +102,15 @@ DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, 
                                            "transformers (default: oneDNN's prepacked weights, faster)"),
                     ("--cpu-sdpa-attention", "CPU: decoders gather K/V blocks for torch's SDPA (default: a C++ "
                                              "kernel reads them in place)"),
-                    ("--cpu-packed-linear", "accepted so old command lines work: prepacked linears are the CPU default"))
+                    ("--cpu-packed-linear", "accepted so old command lines work: prepacked linears are the CPU default"),
+                    ("--enable-lora", "decoders serve LoRA adapters (--lora-modules); a request selects one by `model`"))
+LORA_MODULES = "--lora-modules"  # every decoder and prefill worker gets the same adapters (spawn.py)
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--num-prefills", "--worker-host",
                   "--worker-base-port",
                   "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max",
                   *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES),
-                  *(spec[0] for spec in ENCODER_FLAGS), *(spec[0] for spec in WORKER_FLAGS), EC_DISK_DIR)
+                  *(spec[0] for spec in ENCODER_FLAGS), *(spec[0] for spec in WORKER_FLAGS), EC_DISK_DIR, LORA_MODULES)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -231,6 +237,9 @@ def _decoder_flags(g: argparse._ActionsContainer) -> None:
         g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the workers' own)")
     for flag, text in DECODER_SWITCHES:
         g.add_argument(flag, action="store_true", default=None, help=f"{text} (default: off)")
+    g.add_argument(LORA_MODULES, nargs="+", type=lora_module, default=None,
+                   help="LoRA adapters every decoder serves, as vLLM's flag: name=path or JSON {\"name\", \"path\", "
+                        "\"base_model_name\"}; needs --enable-lora")
 
 
 def _attach_flags(g: argparse._ActionsContainer) -> None:

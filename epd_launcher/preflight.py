@@ -40,22 +40,22 @@ def resolve(model: str) -> Path:
 
 def check_quant(args: argparse.Namespace, model_dir: Path) -> None:
     """A quantized checkpoint EPD will not load, or a --quantization that disagrees with it (the decoder's check)."""
-    from decoder_service.cli import check_quantized
+    from decoder_service.preflight import check_quantized
 
     check_quantized(model_dir, args.quantization)
 
 
 def check_kv(args: argparse.Namespace, model_dir: Path) -> None:
     """An explicit --max-model-len that an explicit --kv-cache-memory cannot hold, or a model that does not split
-    over --tensor-parallel-size (its K/V heads), with the decoder's own numbers (decoder_service.cli.check_kv_fits,
+    over --tensor-parallel-size (its K/V heads), with the decoder's own numbers (decoder_service.preflight.check_kv_fits,
     from the checkpoint's config: no weights are loaded)."""
     ranks = args.tensor_parallel_size or 1
     if not (args.max_model_len and args.kv_cache_memory) and ranks == 1:
         return
     import torch
 
-    from decoder_service.cli import check_kv_fits
     from decoder_service.config import DecoderConfig
+    from decoder_service.preflight import check_kv_fits
 
     try:
         check_kv_fits(model_dir, dtype=args.dtype or DecoderConfig.dtype, device="cuda" if torch.cuda.device_count() else "cpu",

@@ -7,7 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from epd_common.tracing import TraceSettings, tracing_flags
-from epd_launcher.flags import DECODER_FLAGS, DECODER_SWITCHES, EC_DISK_DIR, ENCODER_FLAGS, WORKER_FLAGS, _dest
+from epd_launcher.flags import (
+    DECODER_FLAGS,
+    DECODER_SWITCHES,
+    EC_DISK_DIR,
+    ENCODER_FLAGS,
+    LORA_MODULES,
+    WORKER_FLAGS,
+    _dest,
+)
 from epd_launcher.group import Secrets, WorkerGroup
 from epd_launcher.placement import placements, worker_counts
 
@@ -83,7 +91,8 @@ def _disk_dir(args: argparse.Namespace, index: int) -> list[str]:
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     """The decoder engine flags given on the command line, for every decoder; those not given keep its defaults."""
     switches = [flag for flag, _ in DECODER_SWITCHES if getattr(args, _dest(flag))]
-    return [*_given(args, DECODER_FLAGS), *switches]
+    loras = getattr(args, _dest(LORA_MODULES))
+    return [*_given(args, DECODER_FLAGS), *switches, *([LORA_MODULES, *loras] if loras else [])]
 
 
 def _given(args: argparse.Namespace, specs: tuple[tuple[str, Any, str], ...]) -> list[str]:

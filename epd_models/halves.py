@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from PIL import Image
     from transformers import Cache
 
+    from epd_models.lora.layers import LoRASet
+
 hf_logging.disable_progress_bar()
 register_processors()  # AutoProcessor then builds the image-only processors transformers cannot without torchvision
 
@@ -191,6 +193,7 @@ class LanguageHalf:
         self.placeholder_id = self.adapter.placeholder_id(self.config)  # what the chat template writes per image
         self.video_token_id = self.adapter.video_token_id(self.config)  # a video's rows and its placeholder
         self.audio_token_id = self.adapter.audio_token_id(self.config)  # a clip's rows and its placeholder
+        self.lora: LoRASet | None = None  # the LoRA adapters its linears add per row (--enable-lora), None: off
 
     def embed(self, input_ids: torch.Tensor, images: list[ImageFeatures]) -> torch.Tensor:
         """(1, L) ids (any device) and CPU image (and video) features -> (1, L, H) embeddings on self.device."""

@@ -7,6 +7,7 @@ with logprobs would need the prompt's logprobs, which are not computed: a 400, a
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -136,11 +137,11 @@ async def _answer(state: ProxyState, req: CompletionRequest) -> Response:
     start = time.perf_counter()
     fleet = state.fleet
     served = fleet.served_model_name()
-    check_model(req.model, served)
+    lora = check_model(req.model, served, fleet.workers.loras())
     check_n(req.n, fleet.workers.of("decoder"))
-    prepared = req.prepare(prefix_secret(state.cfg.internal_key))
+    prepared = dataclasses.replace(req.prepare(prefix_secret(state.cfg.internal_key)), lora=lora)
     gen = Generation(fleet, prepared, request_id_var.get())
     await gen.start()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    answer = TextCompletion(model=served or req.model, logprobs=req.logprobs is not None)
+    answer = TextCompletion(model=lora or served or req.model, logprobs=req.logprobs is not None)
     return await respond(gen, answer, req.stream, include_usage, state.metrics, start, prepared.sampling.n)

@@ -148,8 +148,9 @@ class Fleet:
         return sources
 
     # decoding (and prefill workers: E -> P -> D)
-    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder") -> Worker:
-        return self.workers.acquire_decoder(exclude, prefix_keys, role)
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder",
+                        lora: str = "") -> Worker:
+        return self.workers.acquire_decoder(exclude, prefix_keys, role, lora)
 
     @property
     def splits_prefill(self) -> bool:  # E -> P -> D: prefill workers configured or registered; requests start there

@@ -101,13 +101,13 @@ class Generation:
         -> D only), chosen by the prompt's prefix keys (the one that prefilled it holds its K/V), which runs the
         request whole, or continues the hand-off by prefilling it again."""
         try:
-            return self.fleet.acquire_decoder(self.tried, keys, self.role)
+            return self.fleet.acquire_decoder(self.tried, keys, self.role, self.chat.lora)
         except APIError:
             if self.role != "decoder" or not self.fleet.splits_prefill:
                 raise
         logger.warning("no decode worker available; a prefill worker %s the request",
                        "runs" if self.handoff is None else "continues")
-        return self.fleet.acquire_decoder(self.tried, self.chat.prefix_keys, "prefill")
+        return self.fleet.acquire_decoder(self.tried, self.chat.prefix_keys, "prefill", self.chat.lora)
 
     async def _open_on_decoder(self, pending: frozenset[str]) -> None:
         """A gather miss re-encodes the missing items and retries once on the same decoder."""

@@ -2,6 +2,7 @@
 kind's parts checked, loaded, probed, hashed and planned in chunks by walking the media kinds (proxy/kinds.py)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ class PreparedChat:
     cache_salt: str = ""  # vLLM's cache_salt: no K/V is shared with requests of another salt
     prefix_keys: list[str] = field(default_factory=list)  # proxy/prefix_keys.py: routing, and the decoder's /health
     params: dict[str, str] = field(default_factory=dict)  # mm_hash of each image, video or audio chunk -> its field
+    lora: str = ""  # the LoRA adapter the request's `model` names ("" the base model; decoder_service/lora.py)
 
     @property
     def encodes(self) -> list[MMItem]:
@@ -52,14 +54,20 @@ class PreparedChat:
     def request(self, images: list[ImageRef]) -> GenerateRequest:
         return GenerateRequest(messages=self.messages, prompt=self.prompt, echo=self.echo, images=images,
                                sampling=self.sampling, response_format=self.response_format, tools=self.tools,
-                               tool_choice=self.tool_choice, cache_salt=self.cache_salt, prefix_keys=self.prefix_keys)
+                               tool_choice=self.tool_choice, cache_salt=self.cache_salt, prefix_keys=self.prefix_keys,
+                               lora=self.lora)
 
 
-def check_model(model: str, served: str | None) -> None:
-    """404 unless `model` is the served name (None: no worker has said what it serves yet, nothing to check)."""
+def check_model(model: str, served: str | None, loras: Iterable[str] = ()) -> str:
+    """The LoRA adapter `model` names ("" for the served model itself); 404 unless it is the served name or an
+    adapter a decoder serves (None: no worker has said what it serves yet, nothing to check)."""
+    if model in loras and model != served:
+        return model
     if served is not None and model != served:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {served!r}",
+        adapters = f" and LoRA adapters {sorted(loras)}" if loras else ""
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served!r}{adapters}",
                        param="model", code="model_not_found")
+    return ""
 
 
 def _check_counts(req: ChatCompletionRequest, cfg: ProxyConfig) -> None:

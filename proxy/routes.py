@@ -1,6 +1,7 @@
 """The proxy's routes, each reading the shared ProxyState from `request.app.state.proxy`."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -41,33 +42,41 @@ async def _answer_chat(state: ProxyState, req: ChatCompletionRequest) -> Respons
     start = time.perf_counter()
     fleet = state.fleet
     served = fleet.served_model_name()
-    check_model(req.model, served)
+    lora = check_model(req.model, served, fleet.workers.loras())
     check_n(req.n, fleet.workers.of("decoder"))
-    chat = await state.prepare(req)
+    chat = dataclasses.replace(await state.prepare(req), lora=lora)
     gen = Generation(fleet, chat, request_id_var.get())
     await gen.start()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    answer = Completion(model=served or req.model, logprobs=chat.sampling.logprobs is not None)
+    answer = Completion(model=lora or served or req.model, logprobs=chat.sampling.logprobs is not None)
     return await respond(gen, answer, req.stream, include_usage, state.metrics, start, chat.sampling.n)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    served = proxy_state(request).fleet.served_model_name()
-    return {"object": "list", "data": [_card(served)] if served else []}
+    """The served model, then the LoRA adapters the decoders serve (each with its `parent`, as vLLM lists them)."""
+    fleet = proxy_state(request).fleet
+    served = fleet.served_model_name()
+    if not served:
+        return {"object": "list", "data": []}
+    return {"object": "list", "data": [_card(served)] + [_card(n, served) for n in sorted(fleet.workers.loras())]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> dict[str, Any]:
-    """The served model's card; any other id is OpenAI's 404 `model_not_found`."""
-    served = proxy_state(request).fleet.served_model_name()
+    """The served model's or an adapter's card; any other id is OpenAI's 404 `model_not_found`."""
+    fleet = proxy_state(request).fleet
+    served = fleet.served_model_name()
+    if served is not None and model_id in fleet.workers.loras() and model_id != served:
+        return _card(model_id, served)
     if served is None or model_id != served:
         raise APIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
     return _card(served)
 
 
-def _card(served: str) -> dict[str, Any]:
-    return {"id": served, "object": "model", "created": 0, "owned_by": "epd"}
+def _card(name: str, parent: str | None = None) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "epd", "root": name,
+            **({"parent": parent} if parent else {})}
 
 
 @router.get("/health")

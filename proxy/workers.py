@@ -60,6 +60,13 @@ def _show(ident: dict[str, Any]) -> str:
     return f"{ident.get('family')}/{ident.get('fingerprint')} (hidden_size {ident.get('hidden_size')})"
 
 
+def loras_of(worker: Worker) -> dict[str, str | None]:
+    """The LoRA adapters a decoder's last /health listed: name -> base model name (None: not given)."""
+    listed = worker.info.get("loras")
+    return {a["name"]: a.get("base_model_name") for a in listed if isinstance(a, dict) and isinstance(a.get("name"), str)
+            } if isinstance(listed, list) else {}
+
+
 class Workers:
     """Every worker the proxy knows, by URL. Probes run every `interval` s; `failures_to_down` failed probes
     in a row take a worker out, one good probe brings it back. A failed call (connection refused, reset,
@@ -89,6 +96,10 @@ class Workers:
 
     def healthy(self, role: str) -> list[Worker]:
         return [w for w in self.by_url.values() if w.role == role and w.healthy]
+
+    def loras(self) -> dict[str, str | None]:
+        """The LoRA adapters healthy decoders serve (their /health `loras`): name -> base model name, if given."""
+        return {name: parent for role in GENERATORS for w in self.healthy(role) for name, parent in loras_of(w).items()}
 
     def add(self, role: str, url: str) -> Worker:
         """Register a worker (idempotent); it takes work once a probe finds it healthy."""
@@ -207,12 +218,15 @@ class Workers:
                 return f"no healthy {role} ({reasons})"
         return None
 
-    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder") -> Worker:
-        """A healthy decoder (or prefill worker) not in `exclude`, by prefix affinity for a request with
-        `prefix_keys` (by load alone when affinity is off, or with no keys); its load goes up by one."""
-        candidates = [w for w in self.healthy(role) if w.url not in exclude]
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder",
+                        lora: str = "") -> Worker:
+        """A healthy decoder (or prefill worker) not in `exclude` (holding the LoRA adapter `lora`, if one), by prefix
+        affinity for a request with `prefix_keys` (by load alone when affinity is off, or with no keys); its load goes
+        up by one."""
+        candidates = [w for w in self.healthy(role) if w.url not in exclude and (not lora or lora in loras_of(w))]
         if not candidates:
-            raise APIError(503, f"no healthy {role} is available", code=f"{role}_unavailable")
+            held = f" holding LoRA adapter {lora!r}" if lora else ""
+            raise APIError(503, f"no healthy {role}{held} is available", code=f"{role}_unavailable")
         if self.load_gap is None:
             worker = least_loaded(candidates)
         else:

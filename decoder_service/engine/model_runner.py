@@ -54,8 +54,9 @@ class ModelRunner(RowTable):
 
     def enable_graphs(self, enforce_eager: bool = False) -> None:
         """CUDA: capture the decode forward for each batch-size bucket (cuda_graphs.py); a no-op elsewhere, and at
-        tensor-parallel size > 1 (every step eager: the graphs are not captured per rank yet)."""
-        if self.lm.ranks is not None:
+        tensor-parallel size > 1 (every step eager: the graphs are not captured per rank yet) and with LoRA adapters
+        (which rows take which adapter changes every step)."""
+        if self.lm.ranks is not None or self.lm.lora is not None:
             return
         graphs = DecodeGraphs(self.lm, self.cache, self.max_slots, self.max_len,
                               packed_forward(self.lm, self.cache, self.inputs.dummy_mask), enforce_eager)
@@ -188,6 +189,8 @@ class ModelRunner(RowTable):
         for s in prefill:  # a chunk's last position; every position of a verification
             ends += range(first, first + s.num) if s.feed else [first + s.num - 1]
             first += s.num
+        if self.lm.lora is not None:  # each packed position's adapter (decode rows first, as packed)
+            self.lm.lora.bind((s.row.prompt.lora, s.num) for s in decode + prefill)
         graphs = self.graphs is not None and not prefill
         mask = None if graphs else self.inputs.dummy_mask(embeds)
         if self.before_forward is not None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 class Prompt:
     input_ids: torch.Tensor  # (1, L) int64, placeholders expanded
     images: list[ImageFeatures]  # images and videos, in prompt order
+    lora: int = 0  # the LoRA adapter's slot (epd_models/lora/layers.py `LoRASet`); 0: the base model
 
     @property
     def num_tokens(self) -> int:

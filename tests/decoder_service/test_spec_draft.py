@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from decoder_service.cli import check_draft_model
 from decoder_service.engine.spec.config import SpecConfig
+from decoder_service.preflight import check_draft_model
 from epd_builders.tiny import FAMILIES, TinySpec, build_tiny
 from epd_common.startup import ConfigError
 from epd_models.halves import LanguageHalf

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder_service.cli import check_kv_fits
 from decoder_service.engine.kv_shape import KVShape
 from decoder_service.engine.model_runner import ModelRunner
 from decoder_service.engine.tp.load import load_language
 from decoder_service.engine.tp.ranks import Ranks, RankStartError
 from decoder_service.engine.work import Work
 from decoder_service.handoff import resume_from
+from decoder_service.preflight import check_kv_fits
 from decoder_service.shell import Engine
 from epd_common.startup import ConfigError
 from epd_contracts.sampling import SamplingParams

@@ -153,12 +153,13 @@ def demo_png(colour: str, seed: int, shape: str = "circle") -> bytes:
 
 
 def ask_colour(base_url: str, *images: bytes, api_key: str | None = None,
-               headers: dict[str, str] | None = None) -> httpx.Response:
-    """POST the demo's colour question about `images` (greedy, 4 tokens) to a proxy, with `headers` too."""
+               headers: dict[str, str] | None = None, model: str = "demo") -> httpx.Response:
+    """POST the demo's colour question about `images` (greedy, 4 tokens) to a proxy, with `headers` too (`model`:
+    e.g. a LoRA adapter's name)."""
     urls = ["data:image/png;base64," + base64.b64encode(im).decode() for im in images]
     content = [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
                {"type": "text", "text": "What color is the shape?"}]
-    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.post(f"{base_url}/v1/chat/completions", json=body, headers={**auth, **(headers or {})}, timeout=60)
 

@@ -48,9 +48,11 @@ def _argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
-def _reference(model_dir: Path, prompt_text: str, images: list, device: str) -> list[int]:
+def _reference(model_dir: Path, prompt_text: str, images: list, device: str,
+               model: torch.nn.Module | None = None) -> list[int]:
+    """transformers' greedy tokens (`model`: this one instead of the checkpoint's, e.g. with a LoRA merged)."""
     proc = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval().to(device)
+    model = (model or AutoModelForImageTextToText.from_pretrained(model_dir)).eval().to(device)
     # one prompt's images, nested where the family counts the images per prompt (LLaVA-OneVision)
     nested = [images] if images and AutoConfig.from_pretrained(model_dir).model_type in MULTI_IMAGE_FAMILIES else images
     inputs = proc(text=[prompt_text], images=nested or None, return_tensors="pt").to(device)

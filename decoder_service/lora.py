@@ -1,0 +1,103 @@
+"""LoRA adapters on the decoder, as vLLM's flags: `--enable-lora`, `--lora-modules name=path` (or the JSON form
+`{"name": ..., "path": ..., "base_model_name": ...}`), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`.
+
+A request names its adapter in `lora` (the proxy's `model`); its rows then run with that adapter's linears
+(epd_models/lora/layers.py), its prefix-cache chain is salted with the adapter's name (a block computed under one
+adapter is never reused under another), and every other request in the step keeps its own adapter or the base.
+NOTE: this version keeps every adapter named at start resident (so --max-loras must cover --lora-modules); loading
+and unloading at runtime and swapping adapters in and out of --max-loras slots are not built yet."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from epd_common.startup import ConfigError
+
+if TYPE_CHECKING:
+    from epd_models.halves import LanguageHalf
+    from epd_models.lora.layers import LoRASet
+
+MAX_NAME_CHARS = 256
+RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def lora_module_argument(value: str) -> LoRAModule:
+    """argparse's type for one --lora-modules item: `name=path` or vLLM's JSON object."""
+    if value.lstrip().startswith("{"):
+        try:
+            raw: Any = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not JSON: {exc}") from None
+        if not isinstance(raw, dict) or set(raw) - {"name", "path", "base_model_name"} or \
+                not all(isinstance(raw.get(k), str) and raw[k] for k in ("name", "path")):
+            raise argparse.ArgumentTypeError('--lora-modules: JSON needs "name" and "path" strings (and optionally '
+                                             '"base_model_name"), nothing else')
+        module = LoRAModule(raw["name"], raw["path"], raw.get("base_model_name"))
+    else:
+        name, eq, path = value.partition("=")
+        if not eq or not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not name=path")
+        module = LoRAModule(name, path)
+    if len(module.name) > MAX_NAME_CHARS or not module.name.isprintable():
+        raise argparse.ArgumentTypeError(f"--lora-modules: a name is printable and at most {MAX_NAME_CHARS} chars")
+    return module
+
+
+def add_lora_flags(p: argparse.ArgumentParser, d: Any) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) on the language "
+                   "model: a request selects one by its name in `model`; rows of different adapters share steps")
+    g.add_argument("--lora-modules", type=lora_module_argument, nargs="+", default=[],
+                   help="adapters to serve: name=path, or JSON {\"name\", \"path\", \"base_model_name\"}")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters resident at once (this version keeps every --lora-modules adapter resident)")
+    g.add_argument("--max-lora-rank", type=int, choices=RANKS, default=d.max_lora_rank,
+                   help="the largest rank an adapter may have; a larger one is refused")
+    g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                   help="adapters kept in host memory (0: --max-loras)")
+
+
+def check_lora_flags(cfg: Any) -> None:
+    """ConfigError for LoRA flags that cannot work together, before any weight is read."""
+    if cfg.lora_modules and not cfg.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    if cfg.max_loras < 1 or cfg.max_cpu_loras < 0:
+        raise ConfigError("--max-loras must be >= 1 and --max-cpu-loras >= 0")
+    if len(cfg.lora_modules) > min(cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras):
+        raise ConfigError(f"{len(cfg.lora_modules)} --lora-modules but --max-loras {cfg.max_loras}: this version "
+                          "keeps every adapter resident; raise --max-loras (and --max-cpu-loras)")
+    names = [m.name for m in cfg.lora_modules]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--lora-modules: a name given twice in {names}")
+    if cfg.enable_lora and cfg.tensor_parallel_size > 1:
+        raise ConfigError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+
+
+def attach_loras(lm: LanguageHalf, cfg: Any) -> LoRASet | None:
+    """Read and check every --lora-modules adapter against `lm` and add them to its linears (LoRAError if one is
+    refused); None when --enable-lora is off."""
+    if not cfg.enable_lora:
+        return None
+    from epd_models.lora.layers import LoRASet
+    from epd_models.lora.peft_format import linear_shapes, read_adapter
+
+    shapes = linear_shapes(lm.module)
+    adapters = [read_adapter(m.name, Path(m.path), family=lm.adapter, shapes=shapes, max_rank=cfg.max_lora_rank,
+                             dtype=lm.dtype, base_model_name=m.base_model_name) for m in cfg.lora_modules]
+    lm.lora = LoRASet(lm.module, adapters)
+    return lm.lora
+
+
+def lora_salt(cache_salt: str, lora: str) -> str:
+    """The prefix-cache salt of a request under adapter `lora` ("" the base model: its own salt unchanged)."""
+    return f"{cache_salt}\x00lora:{lora}" if lora else cache_salt

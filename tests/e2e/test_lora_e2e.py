@@ -1,0 +1,45 @@
+"""LoRA adapters end to end: the launcher passes --enable-lora and --lora-modules to its decoder, the proxy lists
+the adapters in /v1/models and sends a request naming one to it; the adapter changes the answer, the same way every
+time, and the base model's answers are unchanged beside it."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from epd_models.resolve import resolve_model
+from tests.e2e.stack import Stack, ask_colour, demo_png, launched
+from tests.lora_adapters import make_adapter
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("lora")
+    model = resolve_model("demo")
+    a, b = (make_adapter(model, tmp / name, seed=i, rank=8) for i, name in enumerate("ab"))
+    with launched(tmp, "--model", "demo", "--num-encoders", "1", "--num-decoders", "1", "--enable-lora",
+                  "--max-loras", "2", "--lora-modules", f"a={a}", f'{{"name": "b", "path": "{b}"}}') as s:
+        yield s
+
+
+def test_models_lists_the_adapters_with_their_parent(stack: Stack) -> None:
+    data = httpx.get(f"{stack.base_url}/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m.get("parent")) for m in data] == [("demo", None), ("a", "demo"), ("b", "demo")]
+
+
+def test_an_adapter_answers_under_its_name_and_the_base_model_is_unchanged(stack: Stack) -> None:
+    image = demo_png("red", 1, "square")
+    base = ask_colour(stack.base_url, image)
+    assert base.status_code == 200 and base.json()["choices"][0]["message"]["content"] == "red"
+    answers = {}
+    for name in ("a", "b", "a", "b"):
+        resp = ask_colour(stack.base_url, image, model=name)
+        assert resp.status_code == 200 and resp.json()["model"] == name
+        answers.setdefault(name, set()).add(resp.json()["choices"][0]["message"]["content"])
+    assert all(len(v) == 1 for v in answers.values()) and {"red"} not in answers.values()
+    assert ask_colour(stack.base_url, image).json()["choices"][0]["message"]["content"] == "red"
+    missing = ask_colour(stack.base_url, image, model="c")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

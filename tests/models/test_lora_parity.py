@@ -1,0 +1,67 @@
+"""LoRA adapters (decoder_service/lora.py, epd_models/lora/): under an adapter the language model gives exactly the
+tokens of transformers' generate() on the PEFT-merged model, with an image in the prompt, in a batch that mixes the
+base model and three adapters, prefilled in chunks beside decoding rows; and the engine gives every row of a mixed
+batch exactly its solo answer."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from decoder_service.config import DecoderConfig
+from decoder_service.lora import LoRAModule, attach_loras
+from epd_models.halves import LanguageHalf, VisionHalf
+from tests.decoder_service.engine_run import greedy, make_engine, run
+from tests.lora_adapters import make_adapter, merged_model
+from tests.models.test_parity import NUM_NEW, _batched, _prompt, _reference
+
+FAMILIES = ("llava", "qwen2_vl", "gemma3")
+NAMES = ("a", "b", "c")
+
+
+def adapters_for(model_dir: Path, folder: Path) -> dict[str, Path]:
+    """Three adapters of ranks 16, 8 and 8."""
+    return {name: make_adapter(model_dir, folder / name, seed=i, rank=8 if i else 16) for i, name in enumerate(NAMES)}
+
+
+def lora_config(adapters: dict[str, Path], **kw: object) -> DecoderConfig:
+    return DecoderConfig(enable_lora=True, max_loras=len(adapters), cpu_exact_linear=True,
+                         lora_modules=tuple(LoRAModule(n, str(p)) for n, p in adapters.items()), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_adapter_gives_the_merged_models_tokens_in_a_batch_mixing_adapters(
+        tiny_model_dirs: dict[str, Path], tmp_path: Path, family: str) -> None:
+    model_dir = tiny_model_dirs[family]
+    adapters = adapters_for(model_dir, tmp_path)
+    lm = LanguageHalf(model_dir)
+    prompt, images, prompt_text = _prompt(lm, VisionHalf(model_dir), model_dir, "one_image")
+    lora = attach_loras(lm, lora_config(adapters))
+    assert lora is not None
+    prompts = [prompt] + [replace(prompt, lora=lora.slot(n)) for n in NAMES]
+    got = _batched(lm, prompts, NUM_NEW, chunk=5, budget=7)  # chunks of rows of different adapters in each step
+    assert got[0] == _reference(model_dir, prompt_text, images, "cpu")
+    for name, tokens in zip(NAMES, got[1:], strict=True):
+        assert tokens == _reference(model_dir, prompt_text, images, "cpu", merged_model(model_dir, adapters[name]))
+    assert len({tuple(t) for t in got}) == 4, "every adapter changes the answer (else this proves little)"
+
+
+def test_the_engine_gives_each_row_of_a_mixed_batch_its_solo_answer(tiny_model_dirs: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
+    model_dir = tiny_model_dirs["llava"]
+    adapters = adapters_for(model_dir, tmp_path)
+    lm = LanguageHalf(model_dir)
+    prompt = _prompt(lm, VisionHalf(model_dir), model_dir, "one_image")[0]
+    cfg = lora_config(adapters)
+    engine = make_engine(model_dir, lm, max_model_len=2048, **{k: getattr(cfg, k) for k in (
+        "enable_lora", "max_loras", "cpu_exact_linear", "lora_modules")})
+    try:
+        assert engine.lm.lora is not None
+        prompts = [prompt] + [replace(prompt, lora=engine.lm.lora.slot(n)) for n in NAMES] * 2
+        together = run(engine, [(p, greedy(NUM_NEW)) for p in prompts])
+        alone = [run(engine, [(p, greedy(NUM_NEW))])[0] for p in prompts]
+    finally:
+        engine.close()
+    assert [r.answer() for r in together] == [r.answer() for r in alone]
+    assert len({r.text for r in together}) == 4
