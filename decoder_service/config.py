@@ -54,6 +54,8 @@ class DecoderConfig(HttpLimits, TraceSettings):
     max_loras: int = 1  # adapters resident at once
     max_lora_rank: int = 16  # a larger rank is refused
     max_cpu_loras: int = 0  # adapters kept in host memory; 0: max_loras
+    enable_lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    allowed_lora_dir: str | None = None  # the folder runtime loads read from; None: runtime loads are refused
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings (shared-memory items mapped count too)
     ec_shm: str = "auto"  # auto: map same-host encoders' shared memory after a probe; off: socket only

@@ -4,8 +4,10 @@
 A request names its adapter in `lora` (the proxy's `model`); its rows then run with that adapter's linears
 (epd_models/lora/layers.py), its prefix-cache chain is salted with the adapter's name (a block computed under one
 adapter is never reused under another), and every other request in the step keeps its own adapter or the base.
-NOTE: this version keeps every adapter named at start resident (so --max-loras must cover --lora-modules); loading
-and unloading at runtime and swapping adapters in and out of --max-loras slots are not built yet."""
+With --enable-lora-runtime-updating, `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's bodies)
+add and remove adapters while streams run (decoder_service/lora_routes.py): a load reads only folders inside
+--allowed-lora-dir. NOTE: every loaded adapter stays resident, at most --max-loras of them (an adapter is not swapped
+out to make room for another yet)."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +67,12 @@ def add_lora_flags(p: argparse.ArgumentParser, d: Any) -> None:
                    help="the largest rank an adapter may have; a larger one is refused")
     g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
                    help="adapters kept in host memory (0: --max-loras)")
+    g.add_argument("--enable-lora-runtime-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters at runtime "
+                        "(behind the internal key; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+    g.add_argument("--allowed-lora-dir", default=d.allowed_lora_dir,
+                   help="the folder runtime loads may read adapters from (symlinks resolved); unset: every runtime "
+                        "load is refused")
 
 
 def check_lora_flags(cfg: Any) -> None:
@@ -79,6 +87,8 @@ def check_lora_flags(cfg: Any) -> None:
     names = [m.name for m in cfg.lora_modules]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora-modules: a name given twice in {names}")
+    if cfg.enable_lora_runtime_updating and not cfg.enable_lora:
+        raise ConfigError("--enable-lora-runtime-updating needs --enable-lora")
     if cfg.enable_lora and cfg.tensor_parallel_size > 1:
         raise ConfigError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
 
@@ -94,8 +104,22 @@ def attach_loras(lm: LanguageHalf, cfg: Any) -> LoRASet | None:
     shapes = linear_shapes(lm.module)
     adapters = [read_adapter(m.name, Path(m.path), family=lm.adapter, shapes=shapes, max_rank=cfg.max_lora_rank,
                              dtype=lm.dtype, base_model_name=m.base_model_name) for m in cfg.lora_modules]
-    lm.lora = LoRASet(lm.module, adapters)
+    lm.lora = LoRASet(lm.module, adapters, min(cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras))
     return lm.lora
+
+
+def load_at_runtime(lm: LanguageHalf, cfg: Any, name: str, path: str) -> None:
+    """Read, check and add adapter `name` from `path` inside --allowed-lora-dir (LoRAError naming why not)."""
+    from epd_models.lora.peft_format import LoRAError, linear_shapes, read_adapter
+
+    assert lm.lora is not None
+    if cfg.allowed_lora_dir is None:
+        raise LoRAError("runtime loads need --allowed-lora-dir (the folder adapters may be read from)")
+    if name in lm.lora.slots:
+        raise LoRAError(f"adapter {name!r} is already loaded")
+    adapter = read_adapter(name, Path(path), family=lm.adapter, shapes=linear_shapes(lm.module),
+                           max_rank=cfg.max_lora_rank, dtype=lm.dtype, root=Path(cfg.allowed_lora_dir))
+    lm.lora.add(adapter)
 
 
 def lora_salt(cache_salt: str, lora: str) -> str:

@@ -72,8 +72,21 @@ class Preparer:
                 compiled: bool = False) -> Work:
         """Tokens (before the gather: with pipelined encode this overlaps the encoder's work), images, checks, guide
         (`compiled`: `guide` is the request's, found and compiled beforehand on the grammar pool; else compiled here)."""
-        params = req.sampling
         slot = self._lora_slot(req.lora) if req.lora else 0  # before any work: an adapter not served is a 400
+        try:
+            return self._prepare(req, gather, guide, compiled, slot)
+        except BaseException:
+            self.release(slot)
+            raise
+
+    def release(self, slot: int) -> None:
+        """The request holding adapter `slot` (its Work's prompt.lora) is over (or never ran)."""
+        if slot and self.lm.lora is not None:
+            self.lm.lora.release(slot)
+
+    def _prepare(self, req: GenerateRequest, gather: Gather, guide: CompiledGuide | None, compiled: bool,
+                 slot: int) -> Work:
+        params = req.sampling
         self._check_sampling(req, params)
         self._check_images(req)
         tools = self._tool_format() if req.tools and req.tool_choice.mode != "none" else None
@@ -119,11 +132,15 @@ class Preparer:
         return tuple(sorted(mine)), chain
 
     def _lora_slot(self, name: str) -> int:
-        if self.lm.lora is None or name not in self.lm.lora.slots:
-            held = sorted(self.lm.lora.slots) if self.lm.lora is not None else []
-            raise bad_request(f"LoRA adapter {name!r} is not served by this decoder (it serves {held or 'none'})",
-                              param="model")
-        return self.lm.lora.slot(name)
+        """Adapter `name`'s slot, held for the request (`release`); a 400 naming `model` if it is not served."""
+        try:
+            if self.lm.lora is not None:
+                return self.lm.lora.acquire(name)
+        except KeyError:
+            pass
+        held = sorted(self.lm.lora.slots) if self.lm.lora is not None else []
+        raise bad_request(f"LoRA adapter {name!r} is not served by this decoder (it serves {held or 'none'})",
+                          param="model")
 
     def _media_token(self, item: ImageFeatures) -> int | None:
         """The token an item's rows take (merge_image_embeds' rule)."""

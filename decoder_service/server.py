@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from connector.tensors.consumer import ECConsumer
+from decoder_service import lora_routes
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.embedding_check import EmbeddingCheck
@@ -137,7 +138,11 @@ async def generate(request: Request) -> Response:
     try:  # a grammar compiles on its own pool, so a request without one never waits behind compiles
         guide = await engine.guide(req, watcher)
         work = await asyncio.to_thread(engine.prepare, *((req,) if guide is None else (req, guide, True)))
-        job = engine.submit(work, cancelled=cancelled)
+        try:
+            job = engine.submit(work, cancelled=cancelled)
+        except BaseException:
+            engine.release(work)
+            raise
     except HandoffDeclined as exc:  # a short prompt: the proxy runs it on a decode worker
         metrics.requests.labels("200").inc()
         metrics.waiting.dec()
@@ -157,6 +162,7 @@ async def generate(request: Request) -> Response:
                 yield chunk
         finally:
             metrics.waiting.dec()
+            engine.release(work)
 
     return StreamingResponse(body(), media_type="application/x-ndjson")
 
@@ -268,6 +274,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
     install_request_id(app)
     install_metrics(app, registry)
     install_body_limit(app, cfg.max_body_bytes, cfg.body_read_timeout)  # bytes received, chunked or not
-    install_api_key(app, cfg.internal_key, ("/generate",), "internal key")
+    install_api_key(app, cfg.internal_key, ("/generate", *lora_routes.PATHS), "internal key")
     app.include_router(router)
+    app.include_router(lora_routes.router)
     return app

@@ -82,6 +82,18 @@ class Engine(LLMEngine):
         """Tokens, embeddings, checked sampling and guide (blocking: a worker thread); APIError for what cannot run.
         `compiled`: `guide` is the request's, from `Engine.guide` (else it is compiled here)."""
         work = self.preparer.prepare(req, self._gather, guide=guide, compiled=compiled)
+        try:
+            return self._route(req, work)
+        except BaseException:
+            self.release(work)
+            raise
+
+    def release(self, work: Work) -> None:
+        """The request of `work` is over: the LoRA adapter it held may go (decoder_service/lora.py)."""
+        self.preparer.release(work.prompt.lora)
+
+    def _route(self, req: GenerateRequest, work: Work) -> Work:
+        """A prefill worker's hand-off (checked worth it), or a continued one; else `work` as it is."""
         if req.handoff_key is not None:
             if self.handoff_out is None:
                 raise bad_request("this decoder does not prefill for hand-offs (it is not --role prefill)",

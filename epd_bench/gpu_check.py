@@ -54,6 +54,7 @@ from epd_bench.stacks import Running, SystemSpec, aggregated, epd
 
 TESTS = ("tests/models/test_parity.py", "tests/models/test_device.py", "tests/models/test_deepstack.py",
          "tests/models/test_prefix_parity.py", "tests/decoder_service/test_cuda_graphs.py",  # CUDA = CPU tokens
+         "tests/models/test_lora_parity.py::test_each_adapter_gives_the_merged_models_tokens_in_a_batch_mixing_adapters",
          "tests/decoder_service/test_handoff.py::test_a_handed_off_request_continues_token_for_token")  # E -> P -> D
 SMALL_TESTS = ("tests/models/test_device.py", "-k", "resolve_device or paged_cache")
 PACKAGES = ("transformers", "tokenizers", "huggingface_hub", "fastapi", "starlette", "uvicorn", "pydantic",

@@ -78,6 +78,7 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--max-loras", positive, "LoRA adapters resident on each decoder at once (it keeps every --lora-modules one)"),
     ("--max-lora-rank", positive, "the largest LoRA rank a decoder accepts (vLLM's choices: 1, 8, 16, ... 512)"),
     ("--max-cpu-loras", non_negative, "LoRA adapters each decoder keeps in host memory (0: --max-loras)"),
+    ("--allowed-lora-dir", str, "the folder runtime LoRA loads may read adapters from (unset: runtime loads refused)"),
     ("--quantization", choice(QUANTIZATION_CHOICES), QUANTIZATION_HELP),
     ("--quantized-weights", choice(QUANTIZED_WEIGHTS_CHOICES), QUANTIZED_WEIGHTS_HELP),
 )
@@ -103,7 +104,9 @@ DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, 
                     ("--cpu-sdpa-attention", "CPU: decoders gather K/V blocks for torch's SDPA (default: a C++ "
                                              "kernel reads them in place)"),
                     ("--cpu-packed-linear", "accepted so old command lines work: prepacked linears are the CPU default"),
-                    ("--enable-lora", "decoders serve LoRA adapters (--lora-modules); a request selects one by `model`"))
+                    ("--enable-lora", "decoders serve LoRA adapters (--lora-modules); a request selects one by `model`"),
+                    ("--enable-lora-runtime-updating", "POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the "
+                                                       "proxy load and unload adapters on every decoder"))
 LORA_MODULES = "--lora-modules"  # every decoder and prefill worker gets the same adapters (spawn.py)
 LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--num-prefills", "--worker-host",
                   "--worker-base-port",

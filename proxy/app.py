@@ -10,6 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from epd_common.errors import install_error_handlers
 from epd_common.http import BodyLimit, install_api_key, install_metrics, install_request_id
 from epd_common.tracing import install_tracing, start_tracing
+from proxy import lora_admin
 from proxy.config import ProxyConfig
 from proxy.routes import router
 from proxy.state import ProxyState
@@ -69,4 +70,5 @@ def create_app(cfg: ProxyConfig, on_ready: Callable[[], None] | None = None,
                        requests=state.metrics.requests, in_flight=state.metrics.in_flight)
     install_request_id(app)  # outermost: the id is set before anything else runs
     app.include_router(router)
+    app.include_router(lora_admin.router)
     return app

@@ -1,9 +1,11 @@
 """LoRA adapters end to end: the launcher passes --enable-lora and --lora-modules to its decoder, the proxy lists
 the adapters in /v1/models and sends a request naming one to it; the adapter changes the answer, the same way every
-time, and the base model's answers are unchanged beside it."""
+time, and the base model's answers are unchanged beside it; adapters loaded and unloaded at runtime through the
+proxy serve (or stop) at once, and a path outside --allowed-lora-dir is a 400."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,12 +18,18 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("lora")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp: Path) -> Iterator[Stack]:
     model = resolve_model("demo")
     a, b = (make_adapter(model, tmp / name, seed=i, rank=8) for i, name in enumerate("ab"))
+    make_adapter(model, tmp / "allowed" / "c", seed=2, rank=8)
     with launched(tmp, "--model", "demo", "--num-encoders", "1", "--num-decoders", "1", "--enable-lora",
-                  "--max-loras", "2", "--lora-modules", f"a={a}", f'{{"name": "b", "path": "{b}"}}') as s:
+                  "--max-loras", "3", "--lora-modules", f"a={a}", f'{{"name": "b", "path": "{b}"}}',
+                  "--enable-lora-runtime-updating", "--allowed-lora-dir", str(tmp / "allowed")) as s:
         yield s
 
 
@@ -43,3 +51,19 @@ def test_an_adapter_answers_under_its_name_and_the_base_model_is_unchanged(stack
     assert ask_colour(stack.base_url, image).json()["choices"][0]["message"]["content"] == "red"
     missing = ask_colour(stack.base_url, image, model="c")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_adapter_loaded_at_runtime_serves_at_once_and_an_unloaded_one_is_gone(stack: Stack, tmp: Path) -> None:
+    allowed = tmp / "allowed"
+    image = demo_png("blue", 2, "square")
+    loaded = httpx.post(f"{stack.base_url}/v1/load_lora_adapter", timeout=60,
+                        json={"lora_name": "c", "lora_path": str(allowed / "c")})
+    assert loaded.status_code == 200 and loaded.json()["workers"] == 1, loaded.text
+    assert ask_colour(stack.base_url, image, model="c").json()["model"] == "c"
+    outside = httpx.post(f"{stack.base_url}/v1/load_lora_adapter", timeout=60,
+                         json={"lora_name": "d", "lora_path": str(allowed.parent / "a")})
+    assert outside.status_code == 400 and "outside the allowed folder" in outside.json()["error"]["message"]
+    gone = httpx.post(f"{stack.base_url}/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60)
+    assert gone.status_code == 200
+    assert ask_colour(stack.base_url, image, model="c").status_code == 404
+    assert ask_colour(stack.base_url, image).json()["choices"][0]["message"]["content"] == "blue"

@@ -15,13 +15,15 @@ def test_every_decoder_and_prefill_worker_gets_the_lora_flags(monkeypatch: pytes
     from decoder_service.cli import parse_args as decoder_args
 
     workers = spawned(monkeypatch, ["--num-decoders", "2", "--num-prefills", "1", "--enable-lora", "--max-loras", "2",
-                                    "--max-lora-rank", "32", "--lora-modules", "a=/adapters/a", JSON_ITEM])
+                                    "--max-lora-rank", "32", "--lora-modules", "a=/adapters/a", JSON_ITEM,
+                                    "--enable-lora-runtime-updating", "--allowed-lora-dir", "/adapters"])
     assert all("--enable-lora" not in extra for kind, extra in workers if kind == "encoder")
     for kind, extra in workers:
         if kind == "encoder":
             continue
         cfg = decoder_args(extra)
         assert cfg.enable_lora and cfg.max_loras == 2 and cfg.max_lora_rank == 32
+        assert cfg.enable_lora_runtime_updating and cfg.allowed_lora_dir == "/adapters"
         assert cfg.lora_modules == (LoRAModule("a", "/adapters/a"), LoRAModule("b", "/adapters/b", "demo"))
 
 

@@ -32,18 +32,18 @@ def lora_config(adapters: dict[str, Path], **kw: object) -> DecoderConfig:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_adapter_gives_the_merged_models_tokens_in_a_batch_mixing_adapters(
-        tiny_model_dirs: dict[str, Path], tmp_path: Path, family: str) -> None:
+        tiny_model_dirs: dict[str, Path], tmp_path: Path, family: str, device: str) -> None:
     model_dir = tiny_model_dirs[family]
     adapters = adapters_for(model_dir, tmp_path)
-    lm = LanguageHalf(model_dir)
-    prompt, images, prompt_text = _prompt(lm, VisionHalf(model_dir), model_dir, "one_image")
+    lm = LanguageHalf(model_dir, device=device)
+    prompt, images, prompt_text = _prompt(lm, VisionHalf(model_dir, device=device), model_dir, "one_image")
     lora = attach_loras(lm, lora_config(adapters))
     assert lora is not None
     prompts = [prompt] + [replace(prompt, lora=lora.slot(n)) for n in NAMES]
     got = _batched(lm, prompts, NUM_NEW, chunk=5, budget=7)  # chunks of rows of different adapters in each step
-    assert got[0] == _reference(model_dir, prompt_text, images, "cpu")
+    assert got[0] == _reference(model_dir, prompt_text, images, device)
     for name, tokens in zip(NAMES, got[1:], strict=True):
-        assert tokens == _reference(model_dir, prompt_text, images, "cpu", merged_model(model_dir, adapters[name]))
+        assert tokens == _reference(model_dir, prompt_text, images, device, merged_model(model_dir, adapters[name]))
     assert len({tuple(t) for t in got}) == 4, "every adapter changes the answer (else this proves little)"
 
 
