@@ -104,7 +104,10 @@ def attach_loras(lm: LanguageHalf, cfg: Any) -> LoRASet | None:
     shapes = linear_shapes(lm.module)
     adapters = [read_adapter(m.name, Path(m.path), family=lm.adapter, shapes=shapes, max_rank=cfg.max_lora_rank,
                              dtype=lm.dtype, base_model_name=m.base_model_name) for m in cfg.lora_modules]
-    lm.lora = LoRASet(lm.module, adapters, min(cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras))
+    from decoder_service.engine import cpu_linear
+
+    lm.lora = LoRASet(lm.module, adapters, min(cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras), lm.dtype,
+                      pack=cpu_linear.wanted(cfg.cpu_exact_linear, lm.device))
     return lm.lora
 
 

@@ -125,7 +125,7 @@ def test_loading_and_unloading_while_a_stream_runs_leaves_it_unchanged(client: T
     assert answer(client, "") == base and answer(client, "b") not in (solo, base)
     lm = client.app.state.decoder.engine.lm  # type: ignore[attr-defined]
     assert set(lm.lora.loaded) == {2} and not lm.lora.users  # a's weights went with its last stream
-    assert all(set(m.adapters) <= {2} for m in lm.module.modules() if hasattr(m, "adapters"))
+    assert all(m.targets <= {2} for m in lm.module.modules() if hasattr(m, "targets"))
     assert torch.isfinite(next(iter(lm.lora.loaded[2].weights.values()))[0]).all()
 
 

@@ -25,9 +25,9 @@ def adapters_for(model_dir: Path, folder: Path) -> dict[str, Path]:
     return {name: make_adapter(model_dir, folder / name, seed=i, rank=8 if i else 16) for i, name in enumerate(NAMES)}
 
 
-def lora_config(adapters: dict[str, Path], **kw: object) -> DecoderConfig:
-    return DecoderConfig(enable_lora=True, max_loras=len(adapters), cpu_exact_linear=True,
-                         lora_modules=tuple(LoRAModule(n, str(p)) for n, p in adapters.items()), **kw)  # type: ignore[arg-type]
+def lora_config(adapters: dict[str, Path], cpu_exact_linear: bool = True) -> DecoderConfig:
+    return DecoderConfig(enable_lora=True, max_loras=len(adapters), cpu_exact_linear=cpu_exact_linear,
+                         lora_modules=tuple(LoRAModule(n, str(p)) for n, p in adapters.items()))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -39,21 +39,25 @@ def test_each_adapter_gives_the_merged_models_tokens_in_a_batch_mixing_adapters(
     prompt, images, prompt_text = _prompt(lm, VisionHalf(model_dir, device=device), model_dir, "one_image")
     lora = attach_loras(lm, lora_config(adapters))
     assert lora is not None
-    prompts = [prompt] + [replace(prompt, lora=lora.slot(n)) for n in NAMES]
-    got = _batched(lm, prompts, NUM_NEW, chunk=5, budget=7)  # chunks of rows of different adapters in each step
+    prompts = [prompt] + [replace(prompt, lora=lora.slot(n)) for n in NAMES] * 2
+    # chunks of rows of different adapters in each step; decode rows of one adapter apart (the gathered form)
+    got = _batched(lm, prompts, NUM_NEW, chunk=5, budget=7)
+    assert got[4:] == got[1:4]
     assert got[0] == _reference(model_dir, prompt_text, images, device)
-    for name, tokens in zip(NAMES, got[1:], strict=True):
+    for name, tokens in zip(NAMES, got[1:4], strict=True):
         assert tokens == _reference(model_dir, prompt_text, images, device, merged_model(model_dir, adapters[name]))
     assert len({tuple(t) for t in got}) == 4, "every adapter changes the answer (else this proves little)"
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact-linear", "prepacked"])
 def test_the_engine_gives_each_row_of_a_mixed_batch_its_solo_answer(tiny_model_dirs: dict[str, Path],
-                                                                    tmp_path: Path) -> None:
+                                                                    tmp_path: Path, exact: bool) -> None:
+    """With --cpu-exact-linear and with the default prepacked linears (the LoRA matmuls prepacked too)."""
     model_dir = tiny_model_dirs["llava"]
     adapters = adapters_for(model_dir, tmp_path)
     lm = LanguageHalf(model_dir)
     prompt = _prompt(lm, VisionHalf(model_dir), model_dir, "one_image")[0]
-    cfg = lora_config(adapters)
+    cfg = lora_config(adapters, cpu_exact_linear=exact)
     engine = make_engine(model_dir, lm, max_model_len=2048, **{k: getattr(cfg, k) for k in (
         "enable_lora", "max_loras", "cpu_exact_linear", "lora_modules")})
     try:
@@ -65,3 +69,4 @@ def test_the_engine_gives_each_row_of_a_mixed_batch_its_solo_answer(tiny_model_d
         engine.close()
     assert [r.answer() for r in together] == [r.answer() for r in alone]
     assert len({r.text for r in together}) == 4
+    assert all(m.packed is not None for m in lm.module.modules() if hasattr(m, "packed")) != exact
