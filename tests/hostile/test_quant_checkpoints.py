@@ -1,6 +1,6 @@
 """Hostile quantized checkpoints: each is refused at start, before any weight loads, with exit 2 and one line naming
 the config key or the tensor; never loaded into garbage answers. The in-process check is the one every program runs
-(decoder_service.cli.check_quantized: epd-decoder, and the launcher before it spawns anything; the encoder runs
+(decoder_service.preflight.check_quantized: epd-decoder, and the launcher before it spawns anything; the encoder runs
 epd_models.quant.load.check_checkpoint itself); the programs themselves are run for the exit code."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoder_service.cli import check_quantized
+from decoder_service.preflight import check_quantized
 from epd_common.startup import ConfigError
 from epd_models.halves import LanguageHalf
 from epd_models.quant.scheme import QuantError
