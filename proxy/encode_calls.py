@@ -180,6 +180,10 @@ class EncodeCalls:
         except httpx.HTTPError as exc:
             self.workers.mark_down(worker, f"encode call failed: {describe_failure(exc)}")
             raise WorkerFailed(type(exc).__name__) from exc
+        except AttributeError as exc:  # anyio's getpeername on a socket the dying encoder already closed (seen on
+            # CI when an encoder was killed mid-call: 'NoneType' object has no attribute 'getpeername'): its failure
+            self.workers.mark_down(worker, f"encode call failed: connection torn down ({exc})")
+            raise WorkerFailed("connection torn down") from exc
         encoded = _encoded(resp, name)
         await self._seen(encoded)
         return encoded.ec_address

@@ -46,9 +46,12 @@ def phase(registry: CollectorRegistry, name: str, sample: str) -> float:
 
 
 def answer(eng: Engine, req: GenerateRequest) -> None:
+    """Every choice's events, to its `done` (a choice's metrics are observed when it finishes)."""
     async def main() -> None:
-        out = await collect(eng.submit(eng.prepare(req)))
-        assert out.ok, out.last
+        job = eng.submit(eng.prepare(req))
+        for _ in range(req.sampling.n):
+            out = await collect(job)
+            assert out.ok, out.last
 
     asyncio.run(main())
 

@@ -172,6 +172,23 @@ def test_an_encoder_that_fails_mid_request_is_marked_down_and_its_items_go_to_an
     assert not first_healthy and failovers == 1
 
 
+def test_a_connection_torn_down_inside_the_transport_is_the_encoders_failure_not_a_500() -> None:
+    """anyio raised AttributeError (getpeername on a closed socket) from inside httpx when an encoder was killed
+    mid-call; its items go to another encoder as for any transport error."""
+    async def first_torn(url: str, hashes: list[str]) -> httpx.Response:
+        if url.endswith("9100"):
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+        return encoded(url, hashes)
+
+    async def main() -> tuple[dict[str, str], bool]:
+        async with fleet_of(Encoders(first_torn)) as fleet:
+            sources = await fleet.encode(items("a", "b"), "rid")
+            return sources, fleet.workers.by_url["http://127.0.0.1:9100"].healthy
+
+    sources, first_healthy = asyncio.run(main())
+    assert set(sources.values()) == {address("http://127.0.0.1:9101")} and not first_healthy
+
+
 def test_no_encoder_left_is_a_503() -> None:
     async def down(url: str, hashes: list[str]) -> httpx.Response:
         raise httpx.ConnectError("refused")

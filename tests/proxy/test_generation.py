@@ -72,7 +72,8 @@ class FakeFleet:
     def splits_prefill(self) -> bool:
         return bool(self.workers.of("prefill"))
 
-    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder") -> Worker:
+    def acquire_decoder(self, exclude: set[str], prefix_keys: Sequence[str] = (), role: str = "decoder",
+                        lora: str = "") -> Worker:
         worker = self.workers.acquire_decoder(exclude, prefix_keys, role)
         self.acquired.append((worker.url, list(prefix_keys)))
         return worker
