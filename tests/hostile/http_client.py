@@ -28,8 +28,9 @@ def served(app: Any, limits: HttpLimits, http: str = "auto") -> Iterator[int]:
         yield port
 
 
-def connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=30)
+def connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A TCP connection to the loopback server from `source` (another loopback address is another client)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
 
 
 def head(path: str, port: int, extra: str = "", chunked: bool = True, length: int | None = None) -> bytes:
