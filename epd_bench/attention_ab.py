@@ -10,11 +10,9 @@ and kernel ÷ SDPA per round (docs/BENCHMARKS.md, "Attention over blocks").
 """
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from epd_bench.engine_alone import engine, rate
-from epd_bench.lm_export import prompt_token_ids
+from epd_bench.engine_alone import engine, random_prompts, rate
 from epd_bench.micro import parser
 
 
@@ -28,7 +26,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from decoder_service.engine.work import Prompt
     from epd_contracts.sampling import SamplingParams
     from epd_models.halves import LanguageHalf
     from epd_models.resolve import resolve_model
@@ -36,18 +33,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(2)
     model = Path(resolve_model(args.model))
     lm = LanguageHalf(model, dtype="float32")
-    ids = prompt_token_ids(model)  # no special tokens (an image placeholder would want an image)
-    draw = random.Random(0)
+    prompts = random_prompts(model, args.prompt_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     cfg = {"max_num_seqs": 64, "max_model_len": 2048, "kv_cache_memory": 1 << 30}
     engines = {"kernel": engine(lm, **cfg), "sdpa": engine(lm, cpu_sdpa_attention=True, **cfg)}
     try:
         if engines["kernel"].runner.cache.decode_kernel is None:
             p.error("the kernel could not be had here (the decoder's warning above says why)")
-
-        def prompts(n: int) -> list[Prompt]:
-            return [Prompt(torch.tensor([draw.choices(ids, k=args.prompt_len)]), [])
-                    for _ in range(n)]
 
         for e in engines.values():  # warm
             rate(e, prompts(1), params)

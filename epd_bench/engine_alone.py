@@ -3,7 +3,10 @@ epd_bench/spec_batch.py and epd_bench/attention_ab.py compare engine settings wi
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -31,3 +34,15 @@ def rate(engine: Any, prompts: list[Any], params: Any) -> float:
     start = time.perf_counter()
     asyncio.run(main())
     return len(prompts) * params.max_tokens / (time.perf_counter() - start)
+
+
+def random_prompts(model: Path, prompt_len: int, seed: int = 0) -> Callable[[int], list[Any]]:
+    """A maker of n prompts of `prompt_len` random token ids of `model`'s tokenizer that are not special tokens (an
+    image placeholder would want an image), new on every call."""
+    import torch
+
+    from decoder_service.engine.work import Prompt
+    from epd_bench.lm_export import prompt_token_ids
+
+    ids, draw = prompt_token_ids(model), random.Random(seed)
+    return lambda n: [Prompt(torch.tensor([draw.choices(ids, k=prompt_len)]), []) for _ in range(n)]

@@ -13,15 +13,13 @@ rounds alternate which engine goes first. Prints each round's tokens/s and the m
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from epd_bench.engine_alone import engine, rate
-from epd_bench.lm_export import prompt_token_ids
+from epd_bench.engine_alone import engine, random_prompts, rate
 from epd_bench.micro import parser
 
 
@@ -56,7 +54,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from decoder_service.engine.work import Prompt
     from decoder_service.lora import LoRAModule
     from epd_contracts.sampling import SamplingParams
     from epd_models.halves import LanguageHalf
@@ -66,8 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu":
         torch.set_num_threads(2)
     model = Path(resolve_model(args.model))
-    ids = prompt_token_ids(model)
-    draw = random.Random(0)
+    random_batch = random_prompts(model, args.prompt_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     common: dict[str, Any] = {"max_num_seqs": max(args.in_flight, 1), "max_model_len": 1024,
                               "kv_cache_memory": 512 << 20, "device": args.device}
@@ -82,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         slots = [engines["mixed"].lm.lora.slot(m.name) for m in modules]
 
         def prompts(lora: bool) -> list[Any]:
-            out = [Prompt(torch.tensor([draw.choices(ids, k=args.prompt_len)]), []) for _ in range(args.in_flight)]
+            out = random_batch(args.in_flight)
             return [replace(q, lora=slots[i % len(slots)]) for i, q in enumerate(out)] if lora else out
 
         rates: dict[str, list[float]] = {"base": [], "mixed": []}

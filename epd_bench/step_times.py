@@ -16,14 +16,12 @@ mean). `--profile-step N`: torch.profiler's top operators of the first round's N
 """
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
-from epd_bench.engine_alone import engine, rate
-from epd_bench.lm_export import prompt_token_ids
+from epd_bench.engine_alone import engine, random_prompts, rate
 from epd_bench.micro import parser
 
 
@@ -98,7 +96,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import decoder_service.engine.model_runner as model_runner
-    from decoder_service.engine.work import Prompt
     from epd_contracts.sampling import SamplingParams
     from epd_models.halves import LanguageHalf
     from epd_models.resolve import resolve_model
@@ -111,13 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(2)
     model = Path(resolve_model(args.model))
     lm = LanguageHalf(model, dtype="float32")
-    ids = prompt_token_ids(model)  # no special tokens (an image placeholder would want an image)
-    draw = random.Random(0)
+    prompts = random_prompts(model, args.prompt_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     e = engine(lm, max_num_seqs=64, max_model_len=2048, kv_cache_memory=1 << 30)
-
-    def prompts(n: int) -> list[Prompt]:
-        return [Prompt(torch.tensor([draw.choices(ids, k=args.prompt_len)]), []) for _ in range(n)]
 
     try:
         rate(e, prompts(1), params)  # warm
