@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flags(p, d)
     add_quant_flags(p, d)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="positions of one sequence, prompt included (0: the model's max_position_embeddings, lowered "
-                        "with a warning to what the K/V pool holds; a larger value than the pool holds exits 2)")
+                   help="positions of one sequence, prompt included (0: the model's max_position_embeddings, or a "
+                        "longrope checkpoint's original_max_position_embeddings, lowered with a warning to what the "
+                        "K/V pool holds; a larger value than either exits 2)")
     p.add_argument("--tensor-parallel-size", "-tp", type=_tp_size, default=d.tensor_parallel_size,
                    help="processes (one per device) the language model is split over, as vLLM's flag: attention "
                         "heads, K/V heads, MLP and experts column- then row-parallel; this process serves HTTP and "

@@ -56,6 +56,9 @@ class DecoderConfig(HttpLimits, TraceSettings):
     max_cpu_loras: int = 0  # adapters kept in host memory; 0: max_loras
     enable_lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     allowed_lora_dir: str | None = None  # the folder runtime loads read from; None: runtime loads are refused
+    # modality -> adapter folder applied to requests naming none (decoder_service/lora_defaults.py); None: the
+    # checkpoint's own (Phi-4-multimodal's speech-lora, vision-lora), () none
+    default_mm_loras: tuple[tuple[str, str], ...] | None = None
     gather_timeout: float = 10.0  # seconds to fetch embeddings from encoders
     ec_cache_bytes: int = 1 << 30  # local cache of gathered embeddings (shared-memory items mapped count too)
     ec_shm: str = "auto"  # auto: map same-host encoders' shared memory after a probe; off: socket only

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from decoder_service.lora_defaults import PREFIX, default_folders, is_reserved, loaded_names, mm_loras_argument
 from epd_common.startup import ConfigError
 
 if TYPE_CHECKING:
@@ -70,6 +71,10 @@ def add_lora_flags(p: argparse.ArgumentParser, d: Any) -> None:
     g.add_argument("--enable-lora-runtime-updating", action="store_true",
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters at runtime "
                         "(behind the internal key; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+    g.add_argument("--default-mm-loras", type=mm_loras_argument, default=d.default_mm_loras,
+                   help="vLLM's JSON {modality: adapter folder}: requests naming no adapter and holding that modality "
+                        "(image, video, audio) run under it; default: the checkpoint's own (Phi-4-multimodal's "
+                        "speech-lora and vision-lora); '{}': none")
     g.add_argument("--allowed-lora-dir", default=d.allowed_lora_dir,
                    help="the folder runtime loads may read adapters from (symlinks resolved); unset: every runtime "
                         "load is refused")
@@ -87,6 +92,8 @@ def check_lora_flags(cfg: Any) -> None:
     names = [m.name for m in cfg.lora_modules]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora-modules: a name given twice in {names}")
+    if any(is_reserved(n) for n in names):
+        raise ConfigError(f"--lora-modules: names starting {PREFIX!r} are the modality defaults' (--default-mm-loras)")
     if cfg.enable_lora_runtime_updating and not cfg.enable_lora:
         raise ConfigError("--enable-lora-runtime-updating needs --enable-lora")
     if cfg.enable_lora and cfg.tensor_parallel_size > 1:
@@ -94,20 +101,29 @@ def check_lora_flags(cfg: Any) -> None:
 
 
 def attach_loras(lm: LanguageHalf, cfg: Any) -> LoRASet | None:
-    """Read and check every --lora-modules adapter against `lm` and add them to its linears (LoRAError if one is
-    refused); None when --enable-lora is off."""
-    if not cfg.enable_lora:
+    """Read and check every --lora-modules adapter, and the modality defaults (decoder_service/lora_defaults.py),
+    against `lm` and add them to its linears (LoRAError if one is refused); None when there are none to serve."""
+    names, folders = loaded_names(default_folders(lm.model_dir, lm.adapter.spec.shipped_loras, cfg.default_mm_loras))
+    if not cfg.enable_lora and not folders:
         return None
+    from epd_models.lora.peft_format import LoRAError, linear_shapes, read_adapter
+
+    if folders and cfg.tensor_parallel_size > 1:
+        raise LoRAError(f"the checkpoint's modality adapters ({sorted(names)}) with --tensor-parallel-size > 1 "
+                            "are not supported yet; --default-mm-loras '{}' serves without them")
     from epd_models.lora.layers import LoRASet
-    from epd_models.lora.peft_format import linear_shapes, read_adapter
 
     shapes = linear_shapes(lm.module)
     adapters = [read_adapter(m.name, Path(m.path), family=lm.adapter, shapes=shapes, max_rank=cfg.max_lora_rank,
                              dtype=lm.dtype, base_model_name=m.base_model_name) for m in cfg.lora_modules]
+    adapters += [read_adapter(name, folder, family=lm.adapter, shapes=shapes, max_rank=RANKS[-1], dtype=lm.dtype)
+                 for name, folder in folders.items()]
     from decoder_service.engine import cpu_linear
 
-    lm.lora = LoRASet(lm.module, adapters, min(cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras), lm.dtype,
+    resident = min(cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras) if cfg.enable_lora else 0
+    lm.lora = LoRASet(lm.module, adapters, resident + len(folders), lm.dtype,
                       pack=cpu_linear.wanted(cfg.cpu_exact_linear, lm.device))
+    lm.lora.defaults = names
     return lm.lora
 
 
@@ -120,6 +136,8 @@ def load_at_runtime(lm: LanguageHalf, cfg: Any, name: str, path: str) -> None:
         raise LoRAError("runtime loads need --allowed-lora-dir (the folder adapters may be read from)")
     if name in lm.lora.slots:
         raise LoRAError(f"adapter {name!r} is already loaded")
+    if is_reserved(name) or not cfg.enable_lora:
+        raise LoRAError(f"adapter {name!r}: runtime loads need --enable-lora, and a name not starting {PREFIX!r}")
     adapter = read_adapter(name, Path(path), family=lm.adapter, shapes=linear_shapes(lm.module),
                            max_rank=cfg.max_lora_rank, dtype=lm.dtype, root=Path(cfg.allowed_lora_dir))
     lm.lora.add(adapter)

@@ -12,6 +12,7 @@ import msgspec
 from fastapi import APIRouter, Request
 
 from decoder_service.lora import MAX_NAME_CHARS, load_at_runtime
+from decoder_service.lora_defaults import is_reserved
 from epd_common.errors import APIError, bad_request
 from epd_contracts.validation import ContractError, decode_json
 from epd_models.lora.peft_format import LoRAError
@@ -58,6 +59,8 @@ async def unload_lora_adapter(request: Request) -> dict[str, str]:
     state, body = await _body(request, UnloadLoRA)
     lora = state.ready_engine().lm.lora
     try:
+        if is_reserved(body.lora_name):  # the checkpoint's modality adapters stay (decoder_service/lora_defaults.py)
+            raise KeyError(body.lora_name)
         lora.remove(body.lora_name)
     except KeyError:
         raise bad_request(f"adapter {body.lora_name!r} is not loaded", "lora_name", code="invalid_lora") from None

@@ -60,14 +60,15 @@ def check_kv_fits(model_dir: str | Path, *, dtype: str, device: str, block_size:
                   kv_cache_memory: int, ranks: int = 1) -> None:
     """ConfigError, with the engine's own message (decoder_service.engine.memory_plan), when an explicit
     --max-model-len cannot fit in an explicit --kv-cache-memory (one rank's pool at --tensor-parallel-size `ranks`),
-    or when the model does not split over `ranks`; read from the checkpoint's config, no weights loaded. Either one left to its default (0) is settled only once the weights are loaded: nothing to check.
+    is past a longrope checkpoint's short factors (memory_plan.checkpoint_max_len), or when the model does not split
+    over `ranks`; read from the checkpoint's config, no weights loaded. Either one left to its default (0) is settled only once the weights are loaded: nothing to check.
     On CUDA the GPU's free memory is not known yet, so only the arithmetic is checked (the engine checks the rest)."""
-    if not (max_model_len and kv_cache_memory) and ranks == 1:
+    if not max_model_len and ranks == 1:
         return
     import torch  # NOTE: here: the launcher and --help never need it
 
     from decoder_service.engine.kv_shape import KVShape
-    from decoder_service.engine.memory_plan import KVPlanError, cpu_total_bytes, plan_kv_cache
+    from decoder_service.engine.memory_plan import KVPlanError, checkpoint_max_len, cpu_total_bytes, plan_kv_cache
     from epd_models.device import _dtype
     from epd_models.registry import load_config
     from epd_models.tensor_parallel import SplitError, check_split
@@ -79,7 +80,8 @@ def check_kv_fits(model_dir: str | Path, *, dtype: str, device: str, block_size:
     text = config.get_text_config()
     try:
         check_split(text, ranks)
-    except SplitError as exc:
+        limit = checkpoint_max_len(text, max_model_len)
+    except (SplitError, KVPlanError) as exc:
         raise ConfigError(f"model {model_dir}: {exc}") from None
     if not (max_model_len and kv_cache_memory):
         return
@@ -87,7 +89,7 @@ def check_kv_fits(model_dir: str | Path, *, dtype: str, device: str, block_size:
     total = cpu_total_bytes() if where.type == "cpu" else kv_cache_memory
     try:
         plan_kv_cache(KVShape.of(text, _dtype(config, dtype), ranks), block_size=block_size, requested_max_len=max_model_len,
-                      checkpoint_max_len=int(text.max_position_embeddings), kv_cache_memory=kv_cache_memory,
+                      checkpoint_max_len=limit, kv_cache_memory=kv_cache_memory,
                       device=where, gpu_memory_utilization=1.0, total_bytes=total, used_bytes=0)
     except KVPlanError as exc:
         raise ConfigError(str(exc)) from None

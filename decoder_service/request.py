@@ -18,6 +18,7 @@ from decoder_service.engine.work import Prompt, Work
 from decoder_service.grammar import CompiledGuide, GuideCompiler, GuideError, spec_for
 from decoder_service.image_hits import SaltedHits
 from decoder_service.lora import lora_salt
+from decoder_service.lora_defaults import default_for
 from decoder_service.prompt import build_prompt
 from decoder_service.video_gather import Gathered
 from epd_common.errors import APIError, bad_request
@@ -72,9 +73,10 @@ class Preparer:
                 compiled: bool = False) -> Work:
         """Tokens (before the gather: with pipelined encode this overlaps the encoder's work), images, checks, guide
         (`compiled`: `guide` is the request's, found and compiled beforehand on the grammar pool; else compiled here)."""
-        slot = self._lora_slot(req.lora) if req.lora else 0  # before any work: an adapter not served is a 400
+        lora = req.lora or default_for(self.lm.lora.defaults if self.lm.lora is not None else {}, req.images)
+        slot = self._lora_slot(lora) if lora else 0  # before any work: an adapter not served is a 400
         try:
-            return self._prepare(req, gather, guide, compiled, slot)
+            return self._prepare(req, gather, guide, compiled, slot, lora)
         except BaseException:
             self.release(slot)
             raise
@@ -85,7 +87,7 @@ class Preparer:
             self.lm.lora.release(slot)
 
     def _prepare(self, req: GenerateRequest, gather: Gather, guide: CompiledGuide | None, compiled: bool,
-                 slot: int) -> Work:
+                 slot: int, lora: str) -> Work:
         params = req.sampling
         self._check_sampling(req, params)
         self._check_images(req)
@@ -103,12 +105,12 @@ class Preparer:
         held = self.salted_hits.visible(req.cache_salt, [ref.mm_hash for ref in req.images],
                                         [((0, g.features.num_tokens),) if ref.cached else g.held
                                          for g, ref in zip(images, req.images, strict=True)])
-        positions, chain = self._image_tokens(req, prompt, held)
+        positions, chain = self._image_tokens(req, prompt, held, lora)
         return Work(prompt, self._fit(prompt, params), guide, tools, echo, positions, chain, tuple(req.prefix_keys),
                     client=req.cache_salt)
 
-    def _image_tokens(self, req: GenerateRequest, prompt: Prompt,
-                      held: list[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, ...], PrefixChain | None]:
+    def _image_tokens(self, req: GenerateRequest, prompt: Prompt, held: list[tuple[tuple[int, int], ...]],
+                      lora: str) -> tuple[tuple[int, ...], PrefixChain | None]:
         """The positions of held rows' tokens (`held`: per item, [start, end) ranges of its rows), and the prompt's
         prefix-cache chain (images, videos and clips named by mm_hash). An item's rows are its tokens of the image,
         video or audio token, in prompt order (where merge_image_embeds puts them)."""
@@ -125,7 +127,7 @@ class Preparer:
             taken[token] += size
         chain = None
         if self.prefix_block:
-            chain = prompt_chain(ids, self.prefix_block, lora_salt(req.cache_salt, req.lora), self.lm.image_token_id,
+            chain = prompt_chain(ids, self.prefix_block, lora_salt(req.cache_salt, lora), self.lm.image_token_id,
                                  [(ref.mm_hash, size) for ref, size in zip(req.images, sizes, strict=True)],
                                  video_token_id=self.lm.video_token_id, audio_token_id=self.lm.audio_token_id,
                                  kinds=tokens)

@@ -41,6 +41,7 @@ class AudioTinySpec:
     audio_heads: int = 2
     lm_scale: float = 1.0  # >1 makes a random LM's greedy output less degenerate
     seed: int = 0
+    shipped_loras: bool = False  # Phi-4-multimodal: write speech-lora/ and vision-lora/ beside the weights, as it ships
 
     def __post_init__(self) -> None:
         assert self.family in AUDIO_FAMILIES, f"unknown family {self.family!r}; one of {AUDIO_FAMILIES}"
@@ -72,6 +73,8 @@ def build_audio_tiny(spec: AudioTinySpec, out_dir: str | Path) -> Path:
     model.save_pretrained(out)
     built.processor.save_pretrained(out)
     built.tokenizer.save_pretrained(out)
+    if spec.shipped_loras:
+        module.write_shipped_loras(model, out)
     return out
 
 

@@ -81,6 +81,14 @@ def lora_module(value: str) -> str:
     return value
 
 
+def default_mm_loras(value: str) -> str:
+    """--default-mm-loras: vLLM's JSON {modality: adapter folder}, checked as epd-decoder checks it, passed as given."""
+    from decoder_service.lora_defaults import mm_loras_argument  # NOTE: here, as speculative_config's
+
+    mm_loras_argument(value)
+    return value
+
+
 def positive_seconds(value: str) -> float:
     """A float flag that must be > 0 (and finite)."""
     number = float(value)

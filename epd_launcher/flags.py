@@ -19,6 +19,7 @@ from epd_common.weight_flags import (
 from epd_launcher.flag_types import (
     base_port,
     choice,
+    default_mm_loras,
     lora_module,
     non_negative,
     positive,
@@ -79,6 +80,9 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--max-lora-rank", positive, "the largest LoRA rank a decoder accepts (vLLM's choices: 1, 8, 16, ... 512)"),
     ("--max-cpu-loras", non_negative, "LoRA adapters each decoder keeps in host memory (0: --max-loras)"),
     ("--allowed-lora-dir", str, "the folder runtime LoRA loads may read adapters from (unset: runtime loads refused)"),
+    ("--default-mm-loras", default_mm_loras,
+     "vLLM's JSON {modality: adapter folder} each decoder applies to requests naming no adapter (default: the "
+     "checkpoint's own, Phi-4-multimodal's speech-lora and vision-lora; '{}': none)"),
     ("--quantization", choice(QUANTIZATION_CHOICES), QUANTIZATION_HELP),
     ("--quantized-weights", choice(QUANTIZED_WEIGHTS_CHOICES), QUANTIZED_WEIGHTS_HELP),
 )

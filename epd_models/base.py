@@ -80,6 +80,9 @@ class FamilySpec:
     # checkpoint keys (after renaming) neither half reads: the other parts of a composite checkpoint (Qwen2.5-Omni's
     # talker and token2wav beside its thinker)
     skip_prefixes: tuple[str, ...] = ()
+    # LoRA adapters the checkpoint ships in subfolders, per modality its requests take (Phi-4-multimodal's
+    # speech-lora, vision-lora): applied by default, as vLLM's default_mm_loras (decoder_service/lora_defaults.py)
+    shipped_loras: tuple[tuple[str, str], ...] = ()
 
 
 class FamilyAdapter(AudioHooks):

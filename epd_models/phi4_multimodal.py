@@ -24,12 +24,15 @@ different lengths in ONE processor call differ there: transformers pads the shor
 the attention scores as 0/1 (not -inf), so a shorter clip's rows see the padding (2.4e-3 on the tiny model) and depend
 on the other clips; here every clip is encoded alone, as transformers gives it alone.
 
-The real checkpoint also ships speech and vision LoRA adapters for the LM (peft), which transformers' stock model does
-not load: a real checkpoint served here runs without its speech LoRA, as transformers' own generate() does when no
-adapter is loaded. Positions are Phi-3's plain 1D ones. The real checkpoint's longrope (its rotary_emb) takes the
+The real checkpoint also ships speech and vision LoRA adapters for the LM (PEFT, speech-lora/ and vision-lora/),
+which transformers' stock model loads only when asked (PEFT's load_adapter): the decoder applies them to audio and
+image requests by default (FamilySpec.shipped_loras, decoder_service/lora_defaults.py), exactly as transformers with
+the adapter loaded. Positions are Phi-3's plain 1D ones. The real checkpoint's longrope (its rotary_emb) takes the
 short or the long factors for a whole forward from its largest position: equal to generate() while every position
 stays within original_max_position_embeddings (4096); past it transformers drops its cache and prefills again with
-the long factors, which the decoder does not, and a packed forward makes one choice for all its rows.
+the long factors, and a packed forward would make one choice for all its rows, so such a checkpoint is served within
+original_max_position_embeddings (decoder_service/engine/memory_plan.py checkpoint_max_len; a longer --max-model-len
+exits 2).
 """
 from __future__ import annotations
 

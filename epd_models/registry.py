@@ -70,7 +70,8 @@ ADAPTERS: tuple[FamilyAdapter, ...] = (
                                  feature_inputs=("input_features", "feature_attention_mask"))),
     # audio in, text out; the LM is the base model itself and the towers sit in its embed_tokens_extend (audio only)
     Phi4MultimodalAdapter(FamilySpec(name="phi4_multimodal", model_types=("phi4_multimodal",),
-                                     vision_children=("embed_tokens_extend",), feature_inputs=("audio_input_features",))),
+                                     vision_children=("embed_tokens_extend",), feature_inputs=("audio_input_features",),
+                                     shipped_loras=(("image", "vision-lora"), ("audio", "speech-lora")))),
     # Qwen2.5-Omni's thinker: audio, images and videos in, text out; the encoder half is both towers
     Qwen2_5OmniAdapter(FamilySpec(name="qwen2_5_omni", model_types=("qwen2_5_omni_thinker",),
                                   vision_children=("audio_tower", "visual"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -105,6 +105,28 @@ def kv_budget(*, kv_cache_memory: int, device: torch.device, gpu_memory_utilizat
     return max(0, pool), f"1/{CPU_SHARE} of {_size(total_bytes)} RAM, at most {CPU_HEADROOM:g} of it less the weights"
 
 
+def checkpoint_max_len(text: Any, requested_max_len: int = 0) -> int:
+    """The positions a checkpoint is served to: its max_position_embeddings, or for longrope (Phi-3's and
+    Phi-4-multimodal's rotary scaling) its original_max_position_embeddings. Past that longrope takes its long
+    factors for a whole forward, chosen from the forward's largest position; transformers then drops its cache and
+    prefills again, and a packed step would choose for every row at once (one long request would change its
+    neighbours' answers), so EPD serves such a checkpoint within the short factors only, where it equals
+    generate(). KVPlanError when `requested_max_len` is past that."""
+    limit = int(text.max_position_embeddings)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "longrope":
+        original = rope.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
+                                                                            None)
+        if original and int(original) < limit:
+            limit = int(original)
+            if requested_max_len > limit:
+                raise KVPlanError(f"--max-model-len {requested_max_len} is past this checkpoint's longrope "
+                                  f"original_max_position_embeddings {limit}: past it the rotary embedding switches "
+                                  "to its long factors, which EPD does not serve yet (positions past them would "
+                                  f"differ from transformers'); use --max-model-len {limit} or less")
+    return limit
+
+
 def plan_for(cfg: EngineSettings, lm: LanguageHalf, used_bytes: int | None = None) -> KVPlan:
     """The plan for a loaded LM under cfg. used_bytes: the caller's measure (CUDA: after a profiling forward);
     None measures now (CUDA: the weights only, an upper bound on the pool; CPU: the weights' bytes)."""
@@ -114,7 +136,7 @@ def plan_for(cfg: EngineSettings, lm: LanguageHalf, used_bytes: int | None = Non
     else:
         total, used_now = cpu_total_bytes(), module_bytes(lm.module)
     return plan_kv_cache(shape, block_size=cfg.block_size, requested_max_len=cfg.max_model_len,
-                         checkpoint_max_len=int(lm.config.get_text_config().max_position_embeddings),
+                         checkpoint_max_len=checkpoint_max_len(lm.config.get_text_config(), cfg.max_model_len),
                          kv_cache_memory=cfg.kv_cache_memory, device=lm.device,
                          gpu_memory_utilization=cfg.gpu_memory_utilization, total_bytes=total,
                          used_bytes=used_now if used_bytes is None else used_bytes)

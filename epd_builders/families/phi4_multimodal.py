@@ -6,13 +6,18 @@ layers, norm) and the towers hang under it as model.embed_tokens_extend.{audio_e
 projection has two sets of weights, chosen by whether the prompt also holds an image ("speech" vs "vision"), so an
 audio clip's rows depend on its prompt. The vision path is built (it needs no torchvision) but not exercised: the only
 image processor transformers has imports torchvision. The real checkpoint also ships speech and vision LoRA adapters
-for the LM (peft), which these tiny ones do not have.
+for the LM (PEFT format, in speech-lora/ and vision-lora/): `write_shipped_loras` writes tiny random ones the same
+way (AudioTinySpec.shipped_loras).
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
 from transformers import Phi4MultimodalConfig, Phi4MultimodalFeatureExtractor, Phi4MultimodalForCausalLM
 from transformers.models.phi4_multimodal.configuration_phi4_multimodal import (
     Phi4MultimodalAudioConfig,
@@ -29,6 +34,10 @@ MEL_BINS, TIME_REDUCTION = 80, 8
 WINDOW_TOKENS = 500  # the encoder's attention window after subsampling (its max_seq_len): 4000 mel frames, 40 s
 WINDOW_SECONDS = WINDOW_TOKENS * TIME_REDUCTION * 160 // SAMPLING_RATE
 LM_PREFIXES = ("model.layers.", "model.embed_tokens.", "model.norm.")  # the encoder's: model.embed_tokens_extend
+# the real checkpoint's adapters (speech r 320, alpha 640; vision r 256, alpha 512) on every LM layer's fused
+# linears; these tiny ones keep alpha = 2r at ranks that fit the tiny LM
+SHIPPED_LORAS = {"speech-lora": 8, "vision-lora": 4}
+LORA_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def build(spec: Any) -> Built:
@@ -64,3 +73,24 @@ def audio_tokens(num_samples: int, processor: Any) -> int:
     fe = processor.audio_processor
     frames = (num_samples - int(fe.win_length)) // int(fe.hop_length) + 1
     return math.ceil(math.ceil(frames / int(fe.audio_compression_rate)) / int(fe.audio_downsample_rate))
+
+
+def write_shipped_loras(model: Any, out: Path) -> None:
+    """speech-lora/ and vision-lora/ in `out`, PEFT's format (adapter_config.json, adapter_model.safetensors keyed
+    base_model.model.<module>.lora_{A,B}.weight), random A and B large enough to change a greedy answer."""
+    for i, (folder, rank) in enumerate(SHIPPED_LORAS.items()):
+        gen = torch.Generator().manual_seed(1000 + i)
+        tensors = {}
+        for layer in range(model.config.num_hidden_layers):
+            for target in LORA_TARGETS:
+                name = f"model.layers.{layer}.{target}"
+                linear = model.get_submodule(name)
+                for half, shape in (("A", (rank, linear.in_features)), ("B", (linear.out_features, rank))):
+                    tensors[f"base_model.model.{name}.lora_{half}.weight"] = torch.randn(shape, generator=gen) * 0.2
+        (out / folder).mkdir()
+        save_file(tensors, str(out / folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        targets = r"model\.layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)"
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                  "lora_dropout": 0.0, "bias": "none", "target_modules": targets, "modules_to_save": [],
+                  "base_model_name_or_path": None, "inference_mode": True}
+        (out / folder / "adapter_config.json").write_text(json.dumps(config, indent=2))

@@ -43,6 +43,7 @@ class LoRASet:
         self.slots: dict[str, int] = {}  # name -> slot of the adapters that take new requests
         self.users: Counter[int] = Counter()  # slot -> requests holding it
         self.retired: set[int] = set()  # removed, freed when its last user releases it
+        self.defaults: dict[str, str] = {}  # modality -> the adapter its requests take unasked (not listed)
         self.layout: dict[int, tuple[int, int]] = {}  # slot -> its columns in every layer's a_cat / b_cat
         self.runs: list[tuple[int, slice]] = []  # the forward under way: (slot, positions) of long runs ...
         self.mask: torch.Tensor | None = None  # ... or, for short interleaved runs, the column mask
@@ -104,7 +105,8 @@ class LoRASet:
         """What /health lists (the proxy routes a request for an adapter to a decoder that lists it)."""
         with self._lock:
             return [{"name": a.name, "base_model_name": a.base_model_name, "rank": a.rank, "modules": len(a.weights)}
-                    for slot, a in sorted(self.loaded.items()) if self.slots.get(a.name) == slot]
+                    for slot, a in sorted(self.loaded.items())
+                    if self.slots.get(a.name) == slot and a.name not in self.defaults.values()]
 
     def slot(self, name: str) -> int:
         """The slot of adapter `name` ("" is the base model: 0); KeyError for one not loaded."""

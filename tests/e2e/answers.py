@@ -16,9 +16,10 @@ from tests.hostile.http_client import served
 
 
 @contextmanager
-def aggregated(model_dir: Path) -> Iterator[str]:
-    """An aggregated decoder (both halves) and a proxy in front of it, each behind uvicorn in a thread."""
-    dapp = decoder_app(DecoderConfig(model=str(model_dir), aggregated=True))
+def aggregated(model_dir: Path, **cfg: Any) -> Iterator[str]:
+    """An aggregated decoder (both halves; `cfg`: more of its DecoderConfig) and a proxy in front of it, each behind
+    uvicorn in a thread."""
+    dapp = decoder_app(DecoderConfig(model=str(model_dir), aggregated=True, **cfg))
     with served(dapp, HttpLimits()) as dport:
         pcfg = ProxyConfig(encode_urls=(), decode_urls=(f"http://127.0.0.1:{dport}",), aggregated=True,
                            served_model_name=None)  # the name the decoder reports, as in attach mode

@@ -134,3 +134,12 @@ def test_runtime_updates_are_a_404_unless_enabled(tiny_model_dirs: dict[str, Pat
                         allowed_lora_dir=str(folders["root"]))
     with TestClient(create_app(cfg, lm=LanguageHalf(tiny_model_dirs["llava"]))) as c:
         assert load(c, "b", folders["b"], headers={}).status_code == 404
+
+
+def test_the_modality_defaults_names_are_not_for_runtime_loads(client: TestClient, folders: dict[str, Path]) -> None:
+    """A checkpoint's own adapters load as default-mm:<modality> (decoder_service/lora_defaults.py): a runtime load
+    may not take such a name, and an unload of one is refused."""
+    refused = load(client, "default-mm:audio", folders["b"])
+    assert refused.status_code == 400 and "default-mm:" in refused.json()["error"]["message"]
+    gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "default-mm:audio"}, headers=KEY)
+    assert gone.status_code == 400 and loras(client) == ["a"]

@@ -1,6 +1,6 @@
-"""disagg-epd-proxy's LoRA flags: --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras and --lora-modules
-(each item checked as epd-decoder checks it, then passed as given) reach every spawned decoder and prefill worker,
-never an encoder; a malformed item is a usage error before anything starts."""
+"""disagg-epd-proxy's LoRA flags: --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras, --default-mm-loras
+and --lora-modules (each item checked as epd-decoder checks it, then passed as given) reach every spawned decoder and
+prefill worker, never an encoder; a malformed item is a usage error before anything starts."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,8 @@ def test_every_decoder_and_prefill_worker_gets_the_lora_flags(monkeypatch: pytes
 
     workers = spawned(monkeypatch, ["--num-decoders", "2", "--num-prefills", "1", "--enable-lora", "--max-loras", "2",
                                     "--max-lora-rank", "32", "--lora-modules", "a=/adapters/a", JSON_ITEM,
-                                    "--enable-lora-runtime-updating", "--allowed-lora-dir", "/adapters"])
+                                    "--enable-lora-runtime-updating", "--allowed-lora-dir", "/adapters",
+                                    "--default-mm-loras", '{"audio": "/adapters/speech"}'])
     assert all("--enable-lora" not in extra for kind, extra in workers if kind == "encoder")
     for kind, extra in workers:
         if kind == "encoder":
@@ -25,6 +26,7 @@ def test_every_decoder_and_prefill_worker_gets_the_lora_flags(monkeypatch: pytes
         assert cfg.enable_lora and cfg.max_loras == 2 and cfg.max_lora_rank == 32
         assert cfg.enable_lora_runtime_updating and cfg.allowed_lora_dir == "/adapters"
         assert cfg.lora_modules == (LoRAModule("a", "/adapters/a"), LoRAModule("b", "/adapters/b", "demo"))
+        assert cfg.default_mm_loras == (("audio", "/adapters/speech"),)
 
 
 def test_not_given_nothing_is_passed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,3 +42,13 @@ def test_a_malformed_item_is_a_usage_error(item: str, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit) as refused:
         parse_args(["--enable-lora", "--lora-modules", item])
     assert refused.value.code == 2 and "argument --lora-modules: " in capsys.readouterr().err
+
+
+def test_a_malformed_default_mm_loras_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from epd_launcher.flags import parse_args
+
+    monkeypatch.setenv("EPD_INSECURE", "1")
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--default-mm-loras", '{"speech": "/a"}'])
+    assert refused.value.code == 2 and "argument --default-mm-loras: " in capsys.readouterr().err

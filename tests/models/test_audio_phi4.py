@@ -4,7 +4,7 @@ concatenated are the whole clip's, bit for bit). The encoder half is embed_token
 half the base model without its towers; image input is refused (no image processor without torchvision)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,10 +44,11 @@ class Halves:
         return str(self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
                                                       add_generation_prompt=True))
 
-    def ours(self, items: list[ImageFeatures]) -> Run:
+    def ours(self, items: list[ImageFeatures], lora: int = 0) -> Run:
+        """Our halves' answer (`lora`: under that LoRA slot of self.lm.lora)."""
         items = [f.as_audio() for f in through_connector(items)]  # the flag does not travel: the decoder sets it
         ids = list(self.lm.tokenizer(self.text(len(items)), add_special_tokens=False)["input_ids"])
-        prompt = build_prompt(self.lm, ids, items)
+        prompt = replace(build_prompt(self.lm, ids, items), lora=lora)
         seen: list[torch.Tensor] = []
 
         def choose(logits: torch.Tensor) -> int:

@@ -49,14 +49,16 @@ def _argmax(logits: torch.Tensor) -> int:
 
 
 def _reference(model_dir: Path, prompt_text: str, images: list, device: str,
-               model: torch.nn.Module | None = None) -> list[int]:
-    """transformers' greedy tokens (`model`: this one instead of the checkpoint's, e.g. with a LoRA merged)."""
+               model: torch.nn.Module | None = None, **sampling: object) -> list[int]:
+    """transformers' greedy tokens (`model`: this one instead of the checkpoint's, e.g. with a LoRA merged;
+    `sampling`: generation settings instead of greedy, e.g. do_sample with a temperature)."""
     proc = AutoProcessor.from_pretrained(model_dir)
     model = (model or AutoModelForImageTextToText.from_pretrained(model_dir)).eval().to(device)
     # one prompt's images, nested where the family counts the images per prompt (LLaVA-OneVision)
     nested = [images] if images and AutoConfig.from_pretrained(model_dir).model_type in MULTI_IMAGE_FAMILIES else images
     inputs = proc(text=[prompt_text], images=nested or None, return_tensors="pt").to(device)
-    cfg = GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cfg = GenerationConfig(**{"max_new_tokens": NUM_NEW, "do_sample": False, "eos_token_id": None, "pad_token_id": 0,
+                              **sampling})
     out = model.generate(**inputs, generation_config=cfg)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
