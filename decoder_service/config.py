@@ -48,12 +48,12 @@ class DecoderConfig(HttpLimits, TraceSettings):
     max_prefill_tokens: int = 0
     # vLLM's --speculative-config JSON, checked (decoder_service/engine/spec/config.py); None: one token per step
     speculative_config: SpecConfig | None = None
-    # LoRA adapters (decoder_service/lora.py), vLLM's flags: requests select one by name; every one stays resident
+    # LoRA adapters (decoder_service/lora.py), vLLM's flags: requests select one by name; least recently used evicted
     enable_lora: bool = False
     lora_modules: tuple[LoRAModule, ...] = ()
     max_loras: int = 1  # adapters resident at once
     max_lora_rank: int = 16  # a larger rank is refused
-    max_cpu_loras: int = 0  # adapters kept in host memory; 0: max_loras
+    max_cpu_loras: int = 0  # adapters known (host memory), resident or not; 0: max_loras
     enable_lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     allowed_lora_dir: str | None = None  # the folder runtime loads read from; None: runtime loads are refused
     # modality -> adapter folder applied to requests naming none (decoder_service/lora_defaults.py); None: the

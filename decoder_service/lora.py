@@ -6,8 +6,9 @@ A request names its adapter in `lora` (the proxy's `model`); its rows then run w
 adapter is never reused under another), and every other request in the step keeps its own adapter or the base.
 With --enable-lora-runtime-updating, `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's bodies)
 add and remove adapters while streams run (decoder_service/lora_routes.py): a load reads only folders inside
---allowed-lora-dir. NOTE: every loaded adapter stays resident, at most --max-loras of them (an adapter is not swapped
-out to make room for another yet)."""
+--allowed-lora-dir. Up to --max-cpu-loras adapters are kept in host memory, --max-loras of them resident in the
+linears; a request for one that is not resident evicts the least recently used one no request holds, or waits for
+one (epd_models/lora/layers.py `LoRASet.acquire`)."""
 from __future__ import annotations
 
 import argparse
@@ -63,11 +64,13 @@ def add_lora_flags(p: argparse.ArgumentParser, d: Any) -> None:
     g.add_argument("--lora-modules", type=lora_module_argument, nargs="+", default=[],
                    help="adapters to serve: name=path, or JSON {\"name\", \"path\", \"base_model_name\"}")
     g.add_argument("--max-loras", type=int, default=d.max_loras,
-                   help="adapters resident at once (this version keeps every --lora-modules adapter resident)")
+                   help="adapters resident in the linears at once; a request for another evicts the least recently "
+                        "used one no request holds (or waits for one)")
     g.add_argument("--max-lora-rank", type=int, choices=RANKS, default=d.max_lora_rank,
                    help="the largest rank an adapter may have; a larger one is refused")
     g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
-                   help="adapters kept in host memory (0: --max-loras)")
+                   help="adapters kept in host memory, resident or not: --lora-modules and runtime loads together "
+                        "(0: --max-loras)")
     g.add_argument("--enable-lora-runtime-updating", action="store_true",
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters at runtime "
                         "(behind the internal key; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
@@ -86,9 +89,11 @@ def check_lora_flags(cfg: Any) -> None:
         raise ConfigError("--lora-modules needs --enable-lora")
     if cfg.max_loras < 1 or cfg.max_cpu_loras < 0:
         raise ConfigError("--max-loras must be >= 1 and --max-cpu-loras >= 0")
-    if len(cfg.lora_modules) > min(cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras):
-        raise ConfigError(f"{len(cfg.lora_modules)} --lora-modules but --max-loras {cfg.max_loras}: this version "
-                          "keeps every adapter resident; raise --max-loras (and --max-cpu-loras)")
+    if cfg.max_cpu_loras and cfg.max_cpu_loras < cfg.max_loras:
+        raise ConfigError(f"--max-cpu-loras {cfg.max_cpu_loras} must be >= --max-loras {cfg.max_loras} (vLLM's rule)")
+    if len(cfg.lora_modules) > max(cfg.max_loras, cfg.max_cpu_loras):
+        raise ConfigError(f"{len(cfg.lora_modules)} --lora-modules but --max-cpu-loras {cfg.max_cpu_loras or 0} "
+                          f"(0: --max-loras {cfg.max_loras}) adapters are kept in host memory; raise --max-cpu-loras")
     names = [m.name for m in cfg.lora_modules]
     if len(set(names)) != len(names):
         raise ConfigError(f"--lora-modules: a name given twice in {names}")
@@ -120,10 +125,13 @@ def attach_loras(lm: LanguageHalf, cfg: Any) -> LoRASet | None:
                  for name, folder in folders.items()]
     from decoder_service.engine import cpu_linear
 
-    resident = min(cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras) if cfg.enable_lora else 0
-    lm.lora = LoRASet(lm.module, adapters, resident + len(folders), lm.dtype,
-                      pack=cpu_linear.wanted(cfg.cpu_exact_linear, lm.device))
+    resident, known = (cfg.max_loras, max(cfg.max_loras, cfg.max_cpu_loras)) if cfg.enable_lora else (0, 0)
+    lm.lora = LoRASet(lm.module, [], resident + len(folders), lm.dtype,
+                      pack=cpu_linear.wanted(cfg.cpu_exact_linear, lm.device), max_cpu_loras=known + len(folders))
     lm.lora.defaults = names
+    for adapter in adapters[len(cfg.lora_modules):] + adapters[: len(cfg.lora_modules)]:  # defaults resident first
+        lm.lora.add(adapter)
+    lm.lora.bind(())
     return lm.lora
 
 
@@ -134,7 +142,7 @@ def load_at_runtime(lm: LanguageHalf, cfg: Any, name: str, path: str) -> None:
     assert lm.lora is not None
     if cfg.allowed_lora_dir is None:
         raise LoRAError("runtime loads need --allowed-lora-dir (the folder adapters may be read from)")
-    if name in lm.lora.slots:
+    if name in lm.lora.known:
         raise LoRAError(f"adapter {name!r} is already loaded")
     if is_reserved(name) or not cfg.enable_lora:
         raise LoRAError(f"adapter {name!r}: runtime loads need --enable-lora, and a name not starting {PREFIX!r}")

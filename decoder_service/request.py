@@ -140,7 +140,7 @@ class Preparer:
                 return self.lm.lora.acquire(name)
         except KeyError:
             pass
-        held = sorted(self.lm.lora.slots) if self.lm.lora is not None else []
+        held = sorted(self.lm.lora.known) if self.lm.lora is not None else []
         raise bad_request(f"LoRA adapter {name!r} is not served by this decoder (it serves {held or 'none'})",
                           param="model")
 

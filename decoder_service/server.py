@@ -25,6 +25,8 @@ from decoder_service.engine.memory_plan import KVPlanError, plan_for
 from decoder_service.engine.sequence import Job
 from decoder_service.engine.tp.load import load_language
 from decoder_service.engine.tp.ranks import RankStartError
+from decoder_service.engine.work import Work
+from decoder_service.grammar import CompiledGuide
 from decoder_service.handoff import HandoffDeclined, HandoffEndpoints
 from decoder_service.job_trace import trace_job
 from decoder_service.metrics import DecoderMetrics
@@ -41,6 +43,7 @@ from epd_contracts.validation import ContractError, decode_json
 from epd_models.audio_jobs import audio_limits
 from epd_models.halves import LanguageHalf, VisionHalf, loaded_summary
 from epd_models.identity import model_identity
+from epd_models.lora.layers import AdaptersBusy
 from epd_models.lora.peft_format import LoRAError
 from epd_models.resolve import resolve_model
 from epd_models.video_config import video_limits
@@ -125,6 +128,22 @@ async def _set_on_disconnect(request: Request, cancelled: threading.Event) -> No
     cancelled.set()
 
 
+async def _prepare(engine: Engine, req: GenerateRequest, guide: CompiledGuide | None, watcher: asyncio.Task[None]
+                   ) -> Work:
+    """engine.prepare on a worker thread; while every resident LoRA slot is in use (AdaptersBusy), wait for one to
+    be released and try again (the client going away ends the wait)."""
+    while True:
+        try:
+            return await asyncio.to_thread(engine.prepare, *((req,) if guide is None else (req, guide, True)))
+        except AdaptersBusy as busy:
+            freed = asyncio.wrap_future(busy.freed)
+            await asyncio.wait((freed, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if watcher.done():
+                freed.cancel()
+                raise APIError(503, "the client went away while its LoRA adapter waited for a slot",
+                               code="overloaded") from None
+
+
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     state = _state(request)
@@ -137,7 +156,7 @@ async def generate(request: Request) -> Response:
     watcher = asyncio.create_task(_set_on_disconnect(request, cancelled))
     try:  # a grammar compiles on its own pool, so a request without one never waits behind compiles
         guide = await engine.guide(req, watcher)
-        work = await asyncio.to_thread(engine.prepare, *((req,) if guide is None else (req, guide, True)))
+        work = await _prepare(engine, req, guide, watcher)
         try:
             job = engine.submit(work, cancelled=cancelled)
         except BaseException:

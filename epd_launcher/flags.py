@@ -76,9 +76,9 @@ DECODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("--grammar-compile-timeout", positive_seconds, "seconds one grammar compile may run on a decoder"),
     ("--handoff-min-tokens", non_negative,
      "with --num-prefills: prompts with fewer tokens to prefill are not handed off (the decoders prefill them)"),
-    ("--max-loras", positive, "LoRA adapters resident on each decoder at once (it keeps every --lora-modules one)"),
+    ("--max-loras", positive, "LoRA adapters resident on each decoder at once (least recently used evicted)"),
     ("--max-lora-rank", positive, "the largest LoRA rank a decoder accepts (vLLM's choices: 1, 8, 16, ... 512)"),
-    ("--max-cpu-loras", non_negative, "LoRA adapters each decoder keeps in host memory (0: --max-loras)"),
+    ("--max-cpu-loras", non_negative, "LoRA adapters each decoder keeps in host memory, resident or not (0: --max-loras)"),
     ("--allowed-lora-dir", str, "the folder runtime LoRA loads may read adapters from (unset: runtime loads refused)"),
     ("--default-mm-loras", default_mm_loras,
      "vLLM's JSON {modality: adapter folder} each decoder applies to requests naming no adapter (default: the "

@@ -20,8 +20,9 @@ the last of them ends, so running streams are unchanged."""
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -31,58 +32,91 @@ from epd_models.lora.peft_format import LoRAError, LoRAWeights
 LONG_RUN = 32  # positions per run (on average) from which runs are looped over rather than masked
 
 
+class AdaptersBusy(LoRAError):
+    """Every resident slot (--max-loras) holds an adapter some request is using: `freed` completes when one of them
+    is released (registered under the same lock as the check, so no release is missed)."""
+
+    def __init__(self, name: str, freed: Future[None]):
+        super().__init__(f"adapter {name!r} waits for a resident slot: every --max-loras slot is in use")
+        self.freed = freed
+
+
 class LoRASet:
-    """The adapters one language model serves, and the selection of the forward under way."""
+    """The adapters one language model serves, and the selection of the forward under way.
+
+    Adapters known (`known`, at most `max_cpu_loras`: host memory) become resident (`slots`, at most `max_loras`:
+    columns in every LoRA'd linear) when a request acquires one; a resident adapter no request holds is evicted,
+    least recently used first, to make room (vLLM's --max-loras / --max-cpu-loras). A request for an adapter while
+    every resident one is in use gets AdaptersBusy and waits for a release. The modality defaults (`defaults`) stay
+    resident."""
 
     def __init__(self, module: nn.Module, adapters: list[LoRAWeights], max_loras: int | None = None,
-                 dtype: torch.dtype | None = None, pack: bool = False):
+                 dtype: torch.dtype | None = None, pack: bool = False, max_cpu_loras: int | None = None):
         self.module = module
         self.pack = pack  # CPU float32: the gathered form's weights prepacked for oneDNN (LoRALinear._pack)
         self.max_loras = max_loras if max_loras is not None else len(adapters)
-        self.loaded: dict[int, LoRAWeights] = {}  # slot -> adapter, until its weights are freed
-        self.slots: dict[str, int] = {}  # name -> slot of the adapters that take new requests
+        self.max_cpu_loras = max(self.max_loras, max_cpu_loras or 0)
+        self.known: dict[str, LoRAWeights] = {}  # name -> adapter, in host memory, resident or not
+        self.loaded: dict[int, LoRAWeights] = {}  # slot -> resident adapter, until its weights are freed
+        self.slots: dict[str, int] = {}  # name -> slot of the resident adapters that take new requests
+        self.recent: OrderedDict[str, None] = OrderedDict()  # resident names, least recently acquired first
         self.users: Counter[int] = Counter()  # slot -> requests holding it
-        self.retired: set[int] = set()  # removed, freed when its last user releases it
+        self.retired: set[int] = set()  # removed or evicted, freed when its last user releases it
         self.defaults: dict[str, str] = {}  # modality -> the adapter its requests take unasked (not listed)
+        self.evictions = 0
         self.layout: dict[int, tuple[int, int]] = {}  # slot -> its columns in every layer's a_cat / b_cat
         self.runs: list[tuple[int, slice]] = []  # the forward under way: (slot, positions) of long runs ...
         self.mask: torch.Tensor | None = None  # ... or, for short interleaved runs, the column mask
         self.device = next(module.parameters()).device
         self.dtype = dtype or next(module.parameters()).dtype  # the LM's compute dtype: the adapters' and mask's
         self._next, self._lock = 1, threading.Lock()
+        self._waiters: list[Future[None]] = []  # requests waiting for a resident slot (AdaptersBusy)
         self._pending: list[Callable[[], None]] = []  # layer changes, applied by the engine thread (bind)
         for adapter in adapters:
             self.add(adapter)
         self._apply()
 
-    def add(self, adapter: LoRAWeights) -> int:
-        """Serve `adapter` under its name (LoRAError: the name is taken, or --max-loras adapters are loaded)."""
+    def add(self, adapter: LoRAWeights) -> None:
+        """Serve `adapter` under its name, resident at once while a slot is free (LoRAError: the name is taken, or
+        --max-cpu-loras adapters are known)."""
         with self._lock:
-            if adapter.name in self.slots:
+            if adapter.name in self.known:
                 raise LoRAError(f"adapter {adapter.name!r} is already loaded")
-            if len(self.loaded) >= self.max_loras:
-                raise LoRAError(f"{len(self.loaded)} adapters are loaded, the most --max-loras {self.max_loras} "
-                                "allows (unload one first)")
-            slot, self._next = self._next, self._next + 1
-            self.loaded[slot] = adapter
-            self.slots[adapter.name] = slot
-            self._pending.append(lambda: self._add_layers(slot, adapter))
-            return slot
+            if len(self.known) >= self.max_cpu_loras:
+                raise LoRAError(f"{len(self.known)} adapters are loaded, the most --max-cpu-loras "
+                                f"{self.max_cpu_loras} allows (unload one first)")
+            self.known[adapter.name] = adapter
+            if len(self.loaded) < self.max_loras:
+                self._make_resident(adapter)
 
     def remove(self, name: str) -> None:
         """Stop serving `name` (KeyError if it is not): no new request takes it; its weights go once unused."""
         with self._lock:
-            slot = self.slots.pop(name)
-            self.retired.add(slot)
-            if not self.users[slot]:
-                self._free(slot)
+            del self.known[name]
+            if name in self.slots:
+                self._retire(name)
 
     def acquire(self, name: str) -> int:
-        """The slot of adapter `name` ("" the base model: 0), held until `release` (KeyError: not served)."""
+        """The slot of adapter `name` ("" the base model: 0), made resident if it is not (evicting the least
+        recently used adapter no request holds), held until `release`. KeyError: not served; AdaptersBusy: every
+        resident slot is in use."""
         if not name:
             return 0
         with self._lock:
+            if name not in self.slots:
+                adapter = self.known[name]
+                if len(self.loaded) >= self.max_loras:
+                    idle = [n for n in self.recent if not self.users[self.slots[n]] and n not in
+                            self.defaults.values()]
+                    if not idle or len(self.loaded) - 1 >= self.max_loras:  # retired ones still in use count
+                        freed: Future[None] = Future()
+                        self._waiters.append(freed)
+                        raise AdaptersBusy(name, freed)
+                    self._retire(idle[0])
+                    self.evictions += 1
+                self._make_resident(adapter)
             slot = self.slots[name]
+            self.recent.move_to_end(name)
             self.users[slot] += 1
             return slot
 
@@ -91,10 +125,28 @@ class LoRASet:
             return
         with self._lock:
             self.users[slot] -= 1
-            if not self.users[slot]:
-                del self.users[slot]
-                if slot in self.retired:
-                    self._free(slot)
+            if self.users[slot]:
+                return
+            del self.users[slot]
+            if slot in self.retired:
+                self._free(slot)
+            waiters, self._waiters = self._waiters, []
+        for freed in waiters:  # a slot may be evicted now: each waiting request tries again
+            freed.set_result(None)
+
+    def _make_resident(self, adapter: LoRAWeights) -> None:
+        slot, self._next = self._next, self._next + 1
+        self.loaded[slot] = adapter
+        self.slots[adapter.name] = slot
+        self.recent[adapter.name] = None
+        self._pending.append(lambda: self._add_layers(slot, adapter))
+
+    def _retire(self, name: str) -> None:
+        slot = self.slots.pop(name)
+        self.recent.pop(name, None)
+        self.retired.add(slot)
+        if not self.users[slot]:
+            self._free(slot)
 
     def _free(self, slot: int) -> None:
         self.retired.discard(slot)
@@ -102,14 +154,15 @@ class LoRASet:
         self._pending.append(lambda: self._drop_layers(slot))
 
     def describe(self) -> list[dict[str, object]]:
-        """What /health lists (the proxy routes a request for an adapter to a decoder that lists it)."""
+        """What /health lists (the proxy routes a request for an adapter to a decoder that lists it): every adapter
+        known, resident or not, but the modality defaults."""
         with self._lock:
-            return [{"name": a.name, "base_model_name": a.base_model_name, "rank": a.rank, "modules": len(a.weights)}
-                    for slot, a in sorted(self.loaded.items())
-                    if self.slots.get(a.name) == slot and a.name not in self.defaults.values()]
+            return [{"name": a.name, "base_model_name": a.base_model_name, "rank": a.rank, "modules": len(a.weights),
+                     "resident": a.name in self.slots}
+                    for a in self.known.values() if a.name not in self.defaults.values()]
 
     def slot(self, name: str) -> int:
-        """The slot of adapter `name` ("" is the base model: 0); KeyError for one not loaded."""
+        """The slot of resident adapter `name` ("" is the base model: 0); KeyError for one not resident."""
         return self.slots[name] if name else 0
 
     # -- the engine thread ----------------------------------------------------------------------------------

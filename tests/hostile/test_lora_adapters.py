@@ -144,7 +144,8 @@ def test_configs_it_does_not_apply_are_refused(lm: LanguageHalf, good: Path, tmp
 
 @pytest.mark.parametrize("argv, match", [
     (["--lora-modules", "a=/x"], "needs --enable-lora"),
-    (["--enable-lora", "--lora-modules", "a=/x", "b=/y"], "raise --max-loras"),
+    (["--enable-lora", "--lora-modules", "a=/x", "b=/y"], "raise --max-cpu-loras"),
+    (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "must be >= --max-loras 2"),
     (["--enable-lora", "--max-loras", "2", "--lora-modules", "a=/x", "a=/y"], "a name given twice"),
 ])
 def test_flags_that_cannot_work_together_are_refused(argv: list[str], match: str) -> None:

@@ -1,6 +1,6 @@
 """Runtime LoRA updates on the decoder (POST /v1/load_lora_adapter, /v1/unload_lora_adapter): behind the internal
 key and --enable-lora-runtime-updating; each hostile load (outside --allowed-lora-dir, a rank above --max-lora-rank,
-NaN weights, a huge file, a name taken, past --max-loras) is a 400 naming why and changes nothing; loading and
+NaN weights, a huge file, a name taken, past --max-cpu-loras) is a 400 naming why and changes nothing; loading and
 unloading while a stream runs leaves that stream's answer unchanged, and an unloaded adapter takes no new request."""
 from __future__ import annotations
 
@@ -95,10 +95,11 @@ def test_a_hostile_load_is_a_400_naming_why_and_changes_nothing(client: TestClie
     assert loras(client) == ["a"] and answer(client, "a") == before
 
 
-def test_past_max_loras_a_load_is_refused(client: TestClient, folders: dict[str, Path]) -> None:
+def test_past_max_cpu_loras_a_load_is_refused(client: TestClient, folders: dict[str, Path]) -> None:
+    """--max-cpu-loras 0 is --max-loras 2: the adapters known at once, resident or not."""
     assert load(client, "b", folders["b"]).status_code == 200
     resp = load(client, "c", folders["c"])
-    assert resp.status_code == 400 and "--max-loras 2" in resp.json()["error"]["message"]
+    assert resp.status_code == 400 and "--max-cpu-loras 2" in resp.json()["error"]["message"]
     assert loras(client) == ["a", "b"]
 
 
