@@ -2,22 +2,18 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.spec.config import spec_config_argument
 from decoder_service.lora import add_lora_flags
 from decoder_service.preflight import check_before_loading
-from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_worker, worker_parser
-from epd_common.startup import fail, run_main
+from epd_common.cli import Gap, byte_size, fraction, key_gaps, refuse_open, run_refusable, worker_parser
+from epd_common.startup import run_main
 from epd_common.tracing import add_tracing_flags
 from epd_models.audio_jobs import add_audio_flags
 from epd_models.device_flags import add_device_flags, add_quant_flags
 from epd_models.video_config import add_video_flags
-
-if TYPE_CHECKING:
-    from fastapi import FastAPI
 
 PROG = "epd-decoder"
 
@@ -203,19 +199,8 @@ def _main(argv: list[str]) -> None:
     check_before_loading(cfg)
     from decoder_service.server import create_app
 
-    apps: list[FastAPI] = []
-
-    def build(c: DecoderConfig) -> FastAPI:
-        apps.append(create_app(c))
-        return apps[-1]
-
-    try:
-        run_worker("decoder", cfg, build, security_gaps(cfg))
-    except SystemExit:  # uvicorn's exit 3 when start-up failed
-        refused = apps[0].state.decoder.refused if apps else None
-        if refused is None:
-            raise
-        fail(PROG, str(refused))  # what the budget cannot hold: a usage error
+    # what the K/V budget cannot hold, a refused LoRA adapter: a usage error
+    run_refusable(PROG, "decoder", cfg, create_app, security_gaps(cfg), lambda app: app.state.decoder.refused)
 
 
 if __name__ == "__main__":

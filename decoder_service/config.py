@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 from connector.control.security import CurveConfig
 from decoder_service.engine.spec.config import SpecConfig
-from decoder_service.lora import LoRAModule
 from epd_common.audio_limits import AudioLimits as _AudioLimits
+from epd_common.lora_flags import LoRAModule
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits

@@ -12,50 +12,16 @@ one (epd_models/lora/layers.py `LoRASet.acquire`)."""
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from decoder_service.lora_defaults import PREFIX, default_folders, is_reserved, loaded_names, mm_loras_argument
+from epd_common.lora_flags import RANKS, lora_module_argument
 from epd_common.startup import ConfigError
 
 if TYPE_CHECKING:
     from epd_models.halves import LanguageHalf
     from epd_models.lora.layers import LoRASet
-
-MAX_NAME_CHARS = 256
-RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
-
-
-@dataclass(frozen=True)
-class LoRAModule:
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-def lora_module_argument(value: str) -> LoRAModule:
-    """argparse's type for one --lora-modules item: `name=path` or vLLM's JSON object."""
-    if value.lstrip().startswith("{"):
-        try:
-            raw: Any = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"--lora-modules: not JSON: {exc}") from None
-        if not isinstance(raw, dict) or set(raw) - {"name", "path", "base_model_name"} or \
-                not all(isinstance(raw.get(k), str) and raw[k] for k in ("name", "path")):
-            raise argparse.ArgumentTypeError('--lora-modules: JSON needs "name" and "path" strings (and optionally '
-                                             '"base_model_name"), nothing else')
-        module = LoRAModule(raw["name"], raw["path"], raw.get("base_model_name"))
-    else:
-        name, eq, path = value.partition("=")
-        if not eq or not name or not path:
-            raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not name=path")
-        module = LoRAModule(name, path)
-    if len(module.name) > MAX_NAME_CHARS or not module.name.isprintable():
-        raise argparse.ArgumentTypeError(f"--lora-modules: a name is printable and at most {MAX_NAME_CHARS} chars")
-    return module
-
 
 def add_lora_flags(p: argparse.ArgumentParser, d: Any) -> None:
     g = p.add_argument_group("LoRA adapters")
@@ -120,7 +86,8 @@ def attach_loras(lm: LanguageHalf, cfg: Any) -> LoRASet | None:
 
     shapes = linear_shapes(lm.module)
     adapters = [read_adapter(m.name, Path(m.path), family=lm.adapter, shapes=shapes, max_rank=cfg.max_lora_rank,
-                             dtype=lm.dtype, base_model_name=m.base_model_name) for m in cfg.lora_modules]
+                             dtype=lm.dtype, base_model_name=m.base_model_name, vision=None if cfg.aggregated else False)
+                for m in cfg.lora_modules]
     adapters += [read_adapter(name, folder, family=lm.adapter, shapes=shapes, max_rank=RANKS[-1], dtype=lm.dtype)
                  for name, folder in folders.items()]
     from decoder_service.engine import cpu_linear
@@ -147,7 +114,7 @@ def load_at_runtime(lm: LanguageHalf, cfg: Any, name: str, path: str) -> None:
     if is_reserved(name) or not cfg.enable_lora:
         raise LoRAError(f"adapter {name!r}: runtime loads need --enable-lora, and a name not starting {PREFIX!r}")
     adapter = read_adapter(name, Path(path), family=lm.adapter, shapes=linear_shapes(lm.module),
-                           max_rank=cfg.max_lora_rank, dtype=lm.dtype, root=Path(cfg.allowed_lora_dir))
+                           max_rank=cfg.max_lora_rank, dtype=lm.dtype, root=Path(cfg.allowed_lora_dir), vision=None)
     lm.lora.add(adapter)
 
 

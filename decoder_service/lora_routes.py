@@ -11,9 +11,10 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import APIRouter, Request
 
-from decoder_service.lora import MAX_NAME_CHARS, load_at_runtime
+from decoder_service.lora import load_at_runtime
 from decoder_service.lora_defaults import is_reserved
 from epd_common.errors import APIError, bad_request
+from epd_common.lora_flags import MAX_NAME_CHARS
 from epd_contracts.validation import ContractError, decode_json
 from epd_models.lora.peft_format import LoRAError
 

@@ -6,7 +6,8 @@ import argparse
 from connector.control.curve_flags import GROUP, add_curve_flags, curve_gaps, pop_curve
 from connector.tensors.ungathered import UNGATHERED_MAX_AGE_S
 from encoder_service.config import EncoderConfig
-from epd_common.cli import Gap, byte_size, key_gaps, refuse_open, run_worker, worker_parser
+from encoder_service.lora import add_encoder_lora_flags
+from epd_common.cli import Gap, byte_size, key_gaps, refuse_open, run_refusable, worker_parser
 from epd_common.startup import ConfigError, run_main
 from epd_common.tracing import add_tracing_flags, require_sdk
 from epd_models.audio_jobs import add_audio_flags
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoded image and video bytes one /encode may carry; more get a 413 request_too_large")
     add_video_flags(p.add_argument_group("video limits"), d)
     add_audio_flags(p.add_argument_group("audio limits"), d)
+    add_encoder_lora_flags(p, d)
     _add_producer_limits(p.add_argument_group("connector limits (ZeroMQ producer)"), d)
     add_curve_flags(p.add_argument_group(GROUP), allowed_clients=True)
     add_tracing_flags(p)
@@ -94,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> EncoderConfig:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     curve = pop_curve(p, args)
+    args.lora_modules = tuple(args.lora_modules)
+    if args.lora_modules and not args.enable_lora:
+        p.error("--lora-modules needs --enable-lora")
     cfg = EncoderConfig(**vars(args), curve=curve)
     refuse_open(p, cfg, security_gaps(cfg))
     return cfg
@@ -112,7 +117,7 @@ def _main(argv: list[str]) -> None:
     check_before_loading(cfg)
     from encoder_service.server import create_app
 
-    run_worker("encoder", cfg, create_app, security_gaps(cfg))
+    run_refusable(PROG, "encoder", cfg, create_app, security_gaps(cfg), lambda app: app.state.encoder.refused)
 
 
 def check_before_loading(cfg: EncoderConfig) -> None:

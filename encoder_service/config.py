@@ -7,6 +7,7 @@ from connector.control.security import CurveConfig
 from connector.tensors.get_limits import MAX_REPLY_BYTES
 from connector.tensors.waiters import MAX_PARKED, MAX_PARKED_HASHES
 from epd_common.audio_limits import AudioLimits as _AudioLimits
+from epd_common.lora_flags import LoRAModule
 from epd_common.server import HttpLimits
 from epd_common.tracing import TraceSettings
 from epd_common.video import VideoLimits
@@ -58,6 +59,10 @@ class EncoderConfig(HttpLimits, TraceSettings):
     # proxy's defaults: 16 images of 20 MiB, base64 (4/3), plus 1 MiB of JSON
     max_body_bytes: int = 16 * (20 << 20) * 4 // 3 + (1 << 20)
     insecure: bool = False  # start without the internal key / CURVE keys (logs a WARNING)
+    # LoRA adapters' vision-tower weights (encoder_service/lora.py), the decoders' --lora-modules
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+    max_lora_rank: int = 16
 
     @property
     def ungathered_limit(self) -> int:

@@ -20,6 +20,7 @@ from connector.tensors.disk_tier import DiskTier
 from connector.tensors.producer import ECProducer
 from encoder_service.config import EncoderConfig
 from encoder_service.encode_scheduler import BatchStats, Busy, EncodeScheduler
+from encoder_service.lora import attach_vision_loras
 from encoder_service.metrics import EncoderMetrics
 from encoder_service.worker import EncoderWorker, ScheduledEncoderInput
 from epd_common.errors import APIError, bad_request, install_error_handlers
@@ -30,12 +31,13 @@ from epd_common.server import freeze_startup_heap
 from epd_common.tracing import install_tracing, span, start_tracing
 from epd_contracts.audio import part_hash as audio_part_hash
 from epd_contracts.encode import EncodeRequest, EncodeResponse
-from epd_contracts.hashing import mm_hash
+from epd_contracts.hashing import adapter_hash, mm_hash
 from epd_contracts.validation import ContractError, decode_json
 from epd_contracts.video import part_hash
 from epd_models.audio_jobs import UndecodableAudio, audio_limits
 from epd_models.halves import VisionHalf, loaded_summary
 from epd_models.identity import encoder_fingerprint, model_identity
+from epd_models.lora.peft_format import LoRAError
 from epd_models.resolve import resolve_model
 from epd_models.video_config import video_limits
 from epd_models.video_jobs import UndecodableVideo
@@ -56,6 +58,7 @@ class EncoderState:
     scheduler: EncodeScheduler | None = None
     metrics: EncoderMetrics | None = None
     identity: dict[str, object] = field(default_factory=dict)
+    refused: str | None = None  # why it would not start (a LoRAError: a refused adapter; epd-encoder exits 2)
 
     def ready(self) -> tuple[EncoderWorker, EncoderMetrics]:
         """The worker and its metrics, or a 503 while it is built."""
@@ -80,8 +83,9 @@ def _check_caps(req: EncodeRequest, cfg: EncoderConfig) -> None:
                             f"{cfg.max_encode_bytes}", param="items", code="request_too_large")
 
 
-def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
-    """Decode each item and hash its bytes here: a caller never chooses the hash an embedding is stored under."""
+def _decode_items(req: EncodeRequest, loras: dict[str, int]) -> list[ScheduledEncoderInput]:
+    """Decode each item and hash its bytes here: a caller never chooses the hash an embedding is stored under
+    (`loras`: the vision half's adapters by name; an image under one is keyed by adapter_hash)."""
     out = []
     for i, item in enumerate(req.items):
         try:
@@ -97,11 +101,17 @@ def _decode_items(req: EncodeRequest) -> list[ScheduledEncoderInput]:
         computed = (part_hash(data, item.video) if item.video is not None
                     else audio_part_hash(data, item.audio) if item.audio is not None
                     else mm_hash(data, item.detail, item.multi_image))
+        if item.lora and (item.lora not in loras or item.video is not None or item.audio is not None):
+            raise bad_request(f"items[{i}]: LoRA adapter {item.lora!r} has no vision-tower weights on this encoder "
+                              f"(it applies {sorted(loras) or 'none'}, to images only)", param=f"items.{i}.lora",
+                              code="invalid_lora")
+        computed = adapter_hash(computed, item.lora)
         if item.mm_hash is not None and item.mm_hash != computed:
             raise bad_request(f"items[{i}].mm_hash does not match the hash of its bytes (epd_contracts.hashing, "
                               "epd_contracts.video for a video, epd_contracts.audio for audio)",
                               param=f"items.{i}.mm_hash", code="hash_mismatch")
-        out.append(ScheduledEncoderInput(computed, data, item.detail, item.multi_image, item.video, item.audio))
+        out.append(ScheduledEncoderInput(computed, data, item.detail, item.multi_image, item.video, item.audio,
+                                         loras.get(item.lora, 0)))
     return out
 
 
@@ -120,6 +130,7 @@ def build_scheduler(cfg: EncoderConfig, w: EncoderWorker, m: EncoderMetrics) -> 
 
 def build_worker(cfg: EncoderConfig) -> EncoderWorker:
     vision = VisionHalf(resolve_model(cfg.model), cfg.dtype, cfg.device)
+    attach_vision_loras(vision, cfg)  # LoRAError: a refused adapter (exit 2)
     disk = None
     if cfg.ec_disk_dir is not None:
         fingerprint = encoder_fingerprint(vision.model_dir, str(vision.dtype), str(vision.device))
@@ -147,7 +158,8 @@ async def encode(request: Request) -> Response:
     w, m = state.ready()
     try:
         _check_caps(req, state.cfg)
-        items = await asyncio.to_thread(_decode_items, req)  # base64 and sha256 of up to max_encode_bytes
+        loras = w.vision.lora.slots if w.vision.lora is not None else {}
+        items = await asyncio.to_thread(_decode_items, req, loras)  # base64 and sha256 of up to max_encode_bytes
     except APIError as exc:
         m.requests.labels(str(exc.status)).inc()
         raise
@@ -210,7 +222,12 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        w = state.worker = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
+        try:
+            w = state.worker = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
+        except LoRAError as exc:
+            logger.critical("encoder cannot start: %s", exc)
+            state.refused = str(exc)
+            raise
         freeze_startup_heap()
         state.metrics = EncoderMetrics(state.registry, w.producer.stats)
         state.scheduler = build_scheduler(cfg, w, state.metrics)

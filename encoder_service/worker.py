@@ -24,6 +24,7 @@ class ScheduledEncoderInput:
     multi_image: bool = False  # one of several images of its prompt, for a family where that matters (part of mm_hash)
     video: VideoPart | None = None  # the bytes are a video and the item these sampled frames of it (part of mm_hash)
     audio: AudioPart | None = None  # the bytes are an audio clip and the item these windows of it (part of mm_hash)
+    lora: int = 0  # an image encoded under this LoRA slot of the vision half's (its mm_hash is the adapter's)
 
 
 def _describe(mm_hash: str, out: Encoded) -> EncodedItem:
@@ -48,7 +49,8 @@ class EncoderWorker(CachingEncoder):
                                   {item.mm_hash: item.detail for item in inputs if item.detail != "auto"},
                                   {item.mm_hash for item in inputs if item.multi_image},
                                   {item.mm_hash: item.video for item in inputs if item.video is not None},
-                                  {item.mm_hash: item.audio for item in inputs if item.audio is not None})
+                                  {item.mm_hash: item.audio for item in inputs if item.audio is not None},
+                                  {item.mm_hash: item.lora for item in inputs if item.lora})
         return held, [(job, self.cost(job)) for job in jobs]
 
     def cost(self, job: Job) -> int:
@@ -72,5 +74,6 @@ class EncoderWorker(CachingEncoder):
                            {item.mm_hash: item.detail for item in scheduled_encoder_inputs if item.detail != "auto"},
                            {item.mm_hash for item in scheduled_encoder_inputs if item.multi_image},
                            {item.mm_hash: item.video for item in scheduled_encoder_inputs if item.video is not None},
-                           {item.mm_hash: item.audio for item in scheduled_encoder_inputs if item.audio is not None})
+                           {item.mm_hash: item.audio for item in scheduled_encoder_inputs if item.audio is not None},
+                           {item.mm_hash: item.lora for item in scheduled_encoder_inputs if item.lora})
         return [_describe(item.mm_hash, done[item.mm_hash]) for item in scheduled_encoder_inputs]

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from decoder_service.lora import LoRAModule
+    from epd_common.lora_flags import LoRAModule
     from epd_contracts.sampling import SamplingParams
     from epd_models.halves import LanguageHalf
     from epd_models.lora.peft_format import linear_shapes

@@ -207,3 +207,24 @@ def run_worker(role: str, cfg: Any, create_app: Callable[[Any], Any], gaps: list
         log.warning("INSECURE %s (--insecure): started without %s. Open: %s", role, "; ".join(g[0] for g in gaps),
                     "; ".join(g[1] for g in gaps))
     serve(create_app(cfg), cfg.host, cfg.port, cfg.log_level, HttpLimits.of(cfg))
+
+
+def run_refusable(prog: str, role: str, cfg: Any, create_app: Callable[[Any], Any], gaps: list[Gap],
+                  refused: Callable[[Any], str | None]) -> None:
+    """run_worker; where start-up failed for a reason the app recorded (`refused(app)`: a K/V budget that cannot
+    hold what was asked, a refused LoRA adapter), exit 2 with that line, as a usage error."""
+    from epd_common.startup import fail
+
+    apps: list[Any] = []
+
+    def build(c: Any) -> Any:
+        apps.append(create_app(c))
+        return apps[-1]
+
+    try:
+        run_worker(role, cfg, build, gaps)
+    except SystemExit:  # uvicorn's exit 3 when start-up failed
+        why = refused(apps[0]) if apps else None
+        if why is None:
+            raise
+        fail(prog, why)

@@ -6,7 +6,7 @@ from typing import Annotated
 import msgspec
 
 from epd_contracts.audio import AudioPart
-from epd_contracts.generate import MAX_HASH_CHARS, Detail
+from epd_contracts.generate import MAX_HASH_CHARS, MAX_LORA_NAME_CHARS, Detail
 from epd_contracts.video import VideoPart
 
 
@@ -28,6 +28,9 @@ class EncodeItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     # the bytes are an audio file and the item is these encoder windows of it (epd_contracts/audio.py): its mm_hash
     # is epd_contracts.audio.part_hash(bytes, audio); detail and multi_image stay at their defaults
     audio: AudioPart | None = None
+    # an image encoded under this LoRA adapter's vision-tower weights (by its --lora-modules name): its mm_hash is
+    # epd_contracts.hashing.adapter_hash of the image's and the name
+    lora: Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_CHARS)] = ""
 
 
 class EncodeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

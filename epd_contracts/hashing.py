@@ -37,3 +37,12 @@ def mm_hash(data: bytes, detail: str = "auto", multi_image: bool = False) -> str
 def multi_image_item(family: str | None, num_images: int) -> bool:
     """Whether the images of a prompt with `num_images` images are encoded as multi-image items for `family`."""
     return num_images > 1 and family in MULTI_IMAGE_FAMILIES
+
+
+def adapter_hash(mm_hash: str, lora: str) -> str:
+    """The key of an item encoded under LoRA adapter `lora` whose weights change the vision tower (its embeddings
+    differ from the base model's): sha256(tag || "lora=" name NUL || mm_hash), so an item encoded under one adapter
+    is never served under another or the base ("" : `mm_hash` itself)."""
+    if not lora:
+        return mm_hash
+    return hashlib.sha256(MM_HASH_TAG + b"lora=" + lora.encode() + b"\0" + mm_hash.encode()).hexdigest()

@@ -75,7 +75,7 @@ def speculative_config(value: str) -> str:
 
 def lora_module(value: str) -> str:
     """One --lora-modules item (name=path or vLLM's JSON), checked as epd-decoder checks it and passed on as given."""
-    from decoder_service.lora import lora_module_argument  # NOTE: here, as speculative_config's
+    from epd_common.lora_flags import lora_module_argument
 
     lora_module_argument(value)
     return value

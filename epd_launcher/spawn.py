@@ -36,7 +36,7 @@ def spawn_workers(group: WorkerGroup, args: argparse.Namespace, keys: Secrets,
     places = placements(args)
     enc = [group.spawn("encoder", model, wh, threads,
                        ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *_given(args, ENCODER_FLAGS),
-                        *_disk_dir(args, i), *places[i].flags], {**keys.env("encoder"), **places[i].env}, _port(args, i))
+                        *_encoder_lora_flags(args), *_disk_dir(args, i), *places[i].flags], {**keys.env("encoder"), **places[i].env}, _port(args, i))
            for i in range(num_encoders)]
     # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
     aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
@@ -86,6 +86,15 @@ def _disk_dir(args: argparse.Namespace, index: int) -> list[str]:
     """Encoder `index`'s own disk-tier folder (the same one at every restart of it), when --ec-disk-dir is given."""
     folder = getattr(args, _dest(EC_DISK_DIR))
     return [] if folder is None else [EC_DISK_DIR, os.path.join(os.path.abspath(folder), f"encoder-{index}")]
+
+
+def _encoder_lora_flags(args: argparse.Namespace) -> list[str]:
+    """The adapters for the encoders too, which apply their vision-tower weights (encoder_service/lora.py)."""
+    loras = getattr(args, _dest(LORA_MODULES))
+    if not (args.enable_lora and loras):
+        return []
+    rank = getattr(args, "max_lora_rank", None)
+    return ["--enable-lora", LORA_MODULES, *loras, *(["--max-lora-rank", str(rank)] if rank is not None else [])]
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:

@@ -83,10 +83,11 @@ class ImageJob:
     image: Image.Image
     detail: str = "auto"
     multi_image: bool = False
+    lora: int = 0  # the LoRA slot of the vision half's adapters it is encoded under (0: the base model)
 
     @property
-    def group(self) -> tuple[str, bool]:
-        return self.detail, self.multi_image
+    def group(self) -> tuple[str, bool, int]:
+        return self.detail, self.multi_image, self.lora
 
 
 Job = ImageJob | VideoJob | AudioJob
@@ -122,7 +123,8 @@ class CachingEncoder:
 
     def encode(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None,
                multi_image: Collection[str] = (), videos: Mapping[str, VideoPart] | None = None,
-               audios: Mapping[str, AudioPart] | None = None) -> dict[str, Encoded]:
+               audios: Mapping[str, AudioPart] | None = None, loras: Mapping[str, int] | None = None
+               ) -> dict[str, Encoded]:
         """Each item's features by mm_hash. Raises UndecodableImage, UndecodableVideo, UndecodableAudio,
         EmbeddingsRefused, or what the vision raised.
 
@@ -130,10 +132,12 @@ class CachingEncoder:
         hashing); `multi_image`: the items encoded as one of several images of their prompt (the same); items of
         one detail and multi_image are batched together. `videos`: mm_hash -> VideoPart for the items that are
         videos (their hash is epd_contracts.video.part_hash of the bytes and the part), each encoded on its own;
-        `audios` the same for audio clips and chunks (epd_contracts.audio.part_hash; epd_models/audio_jobs.py).
+        `audios` the same for audio clips and chunks (epd_contracts.audio.part_hash; epd_models/audio_jobs.py);
+        `loras`: mm_hash -> the vision half's LoRA slot for images encoded under an adapter (their hash is
+        epd_contracts.hashing.adapter_hash), batched apart.
         """
-        done, jobs = self.prepare(items, details, multi_image, videos, audios)
-        groups: dict[tuple[str, bool], list[ImageJob]] = {}
+        done, jobs = self.prepare(items, details, multi_image, videos, audios, loras)
+        groups: dict[tuple[str, bool, int], list[ImageJob]] = {}
         for job in jobs:
             if isinstance(job, ImageJob):
                 groups.setdefault(job.group, []).append(job)
@@ -149,14 +153,15 @@ class CachingEncoder:
 
     def prepare(self, items: Mapping[str, bytes], details: Mapping[str, str] | None = None,
                 multi_image: Collection[str] = (), videos: Mapping[str, VideoPart] | None = None,
-                audios: Mapping[str, AudioPart] | None = None) -> tuple[dict[str, Encoded], list[Job]]:
+                audios: Mapping[str, AudioPart] | None = None, loras: Mapping[str, int] | None = None
+                ) -> tuple[dict[str, Encoded], list[Job]]:
         """The items held already, and a job for each of the others: its image decoded (or its video's frames),
         outside any lock, so bad bytes fail before any vision work (the store is told those items will not come)."""
-        videos, details, audios = videos or {}, details or {}, audios or {}
+        videos, details, audios, loras = videos or {}, details or {}, audios or {}, loras or {}
         done = self._held(items)
         todo = {h: data for h, data in items.items() if h not in done}
         try:
-            jobs: list[Job] = [ImageJob(h, self._load(h, data), details.get(h, "auto"), h in multi_image)
+            jobs: list[Job] = [ImageJob(h, self._load(h, data), details.get(h, "auto"), h in multi_image, loras.get(h, 0))
                                for h, data in todo.items() if h not in videos and h not in audios]
             jobs += [video_job(h, data, videos[h], self.video_config, self.vision.adapter.name, self.video_limits)
                      for h, data in todo.items() if h in videos]
@@ -226,11 +231,17 @@ class CachingEncoder:
         return self._store({job.mm_hash: out for job, out in zip(jobs, outs, strict=True)}, "audio item")
 
     def _encode_batch(self, images: dict[str, Image.Image], detail: str = "auto",
-                      multi_image: bool = False) -> dict[str, Encoded]:
-        """Encode, check and store one batch (under the lock)."""
+                      multi_image: bool = False, lora: int = 0) -> dict[str, Encoded]:
+        """Encode, check and store one batch (under the lock; `lora`: under that adapter of the vision half's)."""
         # the vision half runs on its device and hands back CPU tensors (one copy per batch): the connector
         # sends their memory as ZeroMQ frames without copying
-        outs = dict(zip(images, self.vision.encode(list(images.values()), detail, multi_image), strict=True))
+        if self.vision.lora is not None:
+            self.vision.lora.use(lora)
+        try:
+            outs = dict(zip(images, self.vision.encode(list(images.values()), detail, multi_image), strict=True))
+        finally:
+            if self.vision.lora is not None:
+                self.vision.lora.use(0)
         return self._store(outs, "item")
 
     def _store(self, outs: dict[str, ImageFeatures], kind: str) -> dict[str, Encoded]:

@@ -49,6 +49,7 @@ class VisionHalf:
         self.adapter = adapter_for(self.config)
         self.device = resolve_device(device)
         self.dtype = _dtype(self.config, dtype)
+        self.lora: LoRASet | None = None  # LoRA adapters with vision-tower weights (encoder_service/lora.py)
         self.module = self.adapter.build_vision(self.config).eval()
         # a quantized tower (where a checkpoint has one) is dequantized: the encoder is compute-bound, not memory-bound
         self.quant = QuantLoad(read_scheme(self.model_dir), self.dtype, self.device, mode="dequantize")

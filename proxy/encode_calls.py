@@ -170,7 +170,7 @@ class EncodeCalls:
             raise WorkerFailed("deregistered")
         body = EncodeRequest(items=[EncodeItem(mm_hash=it.mm_hash, data=base64.b64encode(it.data).decode(),
                                                detail=it.detail, multi_image=it.multi_image, video=it.video,
-                                               audio=it.audio) for it in items])
+                                               audio=it.audio, lora=it.lora) for it in items])
         headers = {REQUEST_ID_HEADER: request_id, "content-type": "application/json", **self.headers}
         try:
             resp = await until_down(self.client.post(f"{name}/encode", content=msgspec.json.encode(body),

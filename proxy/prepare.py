@@ -3,13 +3,14 @@ kind's parts checked, loaded, probed, hashed and planned in chunks by walking th
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epd_common.errors import APIError, bad_request
 from epd_common.video_sampling import VideoConfig
 from epd_contracts.audio import AudioConfig
 from epd_contracts.generate import GenerateRequest, ImageRef, ResponseFormat, ToolChoice
+from epd_contracts.hashing import adapter_hash
 from epd_contracts.sampling import SamplingParams
 from proxy.config import ProxyConfig
 from proxy.content_parts import TextPart
@@ -56,6 +57,20 @@ class PreparedChat:
                                sampling=self.sampling, response_format=self.response_format, tools=self.tools,
                                tool_choice=self.tool_choice, cache_salt=self.cache_salt, prefix_keys=self.prefix_keys,
                                lora=self.lora)
+
+
+def under_vision_adapter(chat: PreparedChat, lora: str) -> PreparedChat:
+    """`chat` under an adapter whose weights reach the vision tower: each image is encoded under it and keyed by
+    epd_contracts.hashing.adapter_hash (never served under another adapter or the base model). Videos and audio
+    under such an adapter are a 400 (the encoders apply it to images only)."""
+    from proxy.image import ImageItem
+
+    if any(not isinstance(it, ImageItem) for it in chat.items):
+        raise bad_request(f"LoRA adapter {lora!r} changes the vision tower: only images can be sent under it",
+                          param="model", code="unsupported_lora_media")
+    items: list[MediaItem] = [ImageItem(replace(it.chunk, mm_hash=adapter_hash(it.mm_hash, lora), lora=lora), it.param)
+                              for it in chat.items if isinstance(it, ImageItem)]
+    return replace(chat, items=items, params={adapter_hash(h, lora): p for h, p in chat.params.items()}, lora=lora)
 
 
 def check_model(model: str, served: str | None, loras: Iterable[str] = ()) -> str:

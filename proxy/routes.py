@@ -17,7 +17,7 @@ from proxy.completions import router as completions_router
 from proxy.fleet import Fleet
 from proxy.generation import Generation
 from proxy.openai_format import Completion
-from proxy.prepare import check_model
+from proxy.prepare import check_model, under_vision_adapter
 from proxy.protocol import ChatCompletionRequest, InstanceRequest
 from proxy.state import ProxyState, proxy_state
 from proxy.streaming import respond
@@ -45,6 +45,8 @@ async def _answer_chat(state: ProxyState, req: ChatCompletionRequest) -> Respons
     lora = check_model(req.model, served, fleet.workers.loras())
     check_n(req.n, fleet.workers.of("decoder"))
     chat = dataclasses.replace(await state.prepare(req), lora=lora)
+    if lora and lora in fleet.workers.vision_loras():
+        chat = under_vision_adapter(chat, lora)
     gen = Generation(fleet, chat, request_id_var.get())
     await gen.start()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

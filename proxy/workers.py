@@ -62,9 +62,13 @@ def _show(ident: dict[str, Any]) -> str:
 
 def loras_of(worker: Worker) -> dict[str, str | None]:
     """The LoRA adapters a decoder's last /health listed: name -> base model name (None: not given)."""
+    return {a["name"]: a.get("base_model_name") for a in _listed(worker)}
+
+
+def _listed(worker: Worker) -> list[dict[str, Any]]:
     listed = worker.info.get("loras")
-    return {a["name"]: a.get("base_model_name") for a in listed if isinstance(a, dict) and isinstance(a.get("name"), str)
-            } if isinstance(listed, list) else {}
+    return [a for a in listed if isinstance(a, dict) and isinstance(a.get("name"), str)] \
+        if isinstance(listed, list) else []
 
 
 class Workers:
@@ -100,6 +104,11 @@ class Workers:
     def loras(self) -> dict[str, str | None]:
         """The LoRA adapters healthy decoders serve (their /health `loras`): name -> base model name, if given."""
         return {name: parent for role in GENERATORS for w in self.healthy(role) for name, parent in loras_of(w).items()}
+
+    def vision_loras(self) -> set[str]:
+        """The adapters whose weights reach the vision tower (a decoder's /health says `vision`): their images are
+        encoded under them, on the encoders, and keyed apart (proxy/prepare.py `under_vision_adapter`)."""
+        return {a["name"] for role in GENERATORS for w in self.healthy(role) for a in _listed(w) if a.get("vision")}
 
     def add(self, role: str, url: str) -> Worker:
         """Register a worker (idempotent); it takes work once a probe finds it healthy."""

@@ -25,6 +25,7 @@ class MMItem:
     multi_image: bool = False  # one of several images of its prompt, for a family where that matters (hashed apart)
     video: VideoPart | None = None  # a video chunk: `data` is the video file, this its frames (epd_contracts/video)
     audio: AudioPart | None = None  # an audio clip or chunk: `data` is the audio file, this its windows
+    lora: str = ""  # an image encoded under this adapter's vision-tower weights (mm_hash: hashing.adapter_hash)
 
 
 @dataclass

@@ -158,12 +158,18 @@ class LoRASet:
         known, resident or not, but the modality defaults."""
         with self._lock:
             return [{"name": a.name, "base_model_name": a.base_model_name, "rank": a.rank, "modules": len(a.weights),
-                     "resident": a.name in self.slots}
+                     "resident": a.name in self.slots, "vision": a.other_half > 0}
                     for a in self.known.values() if a.name not in self.defaults.values()]
 
     def slot(self, name: str) -> int:
         """The slot of resident adapter `name` ("" is the base model: 0); KeyError for one not resident."""
         return self.slots[name] if name else 0
+
+    def use(self, slot: int) -> None:
+        """The next forwards run every position under adapter `slot` (0: the base model): the encoder's vision
+        forward, one adapter per batch (pending changes are applied first)."""
+        self._apply()
+        self.runs, self.mask = ([(slot, slice(None))] if slot else []), None
 
     # -- the engine thread ----------------------------------------------------------------------------------
     def bind(self, runs: Iterable[tuple[int, int]]) -> None:

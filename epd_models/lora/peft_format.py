@@ -5,7 +5,9 @@ Everything an adapter can get wrong is refused here with a `LoRAError` naming it
 above --max-lora-rank, a tensor whose shape does not match the base linear, NaN or infinite weights, a
 `target_modules` that names nothing in this model, a path outside the allowed folder, a file larger than any adapter
 of that rank could be, pickle (`adapter_model.bin` is never loaded), and what this version does not apply (DoRA,
-biases, `modules_to_save`, per-module ranks, the vision tower's or the embeddings' linears)."""
+biases, `modules_to_save`, per-module ranks, the embeddings). An adapter's tensors are split by half: the decoder reads
+the language model's (and counts the vision tower's and projector's, which the encoders read and check:
+encoder_service/lora.py), an encoder the vision half's."""
 from __future__ import annotations
 
 import json
@@ -42,23 +44,30 @@ class LoRAWeights:
     rank: int
     base_model_name: str | None
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # tensors of the other half's linears, read there (the vision tower's, for the decoder: the encoders apply
+    # them; the language model's, for an encoder)
+    other_half: int = 0
 
 
-def linear_shapes(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """(in, out) features of every linear an adapter may target: the language model's layers' linears."""
+def linear_shapes(module: torch.nn.Module, prefixes: tuple[str, ...] = ("language_model.layers.",)
+                  ) -> dict[str, tuple[int, int]]:
+    """(in, out) features of every linear an adapter may target: the language model's layers' linears (or, with
+    the vision half's `prefixes`, its tower's and projector's)."""
     out: dict[str, tuple[int, int]] = {}
     for name, m in module.named_modules():
         fin, fout = getattr(m, "in_features", None), getattr(m, "out_features", None)
-        if name.startswith("language_model.layers.") and isinstance(fin, int) and isinstance(fout, int) \
-                and not name.endswith(".base"):
+        if name.startswith(prefixes) and isinstance(fin, int) and isinstance(fout, int) and not name.endswith(".base"):
             out[name] = (fin, fout)
     return out
 
 
 def read_adapter(name: str, path: str | Path, *, family: FamilyAdapter, shapes: dict[str, tuple[int, int]],
                  max_rank: int, dtype: torch.dtype, root: Path | None = None,
-                 base_model_name: str | None = None) -> LoRAWeights:
-    """The adapter at `path`, checked against the LM's linears `shapes` (linear_shapes); LoRAError if refused."""
+                 base_model_name: str | None = None, vision: bool | None = False) -> LoRAWeights:
+    """The adapter at `path`, checked against this half's linears `shapes` (linear_shapes); LoRAError if refused.
+    `vision`: which half reads it: False the decoder (the LM's linears; the vision tower's tensors are counted in
+    `other_half`, for the encoders), True an encoder (the vision half's linears; the LM's counted), None the
+    decoder where no encoder will apply vision-tower tensors (aggregated mode: they are refused)."""
     where = Path(path).expanduser()
     real = where.resolve()
     if root is not None and not real.is_relative_to(root.expanduser().resolve()):
@@ -84,9 +93,9 @@ def read_adapter(name: str, path: str | Path, *, family: FamilyAdapter, shapes: 
     if file.stat().st_size > limit:
         raise LoRAError(f"adapter {name!r}: {WEIGHTS} is {file.stat().st_size} bytes, more than an adapter of rank "
                         f"<= {max_rank} for this model can be ({limit})")
-    weights = _weights(name, file, family, shapes, rank, scale, dtype)
+    weights, other = _weights(name, file, family, shapes, rank, scale, dtype, vision)
     base = base_model_name or cfg.get("base_model_name_or_path")
-    return LoRAWeights(name, where, rank, base if isinstance(base, str) else None, weights)
+    return LoRAWeights(name, where, rank, base if isinstance(base, str) else None, weights, other)
 
 
 def _config(name: str, folder: Path) -> dict[str, Any]:
@@ -108,8 +117,10 @@ def _config(name: str, folder: Path) -> dict[str, Any]:
 
 
 def _weights(name: str, file: Path, family: FamilyAdapter, shapes: dict[str, tuple[int, int]], rank: int,
-             scale: float, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+             scale: float, dtype: torch.dtype, vision: bool | None
+             ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:
     halves: dict[str, dict[str, torch.Tensor]] = {}
+    other = 0
     try:
         with safe_open(file, "pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -117,13 +128,19 @@ def _weights(name: str, file: Path, family: FamilyAdapter, shapes: dict[str, tup
                 if m is None:
                     raise LoRAError(f"adapter {name!r}: tensor {key!r} is not a LoRA linear's A or B")
                 module = family.normalize_key(m["module"] + ".weight").removesuffix(".weight")
+                if module not in shapes and vision is not None and \
+                        family.is_vision_key(module + ".weight") != vision and _layer_linear(module):
+                    other += 1  # the other half's: read and checked there
+                    continue
                 if module not in shapes:
+                    where = "vision tower (applied by encoders, from --lora-modules at start)" if vision is None else \
+                        "vision half" if vision else "language model layers"
                     raise LoRAError(f"adapter {name!r}: tensor {key!r} targets {module!r}, not a linear of this "
-                                    "model's language model layers (the vision tower and embeddings are not applied)")
+                                    f"model's {where} (the embeddings are not applied)")
                 halves.setdefault(module, {})[m["half"]] = f.get_tensor(key)
     except SafetensorError as exc:
         raise LoRAError(f"adapter {name!r}: {WEIGHTS} is not a readable safetensors file: {exc}") from None
-    if not halves:
+    if not halves and not other:
         raise LoRAError(f"adapter {name!r}: target_modules names nothing in this model (no LoRA tensors)")
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, pair in sorted(halves.items()):
@@ -137,4 +154,9 @@ def _weights(name: str, file: Path, family: FamilyAdapter, shapes: dict[str, tup
         if not (a.is_floating_point() and b.is_floating_point()) or not (a.isfinite().all() and b.isfinite().all()):
             raise LoRAError(f"adapter {name!r}: {module} has weights that are not finite floats (NaN or inf)")
         out[module] = (a.to(dtype).contiguous(), (b.double() * scale).to(dtype).contiguous())
-    return out
+    return out, other
+
+
+def _layer_linear(module: str) -> bool:
+    """A name that may be another half's linear (not the embeddings or the head, which no half applies)."""
+    return not module.endswith(("embed_tokens", "lm_head", "embed_positions", "patch_embedding"))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from decoder_service.engine.work import Work
-from decoder_service.lora import LoRAModule
+from epd_common.lora_flags import LoRAModule
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.test_handoff import CASES, MemoryStore, handoff_engine, prefill_then_decode, run_one
 from tests.decoder_service.test_preemption import prompts

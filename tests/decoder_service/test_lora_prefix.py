@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from decoder_service.lora import LoRAModule
 from decoder_service.shell import Engine
 from epd_common.errors import APIError
+from epd_common.lora_flags import LoRAModule
 from epd_contracts.generate import GenerateRequest
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.engine_run import greedy, make_engine

@@ -17,8 +17,9 @@ from fastapi.testclient import TestClient
 
 from decoder_service.config import DecoderConfig
 from decoder_service.generate import generate
-from decoder_service.lora import LoRAModule, attach_loras
+from decoder_service.lora import attach_loras
 from decoder_service.server import create_app
+from epd_common.lora_flags import LoRAModule
 from epd_models.halves import LanguageHalf, VisionHalf
 from epd_models.lora.layers import AdaptersBusy
 from tests.lora_adapters import make_adapter

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from decoder_service.lora import LoRAModule
 from epd_builders.audio_tiny import AudioTinySpec, build_audio_tiny
+from epd_common.lora_flags import LoRAModule
 from tests.audio_clips import make_audio
 from tests.e2e.answers import aggregated, tokens
 from tests.e2e.audio_stack import answer, input_audio

@@ -19,7 +19,7 @@ from decoder_service.cli import parse_args
 from decoder_service.lora import check_lora_flags
 from epd_common.startup import ConfigError
 from epd_models.halves import LanguageHalf
-from epd_models.lora.peft_format import WEIGHTS, LoRAError, linear_shapes, read_adapter
+from epd_models.lora.peft_format import WEIGHTS, LoRAError, LoRAWeights, linear_shapes, read_adapter
 from tests.lora_adapters import make_adapter
 from tests.ports import REUSE_PORT_ENV, held_port
 
@@ -87,13 +87,28 @@ def test_target_modules_naming_nothing_is_refused(lm: LanguageHalf, good: Path, 
         read(lm, renamed)
 
 
-def test_the_vision_towers_linears_are_refused(lm: LanguageHalf, good: Path, tmp_path: Path) -> None:
+def test_vision_tower_tensors_go_to_the_encoders_which_check_them(lm: LanguageHalf, good: Path, tmp_path: Path,
+                                                                  tiny_model_dirs: dict[str, Path]) -> None:
+    """The decoder counts an adapter's vision-tower tensors as the encoders' (encoder_service/lora.py); the
+    aggregated mode and runtime loads, with no encoder to apply them, refuse them; an encoder refuses ones that do
+    not fit its tower (here the LM's shapes and names under the tower's prefix)."""
+    from epd_models.halves import VisionHalf
+
     def vision(state: dict[str, torch.Tensor]) -> None:
         for k in list(state):
             state[k.replace("language_model", "vision_tower.vision_model.encoder")] = state.pop(k)
 
+    moved = edited(good, tmp_path / "vision", vision)
+    read_on_decoder = read(lm, moved)
+    assert isinstance(read_on_decoder, LoRAWeights)
+    assert not read_on_decoder.weights and read_on_decoder.other_half == len(load_file(str(moved / WEIGHTS)))
     with pytest.raises(LoRAError, match="vision tower"):
-        read(lm, edited(good, tmp_path / "vision", vision))
+        read_adapter("x", moved, family=lm.adapter, shapes=linear_shapes(lm.module), max_rank=16, dtype=lm.dtype,
+                     vision=None)
+    tower = VisionHalf(tiny_model_dirs["llava"])
+    with pytest.raises(LoRAError, match="not a linear of this model's vision half"):
+        read_adapter("x", moved, family=tower.adapter, shapes=linear_shapes(tower.module, tower.adapter.vision_prefixes),
+                     max_rank=16, dtype=tower.dtype, vision=True)
 
 
 def test_a_path_outside_the_allowed_folder_is_refused_symlinks_included(lm: LanguageHalf, good: Path,
@@ -172,3 +187,23 @@ def test_the_decoder_exits_2_naming_a_refused_adapter(tiny_model_dirs: dict[str,
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == \
         "epd-decoder: error: adapter 'mine': rank 8 is above --max-lora-rank 1"
+
+
+def test_an_encoder_exits_2_naming_vision_tower_weights_that_do_not_fit(tiny_model_dirs: dict[str, Path], good: Path,
+                                                                         tmp_path: Path) -> None:
+    """The LM's tensors renamed under the vision tower: the decoder would count them as the encoders'; an encoder
+    reads them at start and refuses them, as a usage error."""
+    def vision(state: dict[str, torch.Tensor]) -> None:
+        for k in list(state):
+            state[k.replace("language_model", "vision_tower.vision_model.encoder")] = state.pop(k)
+
+    moved = edited(good, tmp_path / "vision", vision)
+    env = {**os.environ, "PYTHONPATH": str(REPO), **REUSE_PORT_ENV}
+    with held_port() as port:
+        proc = subprocess.run([sys.executable, "-m", "encoder_service.cli", "--model", str(tiny_model_dirs["llava"]),
+                               "--port", str(port), "--insecure", "--enable-lora", "--lora-modules", f"v={moved}"],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("epd-encoder: error: adapter 'v': tensor ") and "not a linear of this model's vision half" \
+        in last

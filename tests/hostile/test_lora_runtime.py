@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from decoder_service.config import DecoderConfig
-from decoder_service.lora import LoRAModule
 from decoder_service.server import create_app
+from epd_common.lora_flags import LoRAModule
 from epd_models.halves import LanguageHalf
 from epd_models.lora.peft_format import WEIGHTS
 from tests.lora_adapters import make_adapter

@@ -13,7 +13,8 @@ import torch
 from decoder_service.config import DecoderConfig
 from decoder_service.engine.sampling import Sampler
 from decoder_service.generate import generate
-from decoder_service.lora import LoRAModule, attach_loras
+from decoder_service.lora import attach_loras
+from epd_common.lora_flags import LoRAModule
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf, VisionHalf
 from tests.decoder_service.engine_run import greedy, make_engine, run

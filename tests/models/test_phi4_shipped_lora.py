@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from decoder_service.config import DecoderConfig
-from decoder_service.lora import LoRAModule, attach_loras, check_lora_flags
+from decoder_service.lora import attach_loras, check_lora_flags
 from decoder_service.lora_defaults import default_folders, default_for, mm_loras_argument
 from epd_builders.audio_tiny import AudioTinySpec, build_audio_tiny
+from epd_common.lora_flags import LoRAModule
 from epd_common.startup import ConfigError
 from epd_contracts.audio import AudioPart
 from epd_contracts.generate import ImageRef
