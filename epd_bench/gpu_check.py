@@ -100,6 +100,7 @@ FEATURES = (  # structured: no large-vocabulary estimate (it models a CPU mask a
     ("structured", "structured", ("--large-vocab", "0"), ("--streams", "2", "--max-tokens", "4", "--rounds", "1")),
     ("n-prefill", "n_prefill", (), ("--image-tokens", "8", "--words", "4", "--repeats", "1")),
     ("encoder-batching", "encoder_batching", ("--device", "auto"), ("--rounds", "2", "--concurrency", "4")),
+    ("lora-linears", "gpu_check_lora", ("--device", "auto"), ("--small", "--iters", "20")),
 )
 TAKES_MODEL = ("n-prefill", "encoder-batching")
 

@@ -223,8 +223,8 @@ def _quant_lines(steps: dict[str, Any], h: str) -> list[str]:
 
 
 def _feature_lines(steps: dict[str, Any], h: str) -> list[str]:
-    """Constrained / free decoding at 16 streams, the prefill saved by n = 4, and an encoder's images per second
-    batched across requests ÷ unbatched."""
+    """Constrained / free decoding at 16 streams, the prefill saved by n = 4, an encoder's images per second
+    batched across requests ÷ unbatched, and the LoRA linears' forms (epd_bench/gpu_check_lora.py)."""
     lines: list[str] = []
     if (st := steps.get("structured", {}).get("result")) is not None:
         lines += ["", f"{h} Structured outputs: constrained / free decoding", "", "```bash",
@@ -248,4 +248,14 @@ def _feature_lines(steps: dict[str, Any], h: str) -> list[str]:
                   "| batched images/s | unbatched images/s | batched ÷ unbatched | batch sizes |", "|---:|---:|---:|---|",
                   f"| {rate['batched']:.2f} | {rate['unbatched']:.2f} | {eb['batched_vs_unbatched']:.2f} "
                   f"| {', '.join(map(str, eb['batch_sizes']))} |"]
+    if (lo := steps.get("lora-linears", {}).get("result")) is not None:
+        lines += ["", f"{h} LoRA linears: {lo['adapters']} adapters of rank {lo['rank']}, {lo['rows']} interleaved "
+                      f"decode rows ({lo['device']}, {lo['dtype']})", "", "```bash",
+                  _short(steps["lora-linears"]["command"]), "```", "",
+                  "| linear | base µs | mask (÷ base) | loop (÷ base) | grouped (÷ base) | fastest |",
+                  "|---|---:|---:|---:|---:|---|"]
+        lines += [f"| {name} {r['in']}→{r['out']} | {r['base'].get('us', 'n/a')} | "
+                  + " | ".join(f"{r[f]['us']} ({r[f]['over_base']})" if "us" in r[f] else "n/a"
+                               for f in ("mask", "loop", "grouped")) + f" | {r['fastest']} |"
+                  for name, r in lo["linears"].items()]
     return lines

@@ -68,7 +68,7 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
     per_family = [f"{f}/{s}" for f in FAMILIES for s in ("build", "engine", *SYSTEMS)]
     quant = ["quant-fp8", "quant-awq", "quant-moe"]
     assert list(steps) == ["env", "tests", *per_family, *quant, "bench-model", "structured", "n-prefill",
-                           "encoder-batching"]
+                           "encoder-batching", "lora-linears"]
     assert all(s["ok"] for s in steps.values()) and steps["env"]["gpus"] == ["Fake GPU, 1.0, 1024"]
     assert steps["tests"]["passed"] >= 2 and steps["tests"]["failed"] == steps["tests"]["errors"] == 0
     for family in FAMILIES:
@@ -102,6 +102,8 @@ def test_dry_run_serves_both_families_and_writes_only_the_marked_section(tmp_pat
     assert structured["streams"] == 2 and structured["ratio"] > 0 and n_prefill["device"] == "cpu"
     batching = steps["encoder-batching"]["result"]
     assert batching["device"] == "cpu" and batching["concurrency"] == 4 and batching["batched_vs_unbatched"] > 0
+    lora = steps["lora-linears"]["result"]["linears"]["q_proj"]  # the three forms compute the same sums
+    assert all(lora[f]["max_diff"] < 1e-5 and lora[f]["over_base"] > 0 for f in ("mask", "loop", "grouped"))
     md = (out / "gpu_check.md").read_text()
     section = docs.read_text()[docs.read_text().index(BEGIN): docs.read_text().index(END)]
     rows = [[line for line in text.splitlines() if line.startswith("|")] for text in (md, section)]
