@@ -21,6 +21,8 @@ from tests.factories import make_image
 class FakeVision:
     """Counts encodes; the first one finishes only after the second request has missed the cache."""
 
+    lora = None  # no LoRA adapters on its linears (VisionHalf.lora)
+
     def __init__(self, second_missed: threading.Event):
         self.second_missed = second_missed
         self.calls = 0
@@ -80,6 +82,8 @@ def test_concurrent_requests_with_the_same_new_image_encode_it_once() -> None:
 
 class ScriptedVision:
     """Encodes 4 x 8 ones, or raises what it is told to for the next call."""
+
+    lora = None  # no LoRA adapters on its linears (VisionHalf.lora)
 
     def __init__(self) -> None:
         self.fail_with: Exception | None = None
