@@ -14,9 +14,11 @@ from decoder_service.config import DecoderConfig
 from decoder_service.engine.sampling import Sampler
 from decoder_service.generate import generate
 from decoder_service.lora import attach_loras
+from decoder_service.prompt import Prompt
 from epd_common.lora_flags import LoRAModule
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf, VisionHalf
+from epd_models.lora.layers import LoRASet
 from tests.decoder_service.engine_run import greedy, make_engine, run
 from tests.lora_adapters import make_adapter, merged_model
 from tests.models.test_parity import NUM_NEW, _batched, _prompt, _reference
@@ -30,6 +32,17 @@ def adapters_for(model_dir: Path, folder: Path) -> dict[str, Path]:
     return {name: make_adapter(model_dir, folder / name, seed=i, rank=8 if i else 16) for i, name in enumerate(NAMES)}
 
 
+def with_adapters(model_dir: Path, tmp_path: Path, device: str) -> tuple[dict[str, Path], LanguageHalf, LoRASet,
+                                                                         tuple[Prompt, list, str]]:
+    """Three adapters (adapters_for) on the LM of `model_dir`, exact linears, and its one-image prompt."""
+    adapters = adapters_for(model_dir, tmp_path)
+    lm = LanguageHalf(model_dir, device=device)
+    prompt = _prompt(lm, VisionHalf(model_dir, device=device), model_dir, "one_image")
+    lora = attach_loras(lm, lora_config(adapters))
+    assert lora is not None
+    return adapters, lm, lora, prompt
+
+
 def lora_config(adapters: dict[str, Path], cpu_exact_linear: bool = True) -> DecoderConfig:
     return DecoderConfig(enable_lora=True, max_loras=len(adapters), cpu_exact_linear=cpu_exact_linear,
                          lora_modules=tuple(LoRAModule(n, str(p)) for n, p in adapters.items()))
@@ -39,11 +52,7 @@ def lora_config(adapters: dict[str, Path], cpu_exact_linear: bool = True) -> Dec
 def test_each_adapter_gives_the_merged_models_tokens_in_a_batch_mixing_adapters(
         tiny_model_dirs: dict[str, Path], tmp_path: Path, family: str, device: str) -> None:
     model_dir = tiny_model_dirs[family]
-    adapters = adapters_for(model_dir, tmp_path)
-    lm = LanguageHalf(model_dir, device=device)
-    prompt, images, prompt_text = _prompt(lm, VisionHalf(model_dir, device=device), model_dir, "one_image")
-    lora = attach_loras(lm, lora_config(adapters))
-    assert lora is not None
+    adapters, lm, lora, (prompt, images, prompt_text) = with_adapters(model_dir, tmp_path, device)
     prompts = [prompt] + [replace(prompt, lora=lora.slot(n)) for n in NAMES] * 2
     # chunks of rows of different adapters in each step; decode rows of one adapter apart (the gathered form)
     got = _batched(lm, prompts, NUM_NEW, chunk=5, budget=7)
@@ -84,11 +93,7 @@ def test_seeded_sampling_under_an_adapter_gives_the_merged_models_tokens(
     generate() draws on the PEFT-merged model from the same seed: one torch.multinomial per token, on the same
     distribution, from a generator seeded alike (the engine's per request, transformers' the global one)."""
     model_dir = tiny_model_dirs[family]
-    adapters = adapters_for(model_dir, tmp_path)
-    lm = LanguageHalf(model_dir, device=device)
-    prompt, images, prompt_text = _prompt(lm, VisionHalf(model_dir, device=device), model_dir, "one_image")
-    lora = attach_loras(lm, lora_config(adapters))
-    assert lora is not None
+    adapters, lm, lora, (prompt, images, prompt_text) = with_adapters(model_dir, tmp_path, device)
     merged = merged_model(model_dir, adapters["b"])
     answers = []
     for seed in (1, 2, 3):

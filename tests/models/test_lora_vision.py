@@ -114,6 +114,9 @@ def test_an_image_under_an_adapter_is_cached_apart_and_its_key_is_checked(
     assert encode(c, data=data, mm_hash=keys["v"], lora="v").json()["items"][0]["cached"]
     forged = encode(c, data=data, mm_hash=plain, lora="v")  # the base model's key for the adapter's rows
     assert forged.status_code == 400 and forged.json()["error"]["code"] == "hash_mismatch"
+    video = encode(c, data=data, lora="v", video={"sampling": {"num_frames": 2, "fps": 1.0, "max_pixels": 4096},
+                                                  "count": 2, "total": 2})
+    assert video.status_code == 400 and video.json()["error"]["code"] == "invalid_lora"  # images only
     for lora in ("lm", "nope"):  # no vision-tower weights here: refused, nothing stored
         refused = encode(c, data=data, lora=lora)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_lora"
