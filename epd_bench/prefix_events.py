@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 
-from connector.control.cache_index import ProducerView
+from connector.control.hint_index import ProducerView
 from connector.control.wire import MAX_REPLY_HEADER_BYTES, decode_message, encode_message
 from epd_bench.micro import median_s
 from epd_contracts.ec import HEARTBEAT_S, CacheEvent, SnapshotReply

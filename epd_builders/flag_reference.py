@@ -21,6 +21,7 @@ PROGRAMS = (
     ("epd-decoder", "decoder_service.cli", "build_parser"),
     ("epd-bench", "epd_bench.bench_flags", "build_parser"),
     ("epd-ec-keygen", "connector.control.security", "build_parser"),
+    ("epd-planner", "epd_planner.cli", "build_parser"),
 )
 COMMAND = "python -m epd_builders.flag_reference --write"
 _DEFAULT_IN_HELP = re.compile(r"\s*\(default:?\s+((?:[^()]|\([^()]*\))*)\)\s*$", re.S)

@@ -85,6 +85,22 @@ def seconds(value: str) -> float:
     return number
 
 
+def positive_seconds(value: str) -> float:
+    """A duration flag that must be > 0 (and finite)."""
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value}: must be a number > 0")
+    return number
+
+
+def non_negative(value: str) -> int:
+    """An int flag that may be 0 but not below."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
+    return number
+
+
 MAX_SECRET_FILE_BYTES = 64 * 1024
 
 

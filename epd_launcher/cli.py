@@ -63,9 +63,9 @@ def attach(parser: argparse.ArgumentParser, args: argparse.Namespace, encode_url
 
 
 def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig | None) -> None:
-    """Check what can be checked (preflight), spawn the workers with fresh keys, serve the proxy in front of them,
-    stop them all on exit."""
-    from epd_launcher.spawn import spawn_workers  # NOTE: torch; attach mode never needs it
+    """Check what can be checked (preflight), spawn the workers with fresh keys, serve the proxy in front of them
+    (with --autoscale, an Autoscaler sizes them from the proxy's start on), stop them all on exit."""
+    from epd_launcher.spawn import start_workers  # NOTE: torch; attach mode never needs it
 
     if curve is not None:
         logger.warning("launcher mode generates its own CURVE keys per start: the EPD_EC_CURVE_* keys are not used")
@@ -77,20 +77,42 @@ def launch(args: argparse.Namespace, policy: RestartPolicy, curve: CurveConfig |
     # `finally` below stops the workers and the launcher exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     group = WorkerGroup(env={"EPD_INSECURE": ""}, policy=policy)  # workers get keys: they need no waiver
+    autoscaler = None
     try:
         try:
-            urls = spawn_workers(group, args, keys, model_dir)
+            spawner, workers = start_workers(group, args, keys, model_dir)
         except RuntimeError as exc:  # a worker exited or never answered while loading: its own log says why
             fail(PROG, f"{exc} (its log above says why)", code=1)
-        encode_urls, decode_urls, args.prefill_urls = urls
-        cfg = _config(args, encode_urls, decode_urls, keys.proxy_curve(),
-                      args.served_model_name or served_name(args.model))
+        args.prefill_urls = tuple(w.url for w in workers["prefill"])
+        cfg = _config(args, tuple(w.url for w in workers["encoder"]), tuple(w.url for w in workers["decoder"]),
+                      keys.proxy_curve(), args.served_model_name or served_name(args.model))
         group.supervise()
-        _serve(cfg, args.proxy_workers, policy, on_ready=lambda: _print_banner(cfg))
+        if args.autoscale:
+            from epd_launcher.autoscale import Autoscaler
+            from epd_launcher.autoscale_flags import autoscale_config
+
+            url = _local_url(cfg.host, cfg.port)
+            autoscaler = Autoscaler(spawner, url, keys.internal_key, autoscale_config(args, url, keys.internal_key),
+                                    workers, args.startup_timeout, args.shutdown_timeout)
+
+        def ready() -> None:
+            _print_banner(cfg)
+            if autoscaler is not None:
+                autoscaler.start()
+
+        _serve(cfg, args.proxy_workers, policy, on_ready=ready)
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signals
         raise SystemExit(130) from None
     finally:
+        if autoscaler is not None:
+            autoscaler.stop()
         group.stop(args.shutdown_timeout + STOP_MARGIN_S)  # the workers drain under the same --shutdown-timeout
+
+
+def _local_url(host: str, port: int) -> str:
+    """The proxy's URL from this machine (a wildcard bind is reached on loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _serve(cfg: ProxyConfig, num_procs: int, policy: RestartPolicy,

@@ -26,14 +26,6 @@ def positive_bytes(value: str) -> int:
     return number
 
 
-def non_negative(value: str) -> int:
-    """An int flag that may be 0 but not below."""
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value}: must be >= 0")
-    return number
-
-
 def choice(values: tuple[str, ...]) -> Callable[[str], str]:
     """A flag with a fixed set of values (a type, so the launcher's table of passed-on flags can hold it)."""
     def check(value: str) -> str:
@@ -87,14 +79,6 @@ def default_mm_loras(value: str) -> str:
 
     mm_loras_argument(value)
     return value
-
-
-def positive_seconds(value: str) -> float:
-    """A float flag that must be > 0 (and finite)."""
-    number = float(value)
-    if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value}: must be a number > 0")
-    return number
 
 
 def proxy_workers(value: str) -> int:

@@ -7,7 +7,17 @@ from collections.abc import Callable
 from typing import Any
 
 from connector.control.curve_flags import add_curve_flags
-from epd_common.cli import add_http_flags, add_log_level, byte_size, cli_secret, env_flag, fraction, new_parser
+from epd_common.cli import (
+    add_http_flags,
+    add_log_level,
+    byte_size,
+    cli_secret,
+    env_flag,
+    fraction,
+    new_parser,
+    non_negative,
+    positive_seconds,
+)
 from epd_common.tracing import add_tracing_flags
 from epd_common.weight_flags import (
     DTYPE_CHOICES,
@@ -16,15 +26,14 @@ from epd_common.weight_flags import (
     QUANTIZED_WEIGHTS_CHOICES,
     QUANTIZED_WEIGHTS_HELP,
 )
+from epd_launcher.autoscale_flags import AUTOSCALE_FLAGS, add_autoscale_flags, check_autoscale
 from epd_launcher.flag_types import (
     base_port,
     choice,
     default_mm_loras,
     lora_module,
-    non_negative,
     positive,
     positive_bytes,
-    positive_seconds,
     prefill_url,
     proxy_workers,
     speculative_config,
@@ -117,7 +126,8 @@ LAUNCHER_FLAGS = ("--model", "--num-encoders", "--num-decoders", "--num-prefills
                   "--max-restarts",
                   "--restart-window", "--restart-backoff", "--restart-backoff-max",
                   *(spec[0] for spec in DECODER_FLAGS), *(flag for flag, _ in DECODER_SWITCHES),
-                  *(spec[0] for spec in ENCODER_FLAGS), *(spec[0] for spec in WORKER_FLAGS), EC_DISK_DIR, LORA_MODULES)
+                  *(spec[0] for spec in ENCODER_FLAGS), *(spec[0] for spec in WORKER_FLAGS), EC_DISK_DIR, LORA_MODULES,
+                  *AUTOSCALE_FLAGS)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -139,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
         p.error("--proxy-workers > 1 and --dynamic-registration on one command line: each proxy process keeps its "
                 "own worker list, so a POST/DELETE /instances would reach one process and the lists would diverge; "
                 "use --proxy-workers 1, or fixed --encode-servers-urls / --decode-servers-urls")
+    check_autoscale(p, args)
     return p, args
 
 
@@ -156,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(EC_DISK_DIR, default=None,
                    help="folder for the encoders' disk tiers: encoder i writes DIR/encoder-i and, restarted, serves "
                         "repeats from it without encoding them again (default: memory only)")
+    add_autoscale_flags(p.add_argument_group("launcher mode: --autoscale (epd-planner's rule, on the local fleet)"))
     _attach_flags(p.add_argument_group("attach mode (workers started elsewhere)"))
     add_http_flags(p, ProxyConfig)
     add_tracing_flags(p)  # launcher mode: passed on to every spawned worker

@@ -202,7 +202,7 @@ class WorkerGroup:
 
     def _supervise(self) -> None:
         while not self._stopping.wait(_POLL_S):
-            for w in self.workers:
+            for w in list(self.workers):  # --autoscale adds and retires workers from its own thread
                 self.check(w, time.monotonic())
 
     def check(self, w: Worker, now: float) -> None:
@@ -228,6 +228,24 @@ class WorkerGroup:
             return
         w.restart_at = now + delay
         logger.warning("%s at %s exited with code %s; restarting it in %.1f s", w.role, w.url, code, delay)
+
+    def retire(self, worker: Worker, grace: float) -> int | None:
+        """Stop one worker for good (--autoscale scaling down, after the proxy stopped sending it work): no longer
+        supervised, SIGTERM (it drains what it holds: epd_common.admission), SIGKILL `grace` s later; its port is
+        released. Returns its exit code."""
+        if worker in self.workers:
+            self.workers.remove(worker)
+        if worker.proc.poll() is None:
+            worker.proc.terminate()
+        try:
+            code = worker.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            code = worker.proc.wait()
+        if worker.port_hold is not None:
+            worker.port_hold.close()
+        logger.info("retired %s at %s (exit code %s)", worker.role, worker.url, code)
+        return code
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM to every worker (each drains: epd_common.admission), SIGKILL to those still up `grace` s later."""

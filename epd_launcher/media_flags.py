@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from epd_launcher.flag_types import non_negative, positive, positive_seconds, video_frames
+from epd_common.cli import non_negative, positive_seconds
+from epd_launcher.flag_types import positive, video_frames
 from proxy.config import ProxyConfig
 
 

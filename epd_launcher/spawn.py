@@ -16,42 +16,66 @@ from epd_launcher.flags import (
     WORKER_FLAGS,
     _dest,
 )
-from epd_launcher.group import Secrets, WorkerGroup
-from epd_launcher.placement import placements, worker_counts
+from epd_launcher.group import Secrets, Worker, WorkerGroup
+from epd_launcher.placement import Placement, placements, worker_counts
 
 
 def spawn_workers(group: WorkerGroup, args: argparse.Namespace, keys: Secrets,
                   model_dir: str | Path) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """(encoder URLs, decoder URLs, prefill worker URLs) of the workers spawned on `model_dir` (preflight resolved
     --model), once all are healthy."""
-    model = str(model_dir)
-    num_encoders, _, num_prefills = worker_counts(args)
-    threads = max(1, (os.cpu_count() or 1) // max(1, num_encoders + args.num_decoders + num_prefills))
-    wh = args.worker_host
-    common = ["--log-level", args.log_level, *_http_flags(args), *_given(args, WORKER_FLAGS),
-              *tracing_flags(TraceSettings(otlp_traces_endpoint=args.otlp_traces_endpoint,
-                                           otlp_traces_sample_ratio=args.otlp_traces_sample_ratio))]
-    # the GPUs of each worker (epd_launcher/placement.py): --device, and with --tensor-parallel-size > 1 the
-    # decoders' and prefill workers' own CUDA_VISIBLE_DEVICES; preflight refused a set the GPUs cannot hold
-    places = placements(args)
-    enc = [group.spawn("encoder", model, wh, threads,
-                       ["--ec-bind", f"tcp://{wh}:0", *common, *_video_flags(args), *_given(args, ENCODER_FLAGS),
-                        *_encoder_lora_flags(args), *_disk_dir(args, i), *places[i].flags], {**keys.env("encoder"), **places[i].env}, _port(args, i))
-           for i in range(num_encoders)]
-    # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
-    aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
-    dec_flags = [*common, *aggregated, *_engine_flags(args)]
-    roles = ["--role", "decode"] if num_prefills else []  # E -> P -> D: the decoders continue hand-offs
-    dec = [group.spawn("decoder", model, wh, threads, [*dec_flags, *roles, *places[num_encoders + i].flags],
-                       {**keys.env("decoder"), **places[num_encoders + i].env}, _port(args, num_encoders + i))
-           for i in range(args.num_decoders)]
-    first = num_encoders + args.num_decoders
-    pre = [group.spawn("decoder", model, wh, threads, [*dec_flags, "--role", "prefill", "--kv-bind", f"tcp://{wh}:0",
-                                                       *places[first + i].flags],
-                       {**keys.env("decoder"), **places[first + i].env}, _port(args, first + i))
-           for i in range(num_prefills)]
+    _, workers = start_workers(group, args, keys, model_dir)
+    enc, dec, pre = (tuple(w.url for w in workers[role]) for role in ("encoder", "decoder", "prefill"))
+    return enc, dec, pre
+
+
+def start_workers(group: WorkerGroup, args: argparse.Namespace, keys: Secrets,
+                  model_dir: str | Path) -> tuple[Spawner, dict[str, list[Worker]]]:
+    """Spawn the start's workers, wait until all are healthy; the spawner (for --autoscale) and the workers by role."""
+    spawner = Spawner(group, args, keys, model_dir)
+    workers = {role: [spawner.spawn(role, i) for i in range(n)]
+               for role, n in zip(("encoder", "decoder", "prefill"), worker_counts(args), strict=True)}
     group.wait_healthy(args.startup_timeout)
-    return tuple(w.url for w in enc), tuple(w.url for w in dec), tuple(w.url for w in pre)
+    return spawner, workers
+
+
+class Spawner:
+    """How the launcher starts one worker of a role: at start (spawn_workers) and later (--autoscale)."""
+
+    def __init__(self, group: WorkerGroup, args: argparse.Namespace, keys: Secrets, model_dir: str | Path):
+        self.group, self.args, self.keys, self.model = group, args, keys, str(model_dir)
+        self.counts = worker_counts(args)  # (encoders, decoders, prefill workers) at start
+        self.threads = max(1, (os.cpu_count() or 1) // max(1, sum(self.counts)))
+        self.common = ["--log-level", args.log_level, *_http_flags(args), *_given(args, WORKER_FLAGS),
+                       *tracing_flags(TraceSettings(otlp_traces_endpoint=args.otlp_traces_endpoint,
+                                                    otlp_traces_sample_ratio=args.otlp_traces_sample_ratio))]
+        # the GPUs of each worker (epd_launcher/placement.py): --device, and with --tensor-parallel-size > 1 the
+        # decoders' and prefill workers' own CUDA_VISIBLE_DEVICES; preflight refused a set the GPUs cannot hold
+        self.places = placements(args)
+
+    def spawn(self, role: str, i: int) -> Worker:
+        """Worker `i` of `role` ("encoder", "decoder" or "prefill"). One past those spawned at start (--autoscale)
+        gets the placement of the one at i modulo their number, and a fresh port."""
+        args, wh = self.args, self.args.worker_host
+        first = {"encoder": 0, "decoder": self.counts[0], "prefill": self.counts[0] + self.counts[1]}[role]
+        count = self.counts[("encoder", "decoder", "prefill").index(role)]
+        index = first + (i % count if count else 0)
+        place = self.places[index] if index < len(self.places) else Placement((), {})
+        port = _port(args, first + i) if i < count else 0
+        if role == "encoder":
+            return self.group.spawn("encoder", self.model, wh, self.threads,
+                                    ["--ec-bind", f"tcp://{wh}:0", *self.common, *_video_flags(args),
+                                     *_given(args, ENCODER_FLAGS), *_encoder_lora_flags(args), *_disk_dir(args, i),
+                                     *place.flags], {**self.keys.env("encoder"), **place.env}, port)
+        # an aggregated decoder samples and encodes each video itself: it gets the proxy's limits as an encoder does
+        aggregated = ["--aggregated", *_video_flags(args)] if args.aggregated else []
+        if role == "prefill":
+            roles = ["--role", "prefill", "--kv-bind", f"tcp://{wh}:0"]
+        else:
+            roles = ["--role", "decode"] if self.counts[2] else []  # E -> P -> D: the decoders continue hand-offs
+        return self.group.spawn("decoder", self.model, wh, self.threads,
+                                [*self.common, *aggregated, *_engine_flags(args), *roles, *place.flags],
+                                {**self.keys.env("decoder"), **place.env}, port)
 
 
 # the proxy's HTTP flags (epd_common.cli.add_http_flags) every spawned worker takes as they are; not --max-body-bytes:

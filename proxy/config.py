@@ -73,7 +73,7 @@ class ProxyConfig(HttpLimits, TraceSettings):
     health_interval: float = 2.0  # seconds between probes of each worker's /health
     health_timeout: float = 2.0  # seconds one probe may take
     health_failures: int = 3  # failed probes in a row that take a worker out
-    # prefix affinity (proxy/affinity.py): a conversation goes to the decoder holding its longest prompt prefix
+    # prefix affinity (scheduler/affinity.py): a conversation goes to the decoder holding its longest prompt prefix
     # unless that decoder has more than `affinity_load_gap` generations in flight over the least-loaded one
     prefix_affinity: bool = True
     affinity_load_gap: int = 4

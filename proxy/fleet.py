@@ -33,7 +33,7 @@ class Fleet:
         self.cfg, self.client, self.metrics = cfg, client, metrics
         self.decoder_http = DecoderHTTP(cfg.worker_timeout)  # the /generate streams; httpx for every other call
         self.index = FleetCacheIndex(cfg.curve)
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(index=self.index)
         self.workers = Workers(client, cfg.health_interval, cfg.health_timeout, cfg.health_failures,
                                on_up=self._on_up, on_down=self._on_down,
                                load_gap=cfg.affinity_load_gap if cfg.prefix_affinity else None,

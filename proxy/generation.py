@@ -56,7 +56,7 @@ class Generation:
 
     async def open(self, sources: dict[str, str], pending: frozenset[str] = frozenset(),
                    cached: frozenset[str] | None = None) -> None:
-        """Open the stream on a healthy decoder (proxy/affinity.py), moving to the next one if it fails.
+        """Open the stream on a healthy decoder (scheduler/affinity.py), moving to the next one if it fails.
 
         `pending` items are still being encoded: the decoder's gather waits for them (pipelined mode). `cached`
         items were skipped by the scheduler (the decoder counts their tokens as cached_tokens).

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from epd_common.metrics import LATENCY_BUCKETS, multiprocess_registry
-from proxy.affinity import ROUTES
 from proxy.workers import ROLES
+from scheduler.affinity import ROUTES
 
 
 class FleetView(Protocol):

@@ -1,5 +1,5 @@
 """Routing keys of a request's prompt prefixes: a decoder that served messages[:i+1] holds their K/V in its prefix
-cache, and reports key_i in its /health while it does (proxy/affinity.py routes a follow-up there).
+cache, and reports key_i in its /health while it does (scheduler/affinity.py routes a follow-up there).
 
 A chat request has one key per message prefix, a hash chain: key_0 = H(salt, tools, message_0) and
 key_i = H(key_{i-1}, message_i), so key_i names the whole of messages[:i+1] and a conversation's follow-up repeats

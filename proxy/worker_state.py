@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from proxy.affinity import HeldPrefixes
+from scheduler.affinity import HeldPrefixes
 
 T = TypeVar("T")
 

@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from epd_common.errors import APIError
-from proxy.affinity import Route, choose, least_loaded
 from proxy.worker_state import Worker, describe_failure
+from scheduler.affinity import Route, choose, least_loaded
 
 logger = logging.getLogger("epd.proxy")
 ROLES = ("encoder", "decoder", "prefill")  # prefill: a decoder started with --role prefill (E -> P -> D)
@@ -81,7 +81,7 @@ class Workers:
     identity differs is never taken into service (logged with both). A worker that reports none is
     unknown: taken, with a warning (older workers and test fakes report none).
 
-    Decoders are chosen by prefix affinity (proxy/affinity.py) within `load_gap` of the least-loaded one; a
+    Decoders are chosen by prefix affinity (scheduler/affinity.py) within `load_gap` of the least-loaded one; a
     `load_gap` of None: by load alone. `on_route` hears how each choice was made (the affinity metric)."""
 
     def __init__(self, client: httpx.AsyncClient, interval: float, timeout: float, failures_to_down: int,

@@ -10,6 +10,12 @@ class CacheView(Protocol):
     def has_cache_item(self, mm_hash: str) -> bool: ...
 
 
+class HolderIndex(Protocol):
+    """Who holds an item, fleet-wide (connector/control/cache_index.py): the producers' addresses."""
+
+    def holders(self, mm_hash: str) -> list[str]: ...
+
+
 def holds(view: CacheView, mm_hashes: list[str]) -> list[bool]:
     """Batched when the view supports it, one by one otherwise."""
     batched = getattr(view, "has_cache_items", None)

@@ -1,4 +1,4 @@
-"""The shared scheduler: skip what is cached anywhere, join what is being encoded, spread the rest by load.
+"""The shared scheduler: skip what is cached anywhere, join what is being encoded, place the rest by rendezvous.
 
 It is the one owner of the encodes in flight: each one has a future (the ZeroMQ address holding the item once
 stored, or the error), every request for the item waits on that future, and failover moves the encode to another
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from epd_contracts.audio import AudioPart
 from epd_contracts.generate import Detail
 from epd_contracts.video import VideoPart
-from scheduler.cache_view import CacheView, holds
+from scheduler.cache_view import CacheView, HolderIndex, holds
+from scheduler.rendezvous import RingCache, place
 
 
 @dataclass(frozen=True)
@@ -75,19 +76,24 @@ class Scheduler:
 
     1. held by a healthy encoder (the fleet cache index says so) -> skipped, gathered from there;
     2. being encoded right now by a healthy encoder -> joined: the request waits for that encode;
-    3. otherwise -> the healthy encoder with the least outstanding items (ties: round-robin, from the one after
-       the encoder chosen last), counting the items this call already placed, so a request's images are split
-       across encoders, and under one-at-a-time traffic every encoder takes turns (one back from a restart too).
+    3. otherwise -> the item's rendezvous home among the healthy encoders (scheduler/rendezvous.py): the encoder
+       ranked first for its mm_hash, unless that one has `load_bound` outstanding items or more (counting the items
+       this call already placed), then the next in the item's ranking. Every proxy places an image on the same
+       encoder, so an item the event index no longer lists (it keeps only recent ones) is still found where it was
+       encoded: that encoder answers it from its cache without encoding it again.
 
     An encode in flight on an encoder that is down or excluded is not joined: rule 1 or 3 takes it over,
     keeping its future, so the requests already waiting for it get the new answer.
     """
 
-    def __init__(self, encoders: Collection[EncoderSlot] = ()):
+    def __init__(self, encoders: Collection[EncoderSlot] = (), index: HolderIndex | None = None):
+        """`index`: who holds each item, fleet-wide (the proxy's cache index): rule 1 asks it once per item
+        instead of asking every encoder's view, which at a thousand encoders is the difference that counts."""
+        self.index = index
         self.encoders: dict[str, EncoderSlot] = {}
         self.outstanding: dict[str, int] = {}  # encoder name -> items sent, not yet finished
         self.in_flight: dict[str, Encode] = {}  # mm_hash -> its encode now
-        self._last: str | None = None  # the encoder rule 3 chose last
+        self._rings = RingCache()
         self._lock = threading.Lock()
         for slot in encoders:
             self.add(slot)
@@ -134,7 +140,12 @@ class Scheduler:
         unique = list({it.mm_hash: it for it in items}.values())
         with self._lock:
             candidates = [s for s in self.encoders.values() if s.healthy and s.name not in exclude]
-        pending = self._skip_cached(unique, candidates, out) if skip_cached else unique
+        if not skip_cached:
+            pending = unique
+        elif self.index is not None:
+            pending = self._skip_indexed(unique, candidates, out)
+        else:
+            pending = self._skip_cached(unique, candidates, out)
         with self._lock:
             names = [s.name for s in candidates if s.name in self.encoders]
             for h in out.skipped:
@@ -170,19 +181,12 @@ class Scheduler:
         if encode is not None and encode.encoder in names:
             out.joined[item.mm_hash] = encode.encoder
         else:
-            name = self._least_loaded(names)
+            name = place(self._rings.get(names), item.mm_hash, [self.outstanding[n] for n in names])
             self.outstanding[name] += 1
             encode = self.in_flight[item.mm_hash] = Encode(name, encode.result if encode else Future())
             out.scheduled_encoder_inputs.setdefault(name, []).append(item)
         out.sources[item.mm_hash] = self.encoders[encode.encoder].ec_address
         out.waits[item.mm_hash] = encode.result
-
-    def _least_loaded(self, names: list[str]) -> str:
-        """Rule 3 (lock held): the fewest outstanding items; of those, the first after the one chosen last."""
-        least = min(self.outstanding[n] for n in names)
-        start = names.index(self._last) + 1 if self._last in names else 0
-        self._last = next(n for n in names[start:] + names[:start] if self.outstanding[n] == least)
-        return self._last
 
     def _take_over_from_cache(self, mm_hash: str, names: list[str], address: str) -> None:
         """A cached item whose encode in flight is on an encoder down or excluded: that encode ends here."""
@@ -204,6 +208,20 @@ class Scheduler:
                 encode.result.set_exception(result)
             else:
                 encode.result.set_result(result)
+
+    def _skip_indexed(self, items: list[MMItem], candidates: list[EncoderSlot], out: SchedulerOutput) -> list[MMItem]:
+        """Rule 1 from the fleet-wide index: the first candidate holding each item."""
+        assert self.index is not None
+        by_address = {s.ec_address: s for s in candidates}
+        pending = []
+        for it in items:
+            holder = next((a for a in self.index.holders(it.mm_hash) if a in by_address), None)
+            if holder is None:
+                pending.append(it)
+            else:
+                out.sources[it.mm_hash] = holder
+                out.skipped.append(it.mm_hash)
+        return pending
 
     @staticmethod
     def _skip_cached(items: list[MMItem], candidates: list[EncoderSlot], out: SchedulerOutput) -> list[MMItem]:

@@ -23,7 +23,7 @@ sys.argv[0] = {name!r}
 getattr(importlib.import_module(module), function)()
 """
 PRODUCT = ("proxy", "scheduler", "connector", "encoder_service", "decoder_service", "epd_models", "epd_contracts",
-           "epd_common", "epd_launcher", "deploy")
+           "epd_common", "epd_launcher", "epd_planner", "deploy")
 
 
 def run(name: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -33,7 +33,7 @@ def run(name: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.
 
 
 def test_every_console_script_is_checked() -> None:
-    assert {"disagg-epd-proxy", "epd-encoder", "epd-decoder", "epd-ec-keygen", "epd-bench"} <= set(PROGRAMS)
+    assert {"disagg-epd-proxy", "epd-encoder", "epd-decoder", "epd-ec-keygen", "epd-bench", "epd-planner"} <= set(PROGRAMS)
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "docs/ARCHITECTURE.md", "docs/SECURITY.md", "docs/DEPLOY.md", "docs/BENCHMARKS.md",
         "docs/REFERENCE.md"]
 PACKAGES = ("proxy", "scheduler", "encoder_service", "decoder_service", "connector", "epd_contracts", "epd_common",
-            "epd_models", "epd_builders", "epd_bench", "epd_launcher")
+            "epd_models", "epd_builders", "epd_bench", "epd_launcher", "epd_planner")
 TOP = (*PACKAGES, "docs", "deploy", "tests")
 # named in the docs, but not ours: other projects' code the design is compared with
 FOREIGN = {"LLMEngine.step"}
@@ -271,7 +271,7 @@ _FENCE = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
 _HEADING = re.compile(r"^#{2,3} (.+)$", re.M)
 # README sections whose blocks run against one stack, each started as the section says
 STACKS = {"Ask it something": "demo", "Benchmarking": "demo", "Video inputs": "video", "Audio inputs": "audio",
-          "Prefill and decode apart (E → P → D)": "prefill"}
+          "Prefill and decode apart (E → P → D)": "prefill", "Sizing the fleet: epd-planner": "planner"}
 # blocks not run here (keyed by their first line), and why
 NOT_RUN = {
     "make run    #": "make run is the stack the demo blocks run against: the Makefile's own command line "
@@ -292,6 +292,8 @@ EXPECT = {
     ".venv/bin/python -m proxy.example --base-url http://127.0.0.1:8000/v1 --video": [r"What happens in this video\? -> '.*'  \(usage: "],
     ".venv/bin/python -m proxy.example --base-url http://127.0.0.1:8000/v1 --audio": [r"What do you hear\? -> '.*'  \(usage: "],
     "import base64\n": [r"completion_tokens=16\b"],
+    # an idle stack of make run's 2 encoders and 1 decoder: one of each would do; the hysteresis keeps 2 for now
+    ".venv/bin/epd-planner --once": [r"^encoder  2 -> 1 \(recommended now: 2\)", r"^decoder  1 -> 1 ", r"^  why: "],
 }
 
 
@@ -396,7 +398,7 @@ def test_every_readme_block_runs_here_or_says_why_not() -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kind", ["demo", "video", "audio"])
+@pytest.mark.parametrize("kind", ["demo", "video", "audio", "planner"])
 def test_the_readme_blocks_run_as_written(kind: str, tmp_path: Path) -> None:
     """Each block of a section, in order, against the stack it names (URL, /tmp/ and runs/ pointed at this test's)."""
     with _readme_stack(kind, tmp_path) as (url, blocks):

@@ -31,6 +31,8 @@ VIOLATIONS = [
     ("connector", "import connector.tensors.cache", "connector-init"),
     ("decoder_service", "import epd_bench", "fixtures"),
     ("decoder_service.engine", "import decoder_service.request", "engine"),
+    ("epd_planner", "import torch", "planner"),
+    ("epd_planner", "import proxy", "planner"),
 ]
 
 

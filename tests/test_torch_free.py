@@ -13,6 +13,7 @@ from types import ModuleType
 import connector.control
 import epd_common
 import epd_contracts
+import epd_planner
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "transformers", "numpy")
@@ -37,7 +38,7 @@ def modules_of(package: ModuleType) -> list[str]:
 
 
 TORCH_FREE = ["epd_launcher.cli", "proxy.app", "scheduler.scheduler", *modules_of(connector.control), *modules_of(epd_contracts),
-              *modules_of(epd_common)]
+              *modules_of(epd_common), *modules_of(epd_planner)]  # the planner runs in the proxy image
 
 
 def first_heavy_import(modules: list[str]) -> dict[str, list[str]]:

@@ -4,6 +4,11 @@ Each producer publishes `stored`/`evicted` events with consecutive sequence numb
 that repeat its last seq. A subscriber that starts late, misses an event (a gap), or sees a new epoch
 (the producer restarted with an empty cache) asks that producer for a snapshot and resyncs. Every proxy
 keeps its own index, so several proxies share one view with no central store.
+
+The index is a hint for recent items, bounded whatever the fleet holds (connector/control/hint_index.py): an item
+it has forgotten is still found by placement: the scheduler sends it to its rendezvous home
+(scheduler/rendezvous.py), the encoder that stored it, which answers it from its cache. So a proxy's memory is
+O(encoders), not O(items).
 """
 from __future__ import annotations
 
@@ -11,16 +16,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from connector.control.client import ProducerClient
+from connector.control.hint_index import INDEX_CAPACITY, HintIndex, ProducerView
 from connector.control.security import CurveConfig, secure_client
 from connector.control.waker import Waker
 from connector.control.wire import WireError, apply_socket_limits, decode_message
-from epd_contracts.ec import HEARTBEAT_S, CacheEvent, SnapshotReply
+from epd_contracts.ec import HEARTBEAT_S, CacheEvent
 
 logger = logging.getLogger("epd.connector.index")
 
@@ -28,53 +33,16 @@ STALE_AFTER_S = 6 * HEARTBEAT_S  # a producer silent this long is presumed gone:
 _MAX_EVENT_BYTES = 1 << 20
 
 
-@dataclass
-class ProducerView:
-    """What one producer holds, as far as its events say; `synced` once a snapshot was applied."""
-
-    address: str
-    events_address: str
-    epoch: str | None = None
-    seq: int = 0
-    held: set[str] = field(default_factory=set)
-    synced: bool = False
-    last_heard: float = field(default_factory=time.monotonic)
-
-    def apply_snapshot(self, snap: SnapshotReply) -> None:
-        self.epoch, self.seq, self.held, self.synced = snap.epoch, snap.seq, set(snap.hashes), True
-
-    def apply_event(self, event: CacheEvent) -> bool:
-        """Apply one event in order; False when a snapshot is needed (new epoch, gap, or not synced)."""
-        self.last_heard = time.monotonic()
-        if not self.synced or event.epoch != self.epoch:
-            return False
-        if event.kind == "heartbeat":
-            return event.seq <= self.seq  # a higher seq means events were missed
-        if event.seq <= self.seq:
-            return True  # already part of the snapshot
-        if event.seq != self.seq + 1:
-            return False
-        self.seq = event.seq
-        if event.kind == "stored":
-            self.held.update(event.hashes)
-        else:
-            self.held.difference_update(event.hashes)
-        return True
-
-    def forget(self) -> None:
-        self.held, self.synced = set(), False
-
-
 class FleetCacheIndex:
     """has_cache_item for the whole fleet, answered locally from subscribed cache events."""
 
     def __init__(self, curve: CurveConfig | None = None, stale_after_s: float = STALE_AFTER_S,
-                 snapshot_timeout: float = 2.0) -> None:
+                 snapshot_timeout: float = 2.0, capacity: int = INDEX_CAPACITY) -> None:
         self.curve = curve
         self._client = ProducerClient(curve)  # snapshots only: the index never fetches tensors
         self.stale_after_s, self.snapshot_timeout = stale_after_s, snapshot_timeout
-        self._views: dict[str, ProducerView] = {}  # producer address -> view
-        self._changed = threading.Condition()  # guards _views; notified on every change
+        self._hint = HintIndex(capacity)
+        self._changed = threading.Condition()  # guards _hint; notified on every change
         self._commands: list[tuple[str, ProducerView]] = []
         self._waker = Waker()
         self._stop = threading.Event()
@@ -95,7 +63,7 @@ class FleetCacheIndex:
     def holders(self, mm_hash: str) -> list[str]:
         """Producer addresses that hold the item now."""
         with self._changed:
-            return [a for a, v in self._views.items() if v.synced and mm_hash in v.held]
+            return self._hint.holders(mm_hash)
 
     def has_cache_item(self, mm_hash: str) -> bool:
         return bool(self.holders(mm_hash))
@@ -105,13 +73,12 @@ class FleetCacheIndex:
 
     def is_synced(self, address: str) -> bool:
         with self._changed:
-            v = self._views.get(address)
+            v = self._hint.views.get(address)
             return v is not None and v.synced
 
     def held_by(self, address: str, mm_hashes: list[str]) -> list[bool]:
         with self._changed:
-            v = self._views.get(address)
-            return [v is not None and v.synced and h in v.held for h in mm_hashes]
+            return self._hint.held_by(address, mm_hashes)
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Block until `predicate()` (checked after each index change) is true, or the timeout passes."""
@@ -121,8 +88,13 @@ class FleetCacheIndex:
     def has_seen(self, address: str, epoch: str, seq: int) -> bool:
         """Whether the index reflects producer `address` up to event `seq` of `epoch`."""
         with self._changed:
-            v = self._views.get(address)
+            v = self._hint.views.get(address)
             return v is not None and v.synced and v.epoch == epoch and v.seq >= seq
+
+    def num_entries(self) -> int:
+        """Hashes the index keeps now, over every producer: what its memory grows with (at most its capacity)."""
+        with self._changed:
+            return self._hint.num_entries()
 
     def close(self) -> None:
         self._stop.set()
@@ -165,9 +137,10 @@ class FleetCacheIndex:
                     sock.close(linger=0)
                     del subs[sock]
             with self._changed:
-                self._views.pop(view.address, None)
                 if op == "add":
-                    self._views[view.address] = view
+                    self._hint.add(view)
+                else:
+                    self._hint.remove(view.address)
                 self._changed.notify_all()
             if op == "add":
                 sock = self._subscribe(view.events_address)

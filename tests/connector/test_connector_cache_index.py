@@ -10,7 +10,8 @@ import pytest
 import torch
 import zmq
 
-from connector.control.cache_index import FleetCacheIndex, ProducerView
+from connector.control.cache_index import FleetCacheIndex
+from connector.control.hint_index import MIN_PER_PRODUCER, HintIndex, ProducerView
 from connector.control.wire import decode_message, encode_message
 from connector.tensors.producer import ECProducer
 from epd_contracts.ec import CacheEvent, EventKind, SnapshotReply, SnapshotRequest
@@ -170,9 +171,41 @@ def test_producer_view_applies_events_in_order_only() -> None:
     assert not view.apply_event(event("e", 1, "stored", ["a"]))  # not synced yet
     view.apply_snapshot(SnapshotReply(req_id=1, epoch="e", seq=1, hashes=["a"]))
     assert view.apply_event(event("e", 1, "stored", ["a"]))  # already in the snapshot: ignored
-    assert view.apply_event(event("e", 2, "stored", ["b"])) and view.held == {"a", "b"}
-    assert view.apply_event(event("e", 3, "evicted", ["a"])) and view.held == {"b"}
+    assert view.apply_event(event("e", 2, "stored", ["b"])) and set(view.held) == {"a", "b"}
+    assert view.apply_event(event("e", 3, "evicted", ["a"])) and set(view.held) == {"b"}
     assert view.apply_event(event("e", 3, "heartbeat", []))
     assert not view.apply_event(event("e", 5, "stored", ["c"]))  # gap
     assert not view.apply_event(event("e", 4, "heartbeat", []))  # the heartbeat says events were missed
     assert not view.apply_event(event("other", 1, "stored", ["d"]))  # new epoch: the producer restarted
+
+
+def test_a_producer_view_keeps_only_its_newest_hashes_up_to_its_cap() -> None:
+    view = ProducerView("tcp://p", "tcp://p-events", cap=3)
+    view.apply_snapshot(SnapshotReply(req_id=1, epoch="e", seq=1, hashes=["a", "b", "c", "d", "e"]))  # oldest first
+    assert list(view.held) == ["c", "d", "e"]
+    assert view.apply_event(event("e", 2, "stored", ["c", "f"]))  # c stored again: newest now, d the oldest
+    assert list(view.held) == ["e", "c", "f"]
+
+
+def test_the_index_shares_its_capacity_so_memory_does_not_grow_with_items() -> None:
+    index = HintIndex(capacity=4 * MIN_PER_PRODUCER * 2)
+    views = [ProducerView(f"tcp://p{i}", "") for i in range(4)]
+    for view in views:
+        index.add(view)
+        view.apply_snapshot(SnapshotReply(req_id=1, epoch="e", seq=0, hashes=[]))
+    assert {v.cap for v in views} == {2 * MIN_PER_PRODUCER}
+    for seq in range(1, 2001):  # two thousand items stored on each: each view holds its cap, the newest
+        for view in views:
+            assert view.apply_event(event("e", seq, "stored", [f"h{seq}", f"{view.address}-{seq}"]))
+    assert index.num_entries() == 4 * 2 * MIN_PER_PRODUCER and "tcp://p0-1" not in index.where
+    assert index.holders("h2000") == [v.address for v in views] and index.holders("h1") == []
+    # each keeps its newest 128: 64 shared hashes (counted once) and 64 of its own
+    assert len(index.where) == MIN_PER_PRODUCER + 4 * MIN_PER_PRODUCER
+    assert views[0].apply_event(event("e", 2001, "evicted", ["h2000"]))
+    assert index.holders("h2000") == [v.address for v in views[1:]]
+    index.remove("tcp://p1")
+    assert index.holders("h2000") == ["tcp://p2", "tcp://p3"] and {v.cap for v in views[2:]} == {8 * MIN_PER_PRODUCER // 3}
+    many = HintIndex(capacity=1000)
+    for i in range(1000):  # fewer than the floor each: the floor
+        many.add(ProducerView(f"tcp://q{i}", ""))
+    assert {v.cap for v in many.views.values()} == {MIN_PER_PRODUCER}

@@ -228,9 +228,10 @@ def parsers() -> dict[str, Callable[[list[str]], object]]:
     from decoder_service.cli import parse_args as decoder_args
     from encoder_service.cli import parse_args as encoder_args
     from epd_launcher.flags import parse_args as proxy_args
+    from epd_planner.cli import parse_args as planner_args
 
     return {"epd-encoder": encoder_args, "epd-decoder": decoder_args,
-            "disagg-epd-proxy": lambda argv: proxy_args(argv)[1],
+            "disagg-epd-proxy": lambda argv: proxy_args(argv)[1], "epd-planner": lambda argv: planner_args(argv)[1],
             "epd-register": lambda argv: register_module().build_parser().parse_args(argv)}
 
 

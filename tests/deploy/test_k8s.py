@@ -173,11 +173,51 @@ def test_k8s_hpa_scales_encoders_on_the_queue_depth_they_export() -> None:
     assert "\nepd_encoder_queue_depth 0.0\n" in generate_latest(registry).decode()
 
 
-def test_kustomization_lists_every_manifest_but_the_optional_hpa_and_prefill_workers() -> None:
+def test_kustomization_lists_every_manifest_but_the_optional_hpas_and_prefill_workers() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "encoder-hpa.yaml", "prefill.yaml"}
+    optional = {"kustomization.yaml", "encoder-hpa.yaml", "planner-hpa.yaml", "prefill.yaml"}
+    manifests = {p.name for p in K8S.glob("*.yaml")} - optional
     assert set(kustomization["resources"]) == manifests
     assert [i["name"] for i in kustomization["images"]] == ["epd-worker", "epd-proxy"]
-    for component in (*WORKERS, "prefill", "proxy"):  # the torch-free image for the proxy, the worker image
+    for component in (*WORKERS, "prefill", "proxy", "planner"):  # the torch-free image: proxy and planner
         images = {c["image"] for c in containers(deployment_of(component)).values()}
-        assert images == {"epd-proxy" if component == "proxy" else "epd-worker"}, component
+        assert images == {"epd-proxy" if component in ("proxy", "planner") else "epd-worker"}, component
+
+
+def test_k8s_planner_reads_every_proxy_pod_and_the_hpas_scale_on_its_gauge(capsys: pytest.CaptureFixture[str],
+                                                                         keys: dict[str, dict[str, str]]) -> None:
+    """planner.yaml runs epd-planner against the proxies' headless Service with the internal key; planner-hpa.yaml
+    scales the encoder and decoder Deployments on its gauge, one replica per unit, within the planner's bounds."""
+    from epd_planner.planner import Planner, PlannerConfig
+    from epd_planner.sample import read_trace
+    from epd_planner.server import PlannerGauges
+
+    planner = deployment_of("planner")
+    (c,) = containers(planner).values()
+    argv = resolve_k8s_vars(c)
+    cfg: Any = accepted(argv[0], argv[1:], "epd-planner", capsys, k8s_secret_env(c, keys))
+    assert cfg.proxy_url == config_map("epd-config", "proxy-url") and cfg.all_addresses and cfg.internal_key
+    assert planner["spec"]["replicas"] == 1  # its hysteresis is state
+    port = int(one(argv, "--port"))
+    assert one(argv, "--host") == "0.0.0.0" and port_number(c, "http") == port
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    service = by_kind("Service")["epd-planner"]["spec"]
+    assert service["selector"].items() <= planner["spec"]["template"]["metadata"]["labels"].items()
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in k8s_objects("planner-hpa.yaml")}
+    assert set(hpas) == {deployment_of(r)["metadata"]["name"] for r in WORKERS}
+    for worker in WORKERS:
+        hpa = hpas[deployment_of(worker)["metadata"]["name"]]
+        assert hpa["apiVersion"] == "autoscaling/v2" and hpa["metadata"]["name"] == f"epd-{worker}"
+        (metric,) = hpa["spec"]["metrics"]
+        external = metric["external"]
+        assert metric["type"] == "External" and external["metric"]["name"] == "epd_planner_desired_replicas"
+        assert external["metric"]["selector"] == {"matchLabels": {"role": worker}}
+        assert external["target"] == {"type": "AverageValue", "averageValue": "1"}  # replicas = the gauge
+        bounds = cfg.bounds
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (bounds.low(worker), bounds.high(worker))
+    # the gauge as the planner exports it: a window of a recorded trace decided, a sample per role
+    samples = iter(read_trace((K8S.parents[1] / "tests/data/planner/light.jsonl").read_text()))
+    planner = Planner(PlannerConfig(), read=lambda: next(samples))
+    planner.step(), planner.step()
+    (desired,) = [m for m in PlannerGauges(planner).collect() if m.name == "epd_planner_desired_replicas"]
+    assert {s.labels["role"] for s in desired.samples} >= set(WORKERS)

@@ -142,7 +142,7 @@ def test_a_port_in_use_fails_before_any_worker_is_spawned_or_waited_for(
     def no_launch(*args: object) -> None:
         raise AssertionError("workers were spawned")
 
-    monkeypatch.setattr(spawn, "spawn_workers", no_launch)
+    monkeypatch.setattr(spawn, "start_workers", no_launch)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

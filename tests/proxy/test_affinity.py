@@ -1,6 +1,7 @@
-"""Prefix affinity (proxy/affinity.py): a request goes to the decoder holding the longest prefix of its keys, as
+"""Prefix affinity (scheduler/affinity.py): a request goes to the decoder holding the longest prefix of its keys, as
 its /health reports them plus the requests it finished since, unless that decoder is more than the load gap
-busier than the least-loaded one; garbage in /health never breaks routing."""
+busier than the least-loaded one; a miss goes to its first key's rendezvous home; garbage in /health never breaks
+routing."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.affinity import MAX_RECENT_KEYS, MAX_REPORTED_KEYS, Route
 from proxy.worker_state import Worker
 from proxy.workers import Workers
+from scheduler.affinity import MAX_RECENT_KEYS, MAX_REPORTED_KEYS, Route
+from scheduler.rendezvous import Ring
 
 KEYS = ["k0", "k1", "k2", "k3"]  # one request's prefix keys (messages[:1] .. messages[:4])
 
@@ -33,6 +35,11 @@ def holding(worker: Worker, keys: list[str]) -> Worker:
     return worker
 
 
+def home(workers: Workers, key: str) -> str:
+    """Where a miss goes when every decoder is idle: the rendezvous home of the request's first key."""
+    return Ring(list(workers.by_url)).home(key)
+
+
 def pick(workers: Workers, keys: list[str] = KEYS, exclude: set[str] | None = None) -> str:
     """The decoder chosen for a request with `keys`, released at once (its load unchanged)."""
     worker = workers.acquire_decoder(exclude or set(), keys)
@@ -49,7 +56,8 @@ def test_the_decoder_holding_the_longest_prefix_wins() -> None:
     holding(a, ["k3"])
     assert pick(workers) == "http://a"
     assert pick(workers, exclude={"http://a"}) == "http://b"  # failover still excludes
-    assert pick(workers, ["other"]) == "http://a" and pick(workers, []) == "http://a"  # nobody holds it: by load
+    # nobody holds it: its first key's rendezvous home, every decoder being idle; no keys at all: by load
+    assert pick(workers, ["other", "k9"]) == home(workers, "other") and pick(workers, []) == "http://a"
     assert routes == ["hit", "hit", "hit", "miss", "miss"]
 
 
@@ -97,7 +105,7 @@ def test_keys_of_finished_requests_count_until_a_probe_started_after_they_finish
     workers, _ = decoders(urls=("http://b", "http://a"))  # by load, b would be chosen
     a = workers.by_url["http://a"]
     a.prefixes.finished(KEYS[:2])
-    assert asyncio.run(main()) == ["http://a", "http://b", "http://a", "http://b"]
+    assert asyncio.run(main()) == ["http://a", home(workers, KEYS[0]), "http://a", home(workers, late[0])]
 
 
 def test_a_decoder_without_a_prefix_cache_collects_no_keys() -> None:
@@ -139,4 +147,17 @@ def test_garbage_prefix_cache_in_health_is_ignored_or_capped(report: Any) -> Non
     healthy, chosen, num_reported = asyncio.run(main())
     holds_k1 = isinstance(report, dict) and isinstance(report.get("keys"), list) and len(report["keys"]) < 10
     assert healthy and num_reported <= MAX_REPORTED_KEYS
-    assert chosen == ("http://b" if holds_k1 else "http://a") and routes == ["hit" if holds_k1 else "miss"]
+    assert chosen == ("http://b" if holds_k1 else home(workers, "k0")) and routes == ["hit" if holds_k1 else "miss"]
+
+
+def test_a_miss_goes_to_one_decoder_from_every_proxy_and_moves_on_at_the_load_bound() -> None:
+    urls = tuple(f"http://d{i}" for i in range(4))
+    one, _ = decoders(urls=urls)
+    two, _ = decoders(urls=tuple(reversed(urls)))  # another proxy, its decoders listed in another order
+    firsts = [f"first-message-{i}" for i in range(24)]
+    assert [pick(one, [k, "k1"]) for k in firsts] == [pick(two, [k]) for k in firsts]
+    assert {pick(one, [k]) for k in firsts} == set(urls)  # conversations are spread over every decoder
+    key = firsts[0]
+    ranking = Ring(list(urls)).ranking(key)
+    one.by_url[ranking[0]].load = 2  # bound with 2 in flight on 4 decoders: ceil(1.25 * 3 / 4) = 1
+    assert pick(one, [key]) == ranking[1]

@@ -80,7 +80,9 @@ def test_follow_ups_land_on_the_decoder_holding_their_conversation(stack: Stack)
 
 
 def test_a_conversation_stays_where_it_finished_before_any_health_says_so(stack: Stack) -> None:
-    stack.worker(stack.a).load = 1  # a busy: the new conversation starts on b (nobody holds it)
+    # a busy, at the load bound (2 in flight on 2 decoders: ceil(1.25 * 3 / 2) = 2): the new conversation starts on b
+    # (nobody holds it), wherever its rendezvous home is
+    stack.worker(stack.a).load = 2
     served, conversation = stack.ask([{"role": "user", "content": "A new conversation"}])
     stack.worker(stack.a).load = 0
     assert served == "b" and stack.routed("miss") == 1

@@ -21,6 +21,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.workers import ModelMismatch
 from scheduler.scheduler import MMItem
 from tests.e2e.stack import metric
+from tests.homes import one_each
 from tests.waiting import HANG_S
 
 Handler = Callable[[str, list[str]], Awaitable[httpx.Response]]  # (encoder url, hashes) -> reply
@@ -95,6 +96,10 @@ async def fleet_of(encoders: Encoders, n: int = 2) -> AsyncIterator[Fleet]:
             yield fleet
         finally:
             await fleet.close()
+
+
+URLS = ("http://127.0.0.1:9100", "http://127.0.0.1:9101")
+SPLIT = one_each(URLS)  # two items, one homed on each encoder (scheduler/rendezvous.py)
 
 
 def items(*hashes: str) -> list[MMItem]:
@@ -182,11 +187,12 @@ def test_a_connection_torn_down_inside_the_transport_is_the_encoders_failure_not
 
     async def main() -> tuple[dict[str, str], bool]:
         async with fleet_of(Encoders(first_torn)) as fleet:
-            sources = await fleet.encode(items("a", "b"), "rid")
+            sources = await fleet.encode(items(*SPLIT), "rid")
             return sources, fleet.workers.by_url["http://127.0.0.1:9100"].healthy
 
     sources, first_healthy = asyncio.run(main())
     assert set(sources.values()) == {address("http://127.0.0.1:9101")} and not first_healthy
+    assert sorted(sources) == sorted(SPLIT)
 
 
 def test_no_encoder_left_is_a_503() -> None:
@@ -248,13 +254,13 @@ def test_an_encoder_that_hangs_is_abandoned_when_probes_mark_it_down() -> None:
 
     async def main() -> dict[str, str]:
         async with fleet_of(encoders) as fleet:
-            task = asyncio.create_task(fleet.encode(items("a", "b"), "rid"))
+            task = asyncio.create_task(fleet.encode(items(*SPLIT), "rid"))
             await encoders.wait_calls(2)
             fleet.workers.mark_down(fleet.workers.by_url["http://127.0.0.1:9100"], "3 failed probe(s)")
             return await task
 
     sources = asyncio.run(main())
-    assert set(sources.values()) == {address("http://127.0.0.1:9101")} and sorted(sources) == ["a", "b"]
+    assert set(sources.values()) == {address("http://127.0.0.1:9101")} and sorted(sources) == sorted(SPLIT)
 
 
 POISON = {"error": {"message": "cannot encode this image", "type": "server_error", "code": "encode_failed"}}

@@ -9,7 +9,9 @@ import dataclasses
 import httpx
 
 from epd_common.errors import APIError
+from tests.homes import homed_on
 from tests.proxy.test_fleet import (
+    URLS,
     Encoders,
     address,
     encoded,
@@ -19,6 +21,9 @@ from tests.proxy.test_fleet import (
 )
 
 BUSY = {"error": {"message": "encoder busy", "code": "encoder_busy"}}
+
+
+ON_FIRST = homed_on(URLS, URLS[0])[0]  # an item whose rendezvous home is 9100: its first call goes there
 
 
 def test_a_busy_encoders_items_go_to_another_and_a_busy_fleet_waits_then_is_served() -> None:
@@ -36,7 +41,7 @@ def test_a_busy_encoders_items_go_to_another_and_a_busy_fleet_waits_then_is_serv
 
     async def main() -> tuple[dict[str, str], list[bool], float, float]:
         async with fleet_of(encoders) as fleet:
-            sources = await fleet.encode(items("a"), "rid")
+            sources = await fleet.encode(items(ON_FIRST), "rid")
             busy = fleet.metrics.encoder_busy._value.get()
             failovers = fleet.metrics.failovers.labels("encoder")._value.get()
             return sources, [w.healthy for w in fleet.workers.of("encoder")], busy, failovers

@@ -34,14 +34,14 @@ def test_a_joined_request_waits_on_the_future_of_the_encode_it_joined() -> None:
 def test_an_error_reaches_every_request_waiting_for_the_item() -> None:
     sched = create_scheduler()
     waits = [sched.schedule(items("bad")).waits["bad"] for _ in range(2)]
-    sched.update_from_output("e0", ["bad"], ValueError("cannot identify image"))
+    sched.update_from_output(sched.in_flight["bad"].encoder, ["bad"], ValueError("cannot identify image"))
     assert all(isinstance(w.exception(timeout=0), ValueError) for w in waits)
     assert sched.outstanding == {"e0": 0, "e1": 0}
 
 
 def test_failover_moves_the_encode_to_another_encoder_with_the_same_future() -> None:
     sched = create_scheduler()
-    first = sched.schedule(items("a", "b"))  # a -> e0, b -> e1
+    first = sched.schedule(items("a", "b"))  # a -> e0, b -> e1: their rendezvous homes
     assert sched.take_back("e0", ["a"]) == ["a"] and sched.outstanding["e0"] == 0
     retry = sched.schedule(items("a"), exclude={"e0"})
     assert list(retry.scheduled_encoder_inputs) == ["e1"] and retry.waits["a"] is first.waits["a"]

@@ -1,4 +1,4 @@
-"""Scheduler routing rules: skip what any healthy cache holds, join what is being encoded, split the rest by load."""
+"""Scheduler routing rules: skip what any healthy cache holds, join what is being encoded, place the rest by rendezvous."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,6 +10,7 @@ from connector.control.cache_index import FleetCacheIndex
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.producer import ECProducer
 from epd_contracts.embeddings import ImageFeatures
+from scheduler.rendezvous import Ring, load_bound
 from scheduler.scheduler import EncoderSlot, MMItem, NoEncoderAvailable, Scheduler
 
 
@@ -73,29 +74,60 @@ def test_scheduler_skips_what_the_event_index_says_an_encoder_holds(producer: EC
         index.close()
 
 
-def test_images_of_one_request_are_split_across_encoders() -> None:
-    out = create_scheduler(set(), set()).schedule(items("a", "b", "c", "d"))
-    assert {i: len(v) for i, v in out.scheduled_encoder_inputs.items()} == {"e0": 2, "e1": 2}
-    assert set(out.sources.values()) == {"tcp://e0", "tcp://e1"}
+def homed_on(ring: Ring, name: str, count: int, prefix: str = "img") -> list[str]:
+    """`count` hashes whose rendezvous home in `ring` is `name`."""
+    return [h for h in (f"{prefix}{i}" for i in range(10_000)) if ring.home(h) == name][:count]
 
 
-def test_least_loaded_encoder_gets_the_next_item() -> None:
-    sched = create_scheduler(set(), set())
-    sched.schedule(items("a", "b", "c"))  # e0: 2, e1: 1 outstanding
-    assert list(sched.schedule(items("d")).scheduled_encoder_inputs) == ["e1"]
-    sched.update_from_output("e0", ["a", "c"], "tcp://e0")
-    assert list(sched.schedule(items("e")).scheduled_encoder_inputs) == ["e0"]
+def test_every_scheduler_places_an_item_on_its_rendezvous_home() -> None:
+    # two proxies, each with its own scheduler, encoders listed in another order: the same item, the same encoder
+    names = [f"e{i}" for i in range(5)]
+    one = Scheduler([EncoderSlot(n, f"tcp://{n}", FakeCache()) for n in names])
+    two = Scheduler([EncoderSlot(n, f"tcp://{n}", FakeCache()) for n in reversed(names)])
+    ring = Ring(names)
+    for i in range(40):  # one at a time: no encoder is busy, so each item goes home
+        h = f"img{i}"
+        (a,) = one.schedule(items(h)).scheduled_encoder_inputs
+        (b,) = two.schedule(items(h)).scheduled_encoder_inputs
+        one.update_from_output(a, [h], f"tcp://{a}")
+        two.update_from_output(b, [h], f"tcp://{b}")
+        assert a == b == ring.home(h)
+    assert len({ring.home(f"img{i}") for i in range(40)}) == 5  # and homes are spread over every encoder
 
 
-def test_ties_take_turns_so_an_encoder_added_later_gets_one_at_a_time_traffic() -> None:
-    sched = create_scheduler(set(), set())
-    sched.add(EncoderSlot("back", "tcp://back", FakeCache()))  # e.g. back from a restart, added last
-    chosen = []
-    for i in range(2 * len(sched.encoders)):  # one request at a time: every encoder idle at each choice
-        (name,) = sched.schedule(items(f"img{i}")).scheduled_encoder_inputs
-        sched.update_from_output(name, [f"img{i}"], f"tcp://{name}")
-        chosen.append(name)
-    assert chosen == 2 * list(sched.encoders)  # round-robin: each in turn, twice
+def test_a_home_at_the_load_bound_passes_items_to_the_next_in_their_ranking() -> None:
+    sched = create_scheduler(set(), set(), set(), set())
+    ring = Ring(list(sched.encoders))
+    hashes = homed_on(ring, "e0", 8)  # eight items of one request, all homed on e0
+    out = sched.schedule(items(*hashes))
+    placed = {n: [i.mm_hash for i in v] for n, v in out.scheduled_encoder_inputs.items()}
+    # the bound with m items already placed on 4 encoders is ceil(1.25 (m + 1) / 4): 1 for m = 0, 1, 2; 2 for
+    # m = 3, 4, 5; 3 for m = 6, 7. e0 takes an item while under it: items 0, 3 and 6; each other one goes to the
+    # next encoder in its own ranking that is under the bound
+    assert placed["e0"] == [hashes[0], hashes[3], hashes[6]]
+    assert sum(map(len, placed.values())) == 8 and max(sched.outstanding.values()) <= load_bound(7, 4) == 3
+    for n, hs in placed.items():
+        assert all(ring.ranking(h)[0] == "e0" and (n == "e0" or ring.ranking(h).index(n) >= 1) for h in hs)
+
+
+def test_only_the_items_of_an_encoder_that_joins_or_leaves_move() -> None:
+    names = [f"e{i}" for i in range(10)]
+    hashes = [f"img{i}" for i in range(2000)]
+    before = Ring(names)
+    joined, left = Ring([*names, "e10"]), Ring(names[1:])
+    moved_in = [h for h in hashes if before.home(h) != joined.home(h)]
+    assert moved_in and all(joined.home(h) == "e10" for h in moved_in)  # only to the new encoder
+    assert len(moved_in) < 2 * len(hashes) / 11  # about 1/11 of them
+    moved_out = [h for h in hashes if before.home(h) != left.home(h)]
+    assert {before.home(h) for h in moved_out} == {"e0"}  # only those the leaver held
+    assert len(moved_out) == sum(before.home(h) == "e0" for h in hashes)
+
+
+def test_a_crafted_key_cannot_pick_its_encoder_cheaply() -> None:
+    # scores mix blake2b hashes: homes of similar keys are spread, not in runs
+    ring = Ring([f"e{i}" for i in range(4)])
+    homes = [ring.home(f"{'a' * 64}{i}") for i in range(400)]
+    assert all(60 <= homes.count(n) <= 140 for n in ring.names)
 
 
 def test_repeated_image_in_one_request_is_scheduled_once() -> None:
@@ -154,3 +186,34 @@ def test_added_and_removed_encoders_change_the_routing() -> None:
     assert sched.schedule(items("held")).sources == {"held": "tcp://e9"}
     sched.remove("e9")
     assert sched.schedule(items("held")).sources == {"held": "tcp://e0"}
+
+
+class FakeIndex:
+    def __init__(self, where: dict[str, list[str]]):
+        self.where, self.asked = where, 0
+
+    def holders(self, mm_hash: str) -> list[str]:
+        self.asked += 1
+        return self.where.get(mm_hash, [])
+
+
+def test_with_a_fleet_index_rule_one_asks_it_once_per_item_not_every_encoder() -> None:
+    slots = [EncoderSlot(f"e{i}", f"tcp://e{i}", FakeCache()) for i in range(50)]
+    index = FakeIndex({"a": ["tcp://e7", "tcp://e3"], "down": ["tcp://e9"]})
+    sched = Scheduler(slots, index=index)
+    sched.set_healthy("e9", False)
+    out = sched.schedule(items("a", "b", "down"), exclude={"e7"})
+    assert out.skipped == ["a"] and out.sources["a"] == "tcp://e3"  # e7 excluded: the other holder
+    assert {i.mm_hash for v in out.scheduled_encoder_inputs.values() for i in v} == {"b", "down"}  # e9 is down
+    assert index.asked == 3
+
+
+def test_numpy_and_plain_python_rank_alike() -> None:
+    # the proxy image has no numpy: its rings compute the same scores in plain Python
+    names = [f"http://10.0.0.{i}:8001" for i in range(37)]
+    fast, plain = Ring(names), Ring(names, use_numpy=False)
+    for key in (f"{i:064x}" for i in range(300)):
+        assert fast.scores(key) == plain.scores(key) and fast.home(key) == plain.home(key)
+    loads = [i % 4 for i in range(37)]
+    assert [fast.pick(f"k{i}", loads, 2) for i in range(200)] == [plain.pick(f"k{i}", loads, 2) for i in range(200)]
+    assert fast.ranking("x") == plain.ranking("x")

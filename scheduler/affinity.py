@@ -1,4 +1,5 @@
-"""Prefix affinity: send a request to the decoder most likely to hold the K/V of its prompt's longest prefix.
+"""Prefix affinity: send a request to the decoder most likely to hold the K/V of its prompt's longest prefix; on a
+miss, to its first key's rendezvous home.
 
 What the proxy believes a decoder holds (HeldPrefixes) is the `prefix_cache.keys` of its last /health, plus the
 keys of the requests the proxy sent it that finished after that probe started: a decoder donates a request's K/V
@@ -8,6 +9,11 @@ The rule (choose): among the candidates whose load (generations in flight) is at
 `load_gap`, the one holding the longest prefix of the request's keys, ties to the least loaded. So a busy decoder
 keeps its conversations until it is more than `load_gap` requests busier than the idlest one; then they go where
 there is room (re-prefilled there, after which that decoder holds them too).
+
+When no candidate holds any of its keys (a miss), a request goes where the encoders' items go
+(scheduler/rendezvous.py): to the rendezvous home of its first key (the conversation's first message, the same in
+every turn) among the candidates under the load bound. So every proxy sends a conversation, and every conversation
+that opens with the same message, to the same decoder while it has room, with no shared state between proxies.
 """
 from __future__ import annotations
 
@@ -16,11 +22,13 @@ from collections.abc import Iterable, Sequence
 from typing import Literal, Protocol, TypeVar
 
 from epd_contracts.generate import MAX_PREFIX_KEY_CHARS
+from scheduler.rendezvous import RingCache, place
 
 MAX_REPORTED_KEYS = 4096  # keys taken from one /health (the decoder reports at most this many)
 MAX_RECENT_KEYS = 4096  # keys of finished requests kept per decoder until its /health has them (LRU)
 Route = Literal["hit", "miss", "overloaded"]  # epd_proxy_affinity_routed_total{result}
 ROUTES: tuple[Route, ...] = ("hit", "miss", "overloaded")
+_RINGS = RingCache()  # the decoders' (and prefill workers') rings, by member list
 
 
 class HeldPrefixes:
@@ -68,6 +76,7 @@ class HeldPrefixes:
 
 
 class Candidate(Protocol):
+    url: str
     load: int  # generations in flight
     prefixes: HeldPrefixes
 
@@ -79,6 +88,12 @@ def least_loaded(candidates: Sequence[C]) -> C:
     return min(candidates, key=lambda w: w.load)
 
 
+def _home(candidates: Sequence[C], key: str) -> C:
+    """The rendezvous home of `key` among the candidates, passed over while at the load bound."""
+    by_url = {w.url: w for w in candidates}
+    return by_url[place(_RINGS.get(list(by_url)), key, [w.load for w in by_url.values()])]
+
+
 def choose(candidates: Sequence[C], keys: Sequence[str], load_gap: int) -> tuple[C, Route]:
     """The decoder for a request with `keys` (see the module's rule) and how it was chosen: a hit (it holds the
     longest prefix any candidate holds), overloaded (one that holds longer is too busy) or a miss (none holds any)."""
@@ -86,7 +101,7 @@ def choose(candidates: Sequence[C], keys: Sequence[str], load_gap: int) -> tuple
     depths = [w.prefixes.depth(keys) for w in candidates] if keys else [0]
     deepest = max(depths)
     if not deepest:
-        return least, "miss"
+        return (_home(candidates, keys[0]) if keys else least), "miss"
     room = [(d, w) for d, w in zip(depths, candidates, strict=True) if w.load <= least.load + load_gap]
     depth, chosen = max(room, key=lambda dw: (dw[0], -dw[1].load))  # the first of equals: stable
     return chosen, "hit" if depth == deepest else "overloaded"

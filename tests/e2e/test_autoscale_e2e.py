@@ -1,0 +1,67 @@
+"""--autoscale on the demo: a burst of new images makes the launcher add an encoder; when the burst ends it drains
+back to --min-encoders; no request fails on the way (the encoder taken out of the proxy first, stopped after)."""
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.stack import Stack, demo_png, launched, urls_of
+
+DEADLINE_S = 240.0  # for each change of the fleet (the new encoder loads the model first)
+
+
+def image_request(seed: int) -> dict[str, object]:
+    url = "data:image/png;base64," + base64.b64encode(demo_png("red", seed=seed)).decode()
+    return {"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Colour?"}]}]}
+
+
+def until(stack: Stack, what: str, check: object) -> list[str]:
+    """Poll the proxy's encoders until `check(urls)` holds; fails naming `what` past the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        urls = urls_of(stack, "encoders")
+        if check(urls):  # type: ignore[operator]
+            return urls
+        time.sleep(0.5)  # a poll interval, not a wait for an event: the check is what the test waits for
+    raise AssertionError(f"{what} not seen in {DEADLINE_S} s; the launcher's log: {stack.log.read_text()[-3000:]}")
+
+
+def test_a_burst_adds_an_encoder_and_its_end_drains_it_with_no_failed_request(tmp_path: Path) -> None:
+    args = ["--model", "demo", "--num-encoders", "1", "--num-decoders", "1", "--autoscale", "--autoscale-window", "1",
+            "--max-encoders", "2", "--target-utilization", "0.15", "--down-windows", "2"]
+    statuses: list[int] = []
+    stop = threading.Event()
+    seeds = iter(range(10 ** 6))
+    lock = threading.Lock()
+
+    def client(stack: Stack) -> None:
+        while not stop.is_set():
+            with lock:
+                seed = next(seeds)
+            resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_request(seed), timeout=120)
+            with lock:
+                statuses.append(resp.status_code)
+
+    with launched(tmp_path, *args) as stack:
+        with ThreadPoolExecutor(4) as pool:
+            burst = [pool.submit(client, stack) for _ in range(4)]
+            try:
+                grown = until(stack, "a second encoder", lambda urls: len(urls) == 2)
+            finally:
+                stop.set()
+            for f in burst:
+                f.result()
+        shrunk = until(stack, "the drain back to one encoder", lambda urls: len(urls) == 1)
+        after = [httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=120, json=body).status_code
+                 for body in (image_request(10 ** 7), image_request(0))]  # a new image, and one seen in the burst
+        log = stack.log.read_text()
+    assert statuses and set(statuses) == {200}, statuses
+    assert after == [200, 200]
+    assert set(shrunk) < set(grown)
+    assert "autoscale: adding encoder" in log and "autoscale: retiring encoder" in log
