@@ -31,7 +31,8 @@ class ProducerView:
     synced: bool = False
     last_heard: float = field(default_factory=time.monotonic)
     cap: int = INDEX_CAPACITY  # the most hashes `held` keeps
-    where: dict[str, set[str]] = field(default_factory=dict, repr=False)  # hash -> holders, shared by an index
+    # hash -> holders, shared by an index; a tuple (one holder, mostly): a third of a set's bytes
+    where: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     def apply_snapshot(self, snap: SnapshotReply) -> None:
         """Take a snapshot (oldest first, as the producer's cache lists them): its newest `cap` hashes."""
@@ -64,7 +65,7 @@ class ProducerView:
                 self.held.move_to_end(h)
             else:
                 self.held[h] = None
-                self.where.setdefault(h, set()).add(self.address)
+                self.where[h] = (*self.where.get(h, ()), self.address)
         self.trim()
 
     def evicted(self, hashes: Iterable[str]) -> None:
@@ -88,11 +89,11 @@ class ProducerView:
         self.held = OrderedDict()
 
     def _unwhere(self, h: str) -> None:
-        holders = self.where.get(h)
-        if holders is not None:
-            holders.discard(self.address)
-            if not holders:
-                del self.where[h]
+        left = tuple(a for a in self.where.get(h, ()) if a != self.address)
+        if left:
+            self.where[h] = left
+        else:
+            self.where.pop(h, None)
 
 
 class HintIndex:
@@ -102,7 +103,7 @@ class HintIndex:
     def __init__(self, capacity: int = INDEX_CAPACITY):
         self.capacity = capacity
         self.views: dict[str, ProducerView] = {}  # producer address -> view
-        self.where: dict[str, set[str]] = {}  # hash -> addresses of the synced producers holding it
+        self.where: dict[str, tuple[str, ...]] = {}  # hash -> addresses of the synced producers holding it
 
     def add(self, view: ProducerView) -> None:
         """Follow a producer (replacing any view of that address); every view's share of the capacity is redone."""

@@ -88,9 +88,9 @@ def phi4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
 
 def test_phi4_long_clip_in_40_s_windows_on_two_encoders_answers_as_the_whole_clip(phi4: Pair) -> None:
     """Phi-4-multimodal's encoder attends within 40 s windows, computed apart exactly: a 45 s clip is 2 chunks,
-    one on each encoder, and the answer is the aggregated mode's."""
+    each encoded once (on their rendezvous homes: one encoder or both), and the answer is the aggregated mode's."""
     before = encoded(phi4.epd)
     part = input_audio(make_audio("wav", seconds=45.0, rate=16_000, channels=1, freq=250.0))
     assert_same(answer(phi4.epd.base_url, phi4.model, part), answer(phi4.aggregated, phi4.model, part))
     grew = [after - b for after, b in zip(encoded(phi4.epd), before, strict=True)]
-    assert grew == [1, 1], grew
+    assert sum(grew) == 2 and all(g >= 0 for g in grew), grew
