@@ -279,6 +279,10 @@ NOT_RUN = {
     "python3 -m venv runs/aiperf-venv": "installs aiperf and vLLM into venvs of their own (minutes, gigabytes); "
                                         "tests/test_bench_recipe.py checks the requests their flags make and runs "
                                         "the TOKENIZER line",
+    ".venv/bin/disagg-epd-proxy --model demo --port 8000 --autoscale": "the stack alone does nothing to check: "
+                                                                        "tests/e2e/test_autoscale_e2e.py starts it "
+                                                                        "so, with a shorter window, and sends the "
+                                                                        "burst that makes it add and drain an encoder",
     "make docker-host": "needs a Docker engine: tests/deploy/ checks these files against the parsers, and "
                         "make deploy-smoke runs them (tests/deploy/test_smoke.py with EPD_DEPLOY_SMOKE=1)",
 }

@@ -119,7 +119,10 @@ def test_images_of_one_request_are_encoded_on_both_encoders(client: OpenAI, stac
     client.chat.completions.create(model="demo", messages=user(*urls), max_tokens=2)
     after = [metric(httpx.get(f"{u}/metrics").text, "epd_encoder_items_encoded_total")
              for u in urls_of(stack, "encoders")]
-    assert [a - b for a, b in zip(after, per_encoder, strict=True)] == [2, 2]
+    grew = [a - b for a, b in zip(after, per_encoder, strict=True)]
+    # each image to its rendezvous home unless that encoder is at the load bound, ceil(1.25 (m + 1) / 2) with m
+    # placed: at most 3 of the 4 on one encoder, so both encode some
+    assert sum(grew) == 4 and min(grew) >= 1, grew
 
 
 def test_each_process_holds_only_its_half(stack: Stack) -> None:

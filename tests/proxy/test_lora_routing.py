@@ -44,6 +44,11 @@ def test_a_request_for_an_adapter_goes_to_a_decoder_holding_it(stack: tuple[Test
     assert plain.bodies == [] and [b["lora"] for b in with_lora.bodies] == ["sql"] * 4
     for _ in range(4):  # the base model goes to either, with no `lora`
         assert ask(client, "demo")["model"] == "demo"
+    # the adapter's decoder busy past the load bound: the base model's requests go to the other one
+    busy = client.app.state.proxy.started.workers.by_url[with_lora.url]  # type: ignore[attr-defined]
+    busy.load += 5
+    assert ask(client, "demo")["model"] == "demo"
+    busy.load -= 5
     assert all("lora" not in b for b in plain.bodies + with_lora.bodies[4:]) and plain.bodies
 
 
