@@ -6,7 +6,8 @@ Each stack is the launcher with one encoder and one decoder (the autoscaled one 
 images, streaming, and the time to first token of each is kept with when it started. Then the load stops and the
 autoscaled stack is watched until it is back to one encoder. Reported per stack: TTFT (mean, p50, p90) of the
 requests that started in the burst's first and last thirds, when the second encoder came (and the TTFT after it),
-how long the drain took, and failed requests (none expected).
+how long the drain took, failed requests (none expected), and the machine's busy share over the burst (/proc/stat:
+a second encoder can only help where there are cores to spare).
 """
 from __future__ import annotations
 
@@ -48,9 +49,16 @@ def _encoders(base: str) -> int:
         return -1
 
 
+_BASES = [draw_shape(colour, "circle", random.Random(i), size=256) for i, colour in enumerate(("red", "blue", "green"))]
+
+
 def _png(seed: int) -> bytes:
+    """A new 256 x 256 picture per seed (one pixel set from it), stored uncompressed: cheap to make, so the client
+    does not compete with the encoder for the CPU, and a full decode for the encoder."""
+    image = _BASES[seed % len(_BASES)].copy()
+    image.putpixel((seed % 256, (seed // 256) % 256), (seed % 251, seed % 241, seed % 239))
     buf = io.BytesIO()
-    draw_shape("blue", "circle", random.Random(seed)).save(buf, format="PNG")
+    image.save(buf, format="PNG", compress_level=0)
     return buf.getvalue()
 
 
@@ -71,6 +79,14 @@ def _ttft(base: str, seed: int, images: int) -> float | None:
         return first
 
 
+def _cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine so far (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def _summary(ttfts: list[float]) -> dict[str, float | int]:
     if not ttfts:
         return {"n": 0}
@@ -89,6 +105,7 @@ def run(autoscale: bool, args: argparse.Namespace, log_dir: Path) -> dict[str, A
                 raise SystemExit(f"the stack did not start: see {log_dir}")
             time.sleep(0.5)
         t0, stop, lock = time.monotonic(), threading.Event(), threading.Lock()
+        cpu0 = _cpu_times()
         seeds = iter(range(10 ** 9))
         done: list[tuple[float, float | None]] = []  # (start offset, ttft or None)
         grew: list[float] = []
@@ -111,6 +128,7 @@ def run(autoscale: bool, args: argparse.Namespace, log_dir: Path) -> dict[str, A
             stop.set()
             for f in futures:
                 f.result()
+        cpu1 = _cpu_times()
         burst_end, drained = time.monotonic() - t0, None
         while autoscale and time.monotonic() - t0 < burst_end + args.drain_s:
             if _encoders(base) == 1:
@@ -119,7 +137,8 @@ def run(autoscale: bool, args: argparse.Namespace, log_dir: Path) -> dict[str, A
             time.sleep(0.5)
         third = args.burst_s / 3
         ok = [(at, t) for at, t in done if t is not None]
-        return {"autoscale": autoscale, "requests": len(done), "failed": len(done) - len(ok),
+        return {"autoscale": autoscale, "requests": len(done), "failed": len(done) - len(ok), "cores": os.cpu_count(),
+                "machine_busy_share": (cpu1[0] - cpu0[0]) / max(1.0, cpu1[1] - cpu0[1]),
                 "second_encoder_at_s": grew[0] if grew else None, "drained_after_s": drained,
                 "ttft_first_third": _summary([t for at, t in ok if at < third]),
                 "ttft_last_third": _summary([t for at, t in ok if at >= 2 * third]),
@@ -133,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epd_bench.autoscale_burst", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--burst-s", type=float, default=90.0)
-    p.add_argument("--concurrency", type=int, default=6)
-    p.add_argument("--images", type=int, default=4, help="new images per request")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--images", type=int, default=8, help="new images per request")
     p.add_argument("--window", type=float, default=5.0, help="--autoscale-window of the autoscaled stack")
     p.add_argument("--drain-s", type=float, default=120.0, help="how long to wait for the drain")
     p.add_argument("--out", default="runs/autoscale_burst")
