@@ -9,9 +9,10 @@ Bounded load (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimo
 is at `load_bound` or more is passed over for the next one in the key's ranking, so no member takes more than
 `LOAD_FACTOR` times the mean plus one.
 
-Scores are computed for all members at once with numpy where it is installed (about 15 us a key at a thousand
-members), else in plain Python with the same arithmetic and so the same answers (about 0.6 ms a key at a thousand,
-60 us at a hundred): the proxy image carries no numpy (tests/test_torch_free.py), so it is imported on first use.
+Scores are computed for all members at once with numpy where it is installed and there are NUMPY_FROM members or
+more (about 15 us a key at a thousand members), else in plain Python with the same arithmetic and so the same
+answers (3 us a key at 2 members, 50 us at 128, 0.35 ms at a thousand): the proxy image carries no numpy
+(tests/test_torch_free.py), so it is imported on first use.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from functools import cache
 from typing import Any
 
 LOAD_FACTOR = 1.25  # a member may hold up to this times the mean load (plus the item being placed) before spilling
+NUMPY_FROM = 16  # members from which numpy's fixed cost (~9 us a key) beats plain Python's (~0.35 us a member)
 _M1, _M2, _MASK = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, (1 << 64) - 1  # splitmix64's finaliser
 
 
@@ -65,7 +67,7 @@ class Ring:
     def __init__(self, names: Sequence[str], use_numpy: bool = True):
         self.names = tuple(names)
         self._seeds = [key64(n) for n in self.names]
-        self._np = _numpy() if use_numpy else None
+        self._np = _numpy() if use_numpy and len(self.names) >= NUMPY_FROM else None
         self._array = None if self._np is None else self._np.array(self._seeds, dtype=self._np.uint64)
 
     def __len__(self) -> int:
