@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from epd_launcher.group import STOP_MARGIN_S, Worker
+from epd_launcher.group import STOP_MARGIN_S, Worker, healthy
 from epd_launcher.spawn import Spawner
 from epd_planner.planner import Planner, PlannerConfig
 
@@ -54,16 +54,7 @@ class Autoscaler:
             self._thread.join(timeout=self.startup_timeout + self.grace)
 
     def _run(self) -> None:
-        deadline = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                step = self.planner.step()
-                if step is not None:
-                    self.follow(step.recommended)
-            except Exception:  # noqa: BLE001 (one bad window must not end autoscaling; the log says why)
-                logger.exception("autoscale step failed")
-            deadline = max(deadline + self.cfg.window, time.monotonic())
-            self._stop.wait(deadline - time.monotonic())
+        self.planner.run(self._stop, lambda step: self.follow(step.recommended))
 
     def follow(self, recommended: dict[str, int]) -> None:
         """Move each role one worker toward its recommended count (the planner's bounds are --min-* / --max-*)."""
@@ -118,11 +109,8 @@ class Autoscaler:
         """Until its /health answers 200 (True), it exits, the timeout passes or autoscaling stops (False)."""
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline and worker.proc.poll() is None:
-            try:
-                if httpx.get(f"{worker.url}/health", timeout=2.0).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
+            if healthy(worker.url):
+                return True
             if self._stop.wait(0.2):
                 return False
         return False

@@ -188,7 +188,7 @@ class WorkerGroup:
     @staticmethod
     def _ready(w: Worker) -> bool:
         """One look at a loading worker: True (and logged) once /health answers; RuntimeError if it exited."""
-        if _healthy(w.url):
+        if healthy(w.url):
             logger.info("%s at %s ready in %.1f s", w.name, w.url, time.monotonic() - w.started_at)
             return True
         if w.proc.poll() is not None:
@@ -233,6 +233,7 @@ class WorkerGroup:
         """Stop one worker for good (--autoscale scaling down, after the proxy stopped sending it work): no longer
         supervised, SIGTERM (it drains what it holds: epd_common.admission), SIGKILL `grace` s later; its port is
         released. Returns its exit code."""
+        worker.given_up = True  # a supervisor look already under way does not schedule a restart
         if worker in self.workers:
             self.workers.remove(worker)
         if worker.proc.poll() is None:
@@ -271,7 +272,8 @@ def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether the worker at `url` answers /health with 200 now."""
     try:
         return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:

@@ -79,12 +79,15 @@ class Planner:
         with self.lock:
             return self.last, self.windows
 
-    def run(self, stop: threading.Event) -> None:
-        """A step every window until `stop` is set; a step that fails is logged and the loop goes on."""
+    def run(self, stop: threading.Event, then: Callable[[Step], object] | None = None) -> None:
+        """A step every window until `stop` is set, each decision handed to `then` (the launcher's --autoscale
+        follows it); a step that fails is logged and the loop goes on."""
         deadline = time.monotonic()
         while not stop.is_set():
             try:
-                self.step()
+                done = self.step()
+                if done is not None and then is not None:
+                    then(done)
             except Exception:  # noqa: BLE001 (the gauges keep the last good window; the log says why)
                 logger.exception("planning step failed")
             deadline = max(deadline + self.cfg.window, time.monotonic())

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import base64
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
 from tests.e2e.stack import Stack, demo_png, launched, urls_of
+from tests.waiting import wait_for
 
-DEADLINE_S = 240.0  # for each change of the fleet (the new encoder loads the model first)
+HANG_S = 240.0  # a hang guard for each change of the fleet (the new encoder loads the model first)
 
 
 def image_request(seed: int) -> dict[str, object]:
@@ -21,15 +21,10 @@ def image_request(seed: int) -> dict[str, object]:
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Colour?"}]}]}
 
 
-def until(stack: Stack, what: str, check: object) -> list[str]:
-    """Poll the proxy's encoders until `check(urls)` holds; fails naming `what` past the deadline."""
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        urls = urls_of(stack, "encoders")
-        if check(urls):  # type: ignore[operator]
-            return urls
-        time.sleep(0.5)  # a poll interval, not a wait for an event: the check is what the test waits for
-    raise AssertionError(f"{what} not seen in {DEADLINE_S} s; the launcher's log: {stack.log.read_text()[-3000:]}")
+def until(stack: Stack, what: str, count: int) -> list[str]:
+    """The proxy's encoders once there are `count` of them (tests/waiting.py: a hang guard, not a timing target)."""
+    wait_for(lambda: len(urls_of(stack, "encoders")) == count, f"{what} (log: {stack.log})", HANG_S, interval=0.5)
+    return urls_of(stack, "encoders")
 
 
 def test_a_burst_adds_an_encoder_and_its_end_drains_it_with_no_failed_request(tmp_path: Path) -> None:
@@ -52,12 +47,12 @@ def test_a_burst_adds_an_encoder_and_its_end_drains_it_with_no_failed_request(tm
         with ThreadPoolExecutor(4) as pool:
             burst = [pool.submit(client, stack) for _ in range(4)]
             try:
-                grown = until(stack, "a second encoder", lambda urls: len(urls) == 2)
+                grown = until(stack, "a second encoder", 2)
             finally:
                 stop.set()
             for f in burst:
                 f.result()
-        shrunk = until(stack, "the drain back to one encoder", lambda urls: len(urls) == 1)
+        shrunk = until(stack, "the drain back to one encoder", 1)
         after = [httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=120, json=body).status_code
                  for body in (image_request(10 ** 7), image_request(0))]  # a new image, and one seen in the burst
         log = stack.log.read_text()

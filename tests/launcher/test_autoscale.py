@@ -119,7 +119,9 @@ def test_a_worker_that_exits_while_loading_is_stopped_and_not_registered(spawner
     scaler = autoscaler(spawner, 1, Bounds(max_encoders=2))
 
     def dead(role: str, i: int) -> Worker:
-        return Worker(role=role, url="http://127.0.0.1:9", proc=spawner.popen("raise SystemExit(3)"))
+        proc = spawner.popen("raise SystemExit(3)")
+        proc.wait()  # exited while loading: it is never asked for /health, so its URL is never reached
+        return Worker(role=role, url="http://127.0.0.1:9", proc=proc)
 
     spawner.spawn = dead  # type: ignore[method-assign]
     assert scaler.add("encoder") is None
