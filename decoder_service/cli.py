@@ -154,8 +154,9 @@ def _add_memory_flags(g: argparse._ActionsContainer, d: DecoderConfig) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly, no CUDA graphs")
     g.add_argument("--cpu-exact-linear", action="store_true",
                    help="CPU: every linear through torch.nn.functional.linear (MKL), bit-equal with transformers; by "
-                        "default float32 linears run through oneDNN's prepacked weights (faster; the last bits differ, "
-                        "so greedy output may differ from transformers' where two logits are that close)")
+                        "default float32 linears run through oneDNN's prepacked weights, a gated SiLU MLP's activation "
+                        "and product inside its matmuls (faster; the last bits differ, so greedy output may differ "
+                        "from transformers' where two logits are that close)")
     g.add_argument("--cpu-sdpa-attention", action="store_true",
                    help="CPU: decode attention gathers K/V blocks for torch's SDPA (default: a C++ kernel, built once "
                         "per machine, reads them in place; without a compiler the gather path serves)")

@@ -1,5 +1,5 @@
 """An engine in this process, no HTTP, and the output tokens/s of prompts submitted together: what
-epd_bench/spec_batch.py and epd_bench/attention_ab.py compare engine settings with."""
+epd_bench/spec_batch.py, epd_bench/attention_ab.py and epd_bench/fusion_ab.py compare engine settings with."""
 from __future__ import annotations
 
 import asyncio
@@ -46,3 +46,38 @@ def random_prompts(model: Path, prompt_len: int, seed: int = 0) -> Callable[[int
 
     ids, draw = prompt_token_ids(model), random.Random(seed)
     return lambda n: [Prompt(torch.tensor([draw.choices(ids, k=prompt_len)]), []) for _ in range(n)]
+
+
+def ab_parser(name: str, doc: str | None) -> Any:
+    """The flags an engine-alone A/B takes: --model, --levels, --rounds, --prompt-len, --output-len."""
+    from epd_bench.micro import parser
+
+    p = parser(name, doc, json_help=None)
+    p.add_argument("--model", default="bench-peer", help="a checkpoint dir, `demo` or a bench preset")
+    p.add_argument("--levels", default="16,64")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    return p
+
+
+def ab_rounds(engines: dict[str, Any], model: Path, args: Any) -> None:
+    """Each level of `args.levels` on both engines (a, b: `engines`' order, which alternates round by round), 2
+    threads, `args.rounds` times: prints both rates and a ÷ b per round; closes the engines."""
+    from epd_contracts.sampling import SamplingParams
+
+    (a, ea), (b, eb) = engines.items()
+    prompts = random_prompts(model, args.prompt_len)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    try:
+        for e in (ea, eb):  # warm
+            rate(e, prompts(1), params)
+        for n in (int(x) for x in args.levels.split(",")):
+            for r in range(args.rounds):
+                order = [(a, ea), (b, eb)] if r % 2 == 0 else [(b, eb), (a, ea)]
+                got = {name: rate(e, prompts(n), params) for name, e in order}
+                print(f"{n} in flight: {a} {got[a]:.1f} tok/s, {b} {got[b]:.1f}, {a} / {b} {got[a] / got[b]:.2f}",
+                      flush=True)
+    finally:
+        ea.close()
+        eb.close()

@@ -113,7 +113,7 @@ ENCODER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
 EC_DISK_DIR = "--ec-disk-dir"  # each spawned encoder gets its own subfolder, kept across its restarts (spawn.py)
 DECODER_SWITCHES = (("--enforce-eager", "CUDA: decoders run every step eagerly, no CUDA graphs"),
                     ("--cpu-exact-linear", "CPU: decoders run every linear through torch's F.linear, bit-equal with "
-                                           "transformers (default: oneDNN's prepacked weights, faster)"),
+                                           "transformers (default: oneDNN's prepacked weights, the MLP's SiLU fused in: faster)"),
                     ("--cpu-sdpa-attention", "CPU: decoders gather K/V blocks for torch's SDPA (default: a C++ "
                                              "kernel reads them in place)"),
                     ("--cpu-packed-linear", "accepted so old command lines work: prepacked linears are the CPU default"),

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import cast
 
-from decoder_service.engine import cpu_attention, cpu_linear
+from decoder_service.engine import cpu_attention, cpu_fusion, cpu_linear
 from decoder_service.engine.eos import eos_token_ids
 from decoder_service.engine.interfaces import EngineSettings, SequenceMetrics
 from decoder_service.engine.logprobs import TokenTable
@@ -77,6 +77,7 @@ class LLMEngine:
             self.runner.enable_graphs(cfg.enforce_eager)
         if cpu_linear.wanted(cfg.cpu_exact_linear, lm.device):  # the CPU default; --cpu-exact-linear: F.linear
             logger.info("%s", cpu_linear.pack_model(lm.module))
+            logger.info("%s", cpu_fusion.fuse_model(lm.module))  # SiLU x up and RMSNorm without tensors of their own
         if cpu_attention.wanted(cfg.cpu_sdpa_attention, lm.device):  # the CPU default; --cpu-sdpa-attention: gather
             self.runner.use_decode_kernel(cpu_attention.load())
         new_sequence = functools.partial(Sequence, tokenizer=lm.tokenizer, eos_ids=self.eos_ids, metrics=metrics,

@@ -1,6 +1,6 @@
 """oneDNN's prepacked linears, the CPU default (--cpu-exact-linear: F.linear): every input through the packed weight,
-the plain weight not kept; a row's result does not depend on the rows beside it, so batched and solo outputs stay
-equal."""
+the plain weight not kept; at these small shapes a row's result does not depend on the rows beside it, so batched and
+solo outputs stay equal (at real shapes oneDNN's kernel choice by rows can move the last bits: cpu_linear.py)."""
 from __future__ import annotations
 
 import os
