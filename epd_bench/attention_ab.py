@@ -10,24 +10,17 @@ sequences. Prints both rates and kernel ÷ SDPA per round (docs/BENCHMARKS.md, "
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from epd_bench.engine_alone import ab_parser, ab_rounds, engine
+from epd_bench.engine_alone import AB_ENGINE, ab_model, ab_parser, ab_rounds, engine
 
 
 def main(argv: list[str] | None = None) -> None:
     p = ab_parser("attention_ab", __doc__)
     args = p.parse_args(argv)
-    import torch
-
     from epd_models.halves import LanguageHalf
-    from epd_models.resolve import resolve_model
 
-    torch.set_num_threads(2)
-    model = Path(resolve_model(args.model))
+    model = ab_model(args)
     lm = LanguageHalf(model, dtype="float32")
-    cfg = {"max_num_seqs": 64, "max_model_len": 2048, "kv_cache_memory": 1 << 30}
-    engines = {"kernel": engine(lm, **cfg), "SDPA": engine(lm, cpu_sdpa_attention=True, **cfg)}
+    engines = {"kernel": engine(lm, **AB_ENGINE), "SDPA": engine(lm, cpu_sdpa_attention=True, **AB_ENGINE)}
     if engines["kernel"].runner.cache.decode_kernel is None:
         for e in engines.values():
             e.close()

@@ -48,6 +48,19 @@ def random_prompts(model: Path, prompt_len: int, seed: int = 0) -> Callable[[int
     return lambda n: [Prompt(torch.tensor([draw.choices(ids, k=prompt_len)]), []) for _ in range(n)]
 
 
+AB_ENGINE = {"max_num_seqs": 64, "max_model_len": 2048, "kv_cache_memory": 1 << 30}  # each A/B engine's settings
+
+
+def ab_model(args: Any) -> Path:
+    """The A/B's checkpoint folder (`--model`, built if a bench preset), torch on 2 threads."""
+    import torch
+
+    from epd_models.resolve import resolve_model
+
+    torch.set_num_threads(2)
+    return Path(resolve_model(args.model))
+
+
 def ab_parser(name: str, doc: str | None) -> Any:
     """The flags an engine-alone A/B takes: --model, --levels, --rounds, --prompt-len, --output-len."""
     from epd_bench.micro import parser

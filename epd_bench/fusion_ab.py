@@ -11,26 +11,19 @@ unfused per round (docs/BENCHMARKS.md, "The gated MLP and RMSNorm fused").
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from epd_bench.engine_alone import ab_parser, ab_rounds, engine
+from epd_bench.engine_alone import AB_ENGINE, ab_model, ab_parser, ab_rounds, engine
 
 
 def main(argv: list[str] | None = None) -> None:
     args = ab_parser("fusion_ab", __doc__).parse_args(argv)
-    import torch
-
     from decoder_service.engine import cpu_fusion
     from epd_models.halves import LanguageHalf
-    from epd_models.resolve import resolve_model
 
-    torch.set_num_threads(2)
-    model = Path(resolve_model(args.model))
-    cfg = {"max_num_seqs": 64, "max_model_len": 2048, "kv_cache_memory": 1 << 30}
-    fused = engine(LanguageHalf(model, dtype="float32"), **cfg)
+    model = ab_model(args)
+    fused = engine(LanguageHalf(model, dtype="float32"), **AB_ENGINE)
     fuse, cpu_fusion.fuse_model = cpu_fusion.fuse_model, lambda module: "not fused (epd_bench.fusion_ab)"
     try:
-        unfused = engine(LanguageHalf(model, dtype="float32"), **cfg)
+        unfused = engine(LanguageHalf(model, dtype="float32"), **AB_ENGINE)
     except BaseException:
         fused.close()
         raise

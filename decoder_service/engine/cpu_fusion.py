@@ -7,8 +7,8 @@ of two fresh 23 MiB activations per layer. vLLM's CPU build runs the same places
 (`silu_and_mul`, `rms_norm`). Here:
 
 - a gated SiLU MLP (`gate_proj`, `up_proj`, `down_proj`, all PackedLinear, `act_fn` SiLU) runs as two oneDNN
-  matmuls with post-ops: the gate's with SiLU applied in place ("swish"), the up projection's multiplied by it
-  ("mul"), so neither the SiLU nor the product makes a tensor of its own;
+  matmuls with post-ops: the gate's with SiLU ("swish"), the up projection's multiplied by that ("mul"), so
+  neither the SiLU nor the product makes a tensor of its own;
 - an RMSNorm whose output equals `torch.nn.functional.rms_norm`'s (torch's one-pass kernel) runs as that.
 
 Each module is probed before it is changed, on a few random rows through its own forward: a module whose result
@@ -41,7 +41,7 @@ def fuse_model(module: nn.Module) -> str:
             if (width := _packed_mlp(sub)) and _probe(sub, _fused_mlp, width, exact=False):
                 sub.forward = types.MethodType(_fused_mlp, sub)
                 mlps += 1
-            elif (norm := _norm_eps(sub)) is not None:
+            elif (norm := _rms_norm_shape(sub)) is not None:
                 fused = functools.partial(_fused_norm, eps=norm[0])
                 if _probe(sub, fused, norm[1], exact=True):
                     sub.forward = types.MethodType(fused, sub)
@@ -67,7 +67,7 @@ def _hf_silu() -> type:
     return SiLUActivation
 
 
-def _norm_eps(m: nn.Module) -> tuple[float, int] | None:
+def _rms_norm_shape(m: nn.Module) -> tuple[float, int] | None:
     """An RMSNorm-shaped module's epsilon and width (a 1-d fp32 CPU weight and `variance_epsilon` or `eps`), else
     None."""
     if not type(m).__name__.endswith("RMSNorm"):
