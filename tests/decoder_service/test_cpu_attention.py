@@ -39,24 +39,29 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     return torch.stack(out)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dtype", "tol"),
-                         [(8, 8, torch.float32, 2e-6), (16, 8, torch.float32, 2e-6), (14, 2, torch.float32, 2e-6),
-                          (8, 4, torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dtype", "tol", "dim", "block"),
+                         [(8, 8, torch.float32, 2e-6, DIM, BLOCK), (16, 8, torch.float32, 2e-6, DIM, BLOCK),
+                          (14, 2, torch.float32, 2e-6, DIM, BLOCK), (8, 4, torch.bfloat16, 2e-2, DIM, BLOCK),
+                          # the float32 body for dims in 16s at other block sizes and dims; the scalar one at dim 40
+                          (8, 2, torch.float32, 2e-6, 128, 8), (4, 4, torch.float32, 2e-6, 32, 48),
+                          (6, 3, torch.float32, 2e-6, 40, BLOCK)])
 def test_kernel_agrees_with_sdpa_over_each_rows_own_positions(kernel: object, heads: int, kv_heads: int,
-                                                              dtype: torch.dtype, tol: float) -> None:
-    torch.manual_seed(heads + kv_heads)
+                                                              dtype: torch.dtype, tol: float, dim: int,
+                                                              block: int) -> None:
+    torch.manual_seed(heads + kv_heads + dim + block)
     width, num_blocks = 8, 64
-    lens = [1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 77, width * BLOCK - 1, width * BLOCK]
+    lens = [1, 2, block - 1, block, block + 1, 77, width * block - 1, width * block]
     rows = len(lens)
     table = torch.stack([torch.randperm(num_blocks - 1)[:width] + 1 for _ in range(rows)])
     for r, n in enumerate(lens):  # unused entries are the null block, as the engine pads
-        table[r, -(-n // BLOCK):] = 0
-    k_pool = torch.randn(kv_heads, num_blocks, BLOCK, DIM).to(dtype)
-    v_pool = torch.randn(kv_heads, num_blocks, BLOCK, DIM).to(dtype)
+        table[r, -(-n // block):] = 0
+    k_pool = torch.randn(kv_heads, num_blocks, block, dim).to(dtype)
+    v_pool = torch.randn(kv_heads, num_blocks, block, dim).to(dtype)
     k_pool[:, 0], v_pool[:, 0] = float("nan"), float("nan")  # never read: no position past a row's length is
-    packed = torch.randn(1, heads, rows, DIM).to(dtype)  # as the packed forward hands it: (1, heads, tokens, dim)
+    k_pool[:, table[-1, 3]] *= 3  # larger scores late in a row: the online softmax rescales what came before
+    packed = torch.randn(1, heads, rows, dim).to(dtype)  # as the packed forward hands it: (1, heads, tokens, dim)
     q = packed[0].transpose(0, 1)  # (rows, heads, dim), not contiguous
-    out = torch.full((rows, heads, DIM), float("nan"), dtype=dtype)
+    out = torch.full((rows, heads, dim), float("nan"), dtype=dtype)
     kernel.paged_decode(q, k_pool, v_pool, table, torch.tensor(lens), 0.125, out)  # type: ignore[attr-defined]
     want = reference(q, k_pool, v_pool, table, lens, 0.125)
     assert torch.isfinite(out).all()
