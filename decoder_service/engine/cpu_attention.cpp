@@ -27,38 +27,64 @@ namespace {
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 
+// One call's sizes, strides and data, shared by both bodies: a task is one row's one K/V head.
+template <typename T>
+struct Problem {
+  int64_t rows, heads, dim, kv_heads, blocks, block, group, width, qs0, qs1, os0, os1;
+  const T *qp, *kp, *vp;
+  const int64_t *tp, *lp;
+  T* op;
+  float sc;
+
+  Problem(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
+          const at::Tensor& lens, double scale, at::Tensor& out)
+      : rows(q.size(0)), heads(q.size(1)), dim(q.size(2)), kv_heads(k_pool.size(0)), blocks(k_pool.size(1)),
+        block(k_pool.size(2)), group(heads / kv_heads), width(table.size(1)), qs0(q.stride(0)), qs1(q.stride(1)),
+        os0(out.stride(0)), os1(out.stride(1)), qp(q.data_ptr<T>()), kp(k_pool.data_ptr<T>()),
+        vp(v_pool.data_ptr<T>()), tp(table.data_ptr<int64_t>()), lp(lens.data_ptr<int64_t>()), op(out.data_ptr<T>()),
+        sc(static_cast<float>(scale)) {}
+
+  // the row's positions that are read: its length, at most what its table holds
+  int64_t length(int64_t r) const { return std::min<int64_t>(lp[r], width * block); }
+  // the offset of the row's b-th block of K/V head h in a pool
+  int64_t block_at(int64_t r, int64_t h, int64_t b) const { return (h * blocks + tp[r * width + b]) * block * dim; }
+  // the head group's queries, scaled, into query (group x dim floats)
+  void load_query(int64_t r, int64_t h, float* query) const {
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = to_float(qp[r * qs0 + (h * group + g) * qs1 + d]) * sc;
+  }
+  // acc (group x dim) divided by each head's softmax sum, into the output
+  void store(int64_t r, int64_t h, const float* acc, const float* total) const {
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.f / total[g];
+      T* o = op + r * os0 + (h * group + g) * os1;
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[g * dim + d] * inv);
+    }
+  }
+};
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
             const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_pool.size(0), blocks = k_pool.size(1), block = k_pool.size(2);
-  const int64_t group = heads / kv_heads, width = table.size(1);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float sc = static_cast<float>(scale);
+  const Problem<T> P(q, k_pool, v_pool, table, lens, scale, out);
+  const int64_t group = P.group, dim = P.dim, block = P.block;
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, P.rows * P.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * dim), query(group * dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
-      const int64_t len = std::min<int64_t>(lp[r], width * block);
+      const int64_t r = task / P.kv_heads, h = task % P.kv_heads;
+      const int64_t len = P.length(r);
       if (len <= 0) continue;
       scores.resize(group * len);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = to_float(qp[r * qs0 + (h * group + g) * qs1 + d]) * sc;
+      P.load_query(r, h, query.data());
       // each of the row's first len positions in its block, in order: fn(position, that position's vector)
       auto positions = [&](const T* pool, auto&& fn) {
         for (int64_t p0 = 0, b = 0; p0 < len; p0 += block, ++b) {
-          const T* base = pool + (h * blocks + tp[r * width + b]) * block * dim;
+          const T* base = pool + P.block_at(r, h, b);
           for (int64_t p = 0, n = std::min(block, len - p0); p < n; ++p) fn(p0 + p, base + p * dim);
         }
       };
-      positions(kp, [&](int64_t at, const T* kr) {
+      positions(P.kp, [&](int64_t at, const T* kr) {
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query.data() + g * dim;
           float s = 0.f;
@@ -81,7 +107,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
         total[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      positions(vp, [&](int64_t at, const T* vr) {
+      positions(P.vp, [&](int64_t at, const T* vr) {
         for (int64_t g = 0; g < group; ++g) {
           const float w = scores[g * len + at];
           float* ag = acc.data() + g * dim;
@@ -89,11 +115,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
           for (int64_t d = 0; d < dim; ++d) ag[d] += w * to_float(vr[d]);
         }
       });
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.f / total[g];
-        T* o = op + r * os0 + (h * group + g) * os1;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[g * dim + d] * inv);
-      }
+      P.store(r, h, acc.data(), total.data());
     }
   });
 }
@@ -116,36 +138,28 @@ inline __m512 exp16(__m512 x) {
 // near, with the softmax kept online (running max and sum per query head, the sums rescaled when the max grows).
 void decode_f32_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                        const at::Tensor& table, const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), chunks = dim / 16;
-  const int64_t kv_heads = k_pool.size(0), blocks = k_pool.size(1), block = k_pool.size(2);
-  const int64_t group = heads / kv_heads, width = table.size(1);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const Problem<float> P(q, k_pool, v_pool, table, lens, scale, out);
+  const int64_t group = P.group, dim = P.dim, block = P.block, chunks = dim / 16;
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, P.rows * P.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), acc(group * dim), top(group), sum(group), probs(block);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
-      const int64_t len = std::min<int64_t>(lp[r], width * block);
+      const int64_t r = task / P.kv_heads, h = task % P.kv_heads;
+      const int64_t len = P.length(r);
       if (len <= 0) continue;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = qp[r * qs0 + (h * group + g) * qs1 + d] * sc;
+      P.load_query(r, h, query.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(top.begin(), top.end(), -INFINITY);
       std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t p0 = 0, b = 0; p0 < len; p0 += block, ++b) {
         const int64_t n = std::min(block, len - p0);
-        const float* kb = kp + (h * blocks + tp[r * width + b]) * block * dim;
-        const float* vb = vp + (h * blocks + tp[r * width + b]) * block * dim;
+        const float* kb = P.kp + P.block_at(r, h, b);
+        const float* vb = P.vp + P.block_at(r, h, b);
         if (p0 + block < len) {  // the next block's K and V into cache while this one computes
-          const int64_t next = (h * blocks + tp[r * width + b + 1]) * block * dim;
+          const int64_t next = P.block_at(r, h, b + 1);
           for (int64_t i = 0; i < block * dim; i += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(kp + next + i), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vp + next + i), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(P.kp + next + i), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(P.vp + next + i), _MM_HINT_T0);
           }
         }
         for (int64_t g = 0; g < group; ++g) {
@@ -179,11 +193,7 @@ void decode_f32_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.f / sum[g];
-        float* o = op + r * os0 + (h * group + g) * os1;
-        for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] * inv;
-      }
+      P.store(r, h, acc.data(), sum.data());
     }
   });
 }
@@ -215,7 +225,6 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
     default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16");
   }
 }
-
 
 }  // namespace
 
