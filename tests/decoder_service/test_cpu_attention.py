@@ -42,6 +42,7 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
 @pytest.mark.parametrize(("heads", "kv_heads", "dtype", "tol", "dim", "block"),
                          [(8, 8, torch.float32, 2e-6, DIM, BLOCK), (16, 8, torch.float32, 2e-6, DIM, BLOCK),
                           (14, 2, torch.float32, 2e-6, DIM, BLOCK), (8, 4, torch.bfloat16, 2e-2, DIM, BLOCK),
+                          (8, 4, torch.float16, 4e-3, DIM, BLOCK),
                           # the float32 body for dims in 16s at other block sizes and dims; the scalar one at dim 40
                           (8, 2, torch.float32, 2e-6, 128, 8), (4, 4, torch.float32, 2e-6, 32, 48),
                           (6, 3, torch.float32, 2e-6, 40, BLOCK)])
