@@ -100,7 +100,8 @@ async def run_closed_loop(target: Target, prompts: list[list[int]], concurrency:
 
 
 def summarize(outputs: list[RequestOutput], duration_s: float) -> dict[str, Any]:
-    """One run's numbers: output tokens/s, mean TPOT and TTFT (ms) over the successful requests, and counts."""
+    """One run's numbers: output tokens/s, mean TPOT and TTFT (ms) over the successful requests, each request's TTFT,
+    and counts."""
     ok = [o for o in outputs if o.success]
     return {"completed": len(ok), "failed": len(outputs) - len(ok), "duration_s": duration_s,
             "output_tokens": sum(o.output_tokens for o in ok),
@@ -108,6 +109,8 @@ def summarize(outputs: list[RequestOutput], duration_s: float) -> dict[str, Any]
             "output_tok_s": sum(o.output_tokens for o in ok) / duration_s if ok and duration_s > 0 else None,
             "mean_tpot_ms": statistics.fmean(tpot(o) for o in ok) * 1000.0 if ok else None,
             "mean_ttft_ms": statistics.fmean(o.ttft for o in ok) * 1000.0 if ok else None,
+            # each request's, sorted: which arrivals shared a first step (a mean alone cannot tell that from compute)
+            "ttfts_ms": sorted(round(o.ttft * 1000.0, 1) for o in ok),
             "errors": sorted({o.error for o in outputs if o.error})[:3]}
 
 

@@ -115,9 +115,10 @@ def _out(ttft: float, latency: float, tokens: int, ok: bool = True) -> RequestOu
 
 
 def test_a_run_is_summarized_as_throughput_and_mean_tpot_and_ttft() -> None:
-    s = summarize([_out(0.1, 1.37, 128), _out(0.3, 2.84, 128), _out(0, 0, 0, ok=False)], 4.0)
+    s = summarize([_out(0.3, 2.84, 128), _out(0.1, 1.37, 128), _out(0, 0, 0, ok=False)], 4.0)
     assert (s["completed"], s["failed"], s["output_tokens"]) == (2, 1, 256)
     assert s["output_tok_s"] == pytest.approx(64.0) and s["mean_ttft_ms"] == pytest.approx(200.0)
+    assert s["ttfts_ms"] == [100.0, 300.0]  # each successful request's, sorted
     assert s["mean_tpot_ms"] == pytest.approx((1270 / 127 + 2540 / 127) / 2) and s["errors"] == ["boom"]
 
 
