@@ -19,7 +19,8 @@ ones for every round and level), 128 new tokens, `ignore_eos`, greedy, at 1, 4, 
 max(2, in flight) requests). Rounds alternate which system goes first; the table gives medians over rounds of
 output tokens/s, mean TPOT and mean TTFT, and EPD ÷ vLLM. Results go to runs/vllm-compare/<time>/summary.json
 (each run there also lists every request's TTFT, sorted: a mean TTFT moves with which arrivals share the first
-step, e.g. at 4 in flight 835 ms as [835 x 4] and 788 ms as [291, 954 x 3] on the same server); docs/BENCHMARKS.md's `vllm-bench` section is rewritten. Without the vLLM venv the module says so and measures EPD
+step, e.g. at 4 in flight 835 ms as [835 x 4] and 788 ms as [291, 954 x 3] on the same server);
+docs/BENCHMARKS.md's `vllm-bench` section is rewritten. Without the vLLM venv the module says so and measures EPD
 alone (exit 0). About 6 minutes on 2 cores with the defaults (378 s at load average 0.7-2.7, 41 s of it start-up);
 a busy machine takes longer (695 s with `--rounds 2` at load average 5-7).
 """
