@@ -5,7 +5,7 @@ adapter on a worker thread (the engine keeps stepping) and refuses what a start 
 an unload stops new requests for the adapter at once, and its weights go when the streams using it end."""
 from __future__ import annotations
 
-import asyncio
+import functools
 from typing import Annotated, Any
 
 import msgspec
@@ -15,6 +15,7 @@ from decoder_service.lora import load_at_runtime
 from decoder_service.lora_defaults import is_reserved
 from epd_common.errors import APIError, bad_request
 from epd_common.lora_flags import MAX_NAME_CHARS
+from epd_common.torch_threads import setup_off_loop
 from epd_contracts.validation import ContractError, decode_json
 from epd_models.lora.peft_format import LoRAError
 
@@ -49,7 +50,7 @@ async def load_lora_adapter(request: Request) -> dict[str, str]:
     state, body = await _body(request, LoadLoRA)
     engine = state.ready_engine()
     try:
-        await asyncio.to_thread(load_at_runtime, engine.lm, state.cfg, body.lora_name, body.lora_path)
+        await setup_off_loop(functools.partial(load_at_runtime, engine.lm, state.cfg, body.lora_name, body.lora_path))
     except LoRAError as exc:
         raise bad_request(str(exc), "lora_path", code="invalid_lora") from None
     return {"status": "ok", "message": f"adapter {body.lora_name!r} loaded"}

@@ -36,6 +36,7 @@ from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id, internal_pid
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
+from epd_common.torch_threads import setup_off_loop
 from epd_common.tracing import install_tracing, start_tracing
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import Event, GenerateRequest
@@ -214,7 +215,7 @@ async def health(request: Request) -> dict[str, object]:
 async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: FatalHandler) -> Watchdog:
     """Load the LM (unless given) and, aggregated, the vision half on its device; start the engine."""
     cfg = state.cfg
-    half = lm if lm is not None else await asyncio.to_thread(
+    half = lm if lm is not None else await setup_off_loop(  # no OpenMP team left behind (epd_common.torch_threads)
         functools.partial(load_language, resolve_model(cfg.model), dtype=cfg.dtype, device=cfg.device,
                           quantized=cfg.quantized_weights, size=cfg.tensor_parallel_size,
                           timeout_s=cfg.tensor_parallel_timeout))
@@ -237,7 +238,7 @@ async def _start_on(state: DecoderState, half: LanguageHalf, on_fatal: FatalHand
     state.identity.update(model_identity(half.model_dir, cfg.model))
     inline = None
     if cfg.aggregated:
-        vision = await asyncio.to_thread(VisionHalf, half.model_dir, cfg.dtype, half.device)
+        vision = await setup_off_loop(functools.partial(VisionHalf, half.model_dir, cfg.dtype, half.device))
         inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, check,
                                video_limits(cfg, cfg.max_body_bytes), audio_limits(cfg, cfg.max_body_bytes))
     layout = kv_layout(KVShape.of(half.config.get_text_config(), half.dtype), cfg.block_size,
@@ -245,8 +246,9 @@ async def _start_on(state: DecoderState, half: LanguageHalf, on_fatal: FatalHand
     state.handoff = HandoffEndpoints.start(cfg.role, layout, cfg.curve, cfg.kv_bind, cfg.kv_advertise_host,
                                            cfg.kv_store_bytes, cfg.kv_ttl, shm=cfg.ec_shm == "auto")
     state.metrics.kv_store_stats = state.handoff.stats  # a prefill worker's hand-off store on /metrics
-    engine = state.engine = Engine(half, state.consumer, cfg, state.metrics, inline, handoff_out=state.handoff.out,
-                                   kv_fetch=state.handoff.fetch, fingerprint=layout.fingerprint)
+    engine = state.engine = await setup_off_loop(functools.partial(  # packs the linears, zeroes the K/V pool
+        Engine, half, state.consumer, cfg, state.metrics, inline, handoff_out=state.handoff.out,
+        kv_fetch=state.handoff.fetch, fingerprint=layout.fingerprint))
     kv = engine.kv_summary()
     logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, K/V pool %d blocks x %d positions x "
                 "%d bytes = %.1f MiB (%s)", cfg.model, half.device, str(half.dtype).removeprefix("torch."),

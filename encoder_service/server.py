@@ -5,6 +5,7 @@ import asyncio
 import base64
 import binascii
 import contextvars
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from epd_common.http import install_api_key, install_body_limit, install_metrics
 from epd_common.images import ImageError
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
+from epd_common.torch_threads import setup_off_loop
 from epd_common.tracing import install_tracing, span, start_tracing
 from epd_contracts.audio import part_hash as audio_part_hash
 from epd_contracts.encode import EncodeRequest, EncodeResponse
@@ -223,7 +225,8 @@ def create_app(cfg: EncoderConfig, worker: EncoderWorker | None = None) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            w = state.worker = worker if worker is not None else await asyncio.to_thread(build_worker, cfg)
+            w = state.worker = worker if worker is not None else await setup_off_loop(
+                functools.partial(build_worker, cfg))
         except LoRAError as exc:
             logger.critical("encoder cannot start: %s", exc)
             state.refused = str(exc)

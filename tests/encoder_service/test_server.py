@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+import encoder_service.server as server
 from connector.tensors.producer import ECProducer
 from encoder_service.cli import parse_args
 from encoder_service.config import EncoderConfig
@@ -184,3 +186,21 @@ def test_each_item_observes_its_share_of_the_vision_forward(client: tuple[TestCl
     count, total, busy = (sample(n) - b for n, b in zip(names, before, strict=True))
     assert count == 2 and total > 0
     assert total == pytest.approx(busy)
+
+
+def test_the_worker_is_built_on_a_thread_that_is_gone_when_it_serves(tiny_model_dirs: dict[str, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the vision half leaves no OpenMP team behind for the batch thread's forwards to be throttled by
+    (epd_common/torch_threads.py)."""
+    built: list[threading.Thread] = []
+    build = server.build_worker
+
+    def recording(cfg: EncoderConfig) -> EncoderWorker:
+        built.append(threading.current_thread())
+        return build(cfg)
+
+    monkeypatch.setattr(server, "build_worker", recording)
+    cfg = EncoderConfig(model=str(tiny_model_dirs["qwen2_vl"]), insecure=True)
+    with TestClient(create_app(cfg)) as c:
+        assert c.get("/health").status_code == 200
+        assert built[0].name == "epd-setup" and not built[0].is_alive()
