@@ -15,9 +15,9 @@ from decoder_service.lora import load_at_runtime
 from decoder_service.lora_defaults import is_reserved
 from epd_common.errors import APIError, bad_request
 from epd_common.lora_flags import MAX_NAME_CHARS
-from epd_common.torch_threads import setup_off_loop
 from epd_contracts.validation import ContractError, decode_json
 from epd_models.lora.peft_format import LoRAError
+from epd_models.torch_threads import setup_off_loop
 
 router = APIRouter()
 PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -16,14 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from connector.tensors.consumer import ECConsumer
 from decoder_service import lora_routes
-from decoder_service.aggregated import InlineEncoder
 from decoder_service.config import DecoderConfig
 from decoder_service.embedding_check import EmbeddingCheck
-from decoder_service.engine.kv_blocks import kv_layout
-from decoder_service.engine.kv_shape import KVShape
-from decoder_service.engine.memory_plan import KVPlanError, plan_for
+from decoder_service.engine.memory_plan import KVPlanError
 from decoder_service.engine.sequence import Job
-from decoder_service.engine.tp.load import load_language
 from decoder_service.engine.tp.ranks import RankStartError
 from decoder_service.engine.work import Work
 from decoder_service.grammar import CompiledGuide
@@ -31,23 +26,19 @@ from decoder_service.handoff import HandoffDeclined, HandoffEndpoints
 from decoder_service.job_trace import trace_job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.shell import Engine
-from decoder_service.watchdog import FatalHandler, Watchdog, exit_process
+from decoder_service.startup import start_engine
+from decoder_service.watchdog import FatalHandler, exit_process
 from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id, internal_pid
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
-from epd_common.torch_threads import setup_off_loop
 from epd_common.tracing import install_tracing, start_tracing
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import Event, GenerateRequest
 from epd_contracts.validation import ContractError, decode_json
-from epd_models.audio_jobs import audio_limits
-from epd_models.halves import LanguageHalf, VisionHalf, loaded_summary
-from epd_models.identity import model_identity
+from epd_models.halves import LanguageHalf, loaded_summary
 from epd_models.lora.layers import AdaptersBusy
 from epd_models.lora.peft_format import LoRAError
-from epd_models.resolve import resolve_model
-from epd_models.video_config import video_limits
 
 logger = logging.getLogger("epd.decoder")
 KEEPALIVE_S = 1.0  # an empty NDJSON line after this long without an event (a stream queued for a row)
@@ -212,51 +203,6 @@ async def health(request: Request) -> dict[str, object]:
             **internal_pid(request.headers, cfg.internal_key)}
 
 
-async def _start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: FatalHandler) -> Watchdog:
-    """Load the LM (unless given) and, aggregated, the vision half on its device; start the engine."""
-    cfg = state.cfg
-    half = lm if lm is not None else await setup_off_loop(  # no OpenMP team left behind (epd_common.torch_threads)
-        functools.partial(load_language, resolve_model(cfg.model), dtype=cfg.dtype, device=cfg.device,
-                          quantized=cfg.quantized_weights, size=cfg.tensor_parallel_size,
-                          timeout_s=cfg.tensor_parallel_timeout))
-    try:
-        return await _start_on(state, half, on_fatal)
-    except BaseException:
-        if half.ranks is not None and lm is None:  # the ranks this decoder started go with it
-            half.ranks.kill()
-        raise
-
-
-async def _start_on(state: DecoderState, half: LanguageHalf, on_fatal: FatalHandler) -> Watchdog:
-    """Plan the K/V pool, load the vision half when aggregated, open the hand-off endpoints, start the engine."""
-    cfg = state.cfg
-    if (quant := half.quant.summary()) is not None:
-        logger.info("quantized checkpoint: %s, %d linears %s", quant["format"], quant["quantized_linears"],
-                 quant["weights"])
-    plan_for(cfg, half)  # what the K/V budget cannot hold is refused before anything else starts (KVPlanError)
-    check = state.embedding_check = EmbeddingCheck(half)
-    state.identity.update(model_identity(half.model_dir, cfg.model))
-    inline = None
-    if cfg.aggregated:
-        vision = await setup_off_loop(functools.partial(VisionHalf, half.model_dir, cfg.dtype, half.device))
-        inline = InlineEncoder(vision, cfg.ec_cache_bytes, cfg.max_image_pixels, check,
-                               video_limits(cfg, cfg.max_body_bytes), audio_limits(cfg, cfg.max_body_bytes))
-    layout = kv_layout(KVShape.of(half.config.get_text_config(), half.dtype), cfg.block_size,
-                       str(state.identity["fingerprint"]))
-    state.handoff = HandoffEndpoints.start(cfg.role, layout, cfg.curve, cfg.kv_bind, cfg.kv_advertise_host,
-                                           cfg.kv_store_bytes, cfg.kv_ttl, shm=cfg.ec_shm == "auto")
-    state.metrics.kv_store_stats = state.handoff.stats  # a prefill worker's hand-off store on /metrics
-    engine = state.engine = await setup_off_loop(functools.partial(  # packs the linears, zeroes the K/V pool
-        Engine, half, state.consumer, cfg, state.metrics, inline, handoff_out=state.handoff.out,
-        kv_fetch=state.handoff.fetch, fingerprint=layout.fingerprint))
-    kv = engine.kv_summary()
-    logger.info("decoder ready: model=%s device=%s dtype=%s max_model_len=%d, K/V pool %d blocks x %d positions x "
-                "%d bytes = %.1f MiB (%s)", cfg.model, half.device, str(half.dtype).removeprefix("torch."),
-                engine.max_model_len, kv["blocks_total"], kv["block_size"], kv["bytes_per_token"],
-                engine.runner.cache.nbytes / 2**20, engine.plan.source)
-    return Watchdog(engine, on_fatal, cfg.engine_stall_timeout)
-
-
 def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: FatalHandler | None = None) -> FastAPI:
     """The decoder app; loads its LM at startup unless one is given (tests).
 
@@ -271,7 +217,7 @@ def create_app(cfg: DecoderConfig, lm: LanguageHalf | None = None, on_fatal: Fat
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            watchdog = await _start_engine(state, lm, on_fatal or exit_process())
+            watchdog = await start_engine(state, lm, on_fatal or exit_process())
         except (KVPlanError, RankStartError, LoRAError) as exc:  # epd-decoder exits 2 with the line (cli.main)
             logger.critical("decoder cannot start: %s", exc)
             state.refused = str(exc)

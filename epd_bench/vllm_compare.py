@@ -1,6 +1,7 @@
 """EPD against vLLM's CPU build on the same language-model weights: the text-decode comparison of `make bench`.
 
     python -m epd_bench.vllm_compare [--model bench-peer|bench-qwen05] [--rounds 3] [--levels 1,4,16,64] [--no-docs]
+                                     [--base-revision REV]   # also EPD at REV, in the same rounds: new ÷ old
 
 The checkpoint is `bench-peer` (epd_builders/bench_model.py: bench's vision tower and a 72M-parameter Llama, hidden
 1024, 6 layers, 16 heads / 8 K/V heads, MLP 2816), or `bench-qwen05` (Qwen2.5-0.5B's shape as a Llama: hidden 896,
@@ -48,7 +49,7 @@ from epd_bench.stacks import HOST, ProcSpec, RunStart, SystemSpec, epd, started
 from epd_launcher.group import free_port
 
 DEFAULT_VLLM = ROOT / "runs" / "vllm-venv" / "bin" / "python"
-EPD, VLLM = "epd", "vllm"
+EPD, VLLM, BASE = "epd", "vllm", "epd-base"  # BASE: EPD from --base-revision, beside this tree's
 NAME = "vllm-bench"  # the docs section's markers
 CONTEXT, MAX_SEQS = 2048, 64
 VLLM_ENV = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
@@ -158,6 +159,13 @@ def tables(s: dict[str, Any]) -> list[str]:
         e, v = systems.get(EPD, {}), systems.get(VLLM, {})
         lines.append(f"| {level} | " + " | ".join(f"{f(e.get(m))} | {f(v.get(m))} | {f(ratio(meds, level, m), 2)}"
                                                   for m in METRICS) + " |")
+    if any(BASE in systems for systems in meds.values()):
+        lines += ["", f"### This EPD against EPD at {s['base_revision'][:12]} (`--base-revision`), same rounds", "",
+                  "| in flight | EPD tok/s | base tok/s | EPD ÷ base tok/s | EPD ÷ base TPOT | EPD ÷ base TTFT |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {level} | {f(systems[EPD][METRICS[0]])} | {f(systems[BASE][METRICS[0]])} | " + " | ".join(
+            f(report.ratio(systems[EPD][m], systems[BASE][m]), 2) for m in METRICS) + " |"
+            for level, systems in meds.items() if EPD in systems and BASE in systems]
     lines += ["", "### Every round", "", "| in flight | system | output tok/s per round | failed requests |",
               "|---:|---|---|---:|"]
     for level, systems in s["results"].items():
@@ -201,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     sha, tree = export_revision(args.epd_revision) if args.epd_revision else (None, None)
     more = tuple(args.epd_decoder_flags)
     factories: dict[str, Callable[[], SystemSpec]] = {EPD: lambda: epd_system(model_dir, args.threads, pin, tree, more)}
+    base_sha, base_tree = export_revision(args.base_revision) if args.base_revision else (None, None)
+    if base_tree is not None:  # the same EPD from another revision, in the same rounds: this tree's speed-up over it
+        factories[BASE] = lambda: replace(epd_system(model_dir, args.threads, pin, base_tree, more), name=BASE)
     not_installed: dict[str, str] = {}
     if vllm_installed(args.vllm_python):
         factories[VLLM] = lambda: vllm_system(args.vllm_python, Path(lm["lm_dir"]), args.threads, pin)
@@ -215,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         results = run_rounds(peers, allowed, args) if peers else {}
     s = run.summary(args.model, [r.spec for r in up], skipped | not_installed, lm=lm, threads=args.threads,
                     pinned=pin, rounds=args.rounds, levels=list(args.levels), prompt_len=args.prompt_len,
-                    output_len=args.output_len, epd_revision=sha, context=CONTEXT, max_num_seqs=MAX_SEQS,
+                    output_len=args.output_len, epd_revision=sha,
+                    base_revision=base_sha, context=CONTEXT, max_num_seqs=MAX_SEQS,
                     startup_s=startup_s, greedy_check=same, results=results, medians=medians(results),
                     command=shlex.join(["python", "-m", "epd_bench.vllm_compare",
                                         *(argv if argv is not None else sys.argv[1:])]))
@@ -240,6 +252,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM, help="the python of a venv with vllm-cpu")
     p.add_argument("--epd-revision", default=None, help="run EPD from this git revision (`git archive` into "
                    "runs/revisions/, as epd_bench.revisions does) instead of the working tree")
+    p.add_argument("--base-revision", default=None, help="also run EPD from this git revision, in the same rounds "
+                   "(a third system, 'epd-base'): the section adds this EPD ÷ that one per level")
     p.add_argument("--epd-decoder-flags", type=shlex.split, default=(),
                    help="more epd-decoder flags, one string (e.g. \"--kv-cache-memory 1073741824\": vLLM gets "
                         "VLLM_CPU_KVCACHE_SPACE=1, 1 GiB)")

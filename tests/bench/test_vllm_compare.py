@@ -178,6 +178,17 @@ def test_the_section_goes_after_the_video_section_and_is_replaced_in_place(tmp_p
     assert docs.read_text() == first
 
 
+def test_an_epd_from_the_base_revision_gets_its_own_rows_and_leaves_the_targets_to_vllm() -> None:
+    results = {level: {**runs, "epd-base": [_run(10, 100, 400)] * 3} for level, runs in RESULTS.items()}
+    s = {**_summary(results), "base_revision": "0c3dcd8a" * 5}
+    text = vllm_report.render(s)
+    assert "### This EPD against EPD at 0c3dcd8a0c3d (`--base-revision`)" in text
+    assert "| 4 | 42.0 | 10.0 | 4.20 | 0.88 | 2.12 |" in text  # tok/s, TPOT and TTFT: this EPD ÷ the base's
+    assert "| 16 | – | 10.0 | – | – | – |" in text  # a level with failures: no ratio
+    assert {t.name: t.value for t in vllm_report.targets(s)} == {t.name: t.value for t in vllm_report.targets(
+        _summary(RESULTS))}  # the targets are still EPD ÷ vLLM
+
+
 def _http_server(port: int, root: Path) -> SystemSpec:
     argv = (sys.executable, "-m", "http.server", str(port), "--bind", HOST, "--directory", str(root))
     return SystemSpec("peer", (ProcSpec("server", argv, None, None, f"http://{HOST}:{port}"),), "m")

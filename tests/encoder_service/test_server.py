@@ -191,7 +191,7 @@ def test_each_item_observes_its_share_of_the_vision_forward(client: tuple[TestCl
 def test_the_worker_is_built_on_a_thread_that_is_gone_when_it_serves(tiny_model_dirs: dict[str, Path],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading the vision half leaves no OpenMP team behind for the batch thread's forwards to be throttled by
-    (epd_common/torch_threads.py)."""
+    (epd_models/torch_threads.py)."""
     built: list[threading.Thread] = []
     build = server.build_worker
 

@@ -1,4 +1,4 @@
-"""Setup work runs on a thread that ends with it (epd_common/torch_threads.py), so the engine thread keeps the
+"""Setup work runs on a thread that ends with it (epd_models/torch_threads.py), so the engine thread keeps the
 process's only OpenMP team and its workers spin-wait between ops instead of sleeping in the kernel."""
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from epd_common.torch_threads import on_passing_thread
+from epd_models.torch_threads import on_passing_thread, torch_on_one_thread
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _var: contextvars.ContextVar[str] = contextvars.ContextVar("_var", default="unset")
 
 
@@ -38,18 +39,22 @@ def test_its_exception_is_raised_on_the_calling_thread() -> None:
         on_passing_thread(fails)
 
 
-# One thread runs parallel regions (`setup`, directly or on a passing thread), then another thread runs OPS of
-# them, as the engine thread does; prints the process's voluntary context switches over those OPS. Two CPUs, two
-# threads a team: libgomp throttles its spin-waits only when the teams hold more threads than there are CPUs.
+# Another thread does torch work (`setup`: here, the main thread; passing, on_passing_thread; one, an executor thread
+# made by torch_on_one_thread), then the "engine" thread runs OPS parallel regions; prints the process's voluntary
+# context switches over those OPS. Two CPUs, two threads a team: libgomp throttles its spin-waits only when the
+# teams hold more threads than there are CPUs.
 SCRIPT = """
 import os, sys, threading
+from concurrent.futures import ThreadPoolExecutor
 os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # before libgomp counts the CPUs
 import torch
-from epd_common.torch_threads import on_passing_thread
+from epd_models.torch_threads import on_passing_thread, torch_on_one_thread
 torch.set_num_threads(2)
 def setup():
     torch.ones(1 << 20).add(1)  # parallel regions on the calling thread (2**20 elements: above torch's grain)
-on_passing_thread(setup) if sys.argv[1] == "passing" else setup()
+how = sys.argv[1]
+pool = ThreadPoolExecutor(1, initializer=torch_on_one_thread)  # lives on, as a decoder's executor does
+{"here": setup, "passing": lambda: on_passing_thread(setup), "one": lambda: pool.submit(setup).result()}[how]()
 OPS = 2000
 def switches():
     total = 0
@@ -82,3 +87,15 @@ def test_setup_on_a_passing_thread_leaves_the_engine_threads_workers_spinning() 
     assert switches_per_op("here") > 0.5
     # on a passing thread it goes with the thread: the worker sleeps only when the machine takes its CPU away
     assert switches_per_op("passing") < 0.25
+    # a thread that lives on, made to run torch alone, starts no team
+    assert switches_per_op("one") < 0.25
+
+
+def test_a_thread_made_to_run_torch_alone_runs_it_alone_and_the_others_keep_their_count() -> None:
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    with ThreadPoolExecutor(1, initializer=torch_on_one_thread) as pool:
+        assert pool.submit(torch.get_num_threads).result() == 1
+    with ThreadPoolExecutor(1) as pool:  # a new thread still starts with the process's count
+        assert pool.submit(torch.get_num_threads).result() == before
+    assert torch.get_num_threads() == before
