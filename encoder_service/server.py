@@ -29,7 +29,6 @@ from epd_common.http import install_api_key, install_body_limit, install_metrics
 from epd_common.images import ImageError
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
-from epd_common.torch_threads import setup_off_loop
 from epd_common.tracing import install_tracing, span, start_tracing
 from epd_contracts.audio import part_hash as audio_part_hash
 from epd_contracts.encode import EncodeRequest, EncodeResponse
@@ -41,6 +40,7 @@ from epd_models.halves import VisionHalf, loaded_summary
 from epd_models.identity import encoder_fingerprint, model_identity
 from epd_models.lora.peft_format import LoRAError
 from epd_models.resolve import resolve_model
+from epd_models.torch_threads import setup_off_loop
 from epd_models.video_config import video_limits
 from epd_models.video_jobs import UndecodableVideo
 
