@@ -12,7 +12,7 @@ it returns, which takes its team with it, so the engine thread, which runs the f
 `torch_on_one_thread` is the initializer of threads that live on and do some torch work (the decoder's request
 preparation: embedding checks, prompt assembly): their ops run on them alone, so they start no team. A decoder's
 executor threads did, at its first image request (16 in flight of text afterwards: 8,200 voluntary context
-switches per level instead of 400, 13 % fewer tokens/s).
+switches per level instead of 400, 9-13 % fewer tokens/s).
 """
 from __future__ import annotations
 
