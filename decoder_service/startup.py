@@ -2,7 +2,8 @@
 
 The LM's load and the engine's build run on threads that end with them, and the threads that prepare requests run
 torch alone, so the engine thread holds the process's only OpenMP team (epd_models/torch_threads.py; an aggregated
-decoder encodes images on those threads, with every core, and is left as it was).
+decoder encodes images on those threads, with every core, and is left as it was; so is a tensor-parallel one, whose
+ranks must be started from a thread that lives on).
 """
 from __future__ import annotations
 
@@ -37,13 +38,19 @@ logger = logging.getLogger("epd.decoder")
 async def start_engine(state: DecoderState, lm: LanguageHalf | None, on_fatal: FatalHandler) -> Watchdog:
     """Load the LM (unless given) and, aggregated, the vision half on its device; start the engine."""
     cfg = state.cfg
-    if not cfg.aggregated:  # request preparation's torch ops start no OpenMP team (an aggregated one encodes there)
+    # tensor-parallel ranks get SIGKILL when the thread that started them ends (PR_SET_PDEATHSIG follows the thread):
+    # they are loaded, as before, on an executor thread that lives on, and that executor stays the default
+    ranks = cfg.tensor_parallel_size > 1
+    if not cfg.aggregated and not ranks:  # request preparation's torch ops start no OpenMP team (aggregated: encodes)
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(thread_name_prefix="epd-prepare", initializer=torch_on_one_thread))
-    half = lm if lm is not None else await setup_off_loop(  # no OpenMP team left behind (epd_models.torch_threads)
-        functools.partial(load_language, resolve_model(cfg.model), dtype=cfg.dtype, device=cfg.device,
-                          quantized=cfg.quantized_weights, size=cfg.tensor_parallel_size,
-                          timeout_s=cfg.tensor_parallel_timeout))
+    load = functools.partial(load_language, resolve_model(cfg.model), dtype=cfg.dtype, device=cfg.device,
+                             quantized=cfg.quantized_weights, size=cfg.tensor_parallel_size,
+                             timeout_s=cfg.tensor_parallel_timeout)
+    if lm is not None:
+        half = lm
+    else:  # no OpenMP team left behind (epd_models/torch_threads.py), but for the ranks' sake
+        half = await (asyncio.to_thread(load) if ranks else setup_off_loop(load))
     try:
         return await _start_on(state, half, on_fatal)
     except BaseException:
