@@ -6,7 +6,6 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -16,24 +15,23 @@ from prometheus_client import CollectorRegistry
 from connector.tensors.consumer import ECConsumer
 from decoder_service import lora_routes
 from decoder_service.config import DecoderConfig
-from decoder_service.embedding_check import EmbeddingCheck
 from decoder_service.engine.memory_plan import KVPlanError
 from decoder_service.engine.sequence import Job
 from decoder_service.engine.tp.ranks import RankStartError
 from decoder_service.engine.work import Work
 from decoder_service.grammar import CompiledGuide
-from decoder_service.handoff import HandoffDeclined, HandoffEndpoints
+from decoder_service.handoff import HandoffDeclined
 from decoder_service.job_trace import trace_job
 from decoder_service.metrics import DecoderMetrics
 from decoder_service.shell import Engine
 from decoder_service.startup import start_engine
+from decoder_service.state import DecoderState
 from decoder_service.watchdog import FatalHandler, exit_process
 from epd_common.errors import APIError, bad_request, install_error_handlers
 from epd_common.http import install_api_key, install_body_limit, install_metrics, install_request_id, internal_pid
 from epd_common.logs import request_id_var
 from epd_common.server import freeze_startup_heap
 from epd_common.tracing import install_tracing, start_tracing
-from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.generate import Event, GenerateRequest
 from epd_contracts.validation import ContractError, decode_json
 from epd_models.halves import LanguageHalf, loaded_summary
@@ -43,33 +41,6 @@ from epd_models.lora.peft_format import LoRAError
 logger = logging.getLogger("epd.decoder")
 KEEPALIVE_S = 1.0  # an empty NDJSON line after this long without an event (a stream queued for a row)
 router = APIRouter()
-
-
-@dataclass
-class DecoderState:
-    """Everything the routes share (`app.state.decoder`); the engine exists once the LM is loaded."""
-
-    cfg: DecoderConfig
-    consumer: ECConsumer
-    metrics: DecoderMetrics
-    engine: Engine | None = None
-    embedding_check: EmbeddingCheck | None = None
-    identity: dict[str, object] = field(default_factory=dict)
-    refused: str | None = None  # why it would not start (a KVPlanError: the budget cannot hold what was asked)
-    handoff: HandoffEndpoints = field(default_factory=HandoffEndpoints)  # its K/V endpoints for its --role
-
-    def check_embedding(self, out: ImageFeatures) -> str | None:
-        """The consumer's check of every gathered embedding (gathers only run once the LM is loaded)."""
-        assert self.embedding_check is not None, "the LM is not loaded yet"
-        return self.embedding_check(out)
-
-    def ready_engine(self) -> Engine:
-        """The engine, or a 503 while it loads or once it cannot make progress."""
-        if self.engine is None:
-            raise APIError(503, "decoder is loading", code="not_ready")
-        if (problem := self.engine.problem()) is not None:  # cheap: a few attribute reads
-            raise APIError(503, problem[1], code=problem[0])
-        return self.engine
 
 
 def _state(request: Request) -> DecoderState:

@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from decoder_service.aggregated import InlineEncoder
 from decoder_service.embedding_check import EmbeddingCheck
@@ -21,6 +20,7 @@ from decoder_service.engine.memory_plan import plan_for
 from decoder_service.engine.tp.load import load_language
 from decoder_service.handoff import HandoffEndpoints
 from decoder_service.shell import Engine
+from decoder_service.state import DecoderState
 from decoder_service.watchdog import FatalHandler, Watchdog
 from epd_models.audio_jobs import audio_limits
 from epd_models.halves import LanguageHalf, VisionHalf
@@ -28,9 +28,6 @@ from epd_models.identity import model_identity
 from epd_models.resolve import resolve_model
 from epd_models.torch_threads import setup_off_loop, torch_on_one_thread
 from epd_models.video_config import video_limits
-
-if TYPE_CHECKING:
-    from decoder_service.server import DecoderState
 
 logger = logging.getLogger("epd.decoder")
 

@@ -11,8 +11,9 @@ import pytest
 import uvicorn
 
 from decoder_service.config import DecoderConfig
-from decoder_service.server import DecoderState, create_app
+from decoder_service.server import create_app
 from decoder_service.shell import Engine
+from decoder_service.state import DecoderState
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.pool_invariants import pool_violations
 from tests.ports import serve_in_thread

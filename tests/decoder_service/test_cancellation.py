@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from decoder_service.server import DecoderState
+from decoder_service.state import DecoderState
 from tests.decoder_service.engine_run import Result, collect, greedy, make_engine, text_prompt
 
 TEXT = [{"role": "user", "content": [{"type": "text", "text": "Describe the image."}]}]

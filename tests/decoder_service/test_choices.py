@@ -13,8 +13,8 @@ import torch
 
 from decoder_service.engine.sequence import Job, Sequence
 from decoder_service.prompt import Prompt
-from decoder_service.server import DecoderState
 from decoder_service.shell import Engine
+from decoder_service.state import DecoderState
 from epd_common.errors import APIError
 from epd_contracts.generate import Event, GenerateRequest
 from epd_contracts.sampling import SamplingParams

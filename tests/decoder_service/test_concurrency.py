@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from decoder_service.server import DecoderState
+from decoder_service.state import DecoderState
 
 NUM_REQUESTS, NUM_PROMPTS = 200, 20
 

@@ -11,7 +11,7 @@ import torch
 
 from connector.tensors.producer import ECProducer
 from decoder_service.embedding_check import EmbeddingCheck
-from decoder_service.server import DecoderState
+from decoder_service.state import DecoderState
 from epd_builders.tiny import TinySpec, build_tiny
 from epd_contracts.embeddings import ImageFeatures
 from epd_contracts.hashing import mm_hash

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from connector.tensors.consumer import ECConsumer
 from decoder_service.config import DecoderConfig
 from decoder_service.metrics import DecoderMetrics
-from decoder_service.server import DecoderState
 from decoder_service.shell import Engine
+from decoder_service.state import DecoderState
 from epd_common.errors import APIError
 from epd_contracts.generate import GenerateRequest, ImageRef
 from epd_contracts.sampling import SamplingParams

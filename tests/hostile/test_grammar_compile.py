@@ -21,7 +21,7 @@ import pytest
 
 from decoder_service.config import DecoderConfig
 from decoder_service.grammar import CompiledGuide, GuideCompiler
-from decoder_service.server import DecoderState
+from decoder_service.state import DecoderState
 from epd_models.guide_spec import GuideSpec
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.conftest import served

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from decoder_service.config import DecoderConfig
-from decoder_service.server import DecoderState
 from decoder_service.shell import Engine
+from decoder_service.state import DecoderState
 from epd_contracts.sampling import SamplingParams
 from epd_models.halves import LanguageHalf
 from tests.decoder_service.conftest import served

@@ -21,9 +21,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from decoder_service.config import DecoderConfig
-from decoder_service.server import DecoderState
 from decoder_service.server import create_app as decoder_app
 from decoder_service.shell import Engine
+from decoder_service.state import DecoderState
 from epd_contracts.limits import (
     MAX_MESSAGES,
     MAX_MODEL_NAME_CHARS,

@@ -2,6 +2,7 @@
 reads back, the gauge server shows the recommendation, and flag errors are one line."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -26,7 +27,9 @@ def test_once_prints_the_plan_with_the_key_sent(capsys: pytest.CaptureFixture[st
         trace = tmp_path / "trace.jsonl"
         main(["--once", "--window", "0.5", "--proxy-url", fleet.base, "--internal-key", KEY, "--record", str(trace)])
     out = capsys.readouterr().out
-    assert out.startswith("window 0.5"), out
+    # the window is the time between the two reads as measured: at least the 0.5 s asked, more on a busy machine
+    measured = re.match(r"window ([0-9.]+) s:", out)
+    assert measured is not None and float(measured.group(1)) >= 0.5, out
     assert "encoder  1 -> 2" in out and "decoder  1 -> 1" in out and "prefill  0 -> 0" in out, out
     assert "headroom:" in out and "why: utilisation" in out
     assert fleet.seen_auth == [f"Bearer {KEY}"] * 2
