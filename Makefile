@@ -89,7 +89,8 @@ bench-vllm: install $(VLLM_VENV)/.installed
 
 # Speculative decoding (--speculative-config, n-gram) on and off on the demo model, prompts its answers repeat: mean
 # TPOT at 1 in flight, output tokens/s at 16, acceptance from /metrics (docs/BENCHMARKS.md, spec-bench section); about
-# 2 minutes on 2 cores. BENCH_SPEC_ARGS="--rounds 5" for tighter medians, "--model bench-lm" for a random-weight LM.
+# 2 minutes on 2 cores (5 rounds, 8 waves a level; the targets judge the median of each round's ngram / off).
+# BENCH_SPEC_ARGS="--rounds 9" for a tighter median, "--model bench-lm" for a random-weight LM.
 .PHONY: bench-spec
 bench-spec: install
 	$(BIN)/python -m epd_bench.spec_compare $(BENCH_SPEC_ARGS)

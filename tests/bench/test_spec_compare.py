@@ -89,9 +89,29 @@ def test_medians_ratios_and_targets() -> None:
     s = _summary()
     assert s["medians"]["1"]["ngram"]["mean_tpot_ms"] == 1.6 and s["medians"]["16"]["ngram"]["output_tok_s"] is None
     assert bench.ratio(s["medians"], "1", "mean_tpot_ms") == pytest.approx(1.6 / 4.2)
+    assert bench.round_ratios(RESULTS, "1", "mean_tpot_ms") == pytest.approx([1.6 / 4.0, 1.5 / 4.2, 1.7 / 4.4])
     found = {t.name: t for t in bench.targets(s)}
+    assert found["spec_tpot"].value == pytest.approx(1.7 / 4.4)  # the median of the rounds' ratios
     assert found["spec_tpot"].met and found["spec_tpot"].limit == 0.7 and found["spec_tpot"].op == "<="
     assert found["spec_throughput"].value is None  # a round with a failure: not a measurement
+
+
+def test_the_targets_judge_each_rounds_ratio_not_the_ratio_of_medians() -> None:
+    # round 1 was busy for both stacks: per round ngram ÷ off is 1.05, 1.04, 0.90 (median 1.04), while the medians
+    # (900 against 1000) would pair ngram's busy-round-like 900 with off's quiet 1000
+    results = {"16": {"off": [_run(1000, 10), _run(500, 20), _run(1000, 10)],
+                      "ngram": [_run(1050, 10), _run(520, 20), _run(900, 11)]}}
+    s = {**_summary(), "levels": [16], "results": results, "medians": bench.medians(results)}
+    assert bench.ratio(s["medians"], "16", "output_tok_s") == pytest.approx(0.9)
+    (throughput,) = [t for t in bench.targets(s) if t.name == "spec_throughput"]
+    assert throughput.value == pytest.approx(1.04) and throughput.met
+    assert bench.round_ratios({"16": {"off": results["16"]["off"][:2], "ngram": results["16"]["ngram"]}}, "16",
+                              "output_tok_s") is None  # rounds missing on one side: not paired
+
+
+def test_a_level_sends_its_waves_of_requests() -> None:
+    assert bench.per_level(16) == 16 * bench.WAVES and bench.per_level(1) == 8 and bench.per_level(16, 2) == 32
+    assert bench.parse_args([]).waves == bench.WAVES and bench.parse_args(["--waves", "3"]).waves == 3
 
 
 def test_the_section_has_the_acceptance_goes_after_the_vllm_section_and_is_replaced_in_place(tmp_path: Path) -> None:
@@ -100,13 +120,15 @@ def test_the_section_has_the_acceptance_goes_after_the_vllm_section_and_is_repla
     write_section(docs, bench.NAME, bench.render(_summary()), "vllm-bench")
     first = docs.read_text()
     assert first.index("<!-- vllm-bench:end -->") < first.index("<!-- spec-bench:begin -->") < first.index("## Hand")
-    assert "| 1 | 200.0 | 500.0 | 2.50 | 4.20 | 1.60 | 0.38 | 0.70 | 0.90, 0.80, 0.70, 0.50 | 300 |" in first
+    assert "| 1 | 200.0 | 500.0 | 2.50 | 4.20 | 1.60 | 0.39 | 0.70 | 0.90, 0.80, 0.70, 0.50 | 300 |" in first
+    assert "| 1 | ngram ÷ off | 2.50, 2.29, 2.74 | 0.40, 0.36, 0.39 | |" in first
+    assert "| 16 | ngram ÷ off | – | – | |" in first  # a failed round: no ratios
     assert "| 16 | 900.0 | – | – | 15.00 | – | – | – | – | 0 |" in first and "Greedy check: one prompt's" in first
     write_section(docs, bench.NAME, bench.render(_summary()), "vllm-bench")
     assert docs.read_text() == first
 
 
-@pytest.mark.parametrize("argv", [["--levels", "0"], ["--levels", "17"], ["--rounds", "0"],
+@pytest.mark.parametrize("argv", [["--levels", "0"], ["--levels", "17"], ["--rounds", "0"], ["--waves", "0"],
                                   ["--prefix-len", "600", "--primer-len", "400"]])
 def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as refused:
