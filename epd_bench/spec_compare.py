@@ -142,11 +142,6 @@ def medians(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, di
     return out
 
 
-def ratio(meds: dict[str, Any], level: str, metric: str) -> float | None:
-    """ngram ÷ off of one metric's medians at one level."""
-    return report.ratio(meds.get(level, {}).get(NGRAM, {}).get(metric), meds.get(level, {}).get(OFF, {}).get(metric))
-
-
 def round_ratios(results: dict[str, Any], level: str, metric: str) -> list[float] | None:
     """ngram ÷ off of one metric in each round at one level (the two runs of a round back to back); None unless
     every round of both stacks completed every request."""
