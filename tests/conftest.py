@@ -1,6 +1,7 @@
 """Shared factories: tiny models are built once per session into a temp dir."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,18 @@ register_processors()
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--device", default="cpu", help="where tests/models/test_parity.py and test_device.py put "
                      "models and tensors: cpu (default), cuda or cuda:N (python -m epd_bench.gpu_check passes it)")
+
+
+@pytest.fixture(autouse=True)
+def _scheduling_left_as_found() -> Iterator[None]:
+    """A test leaves this thread's scheduling policy as it found it: a real-time policy left behind is inherited by
+    every thread started later and can starve the whole run on two CPUs (tests/factories.py ordinary_scheduling)."""
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    yield
+    after = os.sched_getscheduler(0), os.sched_getparam(0)
+    if after != before:
+        os.sched_setscheduler(0, *before)
+        pytest.fail(f"the test left the scheduling policy changed: {before} -> {after} (put back)")
 
 
 @pytest.fixture(scope="session")

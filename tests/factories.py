@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import io
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from fractions import Fraction
 from typing import cast
 
@@ -12,6 +15,20 @@ from PIL import Image, ImageDraw
 from connector.tensors.consumer import ECConsumer
 from connector.tensors.producer import ECProducer
 from epd_contracts.embeddings import ImageFeatures
+
+
+@contextmanager
+def ordinary_scheduling() -> Iterator[None]:
+    """Put this thread's scheduling policy back after an encode. SVT-AV1's encoder (libsvtav1), run as root, makes
+    the thread that opens it SCHED_FIFO 99. Every thread started after that inherits it: engine threads and their
+    OpenMP workers would then spin at real-time priority, and on two CPUs they starve everything else, this process's
+    own main thread included (a clean-clone CI run hung at exit that way)."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != (policy, param):
+            os.sched_setscheduler(0, policy, param)
 
 
 def make_image(width: int, height: int, color: str = "red", shape: str = "circle") -> Image.Image:
@@ -32,7 +49,7 @@ def make_video(num_frames: int = 10, width: int = 96, height: int = 48, fps: flo
     """A clip, encoded with PyAV, whose frame i shows a red square 8 pixels wide at x = 4 * i on grey, so a decoded
     frame tells which frame it is (frame_number). `num_streams` copies of the video stream are muxed side by side."""
     buf = io.BytesIO()
-    with av.open(buf, "w", format=container) as out:
+    with ordinary_scheduling(), av.open(buf, "w", format=container) as out:
         streams = [cast(av.VideoStream, out.add_stream(codec, rate=Fraction(fps).limit_denominator(1000)))
                    for _ in range(num_streams)]
         for s in streams:

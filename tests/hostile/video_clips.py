@@ -8,6 +8,8 @@ import av
 import numpy as np
 from PIL import Image
 
+from tests.factories import ordinary_scheduling
+
 BITS = 12  # frame index bits drawn as blocks: up to 4,096 frames
 BLOCK = 8  # pixels a block side
 
@@ -17,7 +19,7 @@ def gop_clip(num_frames: int, gop: int, codec: str = "libx264", container: str =
     """A 96x48 clip whose keyframes come every `gop` frames (one only, for gop >= num_frames); frame i shows i in
     binary as white blocks on black (top row) over a still grey picture."""
     buf = io.BytesIO()
-    with av.open(buf, "w", format=container) as out:
+    with ordinary_scheduling(), av.open(buf, "w", format=container) as out:  # tests/factories.py says why
         stream = cast(av.VideoStream, out.add_stream(codec, rate=fps))
         stream.width, stream.height = BITS * BLOCK, 48
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
